@@ -1,0 +1,49 @@
+"""The bundled text corpus as byte-level tokens (vocabulary 256), and deterministic global batches."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+
+
+def load_tokens(corpus: str = "builtin") -> torch.Tensor:
+    if corpus == "builtin":
+        raw = resources.files("ultrascale_plugins").joinpath("data/corpus.txt").read_bytes()
+    else:
+        p = Path(corpus)
+        if not p.is_file():
+            raise ConfigError(f"data.corpus={corpus!r}: no such file. Fix: use builtin or a path to a text file")
+        raw = p.read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+class ByteBatches:
+    """Random windows of ``seq_len`` bytes; batch ``i`` is the same on every rank and every layout for a given
+    seed, and each data-parallel rank takes its contiguous slice of the rows."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, holdout: float = 0.1):
+        if len(tokens) < 2 * (seq_len + 1):
+            raise ConfigError(f"data.seq_len={seq_len}: the corpus has only {len(tokens)} tokens. Fix: use a "
+                              "shorter seq_len or a larger corpus")
+        split = int(len(tokens) * (1 - holdout))
+        self.train, self.val = tokens[:split], tokens[split - seq_len:]
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+
+    def _windows(self, source: torch.Tensor, index: int, seed_offset: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + seed_offset * 7919 + index)
+        starts = torch.randint(0, len(source) - self.seq_len, (self.global_batch,), generator=g)
+        return torch.stack([source[s:s + self.seq_len] for s in starts.tolist()])
+
+    def global_batch_at(self, step: int, split: str = "train") -> dict:
+        source = self.train if split == "train" else self.val
+        return {"input_ids": self._windows(source, step, 0 if split == "train" else 1)}
+
+    def local(self, batch: dict, dp_rank: int, dp_size: int) -> dict:
+        if self.global_batch % dp_size:
+            raise ConfigError(f"train.global_batch={self.global_batch} is not divisible by the data-parallel degree "
+                              f"{dp_size}. Fix: use a multiple of {dp_size}")
+        per = self.global_batch // dp_size
+        return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}

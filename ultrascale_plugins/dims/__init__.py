@@ -1,0 +1,1 @@
+"""Built-in parallelism dimensions, each a pluggy plugin behind the hooks in ``hookspecs``."""

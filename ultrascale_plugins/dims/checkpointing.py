@@ -1,0 +1,57 @@
+"""Activation checkpointing of each decoder layer: ``full`` recomputes the whole layer in backward,
+``selective`` keeps matmul and attention outputs and recomputes the cheap element-wise work.
+
+The layer's ``forward`` is wrapped in place rather than wrapping the module (torch's checkpoint_wrapper), so
+parameter names (FQNs) stay those of the unmodified model and checkpoints load across layouts.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..hookspecs import hookimpl
+
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(module: torch.nn.Module, selective: bool) -> None:
+    inner = module.forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if selective else None
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        if context_fn is None:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = forward
+
+
+@hookimpl
+def ultrascale_transform_model(model, ctx, phase):
+    mode = ctx.config.activation_checkpointing
+    if phase != "activation_checkpointing" or mode == "none":
+        return
+    for fqn in ctx.plan_layers(model):
+        _wrap(model.get_submodule(fqn), selective=(mode == "selective"))
+
+
+@hookimpl
+def ultrascale_estimate(config, model_config, estimate):
+    if config.activation_checkpointing != "none":
+        estimate["recompute_flops_factor"] = 1.33 if config.activation_checkpointing == "full" else 1.03

@@ -1,0 +1,199 @@
+"""The engine: ``parallelize(model, config)`` validates, builds the mesh, asks every plugin to transform the
+model phase by phase, and returns a ``ParallelModel`` whose ``train_step`` every front end calls."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import launch
+from .config import ConfigError, ParallelConfig
+from .hookspecs import TRANSFORM_PHASES
+from .mesh import build_mesh, sub_mesh
+from .models.plan import ModelPlan
+from .plugins import get_plugin_manager
+
+DIMENSION_NAMES = {"pp": "pipeline parallelism", "cp": "context parallelism", "tp": "tensor parallelism",
+                   "dp_shard": "sharded data parallelism", "dp_replicate": "replicated data parallelism"}
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """What the plugins see while transforming: the resolved config, the mesh, the plan and the device."""
+
+    config: ParallelConfig
+    mesh: Any
+    plan: ModelPlan | None
+    device: torch.device
+    forward_module: nn.Module | None = None  # what train_step calls (a DDP wrapper, or the model itself)
+    autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
+    extras: dict = dataclasses.field(default_factory=dict)  # free room for third-party plugins
+
+    def sub_mesh(self, name: str):
+        return sub_mesh(self.mesh, name)
+
+    def plan_layers(self, model: nn.Module) -> list[str]:
+        if self.plan is not None and self.plan.layers:
+            return self.plan.layers
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        return [fqn for fqn, m in model.named_modules() if type(m).__name__ in names]
+
+
+def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None) -> ParallelConfig:
+    """Every check that needs no process group: degrees vs world size, vs the model, and each plugin's own.
+    Returns the resolved config (dp_shard filled in)."""
+    pm = pm or get_plugin_manager()
+    resolved = config.resolve(world_size)
+    axes = declared_axes(resolved, pm)
+    for field in ("pp", "cp", "tp", "dp_shard", "dp_replicate"):
+        degree = getattr(resolved, field)
+        if degree > 1 and field not in axes:
+            raise ConfigError(
+                f"{field}={degree}: {DIMENSION_NAMES[field]} is not available in this version (no installed plugin "
+                f"provides the '{field}' axis). Fix: set {field}: 1, or install a plugin that provides it")
+    resolved.validate_for_model(model_config)
+    pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
+    return resolved
+
+
+def declared_axes(config: ParallelConfig, pm) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for result in pm.hook.ultrascale_mesh_axes(config=config):
+        for name, degree in result or []:
+            axes[name] = degree
+    return axes
+
+
+def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None) -> "ParallelModel":
+    """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``."""
+    if config is None:
+        config = ParallelConfig()
+    elif isinstance(config, dict):
+        config = ParallelConfig.from_dict(config)
+    pm = get_plugin_manager()
+    world = launch.world_size()
+    resolved = validate(config, model.config, world, pm)  # before any process group exists
+    if device is None:
+        device = launch.init_distributed()
+    elif not dist.is_initialized():
+        launch.init_distributed()
+    plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
+    mesh = build_mesh(device.type, declared_axes(resolved, pm))
+    model.to(device)
+    ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device)
+    for phase in TRANSFORM_PHASES:
+        pm.hook.ultrascale_transform_model(model=model, ctx=ctx, phase=phase)
+    return ParallelModel(model, ctx, pm)
+
+
+class ParallelModel:
+    """A parallelized model and its training step. ``module`` is the Hugging Face model (sharded in place)."""
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, pm):
+        self.module = module
+        self.ctx = ctx
+        self.config = ctx.config
+        self.pm = pm
+        self.forward_module = ctx.forward_module or module
+        dp = ctx.sub_mesh("dp")
+        self._dp_group = dp.get_group() if dp is not None else None
+        self.data_parallel_size = dp.size() if dp is not None else 1
+        self.data_parallel_rank = dp.get_local_rank() if dp is not None else 0
+        self.device = ctx.device
+
+    # ---- what users call -------------------------------------------------------------------------
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def build_optimizer(self, optimizer_cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
+        """The optimizer for this layout: ZeRO-1 shards its states over data parallel; otherwise plain."""
+        opt = self.pm.hook.ultrascale_build_optimizer(pmodel=self, optimizer_cls=optimizer_cls, kwargs=kwargs)
+        return opt if opt is not None else optimizer_cls(self.parameters(), **kwargs)
+
+    def train_step(self, batch: dict) -> torch.Tensor:
+        """Forward and backward on this rank's share of the global batch; returns the global-mean loss."""
+        self.module.train()
+        return self.pm.hook.ultrascale_train_step(pmodel=self, batch=batch)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict) -> torch.Tensor:
+        self.module.eval()
+        try:
+            loss_sum, count = self.loss_terms(batch)
+            return self.reduce_loss(loss_sum, count)
+        finally:
+            self.module.train()
+
+    def __call__(self, *args, **kwargs):
+        return self.forward_module(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
+        from .grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
+        out = {}
+        for name, tensor in self.module.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            out[name] = tensor.detach().cpu().clone()
+        return out
+
+    # ---- pieces of the step, used by step plugins ------------------------------------------------
+    def to_device(self, batch: dict) -> dict:
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
+        from .loss import IGNORE_INDEX
+
+        count = (targets != IGNORE_INDEX).sum().to(torch.float64)
+        if self._dp_group is not None:
+            dist.all_reduce(count, group=self._dp_group)
+        return count.clamp_min(1)
+
+    def autocast(self):
+        dtype = self.ctx.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def loss_context(self):
+        if self.config.loss_parallel and self.config.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def loss_terms(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of this rank's token losses, global number of valid tokens)."""
+        from .loss import shifted_targets, token_loss_sum
+
+        batch = self.to_device(batch)
+        targets = shifted_targets(batch)
+        count = self.global_token_count(targets)
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
+        with self.autocast():
+            logits = self.forward_module(**inputs, use_cache=False).logits
+        with self.loss_context():
+            loss_sum = token_loss_sum(logits, targets)
+        return loss_sum, count
+
+    def reduce_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        total = loss_sum.detach()
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        total = total.to(torch.float64)
+        if self._dp_group is not None:
+            dist.all_reduce(total, group=self._dp_group)
+        return (total / count).float()

@@ -1,0 +1,33 @@
+"""Built-in plugin: the model plan of any Hugging Face decoder whose config carries ``base_model_tp_plan``
+(Llama, Qwen2, Mistral, Gemma, ...). Registered last, so an architecture-specific plugin can override it."""
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from .plan import hf_plan_from_model
+
+
+def full_tp_plan(model) -> dict[str, str]:
+    """transformers keeps the base model's plan on the config (keys relative to the base model) and the head's
+    plan on the causal-LM class; join them into one plan of full FQNs."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
+    head_plan = getattr(type(model), "_tp_plan", None)
+    if isinstance(head_plan, dict):
+        for k, v in head_plan.items():
+            if not (prefix and k.startswith(prefix + ".")) and k.split(".")[0] not in base:
+                plan.setdefault(k, v)
+    return plan
+
+
+@hookimpl(trylast=True)
+def ultrascale_model_plan(model, config):
+    plan = full_tp_plan(model)
+    if not plan:
+        return None
+    result = hf_plan_from_model(model, plan)
+    # A tied head and embedding share one tensor, so they must share one placement: when the plan shards the
+    # head by vocabulary rows, shard the embedding the same way.
+    if result.tied and result.lm_head in plan and result.embedding not in plan:
+        result.tp_plan[result.embedding] = "embedding_rowwise"
+    return result

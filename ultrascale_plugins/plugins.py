@@ -1,0 +1,89 @@
+"""The plugin manager: built-in dimensions first, then entry-point plugins from the ``ultrascale_plugins`` group.
+
+``ULTRASCALE_PLUGINS`` restricts which entry-point plugins load: a comma-separated list of entry-point names
+(an empty value loads none). Built-ins always load.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pluggy
+
+from . import hookspecs
+
+ENTRY_POINT_GROUP = "ultrascale_plugins"
+ENV_VAR = "ULTRASCALE_PLUGINS"
+
+# Built-in plugins, registered exactly like third-party ones.
+DEFAULT_PLUGINS = (
+    "ultrascale_plugins.dims.data_parallel",
+    "ultrascale_plugins.dims.tensor",
+    "ultrascale_plugins.dims.checkpointing",
+    "ultrascale_plugins.models.hf_plan",
+    "ultrascale_plugins.models.gpt2",
+    "ultrascale_plugins.step",
+)
+
+_manager: pluggy.PluginManager | None = None
+
+
+def _allowed_entry_points() -> set[str] | None:
+    raw = os.environ.get(ENV_VAR)
+    if raw is None:
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def make_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(name), name=name)
+    if load_entry_points:
+        allowed = _allowed_entry_points()
+        if allowed is None:
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        else:
+            for name in sorted(allowed):
+                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
+    pm.check_pending()  # an ultrascale_* hook with no specification fails here, not silently later
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    global _manager
+    if _manager is None:
+        _manager = make_plugin_manager()
+    return _manager
+
+
+def register(plugin, name: str | None = None) -> None:
+    """Register a plugin object or module in the process-wide manager (tests, notebooks, scripts)."""
+    pm = get_plugin_manager()
+    pm.register(plugin, name=name)
+    pm.check_pending()
+
+
+def unregister(plugin=None, name: str | None = None) -> None:
+    get_plugin_manager().unregister(plugin=plugin, name=name)
+
+
+def list_plugins() -> list[dict]:
+    """One entry per registered plugin: name, where it comes from, version and the hooks it implements."""
+    pm = get_plugin_manager()
+    dists = {id(p): d for p, d in pm.list_plugin_distinfo()}
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        dist = dists.get(id(plugin))
+        if dist is not None:
+            source, version = dist.project_name, dist.version
+        else:
+            from . import __version__
+
+            source, version = "builtin", __version__
+        rows.append({"name": name, "source": source, "version": version, "hooks": hooks})
+    return rows

@@ -1,0 +1,146 @@
+"""The training worker: one process per rank, started by ``ultrascale train``, torchrun or SLURM.
+
+    torchrun --nnodes 2 --nproc_per_node 8 ... -m ultrascale_plugins.train RECIPE.yaml --set tp=8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+from .recipe import Recipe, load_recipe
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    t = recipe.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def quiet_known_warnings() -> None:
+    """Silence two warnings that fire on every run and say nothing actionable to a user: FSDP2's note that the
+    root returns a view (our step does no in-place op on the logits) and DTensor's note that a norm over a 2-D
+    mesh takes two all-reduces."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    quiet_known_warnings()
+    from . import engine, launch
+    from .corpus import ByteBatches, load_tokens
+
+    device = launch.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(recipe.train.seed)
+    model = AutoModelForCausalLM.from_config(recipe.model_config())
+    pmodel = engine.parallelize(model, recipe.parallel, device=device)
+    optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
+                                       weight_decay=recipe.train.weight_decay)
+    data = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len, recipe.train.global_batch,
+                       recipe.train.seed)
+    dp_rank, dp_size = pmodel.data_parallel_rank, pmodel.data_parallel_size
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"ultrascale: {world} processes, layout {describe(recipe.parallel, pmodel)}, "
+              f"model {recipe.model.get('model_type')} {n_params / 1e6:.2f}M params (per-rank shards), "
+              f"{recipe.train.steps} steps", flush=True)
+        bar = tqdm(total=recipe.train.steps, unit="step", dynamic_ncols=True, file=sys.stdout,
+                   mininterval=0 if not sys.stdout.isatty() else 0.1)
+    losses, tokens_per_step = [], recipe.train.global_batch * recipe.data.seq_len
+    start = time.perf_counter()
+    window_start, window_steps = start, 0
+    for step in range(recipe.train.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        batch = data.local(data.global_batch_at(step), dp_rank, dp_size)
+        loss = pmodel.train_step(batch)
+        if recipe.train.max_grad_norm > 0:
+            pmodel.clip_grad_norm_(recipe.train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        window_steps += 1
+        if (step + 1) % recipe.train.log_every == 0 or step + 1 == recipe.train.steps:
+            peaks = [None] * world
+            dist.all_gather_object(peaks, round(peak_memory_mb(device)))
+            now = time.perf_counter()
+            tok_s = window_steps * tokens_per_step / (now - window_start)
+            window_start, window_steps = now, 0
+            if bar is not None:
+                bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tok_s:,.0f} tok/s | peak MB/rank "
+                                    + ",".join(str(p) for p in peaks), refresh=False)
+                bar.update((step + 1) - bar.n)
+    elapsed = time.perf_counter() - start
+    val = [float(pmodel.eval_step(data.local(data.global_batch_at(i, "val"), dp_rank, dp_size)))
+           for i in range(recipe.train.eval_batches)]
+    result = {"losses": losses, "val_loss": sum(val) / len(val), "seconds": elapsed,
+              "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
+    if bar is not None:
+        bar.close()
+        first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
+        print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), validation loss "
+              f"{result['val_loss']:.3f}, {result['tokens_per_s']:,.0f} tok/s, {elapsed:.1f}s", flush=True)
+        if metrics_path:
+            with open(metrics_path, "w") as f:
+                json.dump(result, f)
+    dist.destroy_process_group()
+    return result
+
+
+def describe(cfg, pmodel) -> str:
+    parts = []
+    if cfg.dp_replicate > 1:
+        parts.append(f"dp_replicate={cfg.dp_replicate}")
+    if cfg.dp_shard > 1:
+        parts.append(f"dp_shard={cfg.dp_shard} (ZeRO-{cfg.zero_stage})")
+    if cfg.tp > 1:
+        parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
+    if cfg.activation_checkpointing != "none":
+        parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
+    if cfg.mixed_precision != "no":
+        parts.append(cfg.mixed_precision)
+    return " x ".join(parts) or "single process"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ultrascale_plugins.train")
+    parser.add_argument("recipe", nargs="?")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--metrics", default=os.environ.get("ULTRASCALE_METRICS"))
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        run(recipe, args.metrics)
+    except ConfigError as exc:
+        print(f"ultrascale: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
