@@ -2,7 +2,8 @@
 
 transformers' own ``apply_tensor_parallelism`` always spans the whole world (it ignores a 2-D ``dp x tp`` mesh),
 so this package applies torch's styles on the ``tp`` sub-mesh itself. The two styles torch lacks — a fused
-("packed") column-parallel weight and a replicated weight whose gradient is summed over TP — are written here.
+("packed") column-parallel Conv1D weight and a replicated weight whose gradient is summed over TP — are
+written here.
 """
 from __future__ import annotations
 
@@ -19,38 +20,37 @@ from ..config import ConfigError
 
 
 class PackedColwiseParallel(ParallelStyle):
-    """Column-parallel for a weight that packs ``split_factor`` projections side by side (e.g. q|k|v).
+    """Column-parallel for a weight that packs ``split_factor`` projections side by side (e.g. q|k|v), with the
+    output dimension as dim 1 (GPT-2's Conv1D weight is ``[in, out]``).
 
     Each rank keeps its slice of every packed part (placement ``_StridedShard``), so its local output is
     ``[q_i | k_i | v_i]`` and ``full_tensor()`` still returns the original layout. The matmul runs on local
     tensors; the input is marked so that its gradient is all-reduced over TP (Megatron's "f" operator).
-    ``out_dim`` is the weight's output dimension: 0 for nn.Linear, 1 for GPT-2's Conv1D.
+    The bias stays replicated over TP and each rank slices its part in forward (the slice's backward gathers
+    the gradient): a strided TP shard on dim 0 would share that dim with FSDP's shard, and torch mis-places
+    the gradient of such nested strided shards.
     """
 
-    def __init__(self, split_factor: int, out_dim: int = 0):
+    def __init__(self, split_factor: int):
         super().__init__()
         self.split_factor = split_factor
-        self.out_dim = out_dim
 
     def _partition(self, name, module, mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
-            dim = self.out_dim if param.ndim > 1 else 0
-            dparam = distribute_tensor(param, mesh, [_StridedShard(dim, split_factor=self.split_factor)])
+            placement = _StridedShard(1, split_factor=self.split_factor) if param.ndim > 1 else Replicate()
+            dparam = distribute_tensor(param, mesh, [placement])
             module.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        out_dim = self.out_dim
+        bias_slice = [_StridedShard(0, split_factor=self.split_factor)]
 
         def local_forward(x):
             x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
                 grad_placements=[Partial()])
             w = module.weight.to_local()
-            b = module.bias.to_local() if module.bias is not None else None
-            if out_dim == 0:
-                return nn.functional.linear(x, w, b)
             y = x.reshape(-1, x.shape[-1]) @ w
-            if b is not None:
-                y = y + b
+            if module.bias is not None:
+                y = y + module.bias.redistribute(device_mesh, bias_slice).to_local()
             return y.view(*x.shape[:-1], w.shape[1])
 
         distribute_module(module, device_mesh, self._partition)
@@ -97,14 +97,12 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
         # Output replicated even under SP: the first decoder layer splits the sequence (see dims.tensor),
         # so the model still builds its masks and positions on the full sequence.
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if name == "packed_colwise":
-        return PackedColwiseParallel(split_factor=2)
     if name in ("replicated_with_grad_allreduce", "replicate"):
         return ReplicatedWithGradAllReduce()
     if name == "sequence_parallel":
         return SequenceParallel()
     known = ["colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-             "packed_colwise", "replicated_with_grad_allreduce", "sequence_parallel", *sorted(extra or {})]
+             "replicated_with_grad_allreduce", "sequence_parallel", *sorted(extra or {})]
     raise ConfigError(f"tp plan style '{name}' is not supported. Fix: use one of {', '.join(known)}, or register a "
                       "plugin whose ultrascale_model_plan supplies a style of that name")
 

@@ -48,7 +48,7 @@ STYLES = {
     "conv1d_colwise": lambda sequence_parallel, loss_parallel: Conv1DColwise(),
     "conv1d_rowwise": lambda sequence_parallel, loss_parallel: Conv1DRowwise(
         output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    "conv1d_packed_colwise": lambda sequence_parallel, loss_parallel: PackedColwiseParallel(split_factor=3, out_dim=1),
+    "conv1d_packed_colwise": lambda sequence_parallel, loss_parallel: PackedColwiseParallel(split_factor=3),
 }
 
 TP_PLAN = {

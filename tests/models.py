@@ -1,0 +1,53 @@
+"""Tiny Hugging Face models and padded batches shared by the tests (no downloads: built from configs)."""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 256
+
+
+def make_config(arch: str):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "llama_tied":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    raise ValueError(arch)
+
+
+def make_model(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="sdpa")
+
+
+def padded_batches(steps: int, global_batch: int = 8, seq_len: int = 16, seed: int = 1) -> list[dict]:
+    """Right-padded batches whose first rows carry far more padding than the last ones, plus labels at -100
+    in random places: data-parallel ranks hold different numbers of valid tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (global_batch, seq_len), generator=g)
+        lengths = torch.full((global_batch,), seq_len)
+        lengths[: global_batch // 2] = torch.randint(3, seq_len // 2, (global_batch // 2,), generator=g)
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels = labels.masked_fill(torch.rand(labels.shape, generator=g) < 0.15, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def rows(batch: dict, rank: int, size: int) -> dict:
+    per = next(iter(batch.values())).shape[0] // size
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}

@@ -1,0 +1,91 @@
+"""Run parity cases on every rank of a torchrun launch; rank 0 writes {case: result} as JSON.
+
+Each case trains STEPS optimizer steps of a tiny model under one layout and, on rank 0, the same model in one
+process (plain transformers forward with its own loss, plain SGD) from the same seed and global batches, then
+records the largest loss and weight differences. Usage (see tests/test_parity.py):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/parity_worker.py OUT.json CASE...
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import make_model, padded_batches, rows  # noqa: E402
+from parity_cases import CASES  # noqa: E402
+
+import ultrascale_plugins as us  # noqa: E402
+
+STEPS = 5
+LR, MOMENTUM = 0.1, 0.9
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+_reference_cache: dict = {}
+
+
+def reference(arch: str, batches):
+    """Single-process run: the model's own causal-LM loss over the whole global batch."""
+    if arch not in _reference_cache:
+        model = make_model(arch)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        losses = []
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _reference_cache[arch] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return _reference_cache[arch]
+
+
+def run_case(name: str, spec: dict) -> dict | None:
+    arch, layout = spec["arch"], spec["layout"]
+    batches = padded_batches(STEPS)
+    pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
+    opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    losses = []
+    for batch in batches:
+        loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        pmodel.clip_grad_norm_(1e6)  # exercises the sharded norm; never clips at this threshold
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    # every rank must report the same loss
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    weights = pmodel.full_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    ref_losses, ref_weights = reference(arch, batches)
+    missing = sorted(set(ref_weights) ^ set(weights))
+    weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
+    return {"losses": losses, "ref_losses": ref_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "weight_diff": weight_diff, "missing_keys": missing,
+            "ranks_agree": all(g == gathered[0] for g in gathered)}
+
+
+def main() -> None:
+    out_path, names = sys.argv[1], sys.argv[2:]
+    us.init_distributed(timeout=120)
+    results = {}
+    for name in names:
+        results[name] = run_case(name, CASES[name])
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

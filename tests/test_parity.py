@@ -1,0 +1,19 @@
+"""Parity: every layout reproduces the single-process run (fp32): loss at each step and final weights."""
+import pytest
+
+from parity_cases import CASES
+
+LOSS_TOL = 1e-5
+WEIGHT_TOL = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_matches_single_process(name, parity_results):
+    results, failures = parity_results
+    assert name not in failures, f"worker launch failed:\n{failures[name]}"
+    r = results[name]
+    assert r["ranks_agree"], "ranks returned different losses"
+    assert not r["missing_keys"], f"state-dict keys differ from the unparallelized model: {r['missing_keys']}"
+    assert r["loss_diff"] <= LOSS_TOL, (r["losses"], r["ref_losses"])
+    assert r["weight_diff"] <= WEIGHT_TOL
