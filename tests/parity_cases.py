@@ -21,6 +21,11 @@ CASES = {
     "ac_full_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "activation_checkpointing": "full"}},
     "ac_selective_tp2": {"world": 2, "arch": "llama",
                          "layout": {"tp": 2, "activation_checkpointing": "selective"}},
+    # bf16 mixed precision (FSDP2 MixedPrecisionPolicy; autocast under TP): compared with the fp32 run at a
+    # bf16 tolerance
+    "bf16_zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "mixed_precision": "bf16"},
+                       "tol": 2e-2},
+    "bf16_tp2": {"world": 2, "arch": "llama", "layout": {"tp": 2, "mixed_precision": "bf16"}, "tol": 2e-2},
     # 4 ranks
     "zero3_dp4": {"world": 4, "arch": "llama", "layout": {"dp_shard": 4}},
     "hsdp_2x2": {"world": 4, "arch": "llama", "layout": {"dp_replicate": 2, "dp_shard": 2}},

@@ -13,7 +13,10 @@ def test_layout_matches_single_process(name, parity_results):
     results, failures = parity_results
     assert name not in failures, f"worker launch failed:\n{failures[name]}"
     r = results[name]
+    tol = CASES[name].get("tol", LOSS_TOL)
     assert r["ranks_agree"], "ranks returned different losses"
     assert not r["missing_keys"], f"state-dict keys differ from the unparallelized model: {r['missing_keys']}"
-    assert r["loss_diff"] <= LOSS_TOL, (r["losses"], r["ref_losses"])
-    assert r["weight_diff"] <= WEIGHT_TOL
+    assert r["loss_diff"] <= tol, (r["losses"], r["ref_losses"])
+    assert r["weight_diff"] <= CASES[name].get("tol", WEIGHT_TOL)
+    if "tol" in CASES[name]:  # reduced precision must really have run: not bit-identical to fp32
+        assert r["loss_diff"] > 0

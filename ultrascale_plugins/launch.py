@@ -10,6 +10,12 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ULTRASCALE_TIMEOUT_S", "300"))
+_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The bound on every collective of this job (sub-groups of the mesh get it too, see mesh.py)."""
+    return _timeout
 
 
 def _slurm_env() -> None:
@@ -45,10 +51,12 @@ def init_distributed(timeout: float | datetime.timedelta | None = None, backend:
     if dist.is_initialized():
         return device
     _slurm_env()
+    global _timeout
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    _timeout = timeout
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout,

@@ -7,6 +7,9 @@ TP is innermost because consecutive ranks share the fastest links (one node). Ax
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from .launch import collective_timeout
 
 CANONICAL_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -24,10 +27,15 @@ def build_mesh(device_type: str, axes: dict[str, int]) -> DeviceMesh | None:
     if not ordered:
         return None
     mesh = init_device_mesh(device_type, tuple(d for _, d in ordered), mesh_dim_names=tuple(n for n, _ in ordered))
+    groups = [mesh.get_group(name) for name in mesh.mesh_dim_names]
     for alias, parts in FLATTENED.items():
         present = tuple(p for p in parts if p in mesh.mesh_dim_names)
         if len(present) > 1:
-            mesh[present]._flatten(alias)
+            groups.append(mesh[present]._flatten(alias).get_group())
+    # new_group() gives sub-groups torch's 30-minute default, not the job's timeout: set it on each, so a dead
+    # or stalled peer becomes an error within the job's bound instead of a long hang.
+    for group in groups:
+        _set_pg_timeout(collective_timeout(), group)
     return mesh
 
 

@@ -1,0 +1,71 @@
+"""The ``ultrascale`` command: the embedded default trains; bad input is one clear line and exit code 2."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def ultrascale(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_error(proc, *words):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ultrascale: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+def test_missing_recipe(tmp_path):
+    assert_clean_error(ultrascale("train", str(tmp_path / "nope.yaml")), "nope.yaml", "does not exist")
+
+
+def test_bad_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert_clean_error(ultrascale("train", str(bad)), "not valid YAML")
+
+
+def test_invalid_layout_is_refused_before_launch():
+    assert_clean_error(ultrascale("train", "--nproc", "3", "--set", "tp=3", "--set", "dp_shard=1"), "tp=3",
+                       "num_attention_heads=4")
+    assert_clean_error(ultrascale("train", "--set", "tp=two"), "tp='two'", "integer")
+    assert_clean_error(ultrascale("train", "--nproc", "3"), "world size is 3")
+    assert_clean_error(ultrascale("train", "--set", "pp=2", "--set", "tp=1",
+                                  "--set", "sequence_parallel=false"), "pipeline parallelism is not available")
+
+
+def test_unknown_recipe_key_suggests(tmp_path):
+    assert_clean_error(ultrascale("train", "--set", "train.stepz=3"), "train.stepz", "did you mean 'steps'")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("nproc: 1\nmodle: {}\n")
+    assert_clean_error(ultrascale("train", str(recipe)), "modle", "did you mean 'model'")
+
+
+def test_plugins_lists_builtins_with_hooks():
+    out = ultrascale("plugins")
+    assert out.returncode == 0
+    assert "ultrascale_plugins.dims.data_parallel" in out.stdout
+    assert "ultrascale_transform_model" in out.stdout
+
+
+@pytest.mark.slow
+def test_embedded_default_trains(tmp_path):
+    """The README's first command: 4 CPU processes, ZeRO-3 x TP(+SP), loss falls, exit 0, under 3 minutes."""
+    metrics = tmp_path / "metrics.json"
+    start = time.monotonic()
+    proc = ultrascale("train", "--metrics", str(metrics), timeout=400)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(metrics.read_text())
+    assert result["world_size"] == 4
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+    assert "dp_shard=2 (ZeRO-3) x tp=2 + sequence parallel" in proc.stdout
+    assert "tok/s" in proc.stdout and "peak MB/rank" in proc.stdout
+    assert elapsed < 180, f"{elapsed:.0f}s"

@@ -1,0 +1,103 @@
+"""ParallelConfig: round trips and every validation error, raised before any process group exists."""
+import pytest
+import torch.distributed as dist
+
+from models import make_config
+from ultrascale_plugins import ConfigError, ParallelConfig, validate
+
+
+def test_round_trip_dict_and_yaml(tmp_path):
+    cfg = ParallelConfig(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True, zero_stage=2,
+                         activation_checkpointing="selective", mixed_precision="bf16")
+    assert ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    path = tmp_path / "layout.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump({"parallel": cfg.to_dict()}))
+    assert ParallelConfig.from_yaml(path) == cfg
+    path.write_text(yaml.safe_dump(cfg.to_dict()))  # a bare mapping works too
+    assert ParallelConfig.from_yaml(path) == cfg
+
+
+def test_every_documented_field_exists():
+    assert set(ParallelConfig.field_names()) >= {
+        "dp_replicate", "dp_shard", "tp", "sequence_parallel", "cp", "cp_method", "pp", "pp_schedule",
+        "pp_microbatches", "pp_virtual_stages", "zero_stage", "activation_checkpointing", "mixed_precision"}
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tp": 0}, ["tp=0", "positive"]),
+    ({"dp_shard": 0}, ["dp_shard=0", "-1"]),
+    ({"pp": -2}, ["pp=-2", "positive"]),
+    ({"tp": "two"}, ["tp='two'", "integer"]),
+    ({"sequence_parallel": "yes"}, ["sequence_parallel='yes'", "true or false"]),
+    ({"sequence_parallel": True}, ["sequence_parallel", "tp > 1"]),
+    ({"loss_parallel": True}, ["loss_parallel", "tp > 1"]),
+    ({"pp_schedule": "1f2b"}, ["pp_schedule='1f2b'", "did you mean '1f1b'"]),
+    ({"cp_method": "rings"}, ["cp_method='rings'", "ring"]),
+    ({"zero_stage": 4}, ["zero_stage=4", "0, 1, 2 or 3"]),
+    ({"activation_checkpointing": "all"}, ["activation_checkpointing='all'", "full"]),
+    ({"mixed_precision": "bf32"}, ["mixed_precision='bf32'", "bf16"]),
+])
+def test_bad_fields(fields, words):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**fields)
+    for word in words:
+        assert word in str(err.value)
+    assert "Fix:" in str(err.value)
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'dp_shard'"):
+        ParallelConfig.from_dict({"dp_shards": 2})
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(dp_shard=2, tp=2).resolve(3)
+    assert "world size is 3" in str(err.value) and "dp_shard: -1" in str(err.value)
+    with pytest.raises(ConfigError, match="does not divide the world size 6"):
+        ParallelConfig(tp=4).resolve(6)
+    assert ParallelConfig(tp=2).resolve(8).dp_shard == 4
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    mc = make_config("llama")  # 4 heads, 2 kv heads
+    with pytest.raises(ConfigError, match="num_attention_heads=4"):
+        ParallelConfig(tp=3).validate_for_model(mc)
+    with pytest.raises(ConfigError, match="num_key_value_heads=2"):
+        ParallelConfig(tp=4).validate_for_model(mc)
+
+
+def test_pp_larger_than_layers():
+    with pytest.raises(ConfigError, match="num_hidden_layers=2"):
+        ParallelConfig(pp=3).validate_for_model(make_config("llama"))
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"pp": 2}, ["pp=2", "pipeline parallelism is not available"]),
+    ({"cp": 2}, ["cp=2", "context parallelism is not available"]),
+    ({"mixed_precision": "fp16"}, ["fp16", "bf16"]),
+    ({"tp": 2, "zero_stage": 1}, ["zero_stage=1 with tp=2", "zero_stage: 2 or 3"]),
+    ({"tp": 4}, ["num_key_value_heads=2"]),
+])
+def test_validate_before_any_process_group(fields, words):
+    with pytest.raises(ConfigError) as err:
+        validate(ParallelConfig(**fields), make_config("llama"), world_size=4)
+    for word in words:
+        assert word in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_parallelize_rejects_bad_layout_before_creating_a_group(monkeypatch):
+    from models import make_model
+    from ultrascale_plugins import parallelize
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="world size is 4"):
+        parallelize(make_model("llama"), ParallelConfig(dp_shard=2, tp=1))
+    assert not dist.is_initialized()
