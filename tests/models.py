@@ -13,6 +13,10 @@ def make_config(arch: str):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "llama8":  # deep enough for 4 pipeline ranks with 2 stages each
+        return LlamaConfig(**{**common, "num_hidden_layers": 8}, tie_word_embeddings=False)
+    if arch == "llama8_tied":
+        return LlamaConfig(**{**common, "num_hidden_layers": 8}, tie_word_embeddings=True)
     if arch == "llama_tied":
         return LlamaConfig(**common, tie_word_embeddings=True)
     if arch == "qwen2":

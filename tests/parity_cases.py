@@ -2,7 +2,7 @@
 
 CASES = {
     # 2 ranks
-    "zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 3}},
+    "zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 3}, "roundtrip": True},
     "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}},
     "zero1_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 1}},
     "ddp_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 0}},
@@ -33,6 +33,35 @@ CASES = {
     "dp2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}},
     "zero2_dp2_tp2": {"world": 4, "arch": "qwen2", "layout": {"dp_shard": 2, "tp": 2, "zero_stage": 2}},
     "tied_dp2_tp2_sp": {"world": 4, "arch": "llama_tied",
-                        "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}},
+                        "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, "roundtrip": True},
     "gpt2_dp2_tp2_sp": {"world": 4, "arch": "gpt2", "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}},
+
 }
+
+# Pipeline parallel: every schedule at pp=2 and pp=4, for Llama and a tied-embedding Llama, and its compositions.
+PP_SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"pp_virtual_stages": 2},
+                "zero_bubble": {"pp_virtual_stages": 2}, "zbv": {}, "dualpipev": {}}
+for _schedule, _extra in PP_SCHEDULES.items():
+    for _arch in ("llama8", "llama8_tied"):
+        CASES[f"pp2_{_schedule}_{_arch}"] = {"world": 2, "arch": _arch,
+                                             "layout": {"pp": 2, "pp_schedule": _schedule, **_extra}}
+    CASES[f"pp4_{_schedule}_llama8_tied"] = {"world": 4, "arch": "llama8_tied",
+                                             "layout": {"pp": 4, "pp_schedule": _schedule, **_extra}}
+CASES.update({
+    "pp4_1f1b_llama8": {"world": 4, "arch": "llama8", "layout": {"pp": 4, "pp_schedule": "1f1b"}},
+    "pp2_zero3_dp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "dp_shard": 2}, "roundtrip": True},
+    "pp2_zero2_dp2_interleaved": {"world": 4, "arch": "llama8",
+                                  "layout": {"pp": 2, "dp_shard": 2, "zero_stage": 2,
+                                             "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
+    "pp2_zbv_dp2_ac_full": {"world": 4, "arch": "llama8_tied",
+                            "layout": {"pp": 2, "dp_shard": 2, "pp_schedule": "zbv",
+                                       "activation_checkpointing": "full"}},
+    "pp2_tp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "tp": 2}},
+    "pp2_tp2_sp_interleaved": {"world": 4, "arch": "llama8_tied",
+                               "layout": {"pp": 2, "tp": 2, "sequence_parallel": True,
+                                          "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
+    "pp2_tp2_dp2_sp": {"world": 8, "arch": "llama8_tied",
+                       "layout": {"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}},
+    "pp2_tp2_dp2_zbv": {"world": 8, "arch": "llama8", "layout": {"pp": 2, "tp": 2, "dp_shard": 2,
+                                                                 "pp_schedule": "zbv"}},
+})

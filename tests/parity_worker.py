@@ -44,7 +44,10 @@ def reference(arch: str, batches):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        _reference_cache[arch] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        model.eval()
+        with torch.no_grad():
+            eval_loss = model(**batches[0]).loss.item()
+        _reference_cache[arch] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss)
     return _reference_cache[arch]
 
 
@@ -63,16 +66,23 @@ def run_case(name: str, spec: dict) -> dict | None:
     # every rank must report the same loss
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, losses)
+    eval_loss = pmodel.eval_step(rows(batches[0], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item()
     weights = pmodel.full_state_dict()
+    roundtrip = None
+    if spec.get("roundtrip"):  # this rank's sharded state loads into a fresh model of the same layout
+        fresh = us.parallelize(make_model(arch, seed=5), us.ParallelConfig(**layout))
+        fresh.load_state_dict(pmodel.state_dict())
+        again = fresh.full_state_dict()
+        roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
     if dist.get_rank() != 0:
         return None
-    ref_losses, ref_weights = reference(arch, batches)
+    ref_losses, ref_weights, ref_eval = reference(arch, batches)
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "weight_diff": weight_diff, "missing_keys": missing,
-            "ranks_agree": all(g == gathered[0] for g in gathered)}
+            "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
+            "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip}
 
 
 def main() -> None:

@@ -73,16 +73,47 @@ def test_tp_must_divide_heads_and_kv_heads():
         ParallelConfig(tp=4).validate_for_model(mc)
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 2}, ["pp_virtual_stages=2", "one stage per rank"]),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, ["needs pp_virtual_stages >= 2"]),
+    ({"pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 3}, ["exactly 2 stages per rank"]),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 3},
+     ["pp_microbatches=3", "multiple of pp=2"]),
+    ({"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 1}, ["pp_microbatches=1", "at least pp=2"]),
+    ({"pp": 2, "pp_schedule": "dualpipev", "pp_microbatches": 2}, ["at least 2*pp=4"]),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 8}, ["16 stages", "num_hidden_layers=8"]),
+    ({"pp": 2, "pp_split": [2, 1]}, ["pp_split=[2, 1]", "summing to num_hidden_layers=8"]),
+    ({"pp": 2, "pp_split": "1,1"}, ["pp_split='1,1'", "list of layer counts"]),
+    ({"pp": 2, "dp_shard": 2, "zero_stage": 1}, ["zero_stage=1 with pp=2", "zero_stage: 2 or 3"]),
+    ({"pp": 2, "tp": 2, "loss_parallel": True}, ["loss_parallel=True with pp > 1"]),
+])
+def test_pipeline_combinations_a_schedule_cannot_run(fields, words):
+    with pytest.raises(ConfigError) as err:
+        validate(ParallelConfig(**fields), make_config("llama8"),
+                 world_size=fields["pp"] * fields.get("tp", 1) * fields.get("dp_shard", 1))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_balanced_stage_split_counts_embedding_and_head():
+    from ultrascale_plugins.dims.pipeline import split_layers
+
+    assert split_layers(8, 2) == [4, 4]
+    assert split_layers(6, 4) == [1, 2, 2, 1]  # first and last stage also carry the embedding and the head
+    assert split_layers(8, 2, embed_cost=0, head_cost=3) == [6, 2]
+    assert sum(split_layers(30, 7)) == 30
+
+
 def test_pp_larger_than_layers():
     with pytest.raises(ConfigError, match="num_hidden_layers=2"):
         ParallelConfig(pp=3).validate_for_model(make_config("llama"))
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"pp": 2}, ["pp=2", "pipeline parallelism is not available"]),
     ({"cp": 2}, ["cp=2", "context parallelism is not available"]),
     ({"mixed_precision": "fp16"}, ["fp16", "bf16"]),
-    ({"tp": 2, "zero_stage": 1}, ["zero_stage=1 with tp=2", "zero_stage: 2 or 3"]),
+    ({"tp": 2, "zero_stage": 1}, ["zero_stage=1", "tp=2", "zero_stage: 2 or 3"]),
+    ({"tp": 2, "dp_replicate": 2, "dp_shard": 1}, ["dp_shard=1", "tp=2", "dp_shard >= 2"]),
     ({"tp": 4}, ["num_key_value_heads=2"]),
 ])
 def test_validate_before_any_process_group(fields, words):

@@ -18,5 +18,8 @@ def test_layout_matches_single_process(name, parity_results):
     assert not r["missing_keys"], f"state-dict keys differ from the unparallelized model: {r['missing_keys']}"
     assert r["loss_diff"] <= tol, (r["losses"], r["ref_losses"])
     assert r["weight_diff"] <= CASES[name].get("tol", WEIGHT_TOL)
+    assert r["eval_diff"] <= tol, "eval_step differs from the reference model's loss in eval mode"
+    if CASES[name].get("roundtrip"):
+        assert r["roundtrip"], "state_dict() -> load_state_dict() in the same layout did not restore the weights"
     if "tol" in CASES[name]:  # reduced precision must really have run: not bit-identical to fp32
         assert r["loss_diff"] > 0

@@ -10,11 +10,12 @@ from .launch import init_distributed
 from .plugins import get_plugin_manager, list_plugins, register
 
 __all__ = ["ConfigError", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec", "init_distributed",
-           "parallelize", "get_plugin_manager", "list_plugins", "register", "validate", "__version__"]
+           "parallelize", "get_plugin_manager", "list_plugins", "register", "validate", "estimate",
+           "__version__"]
 
 
 def __getattr__(name):  # the engine pulls in torch.distributed; import it on first use
-    if name in ("parallelize", "ParallelModel", "validate"):
+    if name in ("parallelize", "ParallelModel", "validate", "estimate"):
         from . import engine
 
         return getattr(engine, name)

@@ -47,6 +47,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = as many as pipeline stages
     pp_virtual_stages: int = 1
+    pp_split: list | None = None  # layers per pipeline stage, e.g. [3, 5]; None = balanced automatically
     zero_stage: int = 3
     activation_checkpointing: str = "none"
     mixed_precision: str = "no"
@@ -87,6 +88,14 @@ class ParallelConfig:
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "pp_split":
+                if value is not None and (not isinstance(value, (list, tuple)) or not all(
+                        isinstance(v, int) and not isinstance(v, bool) for v in value)):
+                    raise field_error(f.name, value, "must be a list of layer counts per stage",
+                                      "write e.g. pp_split: [3, 5], or leave it out")
+                if value is not None:
+                    self.pp_split = list(value)
+                continue
             want = bool if f.type in ("bool", bool) else int if f.type in ("int", int) else str
             if want is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise field_error(f.name, value, "must be an integer", f"write a number, e.g. {f.name}: 2")

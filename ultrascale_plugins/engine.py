@@ -30,6 +30,7 @@ class ParallelContext:
     mesh: Any
     plan: ModelPlan | None
     device: torch.device
+    modules: list = dataclasses.field(default_factory=list)  # this rank's model parts (pipeline stages, or one)
     forward_module: nn.Module | None = None  # what train_step calls (a DDP wrapper, or the model itself)
     autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
     extras: dict = dataclasses.field(default_factory=dict)  # free room for third-party plugins
@@ -38,10 +39,12 @@ class ParallelContext:
         return sub_mesh(self.mesh, name)
 
     def plan_layers(self, model: nn.Module) -> list[str]:
-        if self.plan is not None and self.plan.layers:
-            return self.plan.layers
+        """The decoder layers present in ``model`` (a pipeline stage holds only some)."""
         names = set(getattr(model, "_no_split_modules", None) or [])
-        return [fqn for fqn, m in model.named_modules() if type(m).__name__ in names]
+        present = {fqn for fqn, m in model.named_modules() if type(m).__name__ in names}
+        if self.plan is not None and self.plan.layers:
+            return [fqn for fqn in self.plan.layers if fqn in present]
+        return [fqn for fqn, _ in model.named_modules() if fqn in present]
 
 
 def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None) -> ParallelConfig:
@@ -69,6 +72,17 @@ def declared_axes(config: ParallelConfig, pm) -> dict[str, int]:
     return axes
 
 
+def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,
+             micro_batch: int = 1) -> dict[str, float]:
+    """Per-rank memory (bytes) and communication (bytes per step) terms, each contributed by its dimension's
+    plugin through ``ultrascale_estimate``. Validates the layout first."""
+    pm = get_plugin_manager()
+    resolved = validate(config, model_config, world_size, pm)
+    est: dict[str, float] = {"seq_len": seq_len, "micro_batch": micro_batch}
+    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config, estimate=est)
+    return est
+
+
 def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None) -> "ParallelModel":
     """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``."""
     if config is None:
@@ -85,10 +99,12 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
     plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
     mesh = build_mesh(device.type, declared_axes(resolved, pm))
     model.to(device)
-    ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device)
+    ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device, modules=[model])
     for phase in TRANSFORM_PHASES:
-        pm.hook.ultrascale_transform_model(model=model, ctx=ctx, phase=phase)
-    return ParallelModel(model, ctx, pm)
+        # the pipeline phase may replace ctx.modules by this rank's stages; later phases transform each
+        for module in list(ctx.modules):
+            pm.hook.ultrascale_transform_model(model=module, ctx=ctx, phase=phase)
+    return ParallelModel(ctx.modules[0], ctx, pm)
 
 
 class ParallelModel:
@@ -107,11 +123,18 @@ class ParallelModel:
         self.device = ctx.device
 
     # ---- what users call -------------------------------------------------------------------------
+    @property
+    def modules(self) -> list[nn.Module]:
+        """This rank's parts of the model: its pipeline stages, or the whole (sharded) model."""
+        return self.ctx.modules
+
     def parameters(self) -> Iterable[nn.Parameter]:
-        return self.module.parameters()
+        for module in self.modules:
+            yield from module.parameters()
 
     def named_parameters(self):
-        return self.module.named_parameters()
+        for module in self.modules:
+            yield from module.named_parameters()
 
     def build_optimizer(self, optimizer_cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
         """The optimizer for this layout: ZeRO-1 shards its states over data parallel; otherwise plain."""
@@ -125,6 +148,10 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> torch.Tensor:
+        """Validation loss of the global batch (``model.eval()`` semantics: no dropout)."""
+        pipe = self.ctx.extras.get("pipeline")
+        if pipe is not None:
+            return pipe.step(self, batch, train=False)
         self.module.eval()
         try:
             loss_sum, count = self.loss_terms(batch)
@@ -139,15 +166,50 @@ class ParallelModel:
         """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
         from .grad_norm import clip_grad_norm_
 
-        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        pipe = self.ctx.extras.get("pipeline")
+        params, group = list(self.parameters()), None
+        if pipe is not None:
+            group = pipe.pp_group
+            if pipe.has_last and pipe.tied:
+                head = pipe.tied_params()[-1]  # the head's copy of the tied weight: count it once
+                params = [p for p in params if p is not head]
+        return clip_grad_norm_(params, max_norm, norm_type, group=group, clip=list(self.parameters()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the training state: ``{"model": ...}`` (DTensors where sharded, the unparallelized
+        model's parameter names) plus whatever each dimension adds through ``ultrascale_state_dict``."""
+        model_state: dict[str, Any] = {}
+        for module in self.modules:
+            model_state.update(module.state_dict())
+        state: dict[str, Any] = {"model": model_state, "config": self.config.to_dict()}
+        self.pm.hook.ultrascale_state_dict(pmodel=self, state=state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by ``state_dict`` in the same layout."""
+        saved = state.get("config")
+        if saved is not None and saved != self.config.to_dict():
+            diff = {k: (v, self.config.to_dict()[k]) for k, v in saved.items() if self.config.to_dict().get(k) != v}
+            raise ConfigError(f"state was saved in another layout (saved vs current: {diff}). Fix: load it in the "
+                              "layout it was saved in")
+        for module in self.modules:
+            own = module.state_dict().keys()
+            module.load_state_dict({k: v for k, v in state["model"].items() if k in own})
+        self.pm.hook.ultrascale_load_state_dict(pmodel=self, state=state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
         out = {}
-        for name, tensor in self.module.state_dict().items():
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            out[name] = tensor.detach().cpu().clone()
+        for module in self.modules:
+            for name, tensor in module.state_dict().items():
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()
+                out[name] = tensor.detach().cpu().clone()
+        pipe = self.ctx.extras.get("pipeline")
+        if pipe is not None:  # every stage's part, on every rank
+            parts = [None] * dist.get_world_size(pipe.pp_group)
+            dist.all_gather_object(parts, out, group=pipe.pp_group)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
 
     # ---- pieces of the step, used by step plugins ------------------------------------------------

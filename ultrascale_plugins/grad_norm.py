@@ -10,24 +10,38 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=None, clip=None) -> torch.Tensor:
+    """Norm over ``parameters`` (combined over ``group``, e.g. pipeline stages); scales the gradients of
+    ``clip`` (default: the same parameters)."""
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     norms = []
-    for key, group in groups.items():
-        n = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+    for same_placement in groups.values():
+        n = torch.nn.utils.get_total_norm(same_placement, norm_type=norm_type)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         norms.append(n.float())
-    if not norms:
-        return torch.tensor(0.0)
-    stacked = torch.stack(norms)
-    total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+    stacked = torch.stack(norms) if norms else torch.zeros(1)
+    inf = norm_type == float("inf")
+    total = stacked.max() if inf else stacked.norm(norm_type)
+    if group is not None:
+        import torch.distributed as dist
+
+        part = total.double() if inf else total.double() ** norm_type
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        total = (part if inf else part ** (1.0 / norm_type)).float()
     coef = float(max_norm) / (float(total) + 1e-6)
     if coef < 1.0:
-        for group in groups.values():  # one foreach call per placement group: foreach cannot mix them
-            torch._foreach_mul_(group, coef)
+        targets: dict = {}
+        for p in (clip if clip is not None else parameters):
+            if p.grad is not None:
+                g = p.grad
+                key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+                targets.setdefault(key, []).append(g)
+        for same in targets.values():  # one foreach call per placement group: foreach cannot mix them
+            torch._foreach_mul_(same, coef)
     return total

@@ -17,6 +17,7 @@ ENV_VAR = "ULTRASCALE_PLUGINS"
 
 # Built-in plugins, registered exactly like third-party ones.
 DEFAULT_PLUGINS = (
+    "ultrascale_plugins.dims.pipeline",
     "ultrascale_plugins.dims.data_parallel",
     "ultrascale_plugins.dims.tensor",
     "ultrascale_plugins.dims.checkpointing",

@@ -43,7 +43,9 @@ def ultrascale_transform_model(model, ctx, phase):
         # HSDP when both data axes are >1: FSDP2 replicates over the first mesh dim and shards over the second.
         mesh = ctx.mesh[("dp_replicate", "dp_shard")] if cfg.dp_replicate > 1 else ctx.mesh["dp_shard"]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-        reshard = cfg.zero_stage == 3
+        # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
+        # micro-batch), as torchtitan does.
+        reshard = cfg.zero_stage == 3 and cfg.pp == 1
         for fqn in ctx.plan_layers(model):
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an

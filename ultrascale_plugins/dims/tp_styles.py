@@ -128,3 +128,15 @@ def redistribute_first_input(mesh, src, dst) -> Callable:
         return args, kwargs
 
     return hook
+
+
+def redistribute_output(mesh, src, dst) -> Callable:
+    """A forward hook that moves a module's (local tensor) output from placement ``src`` to ``dst``."""
+
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            return output
+        x = output if isinstance(output, DTensor) else DTensor.from_local(output, mesh, [src], run_check=False)
+        return x.redistribute(placements=[dst]).to_local()
+
+    return hook
