@@ -100,7 +100,7 @@ def test_balanced_stage_split_counts_embedding_and_head():
 
     assert split_layers(8, 2) == [4, 4]
     assert split_layers(6, 4) == [1, 2, 2, 1]  # first and last stage also carry the embedding and the head
-    assert split_layers(8, 2, embed_cost=0, head_cost=3) == [6, 2]
+    assert split_layers(8, 2, embed_cost=0, head_cost=4) == [6, 2]
     assert sum(split_layers(30, 7)) == 30
 
 

@@ -136,6 +136,13 @@ class ParallelModel:
         for module in self.modules:
             yield from module.named_parameters()
 
+    @property
+    def pipeline_stats(self) -> dict | None:
+        """With pp > 1: this rank's last training step as ``{step_s, busy_s, idle_fraction}`` (idle = pipeline
+        bubble plus waiting on communication)."""
+        pipe = self.ctx.extras.get("pipeline")
+        return pipe.last_step_stats if pipe is not None else None
+
     def build_optimizer(self, optimizer_cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
         """The optimizer for this layout: ZeRO-1 shards its states over data parallel; otherwise plain."""
         opt = self.pm.hook.ultrascale_build_optimizer(pmodel=self, optimizer_cls=optimizer_cls, kwargs=kwargs)

@@ -16,6 +16,8 @@ separate copies; after backward their gradients are summed, so they stay equal.
 from __future__ import annotations
 
 import copy
+import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -214,7 +216,8 @@ class Pipeline:
         self.has_last = n_stages - 1 in stage_ids
         self.tied = bool(ctx.plan is not None and ctx.plan.tied)
         self.tie_group = None
-        self.timings: list[dict] = []
+        self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
+        self._busy = 0.0
 
     def _loss(self, logits, targets):
         from ..loss import token_loss_sum
@@ -229,10 +232,29 @@ class Pipeline:
                   for m, sid in zip(self.ctx.modules, self.stage_ids)]
         names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
         cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
+        for stage in stages:
+            self._time_compute(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
         self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
         if self.tied:
             self._init_tie_group()
+
+    def _time_compute(self, stage) -> None:
+        """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of
+        a step is bubble or communication. Wraps the stage's own methods; nothing else changes."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            inner = getattr(stage, name, None)
+            if inner is None:
+                continue
+
+            def timed(*args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self._busy += time.perf_counter() - start
+
+            setattr(stage, name, functools.wraps(inner)(timed))
 
     def _init_tie_group(self):
         """Ranks holding the first and the last stage with the same data/tensor coordinates sum the tied
@@ -274,6 +296,42 @@ class Pipeline:
         for g in local:
             g.copy_(total)
 
+    def pp_index_of_stage(self, stage: int) -> int:
+        p = self.ctx.config.pp
+        if self.ctx.config.pp_schedule in V_SHAPED:
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    @torch.no_grad()
+    def _forward_only(self, ids, mask, targets) -> torch.Tensor:
+        """Validation pass: the whole local batch through the stages in order, hidden states sent point to point.
+        Written here because torch's ``schedule.eval()`` replays the training action list (with its backward
+        actions) on the multi-stage schedules and fails there."""
+        from ..loss import token_loss_sum
+
+        modules = dict(zip(self.stage_ids, self.ctx.modules))
+        hidden_size = self.ctx.modules[0].config.hidden_size
+        x, loss_sum = None, torch.zeros((), device=ids.device)
+        for stage in range(self.n_stages):
+            if stage not in modules:
+                continue
+            if stage == 0:
+                x = ids
+            elif stage - 1 not in modules:
+                x = torch.empty(*ids.shape, hidden_size, device=ids.device)
+                dist.recv(x, src=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage - 1)),
+                          group=self.pp_group)
+            out = modules[stage](x, mask)
+            if stage == self.n_stages - 1:
+                loss_sum = token_loss_sum(out, targets)
+                break
+            x = out[0]
+            if stage + 1 not in modules:
+                dist.send(x.float().contiguous(),
+                          dst=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage + 1)),
+                          group=self.pp_group)
+        return loss_sum
+
     def step(self, pmodel, batch, train: bool) -> torch.Tensor:
         from ..loss import shifted_targets
 
@@ -284,22 +342,32 @@ class Pipeline:
         mask = batch.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(ids)
+        m = microbatches(self.ctx.config)
+        if train and ids.shape[0] % m:
+            raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
+                              f"{m} micro-batches. Fix: make the per-rank batch a multiple of {m}")
         targets = shifted_targets(batch)
         count = pmodel.global_token_count(targets)
-        self.scale = (pmodel.data_parallel_size / count).item() if train else 1.0
-        losses: list = []
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        args = (ids, mask) if self.has_first else ()
-        for m in self.ctx.modules:
-            m.train(train)
-        run = self.schedule.step if train else self.schedule.eval
-        with pmodel.autocast():
-            run(*args, **kwargs)
-        if train:
-            self.sync_tied_grads()
+        for module in self.ctx.modules:
+            module.train(train)
         total = torch.zeros((), dtype=torch.float64, device=ids.device)
-        if self.has_last:
-            total += sum(float(l.detach()) for l in losses) / (self.scale if train else 1.0)
+        with pmodel.autocast():
+            if train:
+                self.scale = (pmodel.data_parallel_size / count).item()
+                losses: list = []
+                kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                self._busy, start = 0.0, time.perf_counter()
+                self.schedule.step(*((ids, mask) if self.has_first else ()), **kwargs)
+                elapsed = time.perf_counter() - start
+                self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
+                                        "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
+                self.sync_tied_grads()
+                if self.has_last:
+                    total += sum(float(loss.detach()) for loss in losses) / self.scale
+            else:
+                total += float(self._forward_only(ids, mask, targets))
+        for module in self.ctx.modules:
+            module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
         return pmodel.reduce_loss(total, count)
 
