@@ -56,16 +56,29 @@ def test_plugins_lists_builtins_with_hooks():
 
 @pytest.mark.slow
 def test_embedded_default_trains(tmp_path):
-    """The README's first command: 4 CPU processes, ZeRO-3 x TP(+SP), loss falls, exit 0, under 3 minutes."""
+    """The README's first command: 8 CPU processes in 3-D (PP x ZeRO-3 x TP+SP), loss falls, exit 0, < 3 min."""
     metrics = tmp_path / "metrics.json"
     start = time.monotonic()
     proc = ultrascale("train", "--metrics", str(metrics), timeout=400)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(metrics.read_text())
-    assert result["world_size"] == 4
+    assert result["world_size"] == 8
     losses = result["losses"]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
-    assert "dp_shard=2 (ZeRO-3) x tp=2 + sequence parallel" in proc.stdout
+    assert "pp=2 (1f1b) x dp_shard=2 (ZeRO-3) x tp=2 + sequence parallel" in proc.stdout
     assert "tok/s" in proc.stdout and "peak MB/rank" in proc.stdout
     assert elapsed < 180, f"{elapsed:.0f}s"
+
+
+@pytest.mark.slow
+def test_pipeline_schedule_from_the_command_line(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = ultrascale("train", "--nproc", "2", "--set", "pp=2", "--set", "tp=1", "--set", "dp_shard=1",
+                      "--set", "sequence_parallel=false", "--set", "pp_schedule=interleaved_1f1b",
+                      "--set", "pp_virtual_stages=2", "--set", "train.steps=6", "--set", "train.log_every=3",
+                      "--metrics", str(metrics), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "pp=2 (interleaved_1f1b, 2 stages/rank)" in proc.stdout
+    assert "pipeline idle" in proc.stdout
+    assert len(json.loads(metrics.read_text())["losses"]) == 6

@@ -92,7 +92,9 @@ def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
             tok_s = window_steps * tokens_per_step / (now - window_start)
             window_start, window_steps = now, 0
             if bar is not None:
-                bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tok_s:,.0f} tok/s | peak MB/rank "
+                idle = pmodel.pipeline_stats
+                bubble = f" | pipeline idle {idle['idle_fraction']:.0%}" if idle else ""
+                bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tok_s:,.0f} tok/s{bubble} | peak MB/rank "
                                     + ",".join(str(p) for p in peaks), refresh=False)
                 bar.update((step + 1) - bar.n)
     elapsed = time.perf_counter() - start
@@ -114,6 +116,9 @@ def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
 
 def describe(cfg, pmodel) -> str:
     parts = []
+    if cfg.pp > 1:
+        v = f", {cfg.pp_virtual_stages} stages/rank" if cfg.pp_virtual_stages > 1 else ""
+        parts.append(f"pp={cfg.pp} ({cfg.pp_schedule}{v})")
     if cfg.dp_replicate > 1:
         parts.append(f"dp_replicate={cfg.dp_replicate}")
     if cfg.dp_shard > 1:
