@@ -23,6 +23,12 @@ def make_config(arch: str):
         return Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "gpt_neox":  # other module names in its pipeline plan: embed_in / emb_dropout / final_layer_norm
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
+                             attention_dropout=0.0, tie_word_embeddings=False)
     if arch == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -36,7 +42,8 @@ def make_model(arch: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="sdpa")
 
 
-def padded_batches(steps: int, global_batch: int = 8, seq_len: int = 16, seed: int = 1) -> list[dict]:
+def padded_batches(steps: int, global_batch: int = 8, seq_len: int = 16, seed: int = 1,
+                   positions: bool = False) -> list[dict]:
     """Right-padded batches whose first rows carry far more padding than the last ones, plus labels at -100
     in random places: data-parallel ranks hold different numbers of valid tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +55,11 @@ def padded_batches(steps: int, global_batch: int = 8, seq_len: int = 16, seed: i
         mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
         labels = ids.masked_fill(mask == 0, -100)
         labels = labels.masked_fill(torch.rand(labels.shape, generator=g) < 0.15, -100)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if positions:  # explicit position ids, offset per row (as when packing continues a document)
+            batch["position_ids"] = torch.arange(seq_len)[None, :] + torch.randint(0, 32, (global_batch, 1),
+                                                                                   generator=g)
+        out.append(batch)
     return out
 
 

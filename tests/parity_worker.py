@@ -32,9 +32,10 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 _reference_cache: dict = {}
 
 
-def reference(arch: str, batches):
+def reference(arch: str, batches, key=None):
     """Single-process run: the model's own causal-LM loss over the whole global batch."""
-    if arch not in _reference_cache:
+    key = key or arch
+    if key not in _reference_cache:
         model = make_model(arch)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         losses = []
@@ -47,13 +48,14 @@ def reference(arch: str, batches):
         model.eval()
         with torch.no_grad():
             eval_loss = model(**batches[0]).loss.item()
-        _reference_cache[arch] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss)
-    return _reference_cache[arch]
+        _reference_cache[key] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss)
+    return _reference_cache[key]
 
 
 def run_case(name: str, spec: dict) -> dict | None:
     arch, layout = spec["arch"], spec["layout"]
-    batches = padded_batches(STEPS)
+    positions = spec.get("positions", False)
+    batches = padded_batches(STEPS, positions=positions)
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses = []
@@ -76,7 +78,7 @@ def run_case(name: str, spec: dict) -> dict | None:
         roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
     if dist.get_rank() != 0:
         return None
-    ref_losses, ref_weights, ref_eval = reference(arch, batches)
+    ref_losses, ref_weights, ref_eval = reference(arch, batches, key=(arch, positions))
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,

@@ -32,7 +32,8 @@ def test_bad_yaml(tmp_path):
 
 
 def test_invalid_layout_is_refused_before_launch():
-    assert_clean_error(ultrascale("train", "--nproc", "3", "--set", "tp=3", "--set", "dp_shard=1"), "tp=3",
+    assert_clean_error(ultrascale("train", "--nproc", "3", "--set", "tp=3", "--set", "dp_shard=1", "--set", "pp=1"),
+                       "tp=3",
                        "num_attention_heads=4")
     assert_clean_error(ultrascale("train", "--set", "tp=two"), "tp='two'", "integer")
     assert_clean_error(ultrascale("train", "--nproc", "3"), "world size is 3")

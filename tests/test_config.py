@@ -84,7 +84,6 @@ def test_tp_must_divide_heads_and_kv_heads():
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 8}, ["16 stages", "num_hidden_layers=8"]),
     ({"pp": 2, "pp_split": [2, 1]}, ["pp_split=[2, 1]", "summing to num_hidden_layers=8"]),
     ({"pp": 2, "pp_split": "1,1"}, ["pp_split='1,1'", "list of layer counts"]),
-    ({"pp": 2, "dp_shard": 2, "zero_stage": 1}, ["zero_stage=1 with pp=2", "zero_stage: 2 or 3"]),
     ({"pp": 2, "tp": 2, "loss_parallel": True}, ["loss_parallel=True with pp > 1"]),
 ])
 def test_pipeline_combinations_a_schedule_cannot_run(fields, words):

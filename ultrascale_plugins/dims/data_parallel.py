@@ -55,9 +55,35 @@ def ultrascale_transform_model(model, ctx, phase):
     if dtype is not None:
         ctx.autocast_dtype = dtype
     dp_mesh = ctx.sub_mesh("dp")
-    if dp_mesh is not None:
-        ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                                     device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    if dp_mesh is None:
+        return
+    if cfg.pp > 1:
+        # DDP's reducer miscounts parameters under the pipeline's per-micro-batch no_sync (torch 2.13: "rebuilt
+        # parameter indices size is not same"), so pipeline stages average their gradients here after the
+        # schedule's last backward instead.
+        hooks = ctx.extras.setdefault("post_backward", [])
+        if not any(getattr(h, "is_dp_allreduce", False) for h in hooks):
+            hooks.append(_allreduce_hook(ctx, dp_mesh.get_group(), dp_mesh.size()))
+        return
+    ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                                 device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
+def _allreduce_hook(ctx, group, size: int):
+    def allreduce_grads() -> None:
+        grads = [p.grad for m in ctx.modules for p in m.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    allreduce_grads.is_dp_allreduce = True
+    return allreduce_grads
 
 
 @hookimpl

@@ -6,7 +6,8 @@ Splitting: every stage is a copy of the causal LM in which the modules other sta
 ``ModuleList``, so parameter names (FQNs) are those of the unsplit model and a checkpoint from one layout loads in
 another. Each stage runs the model's own forward — embeddings (first stage), rotary embeddings, causal and padding
 masks, position ids (every stage, on the full sequence), norm and head (last stage) — so nothing about the
-architecture is re-implemented here. The padding mask travels with the hidden states from stage to stage.
+architecture is re-implemented here. The padding mask and the position ids travel with the hidden states from
+stage to stage.
 
 Loss: the last stage computes the model's causal-LM loss per micro-batch as a sum over valid tokens scaled by
 ``dp / global_valid_tokens`` (schedules' own 1/m scaling is off), so the gradient is that of the global-mean loss
@@ -132,48 +133,49 @@ def ultrascale_validate_config(config, model_config, world_size):
     if config.loss_parallel:
         raise ConfigError("loss_parallel=True with pp > 1: the vocab-parallel loss is not available inside a "
                           "pipeline yet. Fix: set loss_parallel: false")
-    dp = config.dp_replicate * max(config.dp_shard, 1)
-    if dp > 1 and config.zero_stage < 2:
-        raise ConfigError(f"zero_stage={config.zero_stage} with pp={config.pp}: pipeline stages compose with FSDP2 "
-                          "only. Fix: use zero_stage: 2 or 3")
 
 
 def _base(model):
     return getattr(model, model.base_model_prefix)
 
 
-def _check_structure(model) -> None:
-    plan = getattr(model.config, "base_model_pp_plan", None)
+def pp_parts(model) -> tuple[list[str], str, list[str]]:
+    """(modules before the layers, the layers' ModuleList, modules after) of the base model, read from the
+    architecture's ``base_model_pp_plan`` (``embed_tokens``/``layers``/``norm``, ``embed_in``/``emb_dropout``/
+    ``layers``/``final_layer_norm``, ...)."""
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
     base = _base(model) if hasattr(model, "base_model_prefix") else None
-    if not plan or base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList) \
-            or not hasattr(model, "lm_head"):
-        raise ConfigError(f"pp>1: model type '{model.config.model_type}' has no pipeline plan "
-                          "(base_model_pp_plan with embed_tokens/layers/norm). Fix: use pp: 1, or a model such as "
-                          "Llama, Qwen2 or Mistral")
+    names = [n for n in plan if base is not None and hasattr(base, n)]
+    lists = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
+    if len(lists) != 1 or not hasattr(model, "lm_head"):
+        raise ConfigError(f"pp>1: model type '{model.config.model_type}' has no usable pipeline plan "
+                          "(base_model_pp_plan naming its embeddings, layer list and final norm). Fix: use pp: 1, "
+                          "or a model such as Llama, Qwen2, Mistral or GPT-NeoX")
+    i = names.index(lists[0])
+    return names[:i], lists[0], names[i + 1:]
 
 
 def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.Module:
+    before, layers_name, after = pp_parts(model)
     stage = copy.deepcopy(model)
     base = _base(stage)
-    for i in range(len(base.layers)):
+    layers = getattr(base, layers_name)
+    for i in range(len(layers)):
         if i not in layer_range:
-            base.layers[i] = Absent()
+            layers[i] = Absent()
     first, last = stage_id == 0, stage_id == n_stages - 1
-    if not first:
-        base.embed_tokens = Absent()
+    for name in (before if not first else []) + (after if not last else []):
+        setattr(base, name, Absent())
     if not last:
-        base.norm = Absent()
         stage.lm_head = Absent()
 
-    def forward(x, attention_mask):
-        if first:
-            out = base(input_ids=x, attention_mask=attention_mask, use_cache=False)
-        else:
-            out = base(inputs_embeds=x, attention_mask=attention_mask, use_cache=False)
+    def forward(x, attention_mask, position_ids):
+        inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+        out = base(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state
         if last:
             return stage.lm_head(hidden)
-        return hidden, attention_mask
+        return hidden, attention_mask, position_ids
 
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
     stage.pipeline_stage = (stage_id, n_stages)
@@ -190,10 +192,10 @@ def ultrascale_transform_model(model, ctx, phase):
     cfg = ctx.config
     if phase != "pipeline" or cfg.pp == 1:
         return
-    _check_structure(model)
+    _, layers_name, _ = pp_parts(model)
     pp_mesh = ctx.sub_mesh("pp")
     pp_rank = pp_mesh.get_local_rank()
-    n_layers = len(_base(model).layers)
+    n_layers = len(getattr(_base(model), layers_name))
     counts = stage_layer_counts(cfg, n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     ids = stage_ids_for_rank(cfg, pp_rank)
@@ -274,8 +276,9 @@ class Pipeline:
         out = []
         for m in self.ctx.modules:
             sid = m.pipeline_stage[0]
-            if sid == 0 and not isinstance(_base(m).embed_tokens, Absent):
-                out.append(_base(m).embed_tokens.weight)
+            embed = m.get_input_embeddings()
+            if sid == 0 and not isinstance(embed, Absent):
+                out.append(embed.weight)
             elif sid == self.n_stages - 1 and not isinstance(m.lm_head, Absent):
                 out.append(m.lm_head.weight)
         return out
@@ -303,7 +306,7 @@ class Pipeline:
         return stage % p
 
     @torch.no_grad()
-    def _forward_only(self, ids, mask, targets) -> torch.Tensor:
+    def _forward_only(self, ids, mask, positions, targets) -> torch.Tensor:
         """Validation pass: the whole local batch through the stages in order, hidden states sent point to point.
         Written here because torch's ``schedule.eval()`` replays the training action list (with its backward
         actions) on the multi-stage schedules and fails there."""
@@ -321,7 +324,7 @@ class Pipeline:
                 x = torch.empty(*ids.shape, hidden_size, device=ids.device)
                 dist.recv(x, src=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage - 1)),
                           group=self.pp_group)
-            out = modules[stage](x, mask)
+            out = modules[stage](x, mask, positions)
             if stage == self.n_stages - 1:
                 loss_sum = token_loss_sum(out, targets)
                 break
@@ -342,6 +345,9 @@ class Pipeline:
         mask = batch.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(ids)
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
         m = microbatches(self.ctx.config)
         if train and ids.shape[0] % m:
             raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
@@ -357,15 +363,17 @@ class Pipeline:
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 self._busy, start = 0.0, time.perf_counter()
-                self.schedule.step(*((ids, mask) if self.has_first else ()), **kwargs)
+                self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
                 elapsed = time.perf_counter() - start
                 self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
+                for hook in self.ctx.extras.get("post_backward", []):  # e.g. data-parallel averaging
+                    hook()
                 self.sync_tied_grads()
                 if self.has_last:
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:
-                total += float(self._forward_only(ids, mask, targets))
+                total += float(self._forward_only(ids, mask, positions, targets))
         for module in self.ctx.modules:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
