@@ -83,3 +83,23 @@ def test_pipeline_schedule_from_the_command_line(tmp_path):
     assert "pp=2 (interleaved_1f1b, 2 stages/rank)" in proc.stdout
     assert "pipeline idle" in proc.stdout
     assert len(json.loads(metrics.read_text())["losses"]) == 6
+
+
+@pytest.mark.slow
+def test_resume_from_the_command_line_continues_exactly(tmp_path):
+    common = ["--nproc", "2", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=2",
+              "--set", "sequence_parallel=false", "--set", "train.steps=6", "--set", "train.log_every=1",
+              "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--set", "train.save_every=3"]
+    full = tmp_path / "full.json"
+    proc = ultrascale("train", *common, "--metrics", str(full))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = tmp_path / "resumed.json"
+    proc = ultrascale("train", *common, "--resume", str(tmp_path / "ckpt" / "step-00000003"), "--metrics",
+                      str(resumed))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout
+    assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][3:]
+
+
+def test_resume_from_a_bad_path_is_one_line(tmp_path):
+    assert_clean_error(ultrascale("train", "--resume", str(tmp_path)), "no complete checkpoint")

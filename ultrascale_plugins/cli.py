@@ -42,6 +42,18 @@ def cmd_train(args) -> int:
         worker += ["--set", item]
     if args.metrics:
         worker += ["--metrics", os.path.abspath(args.metrics)]
+    if args.resume:
+        from .checkpoint import list_checkpoints, read_meta
+
+        resume = os.path.abspath(args.resume)
+        if not os.path.exists(os.path.join(resume, "ultrascale.json")):
+            found = list_checkpoints(resume)
+            if not found:
+                raise ConfigError(f"--resume {args.resume}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
+                                  "directory or a save_dir holding one")
+            resume = str(found[-1])
+        read_meta(resume)  # missing, incomplete or truncated: refused before any worker starts
+        worker += ["--resume", resume]
     if "RANK" in os.environ or recipe.nproc == 1:  # already under torchrun / SLURM, or one process
         return subprocess.call(worker)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(recipe.nproc),
@@ -74,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: tp=2, train.steps=20, model.hidden_size=64")
     train.add_argument("--metrics", help="write losses and throughput as JSON to this file")
+    train.add_argument("--resume", metavar="PATH",
+                       help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
+                            "the layout may differ from the one it was saved in")
     train.set_defaults(func=cmd_train)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     plugins.set_defaults(func=cmd_plugins)

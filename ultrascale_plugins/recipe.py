@@ -32,6 +32,9 @@ class TrainSpec:
     seed: int = 0
     log_every: int = 5
     eval_batches: int = 2
+    save_dir: str = ""  # sharded checkpoints go here (step-XXXXXXXX); empty = no checkpoints
+    save_every: int = 0  # steps between checkpoints (0 = only at the end, when save_dir is set)
+    keep_last_n: int = 0  # 0 = keep all
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
+def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()
@@ -61,6 +62,14 @@ def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
     data = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len, recipe.train.global_batch,
                        recipe.train.seed)
     dp_rank, dp_size = pmodel.data_parallel_rank, pmodel.data_parallel_size
+    first_step = 0
+    if resume:
+        from .checkpoint import load_checkpoint
+
+        p = Path(resume)
+        meta = load_checkpoint(pmodel, optimizer, p if (p / "ultrascale.json").exists() else None,
+                               directory=p)
+        first_step = int(meta["extra"].get("data_position", meta["step"]))
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -69,12 +78,14 @@ def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
         print(f"ultrascale: {world} processes, layout {describe(recipe.parallel, pmodel)}, "
               f"model {recipe.model.get('model_type')} {n_params / 1e6:.2f}M params (per-rank shards), "
               f"{recipe.train.steps} steps", flush=True)
-        bar = tqdm(total=recipe.train.steps, unit="step", dynamic_ncols=True, file=sys.stdout,
+        bar = tqdm(total=recipe.train.steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0 if not sys.stdout.isatty() else 0.1)
+        if first_step:
+            print(f"ultrascale: resumed from {resume} at step {first_step}", flush=True)
     losses, tokens_per_step = [], recipe.train.global_batch * recipe.data.seq_len
     start = time.perf_counter()
     window_start, window_steps = start, 0
-    for step in range(recipe.train.steps):
+    for step in range(first_step, recipe.train.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
         batch = data.local(data.global_batch_at(step), dp_rank, dp_size)
@@ -97,12 +108,18 @@ def run(recipe: Recipe, metrics_path: str | None = None) -> dict:
                 bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tok_s:,.0f} tok/s{bubble} | peak MB/rank "
                                     + ",".join(str(p) for p in peaks), refresh=False)
                 bar.update((step + 1) - bar.n)
+        t = recipe.train
+        if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps):
+            from .checkpoint import save_checkpoint
+
+            save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra={"data_position": step + 1},
+                            keep_last_n=t.keep_last_n or None)
     elapsed = time.perf_counter() - start
     val = [float(pmodel.eval_step(data.local(data.global_batch_at(i, "val"), dp_rank, dp_size)))
            for i in range(recipe.train.eval_batches)]
     result = {"losses": losses, "val_loss": sum(val) / len(val), "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
-    if bar is not None:
+    if bar is not None and losses:
         bar.close()
         first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
         print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), validation loss "
@@ -137,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", nargs="?")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--metrics", default=os.environ.get("ULTRASCALE_METRICS"))
+    parser.add_argument("--resume")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        run(recipe, args.metrics)
+        run(recipe, args.metrics, args.resume)
     except ConfigError as exc:
         print(f"ultrascale: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,78 @@
+"""Save / resume / reshard across layouts, on every rank of a torchrun launch (see tests/test_checkpoint.py).
+
+    save_and_reshard OUT_DIR   (4 ranks) train layout dp_shard=4, save at step 3, continue to step 6; resume in the
+                               same layout (must be bit-exact), in tp2 x dp2 + SP; save from pp2 x tp2 and resume
+                               in dp_shard=4. Writes OUT_DIR/result.json.
+    reshard_world OUT_DIR      (2 ranks) resume the 4-rank dp_shard=4 checkpoint with tp=2.
+"""
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_model, padded_batches, rows  # noqa: E402
+
+import ultrascale_plugins as us  # noqa: E402
+from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+ARCH, STEPS, SAVE_AT = "llama8_tied", 6, 3
+BATCHES = padded_batches(STEPS)
+
+
+def build(layout: dict, seed: int = 0):
+    pmodel = us.parallelize(make_model(ARCH, seed=seed), us.ParallelConfig(**layout))
+    return pmodel, pmodel.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+
+
+def train(pmodel, opt, steps) -> list[float]:
+    losses = []
+    for i in steps:
+        loss = pmodel.train_step(rows(BATCHES[i], pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        pmodel.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def resumed(layout: dict, path) -> list[float]:
+    pmodel, opt = build(layout, seed=7)  # different initial weights: everything must come from the checkpoint
+    meta = load_checkpoint(pmodel, opt, path)
+    assert meta["step"] == SAVE_AT and meta["extra"]["data_position"] == SAVE_AT
+    return train(pmodel, opt, range(meta["extra"]["data_position"], STEPS))
+
+
+def main():
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    us.init_distributed(timeout=120)
+    result = {}
+    if mode == "save_and_reshard":
+        a = {"dp_shard": 4}
+        pmodel, opt = build(a)
+        first = train(pmodel, opt, range(SAVE_AT))
+        ckpt = save_checkpoint(pmodel, opt, out / "dp4", step=SAVE_AT, extra={"data_position": SAVE_AT})
+        result["uninterrupted"] = first + train(pmodel, opt, range(SAVE_AT, STEPS))
+        result["same_layout"] = resumed(a, ckpt)
+        result["tp2_dp2_sp"] = resumed({"dp_shard": 2, "tp": 2, "sequence_parallel": True}, ckpt)
+        pmodel, opt = build({"pp": 2, "tp": 2, "dp_shard": 1})
+        train(pmodel, opt, range(SAVE_AT))
+        ckpt_pp = save_checkpoint(pmodel, opt, out / "pp2tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})
+        result["pp2_tp2_to_dp4"] = resumed(a, ckpt_pp)
+        result["dp4_to_pp2_zbv_dp2"] = resumed({"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"}, ckpt)
+    else:
+        result["tp2_from_4_ranks"] = resumed({"tp": 2, "dp_shard": 1}, out / "dp4" / f"step-{SAVE_AT:08d}")
+    if dist.get_rank() == 0:
+        (out / f"{mode}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

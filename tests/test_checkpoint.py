@@ -1,0 +1,106 @@
+"""Sharded checkpoints: exact resume, resharding across layouts and world sizes, crash safety, safe loading."""
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ultrascale_plugins as us
+from conftest import torchrun
+from models import make_model, padded_batches
+from ultrascale_plugins.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, read_meta,
+                                           save_checkpoint)
+
+WORKER = Path(__file__).parent / "checkpoint_worker.py"
+
+
+@pytest.mark.slow
+def test_resume_is_exact_and_reshards_across_layouts_and_world_sizes(tmp_path):
+    proc = torchrun(4, WORKER, "save_and_reshard", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    proc = torchrun(2, WORKER, "reshard_world", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    r = {**json.loads((tmp_path / "save_and_reshard.json").read_text()),
+         **json.loads((tmp_path / "reshard_world.json").read_text())}
+    expected = r["uninterrupted"][3:]
+    assert r["same_layout"] == expected  # bit for bit
+    for name in ("tp2_dp2_sp", "pp2_tp2_to_dp4", "dp4_to_pp2_zbv_dp2", "tp2_from_4_ranks"):
+        assert max(abs(a - b) for a, b in zip(r[name], expected)) <= 1e-5, (name, r[name], expected)
+
+
+@pytest.fixture
+def one_process():
+    pmodel = us.parallelize(make_model("llama"), us.ParallelConfig())
+    opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-3)
+    for batch in padded_batches(2):
+        pmodel.train_step(batch)
+        opt.step()
+        opt.zero_grad()
+    yield pmodel, opt
+    dist.destroy_process_group()
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, one_process, monkeypatch):
+    pmodel, opt = one_process
+    good = save_checkpoint(pmodel, opt, tmp_path, step=1)
+    before = {k: v.clone() for k, v in pmodel.full_state_dict().items()}
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def crash(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # shards written, then the job dies before committing
+        raise RuntimeError("killed during save")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="killed during save"):
+        save_checkpoint(pmodel, opt, tmp_path, step=2)
+    monkeypatch.undo()
+    assert list_checkpoints(tmp_path) == [good]  # the partial one is invisible
+    for p in pmodel.parameters():
+        p.data.add_(1.0)
+    meta = load_checkpoint(pmodel, opt, directory=tmp_path)
+    assert meta["step"] == 1
+    after = pmodel.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_keep_last_n_never_deletes_the_newest(tmp_path, one_process):
+    pmodel, opt = one_process
+    for step in (1, 2, 3):
+        save_checkpoint(pmodel, opt, tmp_path, step=step, keep_last_n=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    save_checkpoint(pmodel, opt, tmp_path, step=4, keep_last_n=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004"]
+
+
+def test_truncated_or_incomplete_checkpoint_is_named(tmp_path, one_process):
+    pmodel, opt = one_process
+    path = save_checkpoint(pmodel, opt, tmp_path, step=1)
+    shard = next(path.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*truncated"):
+        load_checkpoint(pmodel, opt, path)
+    (path / "ultrascale.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_meta(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_meta(tmp_path / "nope")
+
+
+def test_loading_never_unpickles_objects(tmp_path, one_process):
+    pmodel, opt = one_process
+    path = save_checkpoint(pmodel, opt, tmp_path, step=1)
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    rng_file = path / "rng" / "rank00000.pt"
+    rng_file.write_bytes(pickle.dumps({"cpu": Boom()}))
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(pmodel, opt, path)

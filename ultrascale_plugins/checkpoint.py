@@ -1,0 +1,195 @@
+"""Sharded checkpoints: every rank writes its own shards (PyTorch distributed checkpoint), keyed by the
+unparallelized model's parameter names, so a checkpoint saved in one layout loads in any other (DCP reshards
+DTensors by their global shape).
+
+A checkpoint directory ``step-00000042`` holds the DCP shards of the model and the optimizer, one RNG file per
+rank and ``ultrascale.json`` (step, layout, optimizer hyper-parameters, caller's extra state, file sizes). It is
+written under a temporary name and renamed when every rank has finished, so a crash during a save leaves the
+previous checkpoints untouched and no partial directory ever looks complete. Loading never unpickles objects:
+tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from .config import ConfigError
+
+META = "ultrascale.json"
+PREFIX = "step-"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded: missing, incomplete, truncated, or from an incompatible run."""
+
+
+def _model_state(pmodel) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for part in pmodel.modules:
+        state.update(get_model_state_dict(part))
+    return state
+
+
+def _param_names(pmodel) -> dict[int, list[str]]:
+    """Every name of every parameter: a tied embedding/head weight is stored under both names, so a layout that
+    holds only one of them (a pipeline's first or last stage) finds its state."""
+    names: dict[int, list[str]] = {}
+    for part in pmodel.modules:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _optimizer_state(pmodel, optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimizer state keyed by parameter name (``<fqn>.<exp_avg|...>``), and the hyper-parameters per group."""
+    names = _param_names(pmodel)
+    tensors: dict[str, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str,
+                                                                                         type(None), list, tuple))})
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    for name in names[id(p)]:
+                        tensors[f"{name}.{key}"] = value
+    return tensors, groups
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Allocate the optimizer's state tensors (in this layout) with a zero-gradient, zero-lr step, so DCP can
+    load into them. The values are overwritten by the load."""
+    if all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        if "weight_decay" in g:
+            g["weight_decay"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, (lr, wd) in zip(optimizer.param_groups, saved):
+        g["lr"] = lr
+        if wd is not None:
+            g["weight_decay"] = wd
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extra: dict | None = None,
+                    keep_last_n: int | None = None) -> Path:
+    """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)."""
+    if pmodel.config.zero_stage == 1 and pmodel.data_parallel_size > 1:
+        raise ConfigError("zero_stage=1: checkpoints of ZeroRedundancyOptimizer's partitioned state are not "
+                          "available yet. Fix: use zero_stage: 2 or 3 to checkpoint")
+    rank = dist.get_rank()
+    directory = Path(directory)
+    final = directory / f"{PREFIX}{step:08d}"
+    tmp = directory / f".tmp-{PREFIX}{step:08d}"
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    model_state = _model_state(pmodel)
+    optim_tensors, groups = _optimizer_state(pmodel, optimizer)
+    dcp.save({"model": model_state, "optim": optim_tensors}, checkpoint_id=str(tmp))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / "rng" / f"rank{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
+                "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__,
+                                                                 "param_groups": groups},
+                "extra": extra or {}, "files": files}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if final.exists():  # the same step saved again: keep the old one until the new one is complete
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep_last_n:
+            complete = list_checkpoints(directory)
+            for old in complete[:-keep_last_n]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    meta_file = path / META
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' does not exist. Fix: pass a step-XXXXXXXX directory")
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {META}: the save did not finish). Fix: "
+                              "resume from an earlier checkpoint")
+    meta = json.loads(meta_file.read_text())
+    for name, size in meta.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' is missing. Fix: restore it or resume "
+                                  "from another checkpoint")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' is truncated or corrupted ({f.stat().st_size} "
+                                  f"bytes, {size} written). Fix: resume from another checkpoint")
+    return meta
+
+
+def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, directory: str | Path | None = None
+                    ) -> dict:
+    """Restore model, optimizer (and RNG when the world size is unchanged) in the current layout, whatever the
+    layout it was saved in. ``path`` is a checkpoint, or ``directory`` holds them (the newest is used).
+    Returns the checkpoint's metadata (``step``, ``extra``, ...)."""
+    if path is None:
+        found = list_checkpoints(directory) if directory is not None else []
+        if not found:
+            raise CheckpointError(f"no complete checkpoint in '{directory}'. Fix: pass a checkpoint path")
+        path = found[-1]
+    path = Path(path)
+    meta = read_meta(path)
+    model_state = _model_state(pmodel)
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        _init_optimizer_state(optimizer)
+        state["optim"], _ = _optimizer_state(pmodel, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # DCP reports the failing rank's error; say which checkpoint
+        raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
+    for part in pmodel.modules:
+        own = set(get_model_state_dict(part))
+        set_model_state_dict(part, {k: v for k, v in model_state.items() if k in own})
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
+            group.update(saved)
+    rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta
