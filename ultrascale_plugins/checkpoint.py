@@ -125,7 +125,8 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
         meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
                 "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__,
                                                                  "param_groups": groups},
-                "extra": extra or {}, "files": files}
+                "extra": extra or {}, "files": files,
+                "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # the same step saved again: keep the old one until the new one is complete
             shutil.rmtree(final)

@@ -77,6 +77,14 @@ def cmd_plugins(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export_hf
+
+    out = export_hf(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"ultrascale: wrote {out} (load it with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultrascale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
                             "the layout may differ from the one it was saved in")
     train.set_defaults(func=cmd_train)
+    export = sub.add_parser("export", help="write a Hugging Face directory from a sharded checkpoint")
+    export.add_argument("checkpoint", help="a step-XXXXXXXX checkpoint directory (any layout)")
+    export.add_argument("out_dir", help="a new (or empty) directory")
+    export.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
+    export.set_defaults(func=cmd_export)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     plugins.set_defaults(func=cmd_plugins)
     return parser

@@ -1,0 +1,79 @@
+"""Export a sharded checkpoint (any layout) to a Hugging Face directory: safetensors shards, config.json and
+generation_config.json, streamed tensor by tensor so memory stays bounded by one output shard.
+
+    ultrascale export runs/ckpt/step-00000040 out/my-model
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpoint import CheckpointError, read_meta
+
+MODEL_PREFIX = "model."
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 2**30,
+              dtype: torch.dtype | None = None) -> Path:
+    """Write ``out_dir`` so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model.
+    Runs in one process, no process group needed."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    meta = read_meta(checkpoint)
+    if "model_config" not in meta:
+        raise CheckpointError(f"checkpoint '{checkpoint}' carries no model config. Fix: save it with this version "
+                              "of ultrascale-plugins")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
+                              "overwritten)")
+    cfg_dict = dict(meta["model_config"])
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    md = FileSystemReader(str(checkpoint)).read_metadata()
+    names = sorted(k[len(MODEL_PREFIX):] for k, v in md.state_dict_metadata.items()
+                   if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata))
+    if tied:  # transformers stores a tied head once, under the embedding's name
+        names = [n for n in names if n != "lm_head.weight"] if any("embed" in n or "wte" in n for n in names) \
+            else names
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[list[str]] = []  # tensor names per shard file; tensors leave memory once written
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def write_shard() -> None:
+        nonlocal current, size
+        save_file(current, str(out / f"part-{len(written)}.safetensors"), metadata={"format": "pt"})
+        written.append(list(current))
+        current, size = {}, 0
+
+    for name in names:
+        tmd = md.state_dict_metadata[MODEL_PREFIX + name]
+        tensor = torch.empty(tmd.size, dtype=tmd.properties.dtype)
+        dcp.load({MODEL_PREFIX + name: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            write_shard()
+        current[name] = tensor.contiguous()
+        size += nbytes
+    if current:
+        write_shard()
+    index = {}
+    for i, tensor_names in enumerate(written):
+        final = "model.safetensors" if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        (out / f"part-{i}.safetensors").rename(out / final)
+        index.update({name: final for name in tensor_names})
+    if len(written) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index},
+                                                                      indent=1))
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    return out
