@@ -161,3 +161,37 @@ def test_export_of_sharded_checkpoints_matches_one_process_training(sharded_run,
             out = export_hf(sharded_run / layout / "step-00000003", tmp_path / f"hf-{layout}")
             got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
             assert (got - expected).abs().max() <= tol, layout
+
+
+def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
+    pmodel, opt = one_process
+
+    class Counter:
+        def __init__(self):
+            self.seen = torch.tensor([0.0])
+            self.name = "start"
+
+        @us.hookimpl
+        def ultrascale_state_dict(self, pmodel, state):
+            state["counter.seen"] = self.seen
+            state["counter.name"] = self.name
+
+        @us.hookimpl
+        def ultrascale_load_state_dict(self, pmodel, state):
+            self.seen.copy_(state["counter.seen"])
+            self.name = state["counter.name"]
+
+    counter = Counter()
+    us.register(counter, name="counter")
+    try:
+        counter.seen.fill_(41.0)
+        counter.name = "after step 1"
+        path = save_checkpoint(pmodel, opt, tmp_path, step=1)
+        counter.seen.fill_(0.0)
+        counter.name = "changed"
+        load_checkpoint(pmodel, opt, path)
+        assert counter.seen.item() == 41.0 and counter.name == "after step 1"
+    finally:
+        from ultrascale_plugins import plugins
+
+        plugins.unregister(name="counter")

@@ -86,6 +86,21 @@ def _init_optimizer_state(optimizer) -> None:
             g["weight_decay"] = wd
 
 
+def _plugin_state(pmodel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What plugins add through ``ultrascale_state_dict``: tensors go into the sharded files, other values
+    (which must be JSON) into ``ultrascale.json``."""
+    state: dict[str, Any] = {}
+    pmodel.pm.hook.ultrascale_state_dict(pmodel=pmodel, state=state)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    values = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    try:
+        json.dumps(values)
+    except TypeError as exc:
+        raise ConfigError(f"a plugin's ultrascale_state_dict returned a value that is neither a tensor nor JSON "
+                          f"({exc}). Fix: return tensors, numbers, strings, lists or dicts") from None
+    return tensors, values
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Complete checkpoints in ``directory``, oldest first."""
     d = Path(directory)
@@ -114,7 +129,8 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
     dist.barrier()
     model_state = _model_state(pmodel)
     optim_tensors, groups = _optimizer_state(pmodel, optimizer)
-    dcp.save({"model": model_state, "optim": optim_tensors}, checkpoint_id=str(tmp))
+    plugin_tensors, plugin_values = _plugin_state(pmodel)
+    dcp.save({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -125,7 +141,7 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
         meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
                 "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__,
                                                                  "param_groups": groups},
-                "extra": extra or {}, "files": files,
+                "extra": extra or {}, "files": files, "plugins": plugin_values,
                 "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # the same step saved again: keep the old one until the new one is complete
@@ -173,7 +189,8 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     path = Path(path)
     meta = read_meta(path)
     model_state = _model_state(pmodel)
-    state: dict[str, Any] = {"model": model_state}
+    plugin_tensors, _ = _plugin_state(pmodel)  # this layout's tensors, filled in place by the load
+    state: dict[str, Any] = {"model": model_state, "plugins": plugin_tensors}
     if optimizer is not None:
         _init_optimizer_state(optimizer)
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
@@ -187,6 +204,7 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
             group.update(saved)
+    pmodel.pm.hook.ultrascale_load_state_dict(pmodel=pmodel, state={**plugin_tensors, **meta.get("plugins", {})})
     rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
