@@ -1,6 +1,5 @@
 """A failing or stalled rank ends the job with an error within the collective timeout, never a hang."""
 import json
-import sys
 import time
 from pathlib import Path
 

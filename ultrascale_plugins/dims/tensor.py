@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 from ..config import ConfigError
 from ..hookspecs import hookimpl
-from .pipeline import Absent
+from .pipeline_split import Absent
 from .tp_styles import make_style, redistribute_first_input, redistribute_output
 
 

@@ -1,0 +1,198 @@
+"""The pipeline at run time on one rank: its stages under a ``torch.distributed.pipelining`` schedule, the
+loss scaling that makes a pipelined step equal the unpipelined one, tied-weight gradient sums, a forward-only
+validation pass and per-step busy/idle timing."""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..config import ConfigError
+from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, Absent, microbatches
+
+
+class Pipeline:
+    """The schedule and its stages on this rank; built lazily after every other phase has transformed the
+    stage modules (PipelineStage must wrap the final, FSDP-sharded module)."""
+
+    def __init__(self, ctx, stage_ids, n_stages, counts):
+        self.ctx, self.stage_ids, self.n_stages, self.counts = ctx, stage_ids, n_stages, counts
+        self.schedule = None
+        self.scale = 1.0
+        pp_mesh = ctx.sub_mesh("pp")
+        self.pp_group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.has_first = 0 in stage_ids
+        self.has_last = n_stages - 1 in stage_ids
+        self.tied = bool(ctx.plan is not None and ctx.plan.tied)
+        self.tie_group = None
+        self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
+        self._busy = 0.0
+
+    def _loss(self, logits, targets):
+        from ..loss import token_loss_sum
+
+        return token_loss_sum(logits, targets) * self.scale
+
+    def build(self):
+        from torch.distributed import pipelining
+
+        cfg = self.ctx.config
+        stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group)
+                  for m, sid in zip(self.ctx.modules, self.stage_ids)]
+        names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
+        cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
+        for stage in stages:
+            self._time_compute(stage)
+        arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
+        self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
+        if self.tied:
+            self._init_tie_group()
+
+    def _time_compute(self, stage) -> None:
+        """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of
+        a step is bubble or communication. Wraps the stage's own methods; nothing else changes."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            inner = getattr(stage, name, None)
+            if inner is None:
+                continue
+
+            def timed(*args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self._busy += time.perf_counter() - start
+
+            setattr(stage, name, functools.wraps(inner)(timed))
+
+    def _init_tie_group(self):
+        """Ranks holding the first and the last stage with the same data/tensor coordinates sum the tied
+        embedding/head gradient. With V-shaped schedules both stages live on pp rank 0: summed locally."""
+        mesh = self.ctx.mesh
+        if self.ctx.config.pp_schedule in V_SHAPED:
+            return
+        grid = mesh.mesh  # pp is the outermost axis
+        firsts, lasts = grid[0].flatten().tolist(), grid[-1].flatten().tolist()
+        me = dist.get_rank()
+        for a, b in zip(firsts, lasts):
+            group = dist.new_group([a, b], timeout=_timeout())
+            if me in (a, b):
+                self.tie_group = group
+
+    def tied_params(self) -> list[nn.Parameter]:
+        out = []
+        for m in self.ctx.modules:
+            sid = m.pipeline_stage[0]
+            embed = m.get_input_embeddings()
+            if sid == 0 and not isinstance(embed, Absent):
+                out.append(embed.weight)
+            elif sid == self.n_stages - 1 and not isinstance(m.lm_head, Absent):
+                out.append(m.lm_head.weight)
+        return out
+
+    def sync_tied_grads(self):
+        if not self.tied:
+            return
+        params = [p for p in self.tied_params() if p.grad is not None]
+        if not params:
+            return
+        for p in params:  # an embedding's gradient may come back replicated: give it the weight's layout
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        if self.tie_group is not None:
+            dist.all_reduce(total, group=self.tie_group)
+        for g in local:
+            g.copy_(total)
+
+    def pp_index_of_stage(self, stage: int) -> int:
+        p = self.ctx.config.pp
+        if self.ctx.config.pp_schedule in V_SHAPED:
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    @torch.no_grad()
+    def _forward_only(self, ids, mask, positions, targets) -> torch.Tensor:
+        """Validation pass: the whole local batch through the stages in order, hidden states sent point to point.
+        Written here because torch's ``schedule.eval()`` replays the training action list (with its backward
+        actions) on the multi-stage schedules and fails there."""
+        from ..loss import token_loss_sum
+
+        modules = dict(zip(self.stage_ids, self.ctx.modules))
+        hidden_size = self.ctx.modules[0].config.hidden_size
+        x, loss_sum = None, torch.zeros((), device=ids.device)
+        for stage in range(self.n_stages):
+            if stage not in modules:
+                continue
+            if stage == 0:
+                x = ids
+            elif stage - 1 not in modules:
+                x = torch.empty(*ids.shape, hidden_size, device=ids.device)
+                dist.recv(x, src=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage - 1)),
+                          group=self.pp_group)
+            out = modules[stage](x, mask, positions)
+            if stage == self.n_stages - 1:
+                loss_sum = token_loss_sum(out, targets)
+                break
+            x = out[0]
+            if stage + 1 not in modules:
+                dist.send(x.float().contiguous(),
+                          dst=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage + 1)),
+                          group=self.pp_group)
+        return loss_sum
+
+    def step(self, pmodel, batch, train: bool) -> torch.Tensor:
+        from ..loss import shifted_targets
+
+        if self.schedule is None:
+            self.build()
+        batch = pmodel.to_device(batch)
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(ids)
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+        m = microbatches(self.ctx.config)
+        if train and ids.shape[0] % m:
+            raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
+                              f"{m} micro-batches. Fix: make the per-rank batch a multiple of {m}")
+        targets = shifted_targets(batch)
+        count = pmodel.global_token_count(targets)
+        for module in self.ctx.modules:
+            module.train(train)
+        total = torch.zeros((), dtype=torch.float64, device=ids.device)
+        with pmodel.autocast():
+            if train:
+                self.scale = (pmodel.data_parallel_size / count).item()
+                losses: list = []
+                kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                self._busy, start = 0.0, time.perf_counter()
+                self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
+                elapsed = time.perf_counter() - start
+                self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
+                                        "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
+                for hook in self.ctx.extras.get("post_backward", []):  # e.g. data-parallel averaging
+                    hook()
+                self.sync_tied_grads()
+                if self.has_last:
+                    total += sum(float(loss.detach()) for loss in losses) / self.scale
+            else:
+                total += float(self._forward_only(ids, mask, positions, targets))
+        for module in self.ctx.modules:
+            module.train()
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
+        return pmodel.reduce_loss(total, count)
+
+
+def _timeout():
+    from ..launch import collective_timeout
+
+    return collective_timeout()

@@ -1,0 +1,126 @@
+"""Splitting a Hugging Face decoder into pipeline stages, and which stages live on which rank.
+
+Every stage is a copy of the causal LM in which the modules other stages own are replaced by ``Absent``
+placeholders (no parameters, hidden states pass through). Layers keep their index in the ``ModuleList``, so
+parameter names (FQNs) are those of the unsplit model and a checkpoint from one layout loads in another. Each stage
+runs the model's own forward — embeddings (first stage), rotary embeddings, causal and padding masks, positions
+(every stage, on the full sequence), norm and head (last stage) — so nothing about the architecture is
+re-implemented here.
+"""
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from ..config import ConfigError
+
+SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
+V_SHAPED = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+class Absent(nn.Module):
+    """Placeholder for a module another pipeline stage owns: no parameters, passes its input through."""
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        return hidden_states
+
+
+def stages_per_rank(config) -> int:
+    if config.pp_schedule in V_SHAPED:
+        return 2
+    if config.pp_schedule in LOOPED:
+        return config.pp_virtual_stages
+    return 1
+
+
+def microbatches(config) -> int:
+    return config.pp_microbatches or config.pp * stages_per_rank(config)
+
+
+def stage_ids_for_rank(config, pp_rank: int) -> list[int]:
+    p, v = config.pp, stages_per_rank(config)
+    if config.pp_schedule in V_SHAPED:
+        return [pp_rank, 2 * p - 1 - pp_rank]
+    return [pp_rank + k * p for k in range(v)]
+
+
+def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[int]:
+    """Contiguous layer counts per stage minimising the most loaded stage, where the embedding (first stage) and
+    the head (last stage) count as ``embed_cost`` / ``head_cost`` layers of work. Every stage gets a layer."""
+    best: dict = {}
+
+    def solve(stage: int, start: int):  # -> (max cost, counts) for stages stage.. over layers start..
+        key = (stage, start)
+        if key in best:
+            return best[key]
+        left = n_stages - stage
+        extra = (embed_cost if stage == 0 else 0.0) + (head_cost if stage == n_stages - 1 else 0.0)
+        if left == 1:
+            result = (n_layers - start + extra, [n_layers - start])
+        else:
+            result = (float("inf"), [])
+            for count in range(1, n_layers - start - (left - 1) + 1):
+                rest_cost, rest = solve(stage + 1, start + count)
+                cost = max(count + extra, rest_cost)
+                if cost < result[0]:
+                    result = (cost, [count, *rest])
+        best[key] = result
+        return result
+
+    return solve(0, 0)[1]
+
+
+def stage_layer_counts(config, n_layers: int) -> list[int]:
+    n_stages = config.pp * stages_per_rank(config)
+    if config.pp_split:
+        return list(config.pp_split)
+    return split_layers(n_layers, n_stages)
+
+
+def _base(model):
+    return getattr(model, model.base_model_prefix)
+
+
+def pp_parts(model) -> tuple[list[str], str, list[str]]:
+    """(modules before the layers, the layers' ModuleList, modules after) of the base model, read from the
+    architecture's ``base_model_pp_plan`` (``embed_tokens``/``layers``/``norm``, ``embed_in``/``emb_dropout``/
+    ``layers``/``final_layer_norm``, ...)."""
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    base = _base(model) if hasattr(model, "base_model_prefix") else None
+    names = [n for n in plan if base is not None and hasattr(base, n)]
+    lists = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
+    if len(lists) != 1 or not hasattr(model, "lm_head"):
+        raise ConfigError(f"pp>1: model type '{model.config.model_type}' has no usable pipeline plan "
+                          "(base_model_pp_plan naming its embeddings, layer list and final norm). Fix: use pp: 1, "
+                          "or a model such as Llama, Qwen2, Mistral or GPT-NeoX")
+    i = names.index(lists[0])
+    return names[:i], lists[0], names[i + 1:]
+
+
+def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.Module:
+    before, layers_name, after = pp_parts(model)
+    stage = copy.deepcopy(model)
+    base = _base(stage)
+    layers = getattr(base, layers_name)
+    for i in range(len(layers)):
+        if i not in layer_range:
+            layers[i] = Absent()
+    first, last = stage_id == 0, stage_id == n_stages - 1
+    for name in (before if not first else []) + (after if not last else []):
+        setattr(base, name, Absent())
+    if not last:
+        stage.lm_head = Absent()
+
+    def forward(x, attention_mask, position_ids):
+        inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+        out = base(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state
+        if last:
+            return stage.lm_head(hidden)
+        return hidden, attention_mask, position_ids
+
+    stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
+    stage.pipeline_stage = (stage_id, n_stages)
+    return stage
