@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
-from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, Absent, microbatches
+from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, Absent, microbatches, pp_rank_of_stage
 
 
 class Pipeline:
@@ -111,12 +111,6 @@ class Pipeline:
         for g in local:
             g.copy_(total)
 
-    def pp_index_of_stage(self, stage: int) -> int:
-        p = self.ctx.config.pp
-        if self.ctx.config.pp_schedule in V_SHAPED:
-            return stage if stage < p else 2 * p - 1 - stage
-        return stage % p
-
     @torch.no_grad()
     def _forward_only(self, ids, mask, positions, targets) -> torch.Tensor:
         """Validation pass: the whole local batch through the stages in order, hidden states sent point to point.
@@ -134,16 +128,17 @@ class Pipeline:
                 x = ids
             elif stage - 1 not in modules:
                 x = torch.empty(*ids.shape, hidden_size, device=ids.device)
-                dist.recv(x, src=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage - 1)),
-                          group=self.pp_group)
+                src = pp_rank_of_stage(self.ctx.config, stage - 1)
+                dist.recv(x, src=dist.get_global_rank(self.pp_group, src), group=self.pp_group)
             out = modules[stage](x, mask, positions)
             if stage == self.n_stages - 1:
                 loss_sum = token_loss_sum(out, targets)
                 break
             x = out[0]
             if stage + 1 not in modules:
+                dst_rank = pp_rank_of_stage(self.ctx.config, stage + 1)
                 dist.send(x.float().contiguous(),
-                          dst=dist.get_global_rank(self.pp_group, self.pp_index_of_stage(stage + 1)),
+                          dst=dist.get_global_rank(self.pp_group, dst_rank),
                           group=self.pp_group)
         return loss_sum
 

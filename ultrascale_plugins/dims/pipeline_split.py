@@ -46,6 +46,14 @@ def stage_ids_for_rank(config, pp_rank: int) -> list[int]:
     return [pp_rank + k * p for k in range(v)]
 
 
+def pp_rank_of_stage(config, stage: int) -> int:
+    """The pipeline rank holding ``stage`` (the inverse of ``stage_ids_for_rank``)."""
+    p = config.pp
+    if config.pp_schedule in V_SHAPED:
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
 def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[int]:
     """Contiguous layer counts per stage minimising the most loaded stage, where the embedding (first stage) and
     the head (last stage) count as ``embed_cost`` / ``head_cost`` layers of work. Every stage gets a layer."""
