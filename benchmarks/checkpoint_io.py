@@ -35,16 +35,31 @@ warnings.filterwarnings("ignore")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+def anon_rss() -> int:
+    """Resident anonymous memory (heap: tensors, buffers), without file pages mapped from disk (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return psutil.Process().memory_info().rss
+
+
 class PeakRSS:
+    """Peak rise of resident memory while the block runs; ``anon=True`` counts heap only (a file read through
+    mmap, as safetensors does, shows up in RSS as page cache that the kernel can drop)."""
+
+    def __init__(self, anon: bool = False):
+        self.measure = anon_rss if anon else (lambda: psutil.Process().memory_info().rss)
+
     def __enter__(self):
-        self.proc, self.base, self.peak, self.stop = psutil.Process(), psutil.Process().memory_info().rss, 0, False
+        self.base, self.peak, self.stop = self.measure(), 0, False
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
         return self
 
     def _poll(self):
         while not self.stop:
-            self.peak = max(self.peak, self.proc.memory_info().rss - self.base)
+            self.peak = max(self.peak, self.measure() - self.base)
             time.sleep(0.005)
 
     def __exit__(self, *exc):
@@ -52,9 +67,9 @@ class PeakRSS:
         self.thread.join()
 
 
-def timed(fn) -> tuple[float, float]:
+def timed(fn, anon: bool = False) -> tuple[float, float]:
     dist.barrier()
-    with PeakRSS() as mem:
+    with PeakRSS(anon) as mem:
         start = time.perf_counter()
         fn()
         dist.barrier()

@@ -4,6 +4,8 @@
                                same layout (must be bit-exact), in tp2 x dp2 + SP; save from pp2 x tp2 and resume
                                in dp_shard=4. Writes OUT_DIR/result.json.
     reshard_world OUT_DIR      (2 ranks) resume the 4-rank dp_shard=4 checkpoint with tp=2.
+    pretrained OUT_DIR         (4 ranks) load a sharded save_pretrained directory into several layouts from the
+                               meta device; compare weights, logits and loss with transformers' own load.
 """
 import json
 import logging
@@ -50,6 +52,47 @@ def resumed(layout: dict, path) -> list[float]:
     return train(pmodel, opt, range(meta["extra"]["data_position"], STEPS))
 
 
+PRETRAINED_LAYOUTS = {
+    "dp_shard4": {"dp_shard": 4},
+    "tp2_dp2_sp": {"tp": 2, "dp_shard": 2, "sequence_parallel": True},
+    "ddp4": {"zero_stage": 0},
+    "pp2_tp2": {"pp": 2, "tp": 2, "dp_shard": 1},
+    "pp2_zbv_dp2": {"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"},
+    "pp4_interleaved": {"pp": 4, "dp_shard": 1, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+}
+
+
+def pretrained(out: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.pretrained import from_pretrained
+
+    hf_dir = out / "hf"
+    if dist.get_rank() == 0:  # several safetensors files, tied head stored once
+        make_model(ARCH, seed=3).save_pretrained(hf_dir, max_shard_size="200KB")
+    dist.barrier()
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir)
+    ref_state = ref.state_dict()
+    batch = BATCHES[0]
+    with torch.no_grad():
+        ref_logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    result = {"files": len(list(hf_dir.glob("*.safetensors")))}
+    for name, layout in PRETRAINED_LAYOUTS.items():
+        pmodel = from_pretrained(hf_dir, us.ParallelConfig(**layout))
+        full = pmodel.full_state_dict()
+        r = {"keys_equal": set(full) == set(ref_state),
+             "weight_diff": max((full[k] - ref_state[k]).abs().max().item() for k in ref_state)}
+        local = rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)
+        ref_loss = ref(**batch).loss.item()
+        r["loss_diff"] = abs(pmodel.eval_step(local).item() - ref_loss)
+        if layout.get("pp", 1) == 1:
+            with torch.no_grad():
+                logits = pmodel(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            r["logits_diff"] = (logits - ref_logits).abs().max().item()
+        result[name] = r
+    return result
+
+
 def main():
     mode, out = sys.argv[1], Path(sys.argv[2])
     us.init_distributed(timeout=120)
@@ -67,6 +110,8 @@ def main():
         ckpt_pp = save_checkpoint(pmodel, opt, out / "pp2tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})
         result["pp2_tp2_to_dp4"] = resumed(a, ckpt_pp)
         result["dp4_to_pp2_zbv_dp2"] = resumed({"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"}, ckpt)
+    elif mode == "pretrained":
+        result = pretrained(out)
     else:
         result["tp2_from_4_ranks"] = resumed({"tp": 2, "dp_shard": 1}, out / "dp4" / f"step-{SAVE_AT:08d}")
     if dist.get_rank() == 0:

@@ -39,6 +39,22 @@ def test_resume_is_exact_and_reshards_across_layouts_and_world_sizes(sharded_run
         assert max(abs(a - b) for a, b in zip(r[name], expected)) <= 1e-5, (name, r[name], expected)
 
 
+@pytest.mark.slow
+def test_pretrained_weights_load_into_every_layout_from_the_meta_device(tmp_path):
+    from checkpoint_worker import PRETRAINED_LAYOUTS
+
+    proc = torchrun(4, WORKER, "pretrained", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "pretrained.json").read_text())
+    assert r["files"] > 1  # a sharded save_pretrained directory
+    for name, layout in PRETRAINED_LAYOUTS.items():
+        assert r[name]["keys_equal"], name
+        assert r[name]["weight_diff"] == 0.0, (name, r[name])
+        assert r[name]["loss_diff"] <= 1e-5, (name, r[name])
+        if layout.get("pp", 1) == 1:
+            assert r[name]["logits_diff"] <= 1e-5, (name, r[name])
+
+
 @pytest.fixture
 def one_process():
     pmodel = us.parallelize(make_model("llama"), us.ParallelConfig())

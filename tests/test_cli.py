@@ -100,3 +100,29 @@ def test_resume_from_the_command_line_continues_exactly(tmp_path):
 
 def test_resume_from_a_bad_path_is_one_line(tmp_path):
     assert_clean_error(ultrascale("train", "--resume", str(tmp_path)), "no complete checkpoint")
+
+
+@pytest.mark.slow
+def test_init_from_an_exported_checkpoint_in_another_layout(tmp_path):
+    """train (ZeRO-3) -> export to an HF directory -> --init-from it under TP: with lr=0 the model is unchanged,
+    so the validation loss equals the first run's."""
+    common = ["--nproc", "2", "--set", "pp=1", "--set", "sequence_parallel=false", "--set", "train.log_every=1"]
+    first = tmp_path / "first.json"
+    proc = ultrascale("train", *common, "--set", "tp=1", "--set", "dp_shard=2", "--set", "train.steps=3",
+                      "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--metrics", str(first))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = ultrascale("export", str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    second = tmp_path / "second.json"
+    proc = ultrascale("train", *common, "--set", "tp=2", "--set", "dp_shard=1", "--set", "train.steps=1",
+                      "--set", "train.lr=0", "--set", "train.warmup_steps=0", "--init-from", str(tmp_path / "hf"),
+                      "--metrics", str(second))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"from {tmp_path / 'hf'}" in proc.stdout
+    a, b = json.loads(first.read_text())["val_loss"], json.loads(second.read_text())["val_loss"]
+    assert abs(a - b) <= 1e-5, (a, b)
+
+
+def test_init_from_a_directory_without_weights_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256}))
+    assert_clean_error(ultrascale("train", "--init-from", str(tmp_path)), "no *.safetensors")

@@ -16,12 +16,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_recipe(recipe) -> None:
-    """Every check that can run before a worker starts: recipe keys and types, layout vs world size and model,
-    batch vs data-parallel degree."""
+def check_recipe(recipe, init_from: str | None = None) -> None:
+    """Every check that can run before a worker starts: recipe keys and types, pretrained weights, layout vs
+    world size and model, batch vs data-parallel degree."""
     from .engine import validate
 
-    resolved = validate(recipe.parallel, recipe.model_config(), recipe.nproc)
+    model_config = recipe.model_config()
+    if init_from:
+        from .pretrained import prepare
+
+        weights, model = prepare(init_from)
+        model_config = model.config
+        if model_config.vocab_size < 256:
+            raise ConfigError(f"--init-from {init_from}: vocab_size={model_config.vocab_size}, but the byte-level "
+                              "corpus uses token ids up to 255. Fix: use a model with a vocabulary of 256 or more")
+    resolved = validate(recipe.parallel, model_config, recipe.nproc)
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
@@ -34,7 +43,7 @@ def cmd_train(args) -> int:
     if args.nproc is not None:
         overrides.append(f"nproc={args.nproc}")
     recipe = load_recipe(args.recipe, overrides)
-    check_recipe(recipe)
+    check_recipe(recipe, args.init_from)
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
     if args.recipe:
         worker.append(os.path.abspath(args.recipe))
@@ -54,6 +63,8 @@ def cmd_train(args) -> int:
             resume = str(found[-1])
         read_meta(resume)  # missing, incomplete or truncated: refused before any worker starts
         worker += ["--resume", resume]
+    if args.init_from:
+        worker += ["--init-from", os.path.abspath(args.init_from)]
     if "RANK" in os.environ or recipe.nproc == 1:  # already under torchrun / SLURM, or one process
         return subprocess.call(worker)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(recipe.nproc),
@@ -97,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="PATH",
                        help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
                             "the layout may differ from the one it was saved in")
+    train.add_argument("--init-from", metavar="HF_DIR",
+                       help="start from pretrained weights (a save_pretrained directory, safetensors); the model "
+                            "section of the recipe is replaced by its config.json; each rank reads only its shards")
     train.set_defaults(func=cmd_train)
     export = sub.add_parser("export", help="write a Hugging Face directory from a sharded checkpoint")
     export.add_argument("checkpoint", help="a step-XXXXXXXX checkpoint directory (any layout)")

@@ -35,6 +35,16 @@ class ParallelContext:
     autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
     extras: dict = dataclasses.field(default_factory=dict)  # free room for third-party plugins
 
+    _materializer: Any = None
+
+    def materialize(self) -> None:
+        """Give a meta-device model's parameters storage and their values, in their layout at this point (once).
+        The engine calls it after the last phase; a phase that needs real tensors (DDP broadcasts them when it
+        wraps the model) calls it first."""
+        if self._materializer is not None:
+            load, self._materializer = self._materializer, None
+            load()
+
     def sub_mesh(self, name: str):
         return sub_mesh(self.mesh, name)
 
@@ -83,8 +93,13 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     return est
 
 
-def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None) -> "ParallelModel":
-    """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``."""
+def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None,
+                init_weights=None) -> "ParallelModel":
+    """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``.
+
+    ``model`` may live on the meta device (``pretrained.empty_model``); then ``init_weights`` (an object with
+    ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``) gives every rank's shards storage and values
+    once the layout is final, so no rank ever holds the whole model."""
     if config is None:
         config = ParallelConfig()
     elif isinstance(config, dict):
@@ -98,12 +113,21 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         launch.init_distributed()
     plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
     mesh = build_mesh(device.type, declared_axes(resolved, pm))
-    model.to(device)
     ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device, modules=[model])
+    if any(p.is_meta for p in model.parameters()):
+        if init_weights is None:
+            raise ConfigError("the model's parameters are on the meta device and no weights were given. Fix: use "
+                              "ultrascale_plugins.pretrained.from_pretrained(HF_DIR, config), or build the model "
+                              "with real tensors")
+        buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+        ctx._materializer = lambda: init_weights.load(ctx, buffers)
+    else:
+        model.to(device)
     for phase in TRANSFORM_PHASES:
         # the pipeline phase may replace ctx.modules by this rank's stages; later phases transform each
         for module in list(ctx.modules):
             pm.hook.ultrascale_transform_model(model=module, ctx=ctx, phase=phase)
+    ctx.materialize()
     return ParallelModel(ctx.modules[0], ctx, pm)
 
 

@@ -45,7 +45,8 @@ def quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None) -> dict:
+def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
+        init_from: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()
@@ -55,8 +56,14 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     device = launch.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(recipe.train.seed)
-    model = AutoModelForCausalLM.from_config(recipe.model_config())
-    pmodel = engine.parallelize(model, recipe.parallel, device=device)
+    if init_from:
+        from .pretrained import from_pretrained
+
+        pmodel = from_pretrained(init_from, recipe.parallel, device=device)
+    else:
+        pmodel = engine.parallelize(AutoModelForCausalLM.from_config(recipe.model_config()), recipe.parallel,
+                                    device=device)
+    model = pmodel.module
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
                                        weight_decay=recipe.train.weight_decay)
     data = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len, recipe.train.global_batch,
@@ -75,8 +82,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         from tqdm import tqdm
 
         n_params = sum(p.numel() for p in model.parameters())
+        source = f" from {init_from}" if init_from else ""
         print(f"ultrascale: {world} processes, layout {describe(recipe.parallel, pmodel)}, "
-              f"model {recipe.model.get('model_type')} {n_params / 1e6:.2f}M params (per-rank shards), "
+              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params (per-rank shards), "
               f"{recipe.train.steps} steps", flush=True)
         bar = tqdm(total=recipe.train.steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0 if not sys.stdout.isatty() else 0.1)
@@ -155,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--metrics", default=os.environ.get("ULTRASCALE_METRICS"))
     parser.add_argument("--resume")
+    parser.add_argument("--init-from")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        run(recipe, args.metrics, args.resume)
+        run(recipe, args.metrics, args.resume, args.init_from)
     except ConfigError as exc:
         print(f"ultrascale: error: {exc}", file=sys.stderr)
         return 2

@@ -65,6 +65,7 @@ def ultrascale_transform_model(model, ctx, phase):
         if not any(getattr(h, "is_dp_allreduce", False) for h in hooks):
             hooks.append(_allreduce_hook(ctx, dp_mesh.get_group(), dp_mesh.size()))
         return
+    ctx.materialize()  # DDP broadcasts rank 0's parameters when it wraps the model: they must exist
     ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
