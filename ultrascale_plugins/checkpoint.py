@@ -111,14 +111,30 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extra: dict | None = None,
                     keep_last_n: int | None = None) -> Path:
-    """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)."""
+    """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)
+    as ``directory/step-XXXXXXXX``, keeping the newest ``keep_last_n``."""
+    directory = Path(directory)
+    final = write_checkpoint(pmodel, optimizer, directory / f"{PREFIX}{step:08d}", step=step, extra=extra)
+    if keep_last_n and dist.get_rank() == 0:
+        for old in list_checkpoints(directory)[:-keep_last_n]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: dict | None = None,
+                     files: dict[str, Any] | None = None) -> Path:
+    """Write a sharded checkpoint at exactly ``final`` (complete, or not there at all). ``files`` are more
+    objects to store beside it (name -> tensors/containers/numbers), read back with ``torch.load(weights_only)``
+    by ``read_file``."""
     if pmodel.config.zero_stage == 1 and pmodel.data_parallel_size > 1:
         raise ConfigError("zero_stage=1: checkpoints of ZeroRedundancyOptimizer's partitioned state are not "
                           "available yet. Fix: use zero_stage: 2 or 3 to checkpoint")
     rank = dist.get_rank()
-    directory = Path(directory)
-    final = directory / f"{PREFIX}{step:08d}"
-    tmp = directory / f".tmp-{PREFIX}{step:08d}"
+    final = Path(final)
+    directory = final.parent
+    tmp = directory / f".tmp-{final.name}"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -134,6 +150,9 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / "rng" / f"rank{rank:05d}.pt")
+    if rank == 0:
+        for name, obj in (files or {}).items():
+            torch.save(obj, tmp / name)
     dist.barrier()
     if rank == 0:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -143,16 +162,21 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
                 "extra": extra or {}, "files": files, "plugins": plugin_values,
                 "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        if final.exists():  # the same step saved again: keep the old one until the new one is complete
-            shutil.rmtree(final)
+        if final.exists():  # the same path saved again: keep the old one until the new one is complete
+            shutil.rmtree(final) if final.is_dir() else final.unlink()
         os.replace(tmp, final)
-        if keep_last_n:
-            complete = list_checkpoints(directory)
-            for old in complete[:-keep_last_n]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def read_file(path: str | Path, name: str) -> Any:
+    """An object stored with ``write_checkpoint(files=...)``; never unpickles anything but tensors and
+    containers of them."""
+    try:
+        return torch.load(Path(path) / name, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint '{path}': '{name}' could not be read safely ({exc})".splitlines()[0]
+                              ) from exc
 
 
 def read_meta(path: str | Path) -> dict:

@@ -145,6 +145,7 @@ class ParallelModel:
         self.data_parallel_size = dp.size() if dp is not None else 1
         self.data_parallel_rank = dp.get_local_rank() if dp is not None else 0
         self.device = ctx.device
+        self.grad_sync = True  # False inside no_sync()
 
     # ---- what users call -------------------------------------------------------------------------
     @property
@@ -172,10 +173,30 @@ class ParallelModel:
         opt = self.pm.hook.ultrascale_build_optimizer(pmodel=self, optimizer_cls=optimizer_cls, kwargs=kwargs)
         return opt if opt is not None else optimizer_cls(self.parameters(), **kwargs)
 
-    def train_step(self, batch: dict) -> torch.Tensor:
-        """Forward and backward on this rank's share of the global batch; returns the global-mean loss."""
+    def train_step(self, batch: dict, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward on this rank's share of the global batch; returns the global-mean loss.
+        Gradients are those of ``loss_scale`` x that loss, added to any already there."""
         self.module.train()
-        return self.pm.hook.ultrascale_train_step(pmodel=self, batch=batch)
+        return self.pm.hook.ultrascale_train_step(pmodel=self, batch=batch, loss_scale=loss_scale)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no data-parallel reduction, no tied-weight sums); the first backward
+        after the block synchronises everything accumulated. For gradient accumulation."""
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = [m for m in self.modules if isinstance(m, FSDPModule)]
+        ddp = self.forward_module if hasattr(self.forward_module, "no_sync") else None
+        self.grad_sync = False
+        for m in fsdp:
+            m.set_requires_gradient_sync(False)
+        try:
+            with (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
+                yield
+        finally:
+            self.grad_sync = True
+            for m in fsdp:
+                m.set_requires_gradient_sync(True)
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> torch.Tensor:
@@ -270,6 +291,11 @@ class ParallelModel:
 
     def loss_terms(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of this rank's token losses, global number of valid tokens)."""
+        _, loss_sum, count = self.forward_loss(batch)
+        return loss_sum, count
+
+    def forward_loss(self, batch: dict) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """(the model's output, sum of this rank's token losses, global number of valid tokens)."""
         from .loss import shifted_targets, token_loss_sum
 
         batch = self.to_device(batch)
@@ -277,10 +303,10 @@ class ParallelModel:
         count = self.global_token_count(targets)
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         with self.autocast():
-            logits = self.forward_module(**inputs, use_cache=False).logits
+            output = self.forward_module(**inputs, use_cache=False)
         with self.loss_context():
-            loss_sum = token_loss_sum(logits, targets)
-        return loss_sum, count
+            loss_sum = token_loss_sum(output.logits, targets)
+        return output, loss_sum, count
 
     def reduce_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         total = loss_sum.detach()

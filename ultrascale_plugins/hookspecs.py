@@ -48,9 +48,10 @@ def ultrascale_build_optimizer(pmodel, optimizer_cls, kwargs):
 
 
 @hookspec(firstresult=True)
-def ultrascale_train_step(pmodel, batch):
+def ultrascale_train_step(pmodel, batch, loss_scale):
     """Run forward and backward on this rank's batch and return the global-mean loss (a 0-d tensor, the same on
-    every rank). First result wins: the built-in data/tensor-parallel step is registered last."""
+    every rank). Gradients are those of ``loss_scale`` times that loss (front ends pass 1/k under gradient
+    accumulation). First result wins: the built-in data/tensor-parallel step is registered last."""
 
 
 @hookspec

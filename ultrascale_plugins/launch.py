@@ -18,6 +18,12 @@ def collective_timeout() -> datetime.timedelta:
     return _timeout
 
 
+def set_collective_timeout(timeout: float | datetime.timedelta) -> None:
+    """For front ends that create the default process group themselves (Lightning, Accelerate)."""
+    global _timeout
+    _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+
+
 def _slurm_env() -> None:
     """Fill torch's variables from SLURM's when the job was started by ``srun`` without torchrun."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:

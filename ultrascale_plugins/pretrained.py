@@ -162,3 +162,9 @@ def prepare(path: str | Path, trust_remote_code: bool = False):
     model = empty_model(read_config(path, trust_remote_code))
     return match_weights(model, path), model
 
+
+
+def computed_buffers(model_config) -> dict[str, torch.Tensor]:
+    """The buffers a model computes at construction (rotary frequencies, ...), for a model built entirely on the
+    meta device (``torch.device("meta")``), which leaves them empty."""
+    return {name: buf for name, buf in empty_model(model_config).named_buffers()}

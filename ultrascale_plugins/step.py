@@ -11,8 +11,8 @@ from .hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)
-def ultrascale_train_step(pmodel, batch):
+def ultrascale_train_step(pmodel, batch, loss_scale):
     loss_sum, count = pmodel.loss_terms(batch)
     with pmodel.loss_context():
-        (loss_sum * (pmodel.data_parallel_size / count)).backward()
+        (loss_sum * (loss_scale * pmodel.data_parallel_size / count)).backward()
     return pmodel.reduce_loss(loss_sum, count)

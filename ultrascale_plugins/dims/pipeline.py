@@ -83,8 +83,8 @@ def ultrascale_transform_model(model, ctx, phase):
 
 
 @hookimpl(tryfirst=True)
-def ultrascale_train_step(pmodel, batch):
+def ultrascale_train_step(pmodel, batch, loss_scale):
     pipe = pmodel.ctx.extras.get("pipeline")
     if pipe is None:
         return None
-    return pipe.step(pmodel, batch, train=True)
+    return pipe.step(pmodel, batch, train=True, loss_scale=loss_scale)

@@ -142,7 +142,7 @@ class Pipeline:
                           group=self.pp_group)
         return loss_sum
 
-    def step(self, pmodel, batch, train: bool) -> torch.Tensor:
+    def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         from ..loss import shifted_targets
 
         if self.schedule is None:
@@ -166,7 +166,7 @@ class Pipeline:
         total = torch.zeros((), dtype=torch.float64, device=ids.device)
         with pmodel.autocast():
             if train:
-                self.scale = (pmodel.data_parallel_size / count).item()
+                self.scale = (loss_scale * pmodel.data_parallel_size / count).item()
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 self._busy, start = 0.0, time.perf_counter()
@@ -174,9 +174,10 @@ class Pipeline:
                 elapsed = time.perf_counter() - start
                 self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
-                for hook in self.ctx.extras.get("post_backward", []):  # e.g. data-parallel averaging
-                    hook()
-                self.sync_tied_grads()
+                if pmodel.grad_sync:  # off inside pmodel.no_sync(): gradients accumulate, synced on the last
+                    for hook in self.ctx.extras.get("post_backward", []):  # e.g. data-parallel averaging
+                        hook()
+                    self.sync_tied_grads()
                 if self.has_last:
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:

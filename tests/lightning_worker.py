@@ -1,0 +1,154 @@
+"""Real ``Trainer.fit`` runs with the ultrascale strategies (see tests/test_lightning.py).
+
+    python lightning_worker.py reference OUT.json             single device, strategy="auto": the references
+    torchrun --nproc_per_node N lightning_worker.py runs OUT.json RUN [RUN ...]
+                                                               each RUN (a name from RUNS) on N ranks, one fit each
+    torchrun ... lightning_worker.py resume OUT.json DIR       fit 1 epoch with ModelCheckpoint, resume to 2 epochs
+
+The LightningModule is what a user writes: an HF model in ``__init__`` (or built empty in ``configure_model``),
+``training_step`` returning ``self.model(**batch).loss``, ``self.log(..., sync_dist=True)``.
+"""
+import json
+import logging
+import os
+import sys
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_model, padded_batches  # noqa: E402
+
+import lightning.pytorch as L  # noqa: E402
+
+import ultrascale_plugins.integrations.lightning  # noqa: E402,F401  (registers the strategy names)
+
+warnings.filterwarnings("ignore")
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+ARCH, GLOBAL_BATCH, STEPS_PER_EPOCH = "llama8_tied", 8, 3
+
+
+def as_rows(batches) -> list[dict]:
+    return [{k: v[i] for k, v in b.items()} for b in batches for i in range(next(iter(b.values())).shape[0])]
+
+
+TRAIN = as_rows(padded_batches(STEPS_PER_EPOCH, GLOBAL_BATCH))
+VAL = as_rows(padded_batches(1, GLOBAL_BATCH, seed=9))
+
+# name -> (strategy, Trainer keyword arguments); strategy names are the registered ones
+RUNS = {
+    "ultrascale": ("ultrascale", {}),
+    "ultrascale_zero3": ("ultrascale_zero3", {}),
+    "ultrascale_zero2": ("ultrascale_zero2", {}),
+    "ultrascale_tp": ("ultrascale_tp", {}),
+    "ultrascale_tp_sp": ("ultrascale_tp_sp", {}),
+    "ultrascale_pp": ("ultrascale_pp", {}),
+    "zero3_accumulate2": ("ultrascale_zero3", {"accumulate_grad_batches": 2}),
+    "pp_accumulate2": ("ultrascale_pp", {"accumulate_grad_batches": 2}),
+    "zero3_bf16_mixed": ("ultrascale_zero3", {"precision": "bf16-mixed"}),
+    "tp_bf16_true": ("ultrascale_tp", {"precision": "bf16-true"}),
+    "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
+    "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
+}
+# what each run is compared with: the single-device run with the same Trainer arguments
+def reference_key(kwargs: dict) -> str:
+    return json.dumps(kwargs, sort_keys=True)
+
+
+class Rows(Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, hf_dir: str | None = None):
+        super().__init__()
+        self.hf_dir = hf_dir
+        self.losses: list[float] = []
+        if hf_dir is None:
+            self.model = make_model(ARCH, seed=0)
+
+    def configure_model(self):
+        if self.hf_dir is not None and not hasattr(self, "model"):
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with self.trainer.init_module(empty_init=True):  # meta device: each rank loads its shards
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hf_dir))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def _loader(self, rows, shuffle: bool):
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        replicas = kwargs.get("num_replicas", 1)
+        sampler = None
+        if not getattr(self.trainer.strategy, "is_distributed", False):
+            # one device: the order Lightning's own DistributedSampler gives the union of the ranks' batches
+            # (shuffled for training, seed 0, reshuffled per epoch through set_epoch)
+            from torch.utils.data import DistributedSampler
+
+            sampler = DistributedSampler(Rows(rows), num_replicas=1, rank=0, shuffle=shuffle, seed=0)
+        return DataLoader(Rows(rows), batch_size=GLOBAL_BATCH // replicas, sampler=sampler)
+
+    def train_dataloader(self):
+        return self._loader(TRAIN, shuffle=True)
+
+    def val_dataloader(self):
+        return self._loader(VAL, shuffle=False)
+
+
+def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
+    if isinstance(strategy, dict):
+        from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
+
+        strategy = UltraScaleStrategy(**strategy)
+    args = dict(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                gradient_clip_val=0.5, num_sanity_val_steps=0, deterministic=False)
+    args.update(kwargs)
+    return L.Trainer(**args)
+
+
+def fit(strategy, devices, **kwargs) -> dict:
+    module = CausalLM()
+    t = trainer(strategy, devices, **kwargs)
+    t.fit(module)
+    return {"losses": module.losses, "val_loss": float(t.callback_metrics["val_loss"])}
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    result = {}
+    if mode == "reference":
+        for kwargs in {reference_key(k): k for _, k in RUNS.values()}.values():
+            result[reference_key(kwargs)] = fit("auto", 1, **kwargs)
+    elif mode == "runs":
+        devices = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = int(os.environ["WORLD_SIZE"]) // devices
+        for name in sys.argv[3:]:
+            strategy, kwargs = RUNS[name]
+            result[name] = fit(strategy, devices, num_nodes=nodes, **kwargs)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
