@@ -37,24 +37,26 @@ from ultrascale_plugins.pretrained import from_pretrained  # noqa: E402
 warnings.filterwarnings("ignore")
 
 
-def save(path: str) -> None:
+def save(path: str, dtype: str) -> None:
     cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
     shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, max_shard_size="200MB")
+    model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path, max_shard_size="200MB")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--save", help="write the 134M model's HF directory here and exit (one process)")
+    ap.add_argument("--dtype", default="float32", help="dtype of the saved weights (training runs in fp32)")
     ap.add_argument("--dir", default="/tmp/bench-134m")
     ap.add_argument("--method", choices=["ours", "hf"])
     ap.add_argument("--anon", action="store_true", help="measure anonymous (heap) memory instead of RSS")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.save:
-        return save(args.save)
+        return save(args.save, args.dtype)
     us.init_distributed(timeout=1800)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = us.ParallelConfig(dp_shard=world)
@@ -64,14 +66,15 @@ def main():
         if args.method == "ours":
             kept["m"] = from_pretrained(args.dir, layout)
         else:
-            kept["m"] = us.parallelize(AutoModelForCausalLM.from_pretrained(args.dir), layout)
+            model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32)
+            kept["m"] = us.parallelize(model, layout)
 
     seconds, peak_mb = timed(load, anon=args.anon)
     n_params = sum(p.numel() for p in kept["m"].parameters())
     if rank == 0:
         result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                   f"{world} CPU ranks, torch {torch.__version__}", "params_millions": round(n_params / 1e6, 1),
-                  "method": args.method, "seconds": round(seconds, 2), ("peak_anon_mb_max_rank" if args.anon else "peak_rss_mb_max_rank"): round(peak_mb)}
+                  "method": args.method, "seconds": round(seconds, 2), "measure": "heap (RssAnon)" if args.anon else "RSS", "peak_mb_max_rank": round(peak_mb)}
         print(json.dumps(result))
         if args.out:
             with open(args.out, "w") as f:

@@ -5,6 +5,8 @@
                                                                each RUN (a name from RUNS) on N ranks, one fit each
     torchrun ... lightning_worker.py resume OUT.json DIR       fit 1 epoch with ModelCheckpoint, resume to 2 epochs
 
+$HF_DIR names a save_pretrained directory of the same initial model, for the runs that load pretrained weights.
+
 The LightningModule is what a user writes: an HF model in ``__init__`` (or built empty in ``configure_model``),
 ``training_step`` returning ``self.model(**batch).loss``, ``self.log(..., sync_dist=True)``.
 """
@@ -49,12 +51,17 @@ RUNS = {
     "pp_accumulate2": ("ultrascale_pp", {"accumulate_grad_batches": 2}),
     "zero3_bf16_mixed": ("ultrascale_zero3", {"precision": "bf16-mixed"}),
     "tp_bf16_true": ("ultrascale_tp", {"precision": "bf16-true"}),
+    "pretrained_meta_tp_sp": ("ultrascale_tp_sp", {"hf_dir": True}),  # built empty in configure_model
+    "pretrained_init_from_zero3": ({"init_from": True}, {"seed": 5}),  # random init, replaced by the weights
     "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
     "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
 }
 # what each run is compared with: the single-device run with the same Trainer arguments
+MODULE_ARGS = ("hf_dir", "seed")  # how the LightningModule builds its model, not Trainer arguments
+
+
 def reference_key(kwargs: dict) -> str:
-    return json.dumps(kwargs, sort_keys=True)
+    return json.dumps({k: v for k, v in kwargs.items() if k not in MODULE_ARGS}, sort_keys=True)
 
 
 class Rows(Dataset):
@@ -69,12 +76,12 @@ class Rows(Dataset):
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, hf_dir: str | None = None):
+    def __init__(self, hf_dir: str | None = None, seed: int = 0):
         super().__init__()
         self.hf_dir = hf_dir
         self.losses: list[float] = []
         if hf_dir is None:
-            self.model = make_model(ARCH, seed=0)
+            self.model = make_model(ARCH, seed=seed)
 
     def configure_model(self):
         if self.hf_dir is not None and not hasattr(self, "model"):
@@ -118,6 +125,8 @@ def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
     if isinstance(strategy, dict):
         from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
 
+        if strategy.get("init_from") is True:
+            strategy = {**strategy, "init_from": os.environ["HF_DIR"]}
         strategy = UltraScaleStrategy(**strategy)
     args = dict(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -126,11 +135,25 @@ def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
     return L.Trainer(**args)
 
 
-def fit(strategy, devices, **kwargs) -> dict:
-    module = CausalLM()
+def fit(strategy, devices, ckpt_path=None, **kwargs) -> dict:
+    hf_dir = os.environ["HF_DIR"] if kwargs.pop("hf_dir", None) else None
+    module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0))
     t = trainer(strategy, devices, **kwargs)
-    t.fit(module)
-    return {"losses": module.losses, "val_loss": float(t.callback_metrics["val_loss"])}
+    t.fit(module, ckpt_path=ckpt_path)
+    return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan"))}
+
+
+def resume(directory: str, devices: int) -> dict:
+    """Save at the end of epoch 1 (ModelCheckpoint, ZeRO-3), resume for epoch 2 in the same layout and in TP."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = fit("ultrascale_zero3", devices, max_epochs=1, enable_checkpointing=True,
+                callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1)])
+    saved = sorted(os.listdir(directory))
+    ckpt = os.path.join(directory, saved[-1])
+    return {"first": first, "saved": saved,
+            "same_layout": fit("ultrascale_zero3", devices, ckpt_path=ckpt),
+            "tp": fit("ultrascale_tp", devices, ckpt_path=ckpt)}
 
 
 def main():
@@ -139,6 +162,8 @@ def main():
     if mode == "reference":
         for kwargs in {reference_key(k): k for _, k in RUNS.values()}.values():
             result[reference_key(kwargs)] = fit("auto", 1, **kwargs)
+    elif mode == "resume":
+        result = resume(sys.argv[3], int(os.environ["WORLD_SIZE"]))
     elif mode == "runs":
         devices = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = int(os.environ["WORLD_SIZE"]) // devices

@@ -114,11 +114,11 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
     plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
     mesh = build_mesh(device.type, declared_axes(resolved, pm))
     ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device, modules=[model])
-    if any(p.is_meta for p in model.parameters()):
-        if init_weights is None:
-            raise ConfigError("the model's parameters are on the meta device and no weights were given. Fix: use "
-                              "ultrascale_plugins.pretrained.from_pretrained(HF_DIR, config), or build the model "
-                              "with real tensors")
+    if init_weights is None and any(p.is_meta for p in model.parameters()):
+        raise ConfigError("the model's parameters are on the meta device and no weights were given. Fix: use "
+                          "ultrascale_plugins.pretrained.from_pretrained(HF_DIR, config), or build the model "
+                          "with real tensors")
+    if init_weights is not None:  # the weights replace whatever the parameters hold now
         buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
         ctx._materializer = lambda: init_weights.load(ctx, buffers)
     else:

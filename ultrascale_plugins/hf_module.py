@@ -60,6 +60,12 @@ class ParallelCausalLM(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        if torch.is_inference_mode_enabled():
+            # FSDP keeps some parameters gathered between forwards; gathered inside inference mode they would be
+            # inference tensors that a later training step silently reuses (Lightning validates under
+            # inference_mode). Evaluate under no_grad instead.
+            with torch.inference_mode(False), torch.no_grad():
+                return self.forward(input_ids, attention_mask, labels, position_ids, **kwargs)
         batch = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                    ("labels", labels), ("position_ids", position_ids)) if v is not None}
         pm = self.pmodel

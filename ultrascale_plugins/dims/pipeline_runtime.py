@@ -142,6 +142,17 @@ class Pipeline:
                           group=self.pp_group)
         return loss_sum
 
+    def _reshard(self) -> None:
+        """Free the parameters FSDP gathered for a forward-only pass. Stages keep them gathered between
+        micro-batches (reshard_after_forward=False) and no backward follows to release them, so without this
+        the next step could start from a gathered copy older than the optimizer's last update."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.ctx.modules:
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
+
     def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         from ..loss import shifted_targets
 
@@ -182,6 +193,7 @@ class Pipeline:
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:
                 total += float(self._forward_only(ids, mask, positions, targets))
+                self._reshard()
         for module in self.ctx.modules:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
