@@ -123,3 +123,66 @@ def test_invalid_layout_fails_when_the_trainer_is_built():
         L.Trainer(accelerator="cpu", devices=3, strategy=UltraScaleStrategy(tp=2), logger=False)
     with pytest.raises(ConfigError, match="precision=.16-true."):
         L.Trainer(accelerator="cpu", devices=2, strategy="ultrascale_tp", precision="16-true", logger=False)
+
+
+@pytest.mark.slow
+def test_recipe_script_through_lightnings_own_launcher(tmp_path):
+    """`python finetune.py --devices 2`: Lightning starts the processes; logger, val_check_interval, max_steps,
+    ModelCheckpoint and resume behave as usual, and the checkpoint exports to an HF directory."""
+    import csv
+
+    script = Path(__file__).parent.parent / "recipes" / "lightning" / "finetune.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = [sys.executable, str(script), "--strategy", "ultrascale_tp_sp", "--devices", "2",
+              "--val-check-interval", "3", "--out", str(tmp_path)]
+    proc = subprocess.run([*common, "--max-steps", "6"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert (last / "ultrascale.json").is_file()
+    proc = subprocess.run([*common, "--max-steps", "9", "--resume", str(last)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [r for f in sorted(tmp_path.glob("logs/version_*/metrics.csv")) for r in csv.DictReader(f.open())]
+    train_steps = sorted(int(r["step"]) for r in rows if r.get("train_loss"))
+    val_steps = sorted(int(r["step"]) for r in rows if r.get("val_loss"))
+    assert train_steps == list(range(9)) and val_steps == [2, 5, 8], (train_steps, val_steps)
+    from ultrascale_plugins.export import export_hf
+
+    export_hf(last, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+PL_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from models import make_model, padded_batches
+import ultrascale_plugins.integrations.lightning
+import pytorch_lightning as PL
+from torch.utils.data import DataLoader
+batches = padded_batches(3)
+rows = [{{k: v[i] for k, v in b.items()}} for b in batches for i in range(8)]
+class M(PL.LightningModule):
+    def __init__(self):
+        super().__init__(); self.model = make_model("llama"); self.losses = []
+    def training_step(self, b, i):
+        loss = self.model(**b).loss; self.losses.append(loss.item()); return loss
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+m = M()
+PL.Trainer(accelerator="cpu", devices=1, strategy="ultrascale_zero3", max_steps=3, logger=False,
+           enable_checkpointing=False, enable_progress_bar=False).fit(m, DataLoader(rows, batch_size=8))
+ref, opt, want = make_model("llama"), None, []
+opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+for b in batches:
+    loss = ref(**b).loss; want.append(loss.item()); loss.backward(); opt.step(); opt.zero_grad()
+assert max(abs(a - b) for a, b in zip(m.losses, want)) < 1e-5, (m.losses, want)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("pytorch_lightning"), reason="not installed")
+def test_standalone_pytorch_lightning_package_gets_the_names_too():
+    code = PL_SCRIPT.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
