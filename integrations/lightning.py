@@ -28,19 +28,11 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ParallelConfig
+from .layout import make_config
 from .presets import PRESETS, config_for_preset
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 STATE_FILE = "lightning.pt"
-
-
-def make_config(config: ParallelConfig | dict | str | Path | None, fields: dict) -> ParallelConfig:
-    """A ``ParallelConfig`` from an instance, a dict or a YAML path, with keyword fields on top."""
-    if isinstance(config, (str, Path)):
-        config = ParallelConfig.from_yaml(config)
-    elif isinstance(config, dict) or config is None:
-        config = ParallelConfig.from_dict(config or {})
-    return ParallelConfig.from_dict({**config.to_dict(), **fields}) if fields else config
 
 
 def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:

@@ -143,7 +143,7 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
         (tmp / "rng").mkdir()
     dist.barrier()
     model_state = _model_state(pmodel)
-    optim_tensors, groups = _optimizer_state(pmodel, optimizer)
+    optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
     plugin_tensors, plugin_values = _plugin_state(pmodel)
     dcp.save({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
@@ -157,7 +157,7 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     if rank == 0:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
-                "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__,
+                "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__ if optimizer else None,
                                                                  "param_groups": groups},
                 "extra": extra or {}, "files": files, "plugins": plugin_values,
                 "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}

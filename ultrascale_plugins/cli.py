@@ -96,6 +96,94 @@ def cmd_export(args) -> int:
     return 0
 
 
+ASK = [("num_processes", "How many processes in all (all machines)?", int, 2),
+       ("pp", "Pipeline-parallel degree (pp)?", int, 1),
+       ("tp", "Tensor-parallel degree (tp)?", int, 1),
+       ("sequence_parallel", "Sequence parallel with TP (true/false)?", bool, False),
+       ("dp_replicate", "Replicated data-parallel degree (dp_replicate, HSDP)?", int, 1),
+       ("zero_stage", "ZeRO stage for the sharded data-parallel rest (0-3)?", int, 3),
+       ("mixed_precision", "Mixed precision (no/bf16)?", str, "no")]
+
+
+def _ask(prompt: str, kind, default):
+    answer = input(f"{prompt} [{default}]: ").strip()
+    if not answer:
+        return default
+    if kind is bool:
+        return answer.lower() in ("1", "true", "yes", "y")
+    return kind(answer)
+
+
+def cmd_accelerate_config(args) -> int:
+    """Write an Accelerate config file that holds the whole layout."""
+    import yaml
+
+    from .config import ParallelConfig
+    from .integrations.layout import accelerate_yaml
+    from .recipe import apply_overrides
+
+    fields = apply_overrides({}, args.overrides).get("parallel", {}) if args.overrides else {}
+    num_processes = args.num_processes
+    if args.interactive:
+        for key, prompt, kind, default in ASK:
+            value = _ask(prompt, kind, default)
+            if key == "num_processes":
+                num_processes = value
+            else:
+                fields[key] = value
+        if fields.get("pp", 1) > 1:
+            fields["pp_schedule"] = _ask("Pipeline schedule (gpipe/1f1b/interleaved_1f1b/zero_bubble/zbv/"
+                                         "dualpipev)?", str, "1f1b")
+    if num_processes is None:
+        raise ConfigError("--num-processes is required (or --interactive). Fix: e.g. --num-processes 4")
+    config = ParallelConfig.from_dict(fields)
+    from .engine import validate
+
+    if args.model_type is None:
+        config.resolve(num_processes)
+    else:
+        from transformers import AutoConfig
+
+        validate(config, AutoConfig.for_model(args.model_type), num_processes)
+    use_cpu = args.cpu if args.cpu is not None else not _has_gpu()
+    data = accelerate_yaml(config, num_processes, use_cpu, args.num_machines)
+    out = args.out
+    with open(out, "w") as f:
+        f.write("# Accelerate config written by `ultrascale accelerate-config`. Standard keys mean what they mean in\n"
+                "# Accelerate; the `ultrascale` block holds the fields Accelerate has no key for. Launch with\n"
+                f"#   ultrascale accelerate-launch {out} train.py      (or ULTRASCALE_CONFIG={out} accelerate launch "
+                f"--config_file {out} train.py)\n")
+        yaml.safe_dump(data, f, sort_keys=False)
+    print(f"ultrascale: wrote {out}")
+    return 0
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def cmd_accelerate_launch(args) -> int:
+    """``accelerate launch --config_file F script`` with ``ULTRASCALE_CONFIG=F``, after checking F."""
+    import yaml
+
+    from .integrations.layout import read_layout_file
+
+    config = read_layout_file(args.config_file)
+    data = yaml.safe_load(open(args.config_file)) or {}
+    num_processes = int(data.get("num_processes", 1))
+    config.resolve(num_processes)
+    env = {**os.environ, "ULTRASCALE_CONFIG": os.path.abspath(args.config_file)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file, args.script,
+           *args.script_args]
+    return subprocess.call(cmd, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultrascale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", help="a new (or empty) directory")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
     export.set_defaults(func=cmd_export)
+    acfg = sub.add_parser("accelerate-config", help="write an Accelerate config file holding a whole layout")
+    acfg.add_argument("--out", default="ultrascale_accelerate.yaml", help="the file to write")
+    acfg.add_argument("--num-processes", type=int, help="processes in all (all machines)")
+    acfg.add_argument("--num-machines", type=int, default=1)
+    acfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                      help="a layout field: pp=2, tp=2, sequence_parallel=true, pp_schedule=zbv, ...")
+    acfg.add_argument("--cpu", action="store_true", default=None, help="run on CPU (default: when no GPU)")
+    acfg.add_argument("--model-type", help="check the layout against this model type's default config too")
+    acfg.add_argument("--interactive", action="store_true", help="ask for each setting")
+    acfg.set_defaults(func=cmd_accelerate_config)
+    alaunch = sub.add_parser("accelerate-launch", help="accelerate launch a script with a file from accelerate-config")
+    alaunch.add_argument("config_file")
+    alaunch.add_argument("script")
+    alaunch.add_argument("script_args", nargs=argparse.REMAINDER)
+    alaunch.set_defaults(func=cmd_accelerate_launch)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     plugins.set_defaults(func=cmd_plugins)
     return parser

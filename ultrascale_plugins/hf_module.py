@@ -12,11 +12,29 @@ step (``ParallelModel.train_step``) and returns the loss without a graph; the fr
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
+
+
+class _PipelinedLoss(torch.autograd.Function):
+    """The loss of a pipelined call: its backward already ran inside the schedule. A plain ``loss.backward()``
+    would silently do nothing, so it fails and names the call that applies the gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ConfigError("pp>1: the pipeline schedule already ran forward and backward inside model(**batch); "
+                          "loss.backward() has nothing to do. Fix: call accelerator.backward(loss) (Accelerate) "
+                          "or return the loss from training_step (Lightning), which apply the gradients")
 
 
 class ParallelCausalLM(nn.Module):
@@ -44,7 +62,7 @@ class ParallelCausalLM(nn.Module):
         self.pending_grads = [(p, p.grad) for p in params]
         for p, g in zip(params, old):
             p.grad = g
-        return loss
+        return _PipelinedLoss.apply(torch.zeros((), requires_grad=True), loss)
 
     def apply_pending_grads(self) -> bool:
         """Add the last pipelined call's gradients, as a backward would. False when there are none (no
@@ -92,3 +110,38 @@ class ParallelCausalLM(nn.Module):
             loss = mean
         output.loss = loss
         return output
+
+    def no_sync(self):
+        """Accumulate gradients without data-parallel reduction (a pipeline reduces each call's own)."""
+        return self.pmodel.no_sync() if not self.pipelined else contextlib.nullcontext()
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **ignored) -> None:
+        """Write a Hugging Face directory (safetensors, config, generation config) of the whole model. Every
+        rank must call it: each writes its shards to a temporary sharded checkpoint, which rank 0 then streams
+        into safetensors tensor by tensor (memory bounded by one output shard)."""
+        import shutil
+        from pathlib import Path
+
+        import torch.distributed as dist
+        from accelerate.utils import convert_file_size_to_int
+
+        from .checkpoint import write_checkpoint
+        from .export import export_hf
+
+        target = Path(save_directory)
+        box = [str(target.parent / f".ultrascale-save-{target.name}")]
+        dist.broadcast_object_list(box, 0)
+        staging = Path(box[0])
+        try:
+            write_checkpoint(self.pmodel, None, staging / "ckpt", step=0)
+            if dist.get_rank() == 0:
+                export_hf(staging / "ckpt", staging / "hf", max_shard_bytes=convert_file_size_to_int(max_shard_size))
+                target.mkdir(parents=True, exist_ok=True)
+                for old in target.glob("model*.safetensors*"):
+                    old.unlink()
+                for f in (staging / "hf").iterdir():
+                    os.replace(f, target / f.name)
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(staging, ignore_errors=True)

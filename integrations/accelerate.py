@@ -1,0 +1,348 @@
+"""Accelerate: every ultrascale layout behind a standard Accelerate loop, configured through Accelerate's own
+YAML file and launched with ``accelerate launch``.
+
+    from ultrascale_plugins.integrations.accelerate import UltraScaleAccelerator
+
+    accelerator = UltraScaleAccelerator()              # the layout comes from the launch (see below)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+Accelerate has no plugin mechanism, so the companion is a small ``Accelerator`` subclass. Before Accelerate sets
+itself up it takes over what Accelerate would otherwise route through its FSDP plugin, its
+``ParallelismConfig`` (which refuses CPU runs, has no pipeline axis and expects a tensor-parallel model) and its
+autocast: the launcher's ``PARALLELISM_CONFIG_*``, ``FSDP_*`` and ``ACCELERATE_MIXED_PRECISION`` variables become
+a ``ParallelConfig`` (see ``layout.py``) and are removed from this process's environment. ``prepare`` then
+parallelizes the Hugging Face model through the engine and hands back a ``ParallelCausalLM`` (``model(**batch)``
+returns the exact global-mean loss); the optimizer is re-pointed at the sharded parameters, the data loader is
+sharded over data-parallel replicas only (TP/CP/pipeline peers read the same batches).
+
+Pipeline parallel: the schedule runs forward and backward together inside ``model(**batch)``;
+``accelerator.backward(loss)`` then adds those gradients, so the loop above is unchanged. Calling
+``loss.backward()`` directly on a pipelined loss raises an error naming ``accelerator.backward``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import InitProcessGroupKwargs
+
+from ..config import ConfigError, ParallelConfig
+from .layout import ACCELERATE_ENV_PREFIXES, layout_from_environment, make_config
+
+STATE_FILE = "accelerate.pt"
+
+
+class UltraScalePlugin:
+    """The layout for ``UltraScaleAccelerator``: a ``ParallelConfig`` / dict / YAML path, or ``None`` to read it
+    from the launch (``$ULTRASCALE_CONFIG``, then Accelerate's own variables). ``init_from`` names a
+    ``save_pretrained`` directory whose weights each rank loads shard by shard; ``timeout`` bounds every
+    collective (seconds)."""
+
+    def __init__(self, config: ParallelConfig | dict | str | Path | None = None, *, init_from: str | None = None,
+                 timeout: float | None = None, **fields):
+        self.config = make_config(config, fields) if (config is not None or fields) else None
+        self.init_from = init_from
+        self.timeout = timeout
+
+
+class UltraScaleAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
+
+    def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
+        from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout
+
+        for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
+            if kwargs.get(taken) is not None:
+                raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
+                                  "with UltraScalePlugin / the accelerate config file instead")
+        plugin = ultrascale_plugin or UltraScalePlugin()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        mixed = kwargs.pop("mixed_precision", None)
+        config = plugin.config
+        if config is None:
+            config = layout_from_environment(os.environ, world)
+        if mixed is not None and str(mixed) != "no":
+            if str(mixed) != "bf16":
+                raise ConfigError(f"mixed_precision={mixed!r}: fp16 needs a sharded loss scaler, which is not "
+                                  "available. Fix: use bf16")
+            config = config.replace(mixed_precision="bf16")
+        self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
+        for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
+            os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast
+        timeout = plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S
+        set_collective_timeout(timeout)
+        handlers = list(kwargs.pop("kwargs_handlers", None) or [])
+        if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=timeout)))
+        kwargs.setdefault("cpu", not torch.cuda.is_available())
+        super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
+        self.ultrascale_plugin = plugin
+        self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far
+
+    # ---- prepare -----------------------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.ultrascale_config.dp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's data-parallel replica, from the mesh order pp, dp_replicate, dp_shard, cp, tp."""
+        c = self.ultrascale_config
+        return (self.process_index // (c.cp * c.tp)) % c.dp
+
+    def prepare(self, *args, device_placement=None):
+        from transformers import PreTrainedModel
+
+        # models first: the optimizer must be re-pointed at the sharded parameters
+        originals: set[int] = set()
+        names: dict[int, list[str]] = {}  # every name of every parameter (a tied weight has two)
+        out = list(args)
+        for i, obj in enumerate(args):
+            if isinstance(obj, PreTrainedModel):
+                originals.add(i)
+                for n, p in obj.named_parameters(remove_duplicate=False):
+                    names.setdefault(id(p), []).append(n)
+                out[i] = self._parallelize(obj)
+        rest = []
+        for i, obj in enumerate(out):
+            if isinstance(obj, torch.optim.Optimizer) and names:
+                self._repoint(obj, names)
+            if i not in originals:
+                rest.append(i)
+        prepared = super().prepare(*[out[i] for i in rest], device_placement=device_placement) if rest else ()
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        for i, obj in zip(rest, prepared):
+            out[i] = obj
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _parallelize(self, model):
+        from .. import engine
+        from ..hf_module import ParallelCausalLM
+        from ..pretrained import computed_buffers, match_weights
+
+        if not hasattr(model, "lm_head"):
+            raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "
+                              "lm_head). Fix: prepare an AutoModelForCausalLM")
+        source = self.ultrascale_plugin.init_from
+        if source is None and any(p.is_meta for p in model.parameters()):
+            origin = getattr(model.config, "_name_or_path", "")
+            if not origin or not Path(origin, "config.json").is_file():
+                raise ConfigError("the model is on the meta device but no weights were named. Fix: "
+                                  "UltraScalePlugin(init_from=HF_DIR), or AutoConfig.from_pretrained(HF_DIR)")
+            source = origin
+        weights = None
+        if source is not None:
+            if any(b.is_meta for b in model.buffers()):
+                computed = computed_buffers(model.config)
+                for name, _ in list(model.named_buffers()):
+                    owner, _, leaf = name.rpartition(".")
+                    model.get_submodule(owner)._buffers[leaf] = computed[name]
+            weights = match_weights(model, source)
+        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_weights=weights)
+        adapter = ParallelCausalLM(pmodel)
+        adapter.loss_scale = 1.0 / self.gradient_accumulation_steps
+        self.ultrascale_models.append(adapter)
+        self._models.append(adapter)
+        return adapter
+
+    def _repoint(self, optimizer, names: dict[int, list[str]]) -> None:
+        """An optimizer built on the unparallelized model's parameters now holds this rank's sharded ones (a
+        pipeline rank keeps only its stages'). ZeRO-1 turns it into a ZeroRedundancyOptimizer."""
+        current = {}
+        for adapter in self.ultrascale_models:
+            for part in adapter.pmodel.modules:
+                for n, p in part.named_parameters(remove_duplicate=False):
+                    current.setdefault(n, p)
+        for group in optimizer.param_groups:
+            seen, params = set(), []
+            for p in group["params"]:
+                # a pipeline stage may hold a tied weight under only one of its names (embedding or head)
+                new = next((current[n] for n in names.get(id(p), []) if n in current), None)
+                if new is not None and id(new) not in seen:
+                    seen.add(id(new))
+                    params.append(new)
+            group["params"] = params
+        if optimizer.state:
+            raise ConfigError("prepare(): the optimizer has already taken steps. Fix: prepare it before training")
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        from accelerate.data_loader import prepare_data_loader
+
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if device_placement is None:
+            device_placement = self.device_placement
+        # one shard per data-parallel replica: the TP / context / pipeline peers of a replica read the same data
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.data_parallel_size, process_index=self.data_parallel_rank,
+            split_batches=self.split_batches, put_on_device=device_placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler):
+        prepared = super().prepare_scheduler(scheduler)
+        prepared.__class__ = _ReplicaScheduler
+        prepared.replicas = self.data_parallel_size
+        return prepared
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _adapter(self, model=None):
+        if model is not None:
+            return model if model in self.ultrascale_models else None
+        return self.ultrascale_models[0] if len(self.ultrascale_models) == 1 else None
+
+    def backward(self, loss, **kwargs):
+        adapter = self._adapter()
+        if adapter is not None and adapter.apply_pending_grads():
+            return  # the pipeline schedule ran the backward inside the model call
+        context = adapter.pmodel.loss_context() if adapter is not None else contextlib.nullcontext()
+        with context:
+            super().backward(loss, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        adapter = self._adapter(model)
+        if adapter is None:
+            with super().no_sync(model):
+                yield
+            return
+        # a pipeline reduces each micro-batch's own gradients (its backward runs inside the model call; the
+        # reductions are linear, so the sum of reduced parts is the reduced sum)
+        with adapter.pmodel.no_sync() if not adapter.pipelined else contextlib.nullcontext():
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        adapter = self._adapter()
+        if adapter is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        # the norm of the whole unsharded model: DTensor shards, pipeline stages and TP replicas counted once
+        return adapter.pmodel.clip_grad_norm_(float(max_norm), norm_type)
+
+    def gather(self, tensor):
+        """Concatenate ``tensor`` from every data-parallel replica (TP / context / pipeline peers hold the same
+        values, so they are counted once)."""
+        if self._adapter() is None or self.data_parallel_size == self.num_processes:
+            return super().gather(tensor)
+        from accelerate.utils import recursively_apply
+
+        group = self._adapter().pmodel.ctx.sub_mesh("dp")
+        group = group.get_group() if group is not None else None
+        size = self.data_parallel_size
+
+        def one(t):
+            t = t.contiguous() if t.dim() else t.reshape(1)
+            parts = [torch.empty_like(t) for _ in range(size)]
+            if size > 1:
+                torch.distributed.all_gather(parts, t, group=group)
+            else:
+                parts = [t]
+            return torch.cat(parts)
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if model in self.ultrascale_models:
+            return model  # the adapter: save_pretrained, config, generation of the whole model are on it
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model, unwrap=True):
+        """Full tensors, gathered on every rank (pipeline stages included). For large models prefer
+        ``save_model`` / ``save_pretrained``, which stream."""
+        adapter = self._adapter(model)
+        if adapter is None:
+            return super().get_state_dict(model, unwrap)
+        return adapter.pmodel.full_state_dict()
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        adapter = self._adapter(model)
+        if adapter is None:
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        adapter.save_pretrained(save_directory, max_shard_size=max_shard_size)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def _optimizer(self):
+        if len(self._optimizers) > 1:
+            raise ConfigError(f"{len(self._optimizers)} optimizers were prepared: a checkpoint holds one. Fix: "
+                              "prepare one optimizer")
+        return self._optimizers[0].optimizer if self._optimizers else None
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        """A sharded checkpoint (model, optimizer, schedulers, RNG, step, registered objects) written by every
+        rank in parallel and committed atomically at ``output_dir``."""
+        adapter = self._adapter()
+        if adapter is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        from ..checkpoint import write_checkpoint
+
+        if output_dir is None:
+            raise ConfigError("save_state(): pass output_dir (a directory for the sharded checkpoint)")
+        output_dir = Path(self._broadcast_path(output_dir))
+        extra = {"step": self.step, "schedulers": [s.state_dict() for s in self._schedulers],
+                 "custom": [obj.state_dict() for obj in self._custom_objects],
+                 "dataloaders": [dl.state_dict() for dl in self._dataloaders if hasattr(dl, "state_dict")
+                                 and self.use_stateful_dataloader]}
+        write_checkpoint(adapter.pmodel, self._optimizer(), output_dir, step=int(self.step),
+                         files={STATE_FILE: extra})
+        return str(output_dir)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+        adapter = self._adapter()
+        if adapter is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        from ..checkpoint import load_checkpoint, read_file
+
+        if input_dir is None:
+            raise ConfigError("load_state(): pass input_dir (a directory written by save_state)")
+        path = Path(input_dir)
+        load_checkpoint(adapter.pmodel, self._optimizer(), path)
+        extra = read_file(path, STATE_FILE)
+        for sched, state in zip(self._schedulers, extra["schedulers"]):
+            sched.load_state_dict(state)
+        for obj, state in zip(self._custom_objects, extra["custom"]):
+            obj.load_state_dict(state)
+        for dl, state in zip([d for d in self._dataloaders if hasattr(d, "load_state_dict")], extra["dataloaders"]):
+            dl.load_state_dict(state)
+        self.step = extra["step"]
+
+    def _broadcast_path(self, path) -> str:
+        box = [str(path)]
+        torch.distributed.broadcast_object_list(box, 0)
+        return box[0]
+
+
+class _ReplicaScheduler(AcceleratedScheduler):
+    """Accelerate steps a scheduler once per process per optimizer step (the global batch grows with the
+    processes); with TP / CP / pipeline peers sharing a batch, it grows with the data-parallel replicas."""
+
+    replicas = 1
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer or self.split_batches:
+            return super().step(*args, **kwargs)
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.replicas):
+            self.scheduler.step(*args, **kwargs)
+
+
+__all__ = ["UltraScaleAccelerator", "UltraScalePlugin"]

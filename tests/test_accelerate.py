@@ -1,0 +1,158 @@
+"""Accelerate: `accelerate launch --config_file recipes/accelerate/X.yaml` runs a standard Accelerate loop, step by
+step equal to one process without Accelerate (fp32, 1e-5); checkpoints, export, config files and errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parent.parent
+WORKER = Path(__file__).parent / "accelerate_worker.py"
+RECIPES = ROOT / "recipes" / "accelerate"
+TOL = 1e-5
+
+
+def launch(config: str, out: Path, *args, through_cli: bool = True, env_extra: dict | None = None, timeout=600):
+    """`ultrascale accelerate-launch F script` (sets ULTRASCALE_CONFIG) or plain `accelerate launch`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **(env_extra or {})}
+    env.pop("ULTRASCALE_CONFIG", None) if not through_cli and "ULTRASCALE_CONFIG" not in (env_extra or {}) else None
+    if through_cli:
+        cmd = [sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch", config, str(WORKER), str(out),
+               *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(WORKER), str(out),
+               *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process without Accelerate, for 1 and 2 data-parallel replicas, with and without accumulation."""
+    tmp = tmp_path_factory.mktemp("accelerate")
+    out = {}
+    for replicas, accumulate in ((1, 1), (2, 1), (2, 2), (4, 1)):
+        path = tmp / f"ref{replicas}_{accumulate}.json"
+        proc = subprocess.run([sys.executable, str(WORKER), str(path), "--reference", "--replicas", str(replicas),
+                               "--accumulate", str(accumulate)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out[(replicas, accumulate)] = json.loads(path.read_text())["losses"]
+    return out
+
+
+def check(proc, out: Path, reference, replicas: int, accumulate: int = 1):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    r = json.loads(out.read_text())
+    assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["data_parallel_size"] == replicas, r
+    want = reference[(replicas, accumulate)]
+    assert len(r["losses"]) == len(want) == 6
+    assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= TOL, (r["losses"], want)
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,replicas", [("zero3", 2), ("tp_sp", 1), ("ddp", 2), ("tp_zero3", 2),
+                                             ("pp_tp", 1), ("pp_tp_zero3", 2)])
+def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas):
+    out = tmp_path / "out.json"
+    proc = launch(str(RECIPES / f"{recipe}.yaml"), out)
+    check(proc, out, reference, replicas)
+
+
+@pytest.mark.slow
+def test_accumulation_save_state_resume_and_save_model(tmp_path, reference):
+    """ZeRO-3, 2 micro-batches per step: save_state after 3 batches, a fresh process (other initial weights)
+    load_state-s it and continues exactly; save_model gives an HF directory with equal logits."""
+    config = str(RECIPES / "zero3.yaml")
+    full = tmp_path / "full.json"
+    proc = launch(config, full, "--accumulate", "2", "--save-at", "3", str(tmp_path / "state"),
+                  "--save-model", str(tmp_path / "hf"))
+    r = check(proc, full, reference, 2, accumulate=2)
+    assert (tmp_path / "state" / "ultrascale.json").is_file()
+    resumed = tmp_path / "resumed.json"
+    proc = launch(config, resumed, "--accumulate", "2", "--resume", str(tmp_path / "state"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads(resumed.read_text())["losses"] == pytest.approx(r["losses"][3:], abs=TOL)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from accelerate_worker import PROBE
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        logits = model(input_ids=PROBE["input_ids"], attention_mask=PROBE["attention_mask"]).logits
+    assert (logits - torch.tensor(r["probe_logits"])).abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+def test_plain_accelerate_launch_with_the_environment_variable(tmp_path, reference):
+    """The documented mechanism without the wrapper: ULTRASCALE_CONFIG=F accelerate launch --config_file F."""
+    out = tmp_path / "out.json"
+    config = str(RECIPES / "pp_tp.yaml")
+    proc = launch(config, out, through_cli=False, env_extra={"ULTRASCALE_CONFIG": config})
+    check(proc, out, reference, 1)
+
+
+@pytest.mark.slow
+def test_pipeline_degree_without_the_file_fails_clearly(tmp_path):
+    """Plain `accelerate launch` of a file whose pp lives in the ultrascale block, without ULTRASCALE_CONFIG: the
+    exported sizes cover 2 of 4 processes; the workers stop with an error naming the mechanism, not a hang."""
+    proc = launch(str(RECIPES / "pp_tp.yaml"), tmp_path / "out.json", through_cli=False, timeout=300)
+    assert proc.returncode != 0
+    assert "ULTRASCALE_CONFIG" in proc.stderr and "2 processes but 4 were launched" in proc.stderr
+
+
+def test_accelerate_config_writes_a_file_accelerate_accepts(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    out = tmp_path / "c.yaml"
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--num-processes",
+                           "8", "--cpu", "--set", "pp=2", "--set", "tp=2", "--set", "pp_schedule=zbv",
+                           "--set", "mixed_precision=bf16", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config_from_file(str(out))
+    assert cfg.num_processes == 8 and cfg.mixed_precision == "bf16" and cfg.use_cpu
+    assert cfg.parallelism_config["parallelism_config_tp_size"] == 2
+    assert cfg.parallelism_config["parallelism_config_dp_shard_size"] == 2
+    assert cfg.parallelism_config["ultrascale"] == {"pp": 2, "pp_schedule": "zbv"}
+    from ultrascale_plugins.integrations.layout import read_layout_file
+
+    layout = read_layout_file(out)
+    assert (layout.pp, layout.tp, layout.dp_shard, layout.pp_schedule, layout.mixed_precision) == \
+        (2, 2, 2, "zbv", "bf16")
+
+
+def test_accelerate_config_interactive(tmp_path):
+    out = tmp_path / "c.yaml"
+    answers = "4\n2\n2\nfalse\n1\n3\nno\n1f1b\n"
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--interactive",
+                           "--cpu", "--out", str(out)], input=answers, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(out.read_text())
+    assert data["num_processes"] == 4 and data["parallelism_config"]["ultrascale"] == {"pp": 2}
+
+
+def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
+    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.integrations.layout import layout_from_environment
+
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+           "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1"}
+    assert layout_from_environment(env, 4).tp == 2
+    with pytest.raises(ConfigError, match="4 processes but 8 were launched"):
+        layout_from_environment(env, 8)
+    with pytest.raises(ConfigError, match="accelerate launch --cpu"):
+        layout_from_environment(env, 1)
+    with pytest.raises(ConfigError, match="sp_size=2"):
+        layout_from_environment({**env, "PARALLELISM_CONFIG_SP_SIZE": "2"}, 4)
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_VERSION": "2"}
+    assert layout_from_environment(fsdp, 4).zero_stage == 2
+    with pytest.raises(ConfigError, match="fp16"):
+        layout_from_environment({"ACCELERATE_MIXED_PRECISION": "fp16"}, 2)
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch",
+                           str(RECIPES / "pp_tp.yaml").replace("pp_tp", "missing"), "x.py"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
