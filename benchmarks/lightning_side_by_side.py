@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 
@@ -30,6 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 for name in ("lightning.pytorch", "lightning.fabric", "torch.distributed.tensor._redistribute"):
     logging.getLogger(name).setLevel(logging.ERROR)
@@ -79,19 +81,13 @@ class Module(L.LightningModule):
         if self.hand_tp is None:
             return  # UltraScaleStrategy parallelizes the HF model itself
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from step_time_vs_hand import hand_tp_plan
 
         model, mesh = self.model, self.device_mesh
         if self.hand_tp > 1:
-            plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-            for i in range(len(model.model.layers)):
-                p = f"model.layers.{i}."
-                plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-                             p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-                             p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-                             p + "mlp.down_proj": RowwiseParallel()})
-            parallelize_module(model, mesh["tensor_parallel"], plan)
+            parallelize_module(model, mesh["tensor_parallel"], hand_tp_plan(model))
         dp = mesh["data_parallel"]
         for layer in model.model.layers:
             fully_shard(layer, mesh=dp)

@@ -74,7 +74,8 @@ def main():
     if rank == 0:
         result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                   f"{world} CPU ranks, torch {torch.__version__}", "params_millions": round(n_params / 1e6, 1),
-                  "method": args.method, "seconds": round(seconds, 2), "measure": "heap (RssAnon)" if args.anon else "RSS", "peak_mb_max_rank": round(peak_mb)}
+                  "method": args.method, "seconds": round(seconds, 2),
+                  "measure": "heap (RssAnon)" if args.anon else "RSS", "peak_mb_max_rank": round(peak_mb)}
         print(json.dumps(result))
         if args.out:
             with open(args.out, "w") as f:

@@ -39,19 +39,25 @@ def llama(seed: int):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
+def hand_tp_plan(model) -> dict:
+    """Megatron-style TP for a Llama, the way the PyTorch tutorials write it: q/k/v and gate/up column-wise,
+    o/down row-wise, the head column-wise with its output gathered."""
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
 def by_hand(model, dp_shard: int, tp: int):
     """ZeRO-3 x TP the way the PyTorch tutorials write it."""
     dims = [(n, d) for n, d in (("dp_shard", dp_shard), ("tp", tp)) if d > 1]
     mesh = init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
     if tp > 1:
-        plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-        for i in range(len(model.model.layers)):
-            p = f"model.layers.{i}."
-            plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-                         p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-                         p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-                         p + "mlp.down_proj": RowwiseParallel()})
-        parallelize_module(model, mesh["tp"], plan)
+        parallelize_module(model, mesh["tp"], hand_tp_plan(model))
     dp_mesh = mesh["dp_shard"] if dp_shard > 1 else None
     if dp_mesh is not None:
         for layer in model.model.layers:

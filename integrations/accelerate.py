@@ -130,26 +130,12 @@ class UltraScaleAccelerator(Accelerator):
     def _parallelize(self, model):
         from .. import engine
         from ..hf_module import ParallelCausalLM
-        from ..pretrained import computed_buffers, match_weights
+        from ..pretrained import weights_for
 
         if not hasattr(model, "lm_head"):
             raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "
                               "lm_head). Fix: prepare an AutoModelForCausalLM")
-        source = self.ultrascale_plugin.init_from
-        if source is None and any(p.is_meta for p in model.parameters()):
-            origin = getattr(model.config, "_name_or_path", "")
-            if not origin or not Path(origin, "config.json").is_file():
-                raise ConfigError("the model is on the meta device but no weights were named. Fix: "
-                                  "UltraScalePlugin(init_from=HF_DIR), or AutoConfig.from_pretrained(HF_DIR)")
-            source = origin
-        weights = None
-        if source is not None:
-            if any(b.is_meta for b in model.buffers()):
-                computed = computed_buffers(model.config)
-                for name, _ in list(model.named_buffers()):
-                    owner, _, leaf = name.rpartition(".")
-                    model.get_submodule(owner)._buffers[leaf] = computed[name]
-            weights = match_weights(model, source)
+        weights = weights_for(model, self.ultrascale_plugin.init_from)
         pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_weights=weights)
         adapter = ParallelCausalLM(pmodel)
         adapter.loss_scale = 1.0 / self.gradient_accumulation_steps

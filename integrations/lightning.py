@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -196,6 +197,7 @@ def _build(pl_name: str, fabric_name: str):
         def setup(self, trainer) -> None:
             from .. import engine
             from ..hf_module import ParallelCausalLM
+            from ..pretrained import weights_for
 
             self.accelerator.setup(trainer)
             lm = self.lightning_module
@@ -203,7 +205,7 @@ def _build(pl_name: str, fabric_name: str):
             config = self.layout_for(hf.config)
             if self.precision_plugin.precision == "bf16-true":
                 hf.to(torch.bfloat16)
-            weights = self._weights(hf)
+            weights = weights_for(hf, self.init_from)
             self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_weights=weights)
             self.adapter = ParallelCausalLM(self.pmodel)
             setattr(lm, self._attr, self.adapter)
@@ -214,29 +216,6 @@ def _build(pl_name: str, fabric_name: str):
                 self.setup_optimizers(trainer)
                 self._zero1_optimizers()
             self.setup_precision_plugin()
-
-        def _weights(self, hf):
-            """Pretrained weights to load into the layout: ``init_from``, or — for a model built on the meta
-            device — the directory its config came from."""
-            from ..pretrained import computed_buffers, match_weights
-
-            meta = any(p.is_meta for p in hf.parameters())
-            source = self.init_from
-            if source is None and meta:
-                origin = getattr(hf.config, "_name_or_path", "")
-                if not origin or not Path(origin, "config.json").is_file():
-                    raise ConfigError("the model was built on the meta device (empty_init) but no weights were "
-                                      "named. Fix: pass UltraScaleStrategy(init_from=HF_DIR), or build the config "
-                                      "with AutoConfig.from_pretrained(HF_DIR)")
-                source = origin
-            if source is None:
-                return None
-            if any(b.is_meta for b in hf.buffers()):  # built under torch.device("meta"): recompute buffers
-                computed = computed_buffers(hf.config)
-                for name, buf in list(hf.named_buffers()):
-                    owner, _, leaf = name.rpartition(".")
-                    hf.get_submodule(owner)._buffers[leaf] = computed[name]
-            return match_weights(hf, source)
 
         def _zero1_optimizers(self) -> None:
             """ZeRO-1 partitions the optimizer state over data parallel: the user's optimizer is rebuilt as a
@@ -391,11 +370,7 @@ def _plain(obj):
 
 
 UltraScaleStrategy, UltraScalePrecision = _build("lightning.pytorch", "lightning.fabric")
-try:  # the standalone package has its own registry and base classes
-    import pytorch_lightning  # noqa: F401
-except ImportError:
-    pass
-else:
+if importlib.util.find_spec("pytorch_lightning") is not None:  # the standalone package: own registry and bases
     PLUltraScaleStrategy, PLUltraScalePrecision = _build("pytorch_lightning", "lightning_fabric")
 
 __all__ = ["UltraScaleStrategy", "UltraScalePrecision", "find_causal_lm", "make_config"]

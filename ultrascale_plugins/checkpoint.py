@@ -157,8 +157,8 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     if rank == 0:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
-                "layout": pmodel.config.to_dict(), "optimizer": {"class": type(optimizer).__name__ if optimizer else None,
-                                                                 "param_groups": groups},
+                "layout": pmodel.config.to_dict(),
+                "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
                 "extra": extra or {}, "files": files, "plugins": plugin_values,
                 "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
         (tmp / META).write_text(json.dumps(meta, indent=1))

@@ -47,3 +47,28 @@ class ByteBatches:
                               f"{dp_size}. Fix: use a multiple of {dp_size}")
         per = self.global_batch // dp_size
         return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Consecutive ``seq_len``-token windows as causal-LM samples (``input_ids`` = ``labels``), for the
+    Lightning and Accelerate recipes."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self):
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i):
+        ids = self.tokens[i * self.seq_len:(i + 1) * self.seq_len]
+        return {"input_ids": ids, "labels": ids}
+
+
+def tiny_llama(seed: int = 0):
+    """The recipes' default model: a 4-layer Llama over the byte vocabulary, built from a config."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256))

@@ -168,3 +168,24 @@ def computed_buffers(model_config) -> dict[str, torch.Tensor]:
     """The buffers a model computes at construction (rotary frequencies, ...), for a model built entirely on the
     meta device (``torch.device("meta")``), which leaves them empty."""
     return {name: buf for name, buf in empty_model(model_config).named_buffers()}
+
+
+def weights_for(model, init_from: str | Path | None) -> PretrainedWeights | None:
+    """The weights a front end should load into ``model`` once parallelized: ``init_from`` if given; for a model
+    built on the meta device (``empty_init``, ``torch.device("meta")``), the directory its config was read from
+    (``AutoConfig.from_pretrained(DIR)`` records it); else none. Meta buffers are recomputed first."""
+    source = init_from
+    if source is None and any(p.is_meta for p in model.parameters()):
+        origin = getattr(model.config, "_name_or_path", "")
+        if not origin or not Path(origin, "config.json").is_file():
+            raise CheckpointError("the model was built on the meta device but no weights were named. Fix: pass "
+                                  "init_from=HF_DIR, or build its config with AutoConfig.from_pretrained(HF_DIR)")
+        source = origin
+    if source is None:
+        return None
+    if any(b.is_meta for b in model.buffers()):
+        computed = computed_buffers(model.config)
+        for name, _ in list(model.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = computed[name]
+    return match_weights(model, source)

@@ -20,32 +20,14 @@ import argparse
 
 import torch
 import yaml
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import ultrascale_plugins.integrations.lightning as ul  # registers the strategy names
-from ultrascale_plugins.corpus import load_tokens
-
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-class Windows(Dataset):
-    """Consecutive ``seq_len``-byte windows of the bundled corpus (byte-level tokens)."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
-
-    def __len__(self):
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, i):
-        ids = self.tokens[i * self.seq_len:(i + 1) * self.seq_len]
-        return {"input_ids": ids, "labels": ids}
-
+from ultrascale_plugins.corpus import TokenWindows, load_tokens, tiny_llama
 
 class FineTune(L.LightningModule):
     def __init__(self, model_dir: str | None, lr: float):
@@ -62,10 +44,7 @@ class FineTune(L.LightningModule):
             with self.trainer.init_module(empty_init=True):
                 self.model = AutoModelForCausalLM.from_config(config)
         else:
-            spec = dict(TINY)
-            config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-            torch.manual_seed(0)
-            self.model = AutoModelForCausalLM.from_config(config)
+            self.model = tiny_llama()
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -107,8 +86,8 @@ def main(argv=None):
         strategy = args.strategy
     tokens = load_tokens("builtin")
     split = int(len(tokens) * 0.9)
-    train = DataLoader(Windows(tokens[:split], args.seq_len), batch_size=args.batch_size, shuffle=True)
-    val = DataLoader(Windows(tokens[split:], args.seq_len), batch_size=args.batch_size)
+    train = DataLoader(TokenWindows(tokens[:split], args.seq_len), batch_size=args.batch_size, shuffle=True)
+    val = DataLoader(TokenWindows(tokens[split:], args.seq_len), batch_size=args.batch_size)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                         strategy=strategy, precision=args.precision, max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
