@@ -115,12 +115,19 @@ class UltraScaleAccelerator(Accelerator):
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)
                 out[i] = self._parallelize(obj)
-        rest = []
+        from ..dims.data_parallel import move_scheduler
+
+        rest, replaced = [], {}
         for i, obj in enumerate(out):
             if isinstance(obj, torch.optim.Optimizer) and names:
-                self._repoint(obj, names)
+                out[i] = self._repoint(obj, names)
+                replaced[id(obj)] = (obj, out[i])
             if i not in originals:
                 rest.append(i)
+        for obj in out:  # a scheduler built on an optimizer that ZeRO-1 replaced follows it
+            old = getattr(obj, "optimizer", None)
+            if id(old) in replaced and not isinstance(obj, torch.optim.Optimizer):
+                move_scheduler(obj, *replaced[id(old)])
         prepared = super().prepare(*[out[i] for i in rest], device_placement=device_placement) if rest else ()
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         for i, obj in zip(rest, prepared):
@@ -143,7 +150,7 @@ class UltraScaleAccelerator(Accelerator):
         self._models.append(adapter)
         return adapter
 
-    def _repoint(self, optimizer, names: dict[int, list[str]]) -> None:
+    def _repoint(self, optimizer, names: dict[int, list[str]]):
         """An optimizer built on the unparallelized model's parameters now holds this rank's sharded ones (a
         pipeline rank keeps only its stages'). ZeRO-1 turns it into a ZeroRedundancyOptimizer."""
         current = {}
@@ -162,6 +169,16 @@ class UltraScaleAccelerator(Accelerator):
             group["params"] = params
         if optimizer.state:
             raise ConfigError("prepare(): the optimizer has already taken steps. Fix: prepare it before training")
+        if self.ultrascale_config.zero_stage != 1 or self.data_parallel_size == 1:
+            return optimizer
+        from ..dims.data_parallel import partitioned
+
+        return partitioned(optimizer, self.ultrascale_models[-1].pmodel.ctx.sub_mesh("dp").get_group())
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            device_placement = False  # moving it would read a state dict that is partitioned over the ranks
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         from accelerate.data_loader import prepare_data_loader

@@ -222,16 +222,13 @@ def _build(pl_name: str, fabric_name: str):
             ``ZeroRedundancyOptimizer`` of the same class and settings."""
             if self.pmodel.config.zero_stage != 1 or self.pmodel.data_parallel_size == 1:
                 return
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from ..dims.data_parallel import move_scheduler, partitioned
 
-            rebuilt = []
-            for opt in self.optimizers:
-                if len(opt.param_groups) != 1:
-                    raise ConfigError("zero_stage=1: an optimizer with several parameter groups cannot be "
-                                      "partitioned. Fix: use zero_stage: 2 or 3")
-                rebuilt.append(ZeroRedundancyOptimizer(opt.param_groups[0]["params"], optimizer_class=type(opt),
-                                                       process_group=self.pmodel.ctx.sub_mesh("dp").get_group(),
-                                                       **opt.defaults))
+            group = self.pmodel.ctx.sub_mesh("dp").get_group()
+            rebuilt = [partitioned(opt, group) for opt in self.optimizers]
+            for config in self.lr_scheduler_configs:
+                for old, new in zip(self.optimizers, rebuilt):
+                    move_scheduler(config.scheduler, old, new)
             self.optimizers = rebuilt
 
         def model_to_device(self) -> None:

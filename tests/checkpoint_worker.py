@@ -3,6 +3,7 @@
     save_and_reshard OUT_DIR   (4 ranks) train layout dp_shard=4, save at step 3, continue to step 6; resume in the
                                same layout (must be bit-exact), in tp2 x dp2 + SP; save from pp2 x tp2 and resume
                                in dp_shard=4. Writes OUT_DIR/result.json.
+                               ZeRO-1 (partitioned optimizer state) saves and resumes too.
     reshard_world OUT_DIR      (2 ranks) resume the 4-rank dp_shard=4 checkpoint with tp=2.
     pretrained OUT_DIR         (4 ranks) load a sharded save_pretrained directory into several layouts from the
                                meta device; compare weights, logits and loss with transformers' own load.
@@ -110,6 +111,13 @@ def main():
         ckpt_pp = save_checkpoint(pmodel, opt, out / "pp2tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})
         result["pp2_tp2_to_dp4"] = resumed(a, ckpt_pp)
         result["dp4_to_pp2_zbv_dp2"] = resumed({"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"}, ckpt)
+        result["dp4_to_zero1"] = resumed({"zero_stage": 1}, ckpt)
+        pmodel, opt = build({"zero_stage": 1})  # ZeRO-1: each rank writes the optimizer states it owns
+        first = train(pmodel, opt, range(SAVE_AT))
+        ckpt_z1 = save_checkpoint(pmodel, opt, out / "zero1", step=SAVE_AT, extra={"data_position": SAVE_AT})
+        result["zero1_uninterrupted"] = first + train(pmodel, opt, range(SAVE_AT, STEPS))
+        result["zero1_same_layout"] = resumed({"zero_stage": 1}, ckpt_z1)
+        result["zero1_to_tp2_dp2"] = resumed({"dp_shard": 2, "tp": 2}, ckpt_z1)
     elif mode == "pretrained":
         result = pretrained(out)
     else:

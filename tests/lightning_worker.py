@@ -53,6 +53,7 @@ RUNS = {
     "tp_bf16_true": ("ultrascale_tp", {"precision": "bf16-true"}),
     "pretrained_meta_tp_sp": ("ultrascale_tp_sp", {"hf_dir": True}),  # built empty in configure_model
     "pretrained_init_from_zero3": ({"init_from": True}, {"seed": 5}),  # random init, replaced by the weights
+    "zero1": ({"zero_stage": 1}, {}),  # the user's AdamW becomes a ZeroRedundancyOptimizer
     "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
     "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
 }

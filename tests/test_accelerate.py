@@ -54,8 +54,9 @@ def check(proc, out: Path, reference, replicas: int, accumulate: int = 1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,replicas", [("zero3", 2), ("tp_sp", 1), ("ddp", 2), ("pp_tp_zero3", 2)])
-# pp_tp runs in test_plain_accelerate_launch_with_the_environment_variable; tp x ZeRO-3 inside pp_tp_zero3
+@pytest.mark.parametrize("recipe,replicas", [("zero3", 2), ("tp_sp", 1), ("zero1", 2), ("pp_tp_zero3", 2)])
+# pp_tp runs in test_plain_accelerate_launch_with_the_environment_variable; tp x ZeRO-3 inside pp_tp_zero3;
+# zero1 is DDP + a partitioned optimizer (ddp.yaml without the partitioning)
 def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas):
     out = tmp_path / "out.json"
     proc = launch(str(RECIPES / f"{recipe}.yaml"), out)

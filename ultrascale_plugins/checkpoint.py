@@ -48,6 +48,13 @@ def _param_names(pmodel) -> dict[int, list[str]]:
     return names
 
 
+def _local_optimizer(optimizer):
+    """Where this rank's optimizer state lives: ZeroRedundancyOptimizer (ZeRO-1) keeps each rank's partition in
+    its inner optimizer, so every rank writes the states of the parameters it owns, whole; a load into another
+    layout (or another partition) reads them from there."""
+    return optimizer.optim if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+
+
 def _optimizer_state(pmodel, optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Optimizer state keyed by parameter name (``<fqn>.<exp_avg|...>``), and the hyper-parameters per group."""
     names = _param_names(pmodel)
@@ -56,8 +63,10 @@ def _optimizer_state(pmodel, optimizer) -> tuple[dict[str, torch.Tensor], list[d
     for group in optimizer.param_groups:
         groups.append({k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str,
                                                                                          type(None), list, tuple))})
+    local = _local_optimizer(optimizer)
+    for group in local.param_groups:
         for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
+            for key, value in local.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     for name in names[id(p)]:
                         tensors[f"{name}.{key}"] = value
@@ -67,7 +76,8 @@ def _optimizer_state(pmodel, optimizer) -> tuple[dict[str, torch.Tensor], list[d
 def _init_optimizer_state(optimizer) -> None:
     """Allocate the optimizer's state tensors (in this layout) with a zero-gradient, zero-lr step, so DCP can
     load into them. The values are overwritten by the load."""
-    if all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+    zero1 = _local_optimizer(optimizer) is not optimizer  # its step is collective: every rank takes it
+    if not zero1 and all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
         return
     saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -128,9 +138,6 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     """Write a sharded checkpoint at exactly ``final`` (complete, or not there at all). ``files`` are more
     objects to store beside it (name -> tensors/containers/numbers), read back with ``torch.load(weights_only)``
     by ``read_file``."""
-    if pmodel.config.zero_stage == 1 and pmodel.data_parallel_size > 1:
-        raise ConfigError("zero_stage=1: checkpoints of ZeroRedundancyOptimizer's partitioned state are not "
-                          "available yet. Fix: use zero_stage: 2 or 3 to checkpoint")
     rank = dist.get_rank()
     final = Path(final)
     directory = final.parent

@@ -103,3 +103,31 @@ def ultrascale_estimate(config, model_config, estimate):
     from ..estimates import data_parallel_terms
 
     data_parallel_terms(config, model_config, estimate)
+
+
+def partitioned(optimizer, group):
+    """ZeRO-1 for an optimizer a user already built (front ends: Lightning's configure_optimizers, an
+    Accelerate script): a ``ZeroRedundancyOptimizer`` of the same class and settings over ``group``."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError("zero_stage=1: an optimizer with several parameter groups cannot be partitioned. Fix: use "
+                          "zero_stage: 2 or 3")
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # defaults may hold derived keys
+    return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
+                                   process_group=group, **settings)
+
+
+def move_scheduler(scheduler, old, new) -> None:
+    """Point an LR scheduler built on ``old`` at ``new`` (its ``partitioned`` replacement), carrying the
+    per-group learning rates the scheduler set up."""
+    if getattr(scheduler, "optimizer", None) is not old:
+        return
+    for g_new, g_old in zip(new.param_groups, old.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in g_old:
+                g_new[key] = g_old[key]
+    scheduler.optimizer = new
