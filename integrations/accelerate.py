@@ -98,7 +98,10 @@ class UltraScaleAccelerator(Accelerator):
 
     @property
     def data_parallel_rank(self) -> int:
-        """This process's data-parallel replica, from the mesh order pp, dp_replicate, dp_shard, cp, tp."""
+        """This process's data-parallel replica: the mesh's, once a model is prepared; before that, from the mesh
+        order pp, dp_replicate, dp_shard, cp, tp (a data loader may be prepared first)."""
+        if self.ultrascale_models:
+            return self.ultrascale_models[0].pmodel.data_parallel_rank
         c = self.ultrascale_config
         return (self.process_index // (c.cp * c.tp)) % c.dp
 

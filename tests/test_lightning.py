@@ -181,7 +181,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("pytorch_lightning"), reason="not installed")
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("pytorch_lightning"), reason="the standalone pytorch_lightning package is not installed (lightning.pytorch is tested above)")
 def test_standalone_pytorch_lightning_package_gets_the_names_too():
     code = PL_SCRIPT.format(tests=str(Path(__file__).parent))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
