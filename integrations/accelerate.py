@@ -228,9 +228,7 @@ class UltraScaleAccelerator(Accelerator):
             with super().no_sync(model):
                 yield
             return
-        # a pipeline reduces each micro-batch's own gradients (its backward runs inside the model call; the
-        # reductions are linear, so the sum of reduced parts is the reduced sum)
-        with adapter.pmodel.no_sync() if not adapter.pipelined else contextlib.nullcontext():
+        with adapter.no_sync():
             yield
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):

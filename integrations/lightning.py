@@ -251,8 +251,7 @@ def _build(pl_name: str, fabric_name: str):
             # gradient accumulation: no data-parallel reduction until the window's last micro-batch. A pipeline
             # synchronises each call's own gradients instead (its backward runs inside the model call, and the
             # reductions are linear, so the sum of synchronised parts is the synchronised sum)
-            pipelined = self.adapter is not None and self.adapter.pipelined
-            with self.pmodel.no_sync() if self.pmodel is not None and not pipelined else contextlib.nullcontext():
+            with self.adapter.no_sync() if self.adapter is not None else contextlib.nullcontext():
                 yield
 
         def reduce(self, tensor, group=None, reduce_op="mean"):

@@ -112,7 +112,9 @@ class ParallelCausalLM(nn.Module):
         return output
 
     def no_sync(self):
-        """Accumulate gradients without data-parallel reduction (a pipeline reduces each call's own)."""
+        """Accumulate gradients without data-parallel reduction. A pipeline reduces each call's own gradients
+        instead (its backward runs inside the call; the reductions are linear, so the sum of reduced parts is the
+        reduced sum)."""
         return self.pmodel.no_sync() if not self.pipelined else contextlib.nullcontext()
 
     def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **ignored) -> None:
