@@ -112,6 +112,7 @@ def train(args) -> dict:
         if out.logits is not None:
             result["probe_logits"] = out.logits.tolist()
     accelerator.print("ultrascale accelerate worker done")
+    accelerator.end_training()
     return result
 
 

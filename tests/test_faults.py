@@ -1,5 +1,8 @@
 """A failing or stalled rank ends the job with an error within the collective timeout, never a hang."""
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,3 +40,18 @@ def test_kill_during_save_keeps_the_last_checkpoint_and_restart_reproduces(tmp_p
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["step"] == 3
     assert result["resumed"] == result["uninterrupted"][3:]  # bit for bit
+
+
+def test_a_script_that_forgets_to_destroy_the_process_group_still_exits_cleanly():
+    """The exit guard (launch.destroy_process_group_at_exit) tears the group down before C++ static destructors
+    run: the CI once saw an Accelerate worker abort at exit after finishing its training."""
+    script = ("import atexit, torch.distributed as dist\n"
+              "from ultrascale_plugins.launch import init_distributed, set_collective_timeout\n"
+              "init_distributed(timeout=30)\n"
+              "assert dist.is_initialized()\n"
+              "atexit._run_exitfuncs()\n"
+              "print('destroyed' if not dist.is_initialized() else 'still initialized')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "destroyed", proc.stdout + proc.stderr[-3000:]

@@ -2,6 +2,7 @@
 SLURM (SLURM_PROCID, SLURM_NTASKS, ...), or nothing (a single process)."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -22,6 +23,28 @@ def set_collective_timeout(timeout: float | datetime.timedelta) -> None:
     """For front ends that create the default process group themselves (Lightning, Accelerate)."""
     global _timeout
     _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+    destroy_process_group_at_exit()
+
+
+_exit_guard = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if nobody did (idempotent).
+
+    A script that ends without ``destroy_process_group`` / ``accelerator.end_training()`` leaves gloo's and DDP's
+    native threads to the C++ static destructors; the clean-clone CI saw one such exit abort ("terminate called
+    without an active exception", SIGABRT) after the training had finished, failing the launch.
+    """
+    global _exit_guard
+    if not _exit_guard:
+        _exit_guard = True
+        atexit.register(_destroy_if_initialized)
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _slurm_env() -> None:
@@ -54,6 +77,7 @@ def init_distributed(timeout: float | datetime.timedelta | None = None, backend:
     turns into an error instead of a hang.
     """
     device = device_for_rank()
+    destroy_process_group_at_exit()
     if dist.is_initialized():
         return device
     _slurm_env()

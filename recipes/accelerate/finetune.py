@@ -79,6 +79,7 @@ def main(argv=None):
     if args.save_model:
         accelerator.save_model(model, args.save_model)
         accelerator.print(f"saved {args.save_model} (AutoModelForCausalLM.from_pretrained loads it)")
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
