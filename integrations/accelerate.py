@@ -62,7 +62,9 @@ class UltraScaleAccelerator(Accelerator):
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout
+        from .cpu_relaunch import relaunch_cpu_workers
 
+        relaunch_cpu_workers()  # `accelerate launch --cpu --num_processes N` started one process: start N
         for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
             if kwargs.get(taken) is not None:
                 raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
@@ -86,7 +88,7 @@ class UltraScaleAccelerator(Accelerator):
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=timeout)))
-        kwargs.setdefault("cpu", not torch.cuda.is_available())
+        kwargs.setdefault("cpu", not torch.cuda.is_available() or os.environ.get("ULTRASCALE_DEVICE") == "cpu")
         super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
         self.ultrascale_plugin = plugin
         self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far

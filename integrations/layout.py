@@ -128,8 +128,8 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
         config = config.replace(mixed_precision="bf16")
     product = config.dp_replicate * max(config.dp_shard, 1) * config.tp * config.cp * config.pp
     if config.dp_shard != -1 and product != world:
-        hint = (" With `accelerate launch --cpu`, Accelerate starts a single process; launch the file with "
-                "distributed_type: MULTI_GPU and use_cpu: true (as `ultrascale accelerate-config` writes it)."
+        hint = (" One process was launched: give `accelerate launch --cpu` the process count "
+                "(`--num_processes N`), or a file with num_processes (as `ultrascale accelerate-config` writes it)."
                 if world == 1 else "")
         missing = "" if path else (" The pipeline degree and other ultrascale fields travel in the file's "
                                    f"'{SECTION}' block: set ULTRASCALE_CONFIG=FILE (or use `ultrascale "
@@ -150,7 +150,7 @@ def accelerate_yaml(config: ParallelConfig, num_processes: int, use_cpu: bool, n
         sizes[SECTION] = extra
     return {"compute_environment": "LOCAL_MACHINE",
             # MULTI_GPU is the launcher that starts num_processes workers (torchrun); with use_cpu they run on
-            # CPU with gloo. `--cpu` would start one process.
+            # CPU with gloo (`--cpu` alone would start one process, see cpu_relaunch.py).
             "distributed_type": "MULTI_GPU" if num_processes > 1 else "NO",
             "use_cpu": bool(use_cpu), "num_processes": num_processes, "num_machines": num_machines,
             "machine_rank": 0, "gpu_ids": "all", "main_training_function": "main", "rdzv_backend": "static",

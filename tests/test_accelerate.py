@@ -15,16 +15,18 @@ RECIPES = ROOT / "recipes" / "accelerate"
 TOL = 1e-5
 
 
-def launch(config: str, out: Path, *args, through_cli: bool = True, env_extra: dict | None = None, timeout=600):
-    """`ultrascale accelerate-launch F script` (sets ULTRASCALE_CONFIG) or plain `accelerate launch`."""
+def launch(config: str | None, out: Path, *args, through_cli: bool = True, env_extra: dict | None = None,
+           launcher_args=(), timeout=600):
+    """`ultrascale accelerate-launch F script` (sets ULTRASCALE_CONFIG) or plain `accelerate launch [--config_file F]
+    LAUNCHER_ARGS script`."""
     env = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_CONFIG"}
     env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **(env_extra or {})})
     if through_cli:
         cmd = [sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch", config, str(WORKER), str(out),
                *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(WORKER), str(out),
-               *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--config_file", config] if config else []),
+               *launcher_args, str(WORKER), str(out), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -54,8 +56,9 @@ def check(proc, out: Path, reference, replicas: int, accumulate: int = 1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,replicas", [("zero3", 2), ("tp_sp", 1), ("zero1", 2), ("pp_tp_zero3", 2)])
-# pp_tp runs in test_plain_accelerate_launch_with_the_environment_variable; tp x ZeRO-3 inside pp_tp_zero3;
+@pytest.mark.parametrize("recipe,replicas", [("tp_sp", 1), ("zero1", 2), ("pp_tp_zero3", 2)])
+# zero3 runs in test_accumulation_save_state_resume_and_save_model, pp_tp in
+# test_plain_accelerate_launch_cpu_with_the_environment_variable; tp x ZeRO-3 inside pp_tp_zero3;
 # zero1 is DDP + a partitioned optimizer (ddp.yaml without the partitioning)
 def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas):
     out = tmp_path / "out.json"
@@ -89,11 +92,23 @@ def test_accumulation_save_state_resume_and_save_model(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_plain_accelerate_launch_with_the_environment_variable(tmp_path, reference):
-    """The documented mechanism without the wrapper: ULTRASCALE_CONFIG=F accelerate launch --config_file F."""
+def test_accelerate_launch_cpu_num_processes_starts_that_many_workers(tmp_path, reference):
+    """`accelerate launch --cpu --num_processes 2 script` (Accelerate's --cpu path alone starts one process): two
+    MULTI_CPU workers, the default layout (ZeRO-3 over both), every step equal to one process."""
+    out = tmp_path / "out.json"
+    proc = launch(None, out, through_cli=False, launcher_args=["--cpu", "--num_processes", "2"])
+    check(proc, out, reference, 2)
+    assert "starting the workers through Accelerate's multi-process launcher" in proc.stderr
+
+
+@pytest.mark.slow
+def test_plain_accelerate_launch_cpu_with_the_environment_variable(tmp_path, reference):
+    """The documented mechanism without the wrapper, on 4 CPU processes:
+    ULTRASCALE_CONFIG=F accelerate launch --cpu --num_processes 4 --config_file F."""
     out = tmp_path / "out.json"
     config = str(RECIPES / "pp_tp.yaml")
-    proc = launch(config, out, through_cli=False, env_extra={"ULTRASCALE_CONFIG": config})
+    proc = launch(config, out, through_cli=False, env_extra={"ULTRASCALE_CONFIG": config},
+                  launcher_args=["--cpu", "--num_processes", "4"])
     check(proc, out, reference, 1)
 
 
@@ -182,3 +197,25 @@ def test_transformers_trainer_with_zero3_and_tp(tmp_path):
         got = json.loads(out.read_text())["losses"]
         assert len(got) == len(want) == 4 and max(abs(a - b) for a, b in zip(got, want)) <= TOL, (name, got, want)
         assert AutoModelForCausalLM.from_pretrained(out.parent / "hf").config.num_hidden_layers == 8
+
+
+def test_cpu_relaunch_reads_the_launch_command_in_all_its_spellings():
+    from ultrascale_plugins.integrations import cpu_relaunch
+
+    tail = ["--cpu", "--num_processes", "4", "--config_file", "f.yaml", "train.py", "--lr", "1", "--cpu"]
+    want = (["--cpu", "--num_processes", "4", "--config_file", "f.yaml"], ["train.py", "--lr", "1", "--cpu"])
+    for head in (["/venv/bin/python", "/venv/bin/accelerate", "launch"], ["accelerate-launch"],
+                 ["python", "-m", "accelerate.commands.launch"]):
+        assert cpu_relaunch.launch_arguments(head + tail) == want, head
+    assert cpu_relaunch.launch_arguments(["python", "train.py"]) is None
+    assert cpu_relaunch.launch_arguments(["accelerate", "env"]) is None
+    env = {"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500"}
+    assert cpu_relaunch.single_process_cpu_launch(env)
+    assert not cpu_relaunch.single_process_cpu_launch({**env, "RANK": "0"})  # a torchrun / multi-process worker
+    assert not cpu_relaunch.single_process_cpu_launch({**env, "OMPI_COMM_WORLD_SIZE": "2"})  # mpirun
+    assert not cpu_relaunch.single_process_cpu_launch({"ACCELERATE_USE_CPU": "True"})  # --num_processes 1
+    proc = subprocess.run([sys.executable, "-c", "from ultrascale_plugins.integrations.accelerate import "
+                           "UltraScaleAccelerator as A; A()"], capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env})
+    assert proc.returncode != 0 and "ConfigError" in proc.stderr, proc.stderr[-2000:]
+    assert "was not started by `accelerate launch`" in proc.stderr, proc.stderr[-2000:]

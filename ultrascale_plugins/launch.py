@@ -6,6 +6,7 @@ import atexit
 import datetime
 import os
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,24 +28,30 @@ def set_collective_timeout(timeout: float | datetime.timedelta) -> None:
 
 
 _exit_guard = False
+EXIT_SETTLE_S = 0.2
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, if nobody did (idempotent).
+    """At interpreter exit, destroy the default process group if nobody did, then let gloo settle (idempotent).
 
-    A script that ends without ``destroy_process_group`` / ``accelerator.end_training()`` leaves gloo's and DDP's
-    native threads to the C++ static destructors; the clean-clone CI saw one such exit abort ("terminate called
-    without an active exception", SIGABRT) after the training had finished, failing the launch.
+    Works around a race in torch's gloo backend, seen in CI as "terminate called without an active exception"
+    (SIGABRT) after a run had finished: a gloo worker thread drops its reference to a completed collective only
+    after ``wait()`` has returned, and when that is the last reference it frees tensors whose Python objects need
+    the GIL. If the interpreter has begun finalizing by then, taking the GIL kills the thread mid-unwind and the
+    process aborts (the same report: pytorch/pytorch PR 179291). ``destroy_process_group`` alone does not stop it
+    (the groups live on in DeviceMesh / FSDP state), so the hook also releases the GIL for a moment while the
+    interpreter is still whole, which lets those threads finish their releases.
     """
     global _exit_guard
     if not _exit_guard:
         _exit_guard = True
-        atexit.register(_destroy_if_initialized)
+        atexit.register(_settle_at_exit)
 
 
-def _destroy_if_initialized() -> None:
+def _settle_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(EXIT_SETTLE_S)  # releases the GIL: gloo threads waiting for it finish before finalization
 
 
 def _slurm_env() -> None:
