@@ -92,6 +92,7 @@ def main() -> None:
     us.init_distributed(timeout=120)
     results = {}
     for name in names:
+        print(f"[parity] case {name} (rank {dist.get_rank()})", file=sys.stderr, flush=True)
         results[name] = run_case(name, CASES[name])
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
