@@ -21,7 +21,8 @@ def collective_timeout() -> datetime.timedelta:
 
 
 def set_collective_timeout(timeout: float | datetime.timedelta) -> None:
-    """For front ends that create the default process group themselves (Lightning, Accelerate)."""
+    """For front ends that create the default process group themselves (Lightning, Accelerate); also registers
+    the exit hook that ``init_distributed`` registers for its own group."""
     global _timeout
     _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
     destroy_process_group_at_exit()
