@@ -44,10 +44,10 @@ def test_kill_during_save_keeps_the_last_checkpoint_and_restart_reproduces(tmp_p
 
 
 def test_a_script_that_forgets_to_destroy_the_process_group_still_exits_cleanly():
-    """The exit guard (launch.destroy_process_group_at_exit) tears the group down before C++ static destructors
-    run: the CI once saw an Accelerate worker abort at exit after finishing its training."""
+    """The exit hook (launch.destroy_process_group_at_exit) tears the group down while the interpreter is still
+    whole: the CI once saw an Accelerate worker abort at exit after finishing its training."""
     script = ("import atexit, torch.distributed as dist\n"
-              "from ultrascale_plugins.launch import init_distributed, set_collective_timeout\n"
+              "from ultrascale_plugins.launch import init_distributed\n"
               "init_distributed(timeout=30)\n"
               "assert dist.is_initialized()\n"
               "atexit._run_exitfuncs()\n"
