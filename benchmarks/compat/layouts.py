@@ -1,0 +1,36 @@
+"""The layouts of the compatibility matrix: name -> (world size, ParallelConfig fields, plans it needs)."""
+from __future__ import annotations
+
+# Every model type runs these (the ones its plans allow; the others must be refused with a ConfigError).
+MATRIX = {
+    "dp2": (2, {"dp_shard": 2}),
+    "tp2": (2, {"tp": 2}),
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pp": 2}),
+    "pp2_tp2": (4, {"pp": 2, "tp": 2}),
+    "pp2_dp2": (4, {"pp": 2, "dp_shard": 2}),
+}
+
+# A few representative architectures run every pipeline schedule with TP, TP + SP and ZeRO-3.
+SCHEDULE_EXTRA = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"pp_virtual_stages": 2},
+                  "zero_bubble": {"pp_virtual_stages": 2}, "zbv": {}, "dualpipev": {}}
+SCHEDULES = {}
+for _name, _extra in SCHEDULE_EXTRA.items():
+    SCHEDULES[f"pp2_{_name}_tp2"] = (4, {"pp": 2, "tp": 2, "pp_schedule": _name, **_extra})
+    SCHEDULES[f"pp2_{_name}_tp2_sp"] = (4, {"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": _name,
+                                            **_extra})
+    SCHEDULES[f"pp2_{_name}_zero3"] = (4, {"pp": 2, "dp_shard": 2, "pp_schedule": _name, **_extra})
+SCHEDULE_TYPES = ("llama", "qwen3", "gemma2", "mixtral")
+
+ALL = {**MATRIX, **SCHEDULES}
+
+
+def needs(layout: dict) -> set[str]:
+    """The plans a layout needs: 'tp' and/or 'pp'."""
+    out = set()
+    if layout.get("tp", 1) > 1:
+        out.add("tp")
+    if layout.get("pp", 1) > 1:
+        out.add("pp")
+    return out

@@ -1,0 +1,163 @@
+"""Parity of tiny models under parallel layouts, case after case, in one torchrun launch.
+
+    python -m torch.distributed.run --standalone --nproc_per_node W benchmarks/compat/worker.py OUT.jsonl \
+        MODEL_TYPE:LAYOUT ...
+
+For each case every rank builds the same tiny model from the same seed, trains STEPS SGD steps on padded batches
+with global gradient-norm clipping at CLIP (active at every step, so the norm itself is compared) and rank 0
+compares loss, gradient norm and final weights with one process running the plain transformers model. Rank 0
+appends one JSON line per case to OUT. A case that fails the same way on every rank (a ConfigError refusal, an
+exception) is recorded and the launch goes on; a rank that dies or hangs ends the launch (the driver records the
+case and relaunches with the rest).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+warnings.filterwarnings("ignore")
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+from compat.layouts import ALL  # noqa: E402
+from compat.tiny import Untinyable, build_model  # noqa: E402
+
+STEPS = 4
+LR, MOMENTUM = 0.1, 0.9
+CLIP = 0.05  # far below the tiny models' gradient norms: clipping is active at every step
+SEQ, BATCH = 16, 8
+
+
+def batches():
+    from models import padded_batches
+
+    return padded_batches(STEPS, global_batch=BATCH, seq_len=SEQ)
+
+
+def rows(batch, rank, size):
+    per = batch["input_ids"].shape[0] // size
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+_reference: dict = {}
+
+
+def reference(model_type: str):
+    """One process, the model's own loss, torch's clip_grad_norm_, plain SGD."""
+    if model_type not in _reference:
+        try:
+            model = build_model(model_type)
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+            losses, norms = [], []
+            for batch in batches():
+                loss = model(**batch, use_cache=False).loss
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            _reference[model_type] = (losses, norms, weights, None)
+        except Exception as exc:  # noqa: BLE001
+            _reference[model_type] = (None, None, None, f"{type(exc).__name__}: {_first_line(exc)}")
+    return _reference[model_type]
+
+
+def _first_line(exc) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _where(exc) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if "ultrascale_plugins" in f.filename] or frames
+    f = own[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+def run_parallel(model_type: str, layout: dict) -> dict:
+    import ultrascale_plugins as us
+
+    model = build_model(model_type)
+    pmodel = us.parallelize(model, us.ParallelConfig(**layout))
+    opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for batch in batches():
+        loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": pmodel.full_state_dict()}
+
+
+def run_case(case: str) -> dict:
+    from ultrascale_plugins import ConfigError
+
+    model_type, layout_name = case.split(":")
+    layout = ALL[layout_name][1]
+    start = time.perf_counter()
+    try:
+        got = run_parallel(model_type, layout)
+        status = {"state": "ran"}
+    except Untinyable as exc:
+        got, status = None, {"state": "untinyable", "reason": str(exc)}
+    except ConfigError as exc:
+        got, status = None, {"state": "refused", "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - recorded per case
+        got, status = None, {"state": "error", "reason": f"{type(exc).__name__}: {_first_line(exc)}",
+                             "where": _where(exc)}
+    statuses = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, status)  # every rank must agree the case ended, and how
+    if dist.get_rank() != 0:
+        return {}
+    out = {"case": case, "model_type": model_type, "layout": layout_name, "seconds": 0.0}
+    bad = [s for s in statuses if s["state"] != "ran"]
+    if bad:
+        out.update(bad[0])
+    else:
+        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type)
+        if ref_error:
+            out.update(state="untinyable", reason=f"the tiny model fails in one process: {ref_error}")
+        else:
+            weights = got["weights"]
+            missing = sorted(set(ref_weights) ^ set(weights))
+            common = [k for k in ref_weights if k in weights and ref_weights[k].is_floating_point()]
+            out.update(
+                state="ran",
+                loss_diff=max(abs(a - b) for a, b in zip(got["losses"], ref_losses)),
+                norm_rel_diff=max(abs(a - b) / max(b, 1e-12) for a, b in zip(got["norms"], ref_norms)),
+                weight_diff=max((weights[k].float() - ref_weights[k].float()).abs().max().item() for k in common),
+                clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
+                losses=got["losses"], ref_losses=ref_losses)
+    out["seconds"] = round(time.perf_counter() - start, 2)
+    return out
+
+
+def main() -> None:
+    import ultrascale_plugins as us
+
+    out_path, cases = sys.argv[1], sys.argv[2:]
+    us.init_distributed(timeout=float(os.environ.get("COMPAT_COLLECTIVE_TIMEOUT_S", "90")))
+    for case in cases:
+        if dist.get_rank() == 0:
+            print(f"[compat] start {case}", file=sys.stderr, flush=True)
+        result = run_case(case)
+        if dist.get_rank() == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
