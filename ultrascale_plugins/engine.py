@@ -57,8 +57,9 @@ class ParallelContext:
         return [fqn for fqn, _ in model.named_modules() if fqn in present]
 
 
-def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None) -> ParallelConfig:
-    """Every check that needs no process group: degrees vs world size, vs the model, and each plugin's own.
+def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None, model=None) -> ParallelConfig:
+    """Every check that needs no process group: degrees vs world size, vs the model, and each plugin's own;
+    with ``model`` (real or on the meta device) also the checks on its module tree and plan.
     Returns the resolved config (dp_shard filled in)."""
     pm = pm or get_plugin_manager()
     resolved = config.resolve(world_size)
@@ -71,6 +72,9 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
                 f"provides the '{field}' axis). Fix: set {field}: 1, or install a plugin that provides it")
     resolved.validate_for_model(model_config)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
+    if model is not None:
+        plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
+        pm.hook.ultrascale_validate_model(model=model, plan=plan, config=resolved)
     return resolved
 
 
@@ -106,7 +110,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         config = ParallelConfig.from_dict(config)
     pm = get_plugin_manager()
     world = launch.world_size()
-    resolved = validate(config, model.config, world, pm)  # before any process group exists
+    resolved = validate(config, model.config, world, pm, model=model)  # before any process group exists
     if device is None:
         device = launch.init_distributed()
     elif not dist.is_initialized():

@@ -31,6 +31,12 @@ def ultrascale_validate_config(config, model_config, world_size):
     """Raise ``ConfigError`` when this dimension's part of ``config`` cannot run (before any process group)."""
 
 
+@hookspec
+def ultrascale_validate_model(model, plan, config):
+    """Raise ``ConfigError`` when this dimension cannot run on this model's structure. Called before any process
+    group exists; ``model`` may live on the meta device, ``plan`` is the model plan (or None)."""
+
+
 @hookspec(firstresult=True)
 def ultrascale_model_plan(model, config):
     """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""

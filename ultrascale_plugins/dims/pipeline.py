@@ -67,6 +67,12 @@ def ultrascale_validate_config(config, model_config, world_size):
 
 
 @hookimpl
+def ultrascale_validate_model(model, plan, config):
+    if config.pp > 1:
+        pp_parts(model)  # a ConfigError naming the architecture when it has no usable pipeline plan
+
+
+@hookimpl
 def ultrascale_transform_model(model, ctx, phase):
     cfg = ctx.config
     if phase != "pipeline" or cfg.pp == 1:

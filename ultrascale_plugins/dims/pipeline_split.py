@@ -126,9 +126,15 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         out = base(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state
         if last:
-            return stage.lm_head(hidden)
-        return hidden, attention_mask, position_ids
+            return _own(stage.lm_head(hidden))
+        return _own(hidden), attention_mask, position_ids
 
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
+
+
+def _own(t):
+    """A stage output that is not a view: the zero-bubble schedules detach stage outputs in place, which torch
+    refuses for views (sequence parallel's gather hands back one)."""
+    return t.clone() if t._is_view() else t

@@ -1,19 +1,32 @@
 """Tensor parallel and Megatron-style sequence parallel, on the ``tp`` axis, driven by the model plan.
 
-Sequence parallel keeps the residual stream sharded over the sequence between TP regions: norms (and the
-dropout after them) run on ``S/tp`` tokens, each region all-gathers its input and reduce-scatters its output.
-The embedding and the model's mask/position computation stay on the full sequence; the first decoder layer
-takes its shard (a local slice, no communication), and the head all-gathers before the vocabulary projection.
+Sequence parallel keeps the residual stream sharded over the sequence between TP regions (attention, MLP, MoE
+blocks: see ``models.plan``): each region all-gathers its input and hands back sequence shards; every module in
+between — norms, however many a layer has, and whatever else a layer holds — runs on ``S/tp`` tokens. The
+embedding and the model's mask/position computation stay on the full sequence; the first decoder layer takes
+its shard (a local slice, no communication) and the last one all-gathers its output, so the final norm and the
+head see the full sequence as the model's own code expects (some models reshape there).
+
+One rule covers every parameter that all TP ranks hold whole but apply to different data (this rank's heads,
+this rank's sequence shard): it becomes a replicated DTensor whose gradient is summed over TP
+(``tp_styles.run_on_local_params``). The plan marks the first kind (``replicated_with_grad_allreduce``); under
+sequence parallel the second kind is found from the module tree: every parameter in a decoder layer outside its
+regions.
 """
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+import re
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from ..config import ConfigError
 from ..hookspecs import hookimpl
+from ..models.plan import EXPERTS, ROWWISE
 from .pipeline_split import Absent
-from .tp_styles import make_style, redistribute_first_input, redistribute_output
+from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
+                        run_on_local_params)
 
 
 @hookimpl
@@ -31,41 +44,91 @@ def ultrascale_validate_config(config, model_config, world_size):
             "3 with dp_shard >= 2 (FSDP2 composes with TP; add dp_replicate for HSDP)")
 
 
+def _model_type(model) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    """What only the module tree tells (the model may be on the meta device): a plan exists, its styles are
+    known, and under sequence parallel nothing but norms acts on the sequence shards between regions."""
+    if config.tp == 1:
+        return
+    arch = _model_type(model)
+    if plan is None:
+        raise ConfigError(
+            f"tp={config.tp}: model type '{arch}' has no tensor-parallel plan. Fix: use tp: 1, or register a "
+            "plugin whose ultrascale_model_plan returns one")
+    unknown = sorted({s for s in plan.tp_plan.values() if s not in KNOWN_STYLES and s not in plan.styles})
+    if unknown:
+        raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
+                          "version cannot apply. Fix: use tp: 1 for this model")
+    if config.sequence_parallel:
+        for fqn, module in sequence_shard_modules(model, plan):
+            if not re.search(r"norm", type(module).__name__, re.I):
+                raise ConfigError(
+                    f"sequence_parallel=True: in model type '{arch}', '{fqn}' ({type(module).__name__}) is outside "
+                    "the tensor-parallel regions of its plan, so it would see only this rank's part of the "
+                    "sequence. Fix: set sequence_parallel: false for this model")
+
+
+def sequence_shard_modules(model: nn.Module, plan) -> list[tuple[str, nn.Module]]:
+    """Modules with parameters that see sequence shards under SP: inside decoder layers, outside regions and
+    plan entries."""
+    layers = set(plan.layers)
+    inside = set(plan.regions) | set(plan.matches(model))
+    out = []
+    for fqn, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(fqn == r or fqn.startswith(r + ".") for r in inside):
+            continue
+        if any(fqn == layer or fqn.startswith(layer + ".") for layer in layers):
+            out.append((fqn, module))
+    return out
+
+
 @hookimpl
 def ultrascale_transform_model(model, ctx, phase):
     if phase != "tensor" or ctx.config.tp == 1:
         return
     plan = ctx.plan
-    if plan is None:
-        raise ConfigError(
-            f"tp={ctx.config.tp}: model type '{getattr(model.config, 'model_type', type(model).__name__)}' has no "
-            "tensor-parallel plan. Fix: use tp: 1, or register a plugin whose ultrascale_model_plan returns one")
+    ultrascale_validate_model(model=model, plan=plan, config=ctx.config)
     mesh = ctx.sub_mesh("tp")
     sp = ctx.config.sequence_parallel
     present = {fqn for fqn, m in model.named_modules() if not isinstance(m, Absent)}
+    matched = {fqn: name for fqn, name in plan.matches(model).items() if fqn in present}
+    # regions whose output a row-parallel layer hands back directly; others (MoE blocks, several row-parallel
+    # layers) all-reduce inside and slice their output back to sequence shards at the end
+    simple = {r for r in plan.regions
+              if sum(1 for f, n in matched.items() if f.startswith(r + ".") and (n in ROWWISE or "rowwise" in n)) == 1
+              and not any(f.startswith(r + ".") and n in EXPERTS for f, n in matched.items())}
+    region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
+    _shard_named_params(model, plan, mesh, present)
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
-                              is_head=(fqn == plan.lm_head), extra=plan.styles)
-              for fqn, name in plan.matches(model).items() if fqn in present}
-    if sp:
-        for norm in plan.norms:
-            if norm in present:
-                styles.setdefault(norm, SequenceParallel())
+                              is_head=(fqn == plan.lm_head), extra=plan.styles,
+                              shard_output=region_of.get(fqn) in simple)
+              for fqn, name in matched.items()}
+    seq_modules = sequence_shard_modules(model, plan) if sp else []
     parallelize_module(model, mesh, styles)
+    for fqn, module in seq_modules:
+        if fqn in present:
+            run_on_local_params(module, mesh, replicate_plain=True)
     if sp:
         for region in plan.regions:
             if region in present:
-                model.get_submodule(region).register_forward_pre_hook(
-                    redistribute_first_input(mesh, Shard(1), Replicate()), with_kwargs=True)
+                module = model.get_submodule(region)
+                module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                                  with_kwargs=True)
+                if region not in simple:
+                    module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
         layers = ctx.plan_layers(model)
         if layers:
-            # the sequence is split where the (stage's) layers start and, on a pipeline stage that hands its
-            # hidden states on, gathered again where they end: every stage sees the full sequence, so the
-            # model builds its masks and positions as usual
+            # the sequence is split where the (stage's) layers start and gathered again where they end: the
+            # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
             model.get_submodule(layers[0]).register_forward_pre_hook(
                 redistribute_first_input(mesh, Replicate(), Shard(1)), with_kwargs=True)
-            if plan.lm_head is not None and plan.lm_head not in present:
-                model.get_submodule(layers[-1]).register_forward_hook(
-                    redistribute_output(mesh, Shard(1), Replicate()))
+            model.get_submodule(layers[-1]).register_forward_hook(redistribute_output(mesh, Shard(1), Replicate()))
     if plan.tied and plan.embedding in present and plan.lm_head in present:
         # parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's.
         embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)
@@ -75,6 +138,26 @@ def ultrascale_transform_model(model, ctx, phase):
             raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
                               "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
         head.weight = embed.weight
+
+
+def _shard_named_params(model, plan, mesh, present) -> None:
+    """Parameters the plan names directly (fused expert weights, attention sinks) become DTensors placed as
+    transformers places them; their module's style runs on the local shards."""
+    for fqn, style in plan.param_matches(model).items():
+        owner, _, name = fqn.rpartition(".")
+        if owner not in present:
+            continue
+        module = model.get_submodule(owner)
+        param = getattr(module, name)
+        if isinstance(param, DTensor):
+            continue
+        placement = param_placement(style, param.ndim)
+        if placement is None:
+            raise ConfigError(f"tp plan style '{style}' on parameter '{fqn}' is not supported. Fix: use tp: 1 "
+                              "for this model")
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                     requires_grad=param.requires_grad))
+
 
 @hookimpl
 def ultrascale_estimate(config, model_config, estimate):

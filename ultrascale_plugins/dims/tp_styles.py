@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..config import ConfigError
@@ -58,53 +58,218 @@ class PackedColwiseParallel(ParallelStyle):
         return module
 
 
-class ReplicatedWithGradAllReduce(ParallelStyle):
-    """Parameters stay replicated plain tensors; their gradients are summed over TP ranks (for weights that
-    see different data on each TP rank, e.g. a router or a norm fed sequence shards)."""
+def all_reduce_backward(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Identity forward, gradient summed over TP in backward (Megatron's "f"): for a replicated input that
+    each rank uses with its own shard of the weights."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def all_reduce_forward(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum of the ranks' partial results in forward, gradient passed through (Megatron's "g")."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+class _LocalWithSummedGrad(torch.autograd.Function):
+    """A replicated DTensor parameter seen as its local tensor; the gradient each rank computes from its own
+    data is summed over the mesh and handed back as a replicated DTensor. (``DTensor.to_local`` with a Partial
+    gradient placement leaves the parameter's gradient Partial, which neither the optimizer nor FSDP reduce.)"""
+
+    @staticmethod
+    def forward(ctx, param):
+        ctx.mesh, ctx.placements = param.device_mesh, param.placements
+        local = param.to_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.mesh.get_group())
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False)
+
+
+def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool) -> None:
+    """Run ``module``'s forward on the local values of its own parameters.
+
+    With ``replicate_plain``, plain parameters first become replicated DTensors on ``mesh`` whose gradient is
+    summed over the mesh: the one rule for a parameter that every TP rank holds whole but applies to different
+    data — this rank's heads (Qwen3's per-head ``q_norm``), this rank's sequence shard (every norm under sequence
+    parallel), a gate multiplying partial expert outputs. As DTensors they compose with FSDP2's sharding over
+    data parallel (a gradient hook on the original tensor would be lost when FSDP swaps the parameters).
+    Already sharded parameters (e.g. attention sinks split by heads) are used as their local shard."""
+    if getattr(module, "_ultrascale_local_params", False):
+        return
+    if replicate_plain:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(name, nn.Parameter(
+                    DTensor.from_local(param, mesh, [Replicate()], run_check=False),
+                    requires_grad=param.requires_grad))
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        saved = dict(module._parameters)
+        try:
+            for name, param in saved.items():
+                if isinstance(param, DTensor):
+                    summed = all(isinstance(p, Replicate) for p in param.placements)
+                    module._parameters[name] = (_LocalWithSummedGrad.apply(param) if summed and param.requires_grad
+                                                else param.to_local())
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+    module._ultrascale_local_params = True
+
+
+# Placement of a parameter the plan names directly (fused expert weights, attention sinks), following
+# transformers' meaning of each style name for parameters.
+def param_placement(style: str, ndim: int):
+    if style == "colwise":
+        return Shard(0) if ndim == 1 else Shard(ndim - 2)
+    if style == "packed_colwise":
+        return Shard(ndim - 1) if ndim == 1 else _StridedShard(ndim - 2, split_factor=2)
+    if style in ("rowwise", "rowwise_split_input"):
+        return Replicate() if ndim == 1 else Shard(ndim - 1)
+    if style == "packed_rowwise":
+        return Replicate() if ndim == 1 else _StridedShard(ndim - 1, split_factor=2)
+    if style in ("replicate", "replicated_with_grad_allreduce", "local_params"):
+        return Replicate()
+    return None
+
+
+class ExpertsParallel(ParallelStyle):
+    """Tensor-parallel mixture-of-experts ("moe_tp_experts"): every rank holds a slice of every expert's
+    intermediate dimension (the plan shards the fused weights by parameter name), runs the experts on all
+    tokens with its slices, and the partial outputs are summed over TP. The tokens and the routing weights are
+    replicated inputs whose gradients are summed in backward, so the router's gradient is whole on every rank."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        group = device_mesh.get_group()
+        run_on_local_params(module, device_mesh, replicate_plain=False)
+        local_forward = module.forward
 
-        def reduce(grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
+        def forward(hidden_states, *args, **kwargs):
+            hidden_states = all_reduce_backward(hidden_states, device_mesh)
+            args = list(args)
+            if len(args) >= 2 and torch.is_tensor(args[1]) and args[1].is_floating_point():
+                args[1] = all_reduce_backward(args[1], device_mesh)  # top-k routing weights
+            if torch.is_tensor(kwargs.get("top_k_weights")):
+                kwargs["top_k_weights"] = all_reduce_backward(kwargs["top_k_weights"], device_mesh)
+            return all_reduce_forward(local_forward(hidden_states, *args, **kwargs), device_mesh)
 
-        for param in module.parameters(recurse=False):
-            if param.requires_grad:
-                param.register_hook(reduce)
+        module.forward = forward
         return module
 
 
+class LinearPackedColwise(ParallelStyle):
+    """Column-parallel ``nn.Linear`` whose output packs ``split_factor`` projections (e.g. gate|up): each rank
+    keeps its slice of every part (``_StridedShard``), so its local output is ``[gate_i | up_i]``."""
+
+    def __init__(self, split_factor: int):
+        super().__init__()
+        self.split_factor = split_factor
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = _StridedShard(0, split_factor=self.split_factor)
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
+                                                          requires_grad=param.requires_grad))
+        run_on_local_params(module, device_mesh, replicate_plain=False)
+        local_forward = module.forward
+        module.forward = lambda x, *a, **k: local_forward(all_reduce_backward(x, device_mesh), *a, **k)
+        return module
+
+
+class ForwardHookStyle(ParallelStyle):
+    """A style that only transforms the module's output (or input) with a function of (module, mesh, x)."""
+
+    def __init__(self, fn, on_input: bool = False):
+        super().__init__()
+        self.fn, self.on_input = fn, on_input
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.on_input:
+            module.register_forward_pre_hook(
+                lambda m, args: (self.fn(m, device_mesh, args[0]), *args[1:]) if args else args)
+        else:
+            module.register_forward_hook(lambda m, args, out: self.fn(m, device_mesh, out))
+        return module
+
+
+class LocalParams(ParallelStyle):
+    """The module's own parameters are used as local tensors in forward ("local_params", e.g. an attention
+    module whose sinks the plan shards by heads); plain ones are replicated with summed gradients."""
+
+    def __init__(self, replicate_plain: bool):
+        super().__init__()
+        self.replicate_plain = replicate_plain
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        run_on_local_params(module, device_mesh, replicate_plain=self.replicate_plain)
+        return module
+
+
+def _mla_rope_grad(module, mesh, out):
+    """DeepSeek-style latent attention: the rotary part of ``kv_a_proj_with_mqa``'s output bypasses the
+    column-parallel ``kv_b_proj`` and meets this rank's heads only, so its gradient is summed over TP."""
+    rope = module.config.qk_rope_head_dim
+    keep, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+    return torch.cat([keep, all_reduce_backward(rot, mesh)], dim=-1)
+
+
 def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_head: bool,
-               extra: dict[str, Callable] | None = None) -> ParallelStyle:
-    """Build the torch ParallelStyle for a transformers style name, adjusted for sequence/loss parallel."""
+               extra: dict[str, Callable] | None = None, shard_output: bool = True) -> ParallelStyle:
+    """Build the torch ParallelStyle for a transformers style name, adjusted for sequence/loss parallel.
+
+    Under sequence parallel a region's input is gathered by the region itself (see dims.tensor), so layers
+    inside take a replicated input; a row-parallel layer reduce-scatters its output back to sequence shards
+    when it ends its region (``shard_output``), and all-reduces it otherwise (the region then slices)."""
     if extra and name in extra:
         return extra[name](sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     seq = Shard(1)
+    row_out = seq if sequence_parallel and shard_output else Replicate()
     if name == "colwise":
         return ColwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):
+        if is_head and loss_parallel:
+            return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(output_layouts=Replicate())
     if name == "rowwise":
-        return RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
-    if name == "colwise_gather_output" or (name == "colwise_rep" and is_head):
-        input_layout = seq if sequence_parallel else Replicate()
-        if loss_parallel and is_head:
-            return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
-        return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())
-    if name == "rowwise_split_input":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate())
+        return RowwiseParallel(output_layouts=row_out)
+    if name in ("rowwise_split_input", "rowwise_rep"):
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=row_out)
     if name in ("embedding_rowwise", "vocab_parallel_embedding"):
         # Output replicated even under SP: the first decoder layer splits the sequence (see dims.tensor),
         # so the model still builds its masks and positions on the full sequence.
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if name in ("replicated_with_grad_allreduce", "replicate"):
-        return ReplicatedWithGradAllReduce()
+    if name == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "replicated_with_grad_allreduce":
+        return LocalParams(replicate_plain=True)
+    if name == "local_params":
+        return LocalParams(replicate_plain=False)
+    if name == "replicate":  # stays a plain tensor, used whole: its gradient is whole on every rank
+        return LocalParams(replicate_plain=False)
+    if name == "moe_tp_experts":
+        return ExpertsParallel()
+    if name == "packed_colwise":  # a Linear whose output packs two projections (gate|up)
+        return LinearPackedColwise(split_factor=2)
+    if name == "moe_identity_expert":  # an identity expert's output is summed over TP with the others: pre-divide
+        return ForwardHookStyle(lambda m, mesh, x: x / mesh.size(), on_input=True)
+    if name == "all_reduce":
+        return ForwardHookStyle(lambda m, mesh, x: all_reduce_forward(x, mesh) if torch.is_tensor(x) else x)
+    if name == "mla_kv_a_proj":
+        return ForwardHookStyle(_mla_rope_grad)
     if name == "sequence_parallel":
-        return SequenceParallel()
-    known = ["colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-             "replicated_with_grad_allreduce", "sequence_parallel", *sorted(extra or {})]
-    raise ConfigError(f"tp plan style '{name}' is not supported. Fix: use one of {', '.join(known)}, or register a "
-                      "plugin whose ultrascale_model_plan supplies a style of that name")
+        return LocalParams(replicate_plain=True)
+    raise ConfigError(f"tp plan style '{name}' is not supported. Fix: use one of {', '.join(sorted(KNOWN_STYLES))}, "
+                      "or register a plugin whose ultrascale_model_plan supplies a style of that name")
+
+
+KNOWN_STYLES = {"colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
+                "embedding_rowwise", "vocab_parallel_embedding", "embedding_colwise", "replicated_with_grad_allreduce",
+                "local_params", "replicate", "moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj",
+                "sequence_parallel", "packed_colwise", "packed_rowwise"}
 
 
 def redistribute_first_input(mesh, src, dst) -> Callable:
@@ -131,12 +296,18 @@ def redistribute_first_input(mesh, src, dst) -> Callable:
 
 
 def redistribute_output(mesh, src, dst) -> Callable:
-    """A forward hook that moves a module's (local tensor) output from placement ``src`` to ``dst``."""
+    """A forward hook that moves a module's (local tensor) output — or the first element of a tuple output —
+    from placement ``src`` to ``dst``."""
 
-    def hook(module, args, output):
-        if not isinstance(output, torch.Tensor):
-            return output
+    def convert(output):
         x = output if isinstance(output, DTensor) else DTensor.from_local(output, mesh, [src], run_check=False)
         return x.redistribute(placements=[dst]).to_local()
+
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return convert(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):  # (hidden_states, ...)
+            return (convert(output[0]), *output[1:])
+        return output
 
     return hook

@@ -8,10 +8,16 @@ from typing import Any, Callable
 
 from torch import nn
 
+# transformers' TP style names by what they do to the data flowing through a TP region.
+COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}
+ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise"}
+EXPERTS = {"moe_tp_experts"}
+
 
 @dataclasses.dataclass
 class ModelPlan:
-    """Module names are full FQNs from the causal-LM root; ``tp_plan`` keys may use ``*`` wildcards.
+    """Module names are full FQNs from the causal-LM root; ``tp_plan`` keys may use ``*`` wildcards and may
+    name a module or a parameter (transformers shards the fused expert weights by parameter name).
 
     ``styles`` adds style names (name -> factory(sequence_parallel=bool, loss_parallel=bool) -> ParallelStyle)
     for architectures whose layers torch's built-in styles cannot shard (e.g. GPT-2's fused Conv1D).
@@ -19,7 +25,6 @@ class ModelPlan:
 
     tp_plan: dict[str, str]
     layers: list[str]
-    norms: list[str] = dataclasses.field(default_factory=list)
     regions: list[str] = dataclasses.field(default_factory=list)
     embedding: str | None = None
     lm_head: str | None = None
@@ -27,13 +32,21 @@ class ModelPlan:
     styles: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
     def matches(self, model: nn.Module) -> dict[str, str]:
-        """Expand the wildcard plan against the model: {module FQN: style name}."""
-        out: dict[str, str] = {}
-        for fqn, _ in model.named_modules():
-            for pattern, style in self.tp_plan.items():
-                if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern):
-                    out[fqn] = style
-        return out
+        """Expand the wildcard plan against the model's modules: {module FQN: style name}."""
+        return _expand(self.tp_plan, (fqn for fqn, _ in model.named_modules()))
+
+    def param_matches(self, model: nn.Module) -> dict[str, str]:
+        """The plan entries that name parameters: {parameter FQN: style name}."""
+        return _expand(self.tp_plan, (fqn for fqn, _ in model.named_parameters(remove_duplicate=False)))
+
+
+def _expand(plan: dict[str, str], names) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for fqn in names:
+        for pattern, style in plan.items():
+            if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern):
+                out[fqn] = style
+    return out
 
 
 def _fqn_of(model: nn.Module, target: nn.Module | None) -> str | None:
@@ -46,25 +59,25 @@ def _fqn_of(model: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def hf_plan_from_model(model: nn.Module, tp_plan: dict[str, str]) -> ModelPlan:
-    """Derive layers, norms, TP regions, embedding and head of a Hugging Face decoder from its module tree.
+    """Derive layers, TP regions, embedding and head of a Hugging Face decoder from its module tree.
 
-    ``tp_plan`` is the full-FQN plan. Regions are the parents of the column-parallel layers inside decoder
-    layers (attention, MLP): their input is all-gathered over the sequence under sequence parallel. Norms are
-    the normalisation modules outside those regions (sequence-sharded under sequence parallel).
+    ``tp_plan`` is the full-FQN plan. Regions are the outermost parents, inside decoder layers, of the modules
+    that take a replicated input and shard it (column-parallel layers, tensor-parallel experts): attention, MLP,
+    MoE blocks. Under sequence parallel their input is all-gathered over the sequence; everything else in a
+    layer sees this rank's sequence shard.
     """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [fqn for fqn, m in model.named_modules() if type(m).__name__ in block_names]
     matched = ModelPlan(tp_plan=tp_plan, layers=layers).matches(model)
-    regions = sorted({fqn.rsplit(".", 1)[0] for fqn, style in matched.items()
-                      if "colwise" in style and any(fqn.startswith(layer + ".") for layer in layers)},
-                     key=_natural)
-    norms = [fqn for fqn, m in model.named_modules()
-             if re.search(r"norm", type(m).__name__, re.I) and fqn
-             and not any(fqn == r or fqn.startswith(r + ".") for r in regions)]
+    parents = {fqn.rsplit(".", 1)[0] for fqn, style in matched.items()
+               if (style in COLWISE or style in EXPERTS or "colwise" in style)
+               and any(fqn.startswith(layer + ".") for layer in layers)}
+    parents = {p for p in parents if p not in layers}
+    regions = sorted((p for p in parents if not any(p.startswith(q + ".") for q in parents)), key=_natural)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = bool(embed is not None and head is not None and head.weight is embed.weight)
-    return ModelPlan(tp_plan=tp_plan, layers=layers, norms=norms, regions=regions,
+    return ModelPlan(tp_plan=tp_plan, layers=layers, regions=regions,
                      embedding=_fqn_of(model, embed), lm_head=_fqn_of(model, head), tied=tied)
 
 
