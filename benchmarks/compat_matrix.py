@@ -122,7 +122,7 @@ def run_launch(world: int, cases: list[str], out: Path, case_timeout: float, log
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                "--max_restarts", "0", str(ROOT / "benchmarks/compat/worker.py"), str(out), *todo]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", "PYTHONFAULTHANDLER": "1",
-               "COMPAT_COLLECTIVE_TIMEOUT_S": str(int(case_timeout))}
+               "COMPAT_COLLECTIVE_TIMEOUT_S": str(int(case_timeout / 3))}
         err_path = out.with_suffix(f".w{world}.stderr")
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     parser.add_argument("--types", nargs="*", help="only these model types")
     parser.add_argument("--layouts", nargs="*", help="only these layouts")
     parser.add_argument("--rerun", choices=("none", "failed", "all"), default="none")
-    parser.add_argument("--case-timeout", type=float, default=180.0)
+    parser.add_argument("--case-timeout", type=float, default=90.0)
     parser.add_argument("--cache", type=Path, help="results file (default: benchmarks/results/compat/<tf>.jsonl)")
     parser.add_argument("--markdown", type=Path, default=ROOT / "docs/compatibility.md")
     parser.add_argument("--no-markdown", action="store_true")

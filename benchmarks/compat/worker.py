@@ -51,6 +51,25 @@ def rows(batch, rank, size):
 
 
 _reference: dict = {}
+_routing: dict = {}
+
+
+def record_routing(model) -> list:
+    """Record, per forward call of every router (a module whose output tuple holds an integer [tokens, k]
+    tensor: the top-k expert indices), the sorted experts of each token, so that the parallel run's routing can
+    be compared token by token with one process's: a tolerance never hides a flipped expert."""
+    records: list = []
+
+    def hook(module, args, out):
+        if isinstance(out, tuple):
+            for t in out:
+                if torch.is_tensor(t) and not t.is_floating_point() and t.dim() == 2 and t.dtype != torch.bool:
+                    records.append(t.detach().sort(-1).values.cpu())
+                    return
+
+    for _, module in model.named_modules():
+        module.register_forward_hook(hook)
+    return records
 
 
 def reference(model_type: str):
@@ -58,6 +77,7 @@ def reference(model_type: str):
     if model_type not in _reference:
         try:
             model = build_model(model_type)
+            routing = record_routing(model)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
             losses, norms = [], []
             for batch in batches():
@@ -69,6 +89,7 @@ def reference(model_type: str):
                 losses.append(loss.item())
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             _reference[model_type] = (losses, norms, weights, None)
+            _routing[model_type] = routing
         except Exception as exc:  # noqa: BLE001
             _reference[model_type] = (None, None, None, f"{type(exc).__name__}: {_first_line(exc)}")
     return _reference[model_type]
@@ -89,6 +110,7 @@ def run_parallel(model_type: str, layout: dict) -> dict:
     import ultrascale_plugins as us
 
     model = build_model(model_type)
+    routing = record_routing(model)
     pmodel = us.parallelize(model, us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
@@ -98,7 +120,27 @@ def run_parallel(model_type: str, layout: dict) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "weights": pmodel.full_state_dict()}
+    gathered = [None] * dist.get_world_size()  # routing of this rank's tokens, in data-parallel order
+    dist.all_gather_object(gathered, (pmodel.data_parallel_rank, routing if layout.get("pp", 1) == 1 else None))
+    by_dp = {}
+    for dp_rank, recs in gathered:
+        by_dp.setdefault(dp_rank, recs)
+    merged = None
+    if all(r is not None for r in by_dp.values()):
+        ordered = [by_dp[k] for k in sorted(by_dp)]
+        merged = [torch.cat([recs[i] for recs in ordered]) for i in range(min(len(r) for r in ordered))]
+    return {"losses": losses, "norms": norms, "weights": pmodel.full_state_dict(), "routing": merged}
+
+
+def routing_result(ref: list, got: list | None) -> dict:
+    """{} for a model without routers; else whether every token went to the same experts (None: not compared,
+    e.g. under a pipeline, where routers run per micro-batch on other ranks)."""
+    if not ref:
+        return {}
+    if got is None:
+        return {"routed_tokens": 0}
+    same = len(got) == len(ref) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ref))
+    return {"routing_match": same, "routed_tokens": sum(int(r.shape[0]) for r in ref)}
 
 
 def run_case(case: str) -> dict:
@@ -123,7 +165,9 @@ def run_case(case: str) -> dict:
         return {}
     out = {"case": case, "model_type": model_type, "layout": layout_name, "seconds": 0.0}
     bad = [s for s in statuses if s["state"] != "ran"]
-    if bad:
+    if bad and bad[0]["state"] == "error" and reference(model_type)[3]:
+        out.update(state="untinyable", reason=f"the tiny model fails in one process: {reference(model_type)[3]}")
+    elif bad:
         out.update(bad[0])
     else:
         ref_losses, ref_norms, ref_weights, ref_error = reference(model_type)
@@ -139,6 +183,7 @@ def run_case(case: str) -> dict:
                 norm_rel_diff=max(abs(a - b) / max(b, 1e-12) for a, b in zip(got["norms"], ref_norms)),
                 weight_diff=max((weights[k].float() - ref_weights[k].float()).abs().max().item() for k in common),
                 clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
+                **routing_result(_routing.get(model_type) or [], got["routing"]),
                 losses=got["losses"], ref_losses=ref_losses)
     out["seconds"] = round(time.perf_counter() - start, 2)
     return out

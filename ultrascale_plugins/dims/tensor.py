@@ -105,6 +105,9 @@ def ultrascale_transform_model(model, ctx, phase):
               and not any(f.startswith(r + ".") and n in EXPERTS for f, n in matched.items())}
     region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
     _shard_named_params(model, plan, mesh, present)
+    for fqn, name in matched.items():
+        if name == "mla_kv_a_proj":
+            model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
                               shard_output=region_of.get(fqn) in simple)

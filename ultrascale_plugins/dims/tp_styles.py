@@ -212,7 +212,7 @@ class LocalParams(ParallelStyle):
 def _mla_rope_grad(module, mesh, out):
     """DeepSeek-style latent attention: the rotary part of ``kv_a_proj_with_mqa``'s output bypasses the
     column-parallel ``kv_b_proj`` and meets this rank's heads only, so its gradient is summed over TP."""
-    rope = module.config.qk_rope_head_dim
+    rope = module.qk_rope_head_dim  # set by dims.tensor from the model config
     keep, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
     return torch.cat([keep, all_reduce_backward(rot, mesh)], dim=-1)
 
