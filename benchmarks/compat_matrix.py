@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compat.layouts import ALL, MATRIX, SCHEDULE_TYPES, SCHEDULES, needs  # noqa: E402
+from compat.layouts import ALL, AUX, MATRIX, SCHEDULE_TYPES, SCHEDULES  # noqa: E402
 
 LOSS_TOL = 1e-5
 NORM_TOL = 1e-5  # relative
@@ -78,14 +78,16 @@ def classify_types(types=None) -> tuple[dict, dict, dict]:
         except Exception as exc:  # noqa: BLE001
             untiny[model_type] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
-        testable[model_type] = {"tp": bool(tp), "pp": bool(pp)}
+        testable[model_type] = {"tp": bool(tp), "pp": bool(pp),
+                                "moe": hasattr(default_config(model_type), "output_router_logits")}
     return testable, untiny, planless
 
 
 def cases_for(testable: dict, layouts=None) -> list[str]:
     out = []
     for model_type in testable:
-        names = list(MATRIX) + (list(SCHEDULES) if model_type in SCHEDULE_TYPES else [])
+        names = list(MATRIX) + (list(SCHEDULES) if model_type in SCHEDULE_TYPES else []) + \
+            (list(AUX) if testable[model_type].get("moe") else [])
         out += [f"{model_type}:{name}" for name in names if not layouts or name in layouts]
     return out
 
@@ -197,7 +199,7 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             full_pass += 1
         if all(verdict(cells.get(f"{model_type}:{n}", {})) == "pass" for n in tp_fsdp):
             tp_fsdp_pass += 1
-        plans_ = "+".join(k.upper() for k, v in testable[model_type].items() if v)
+        plans_ = "+".join(k.upper() for k in ("tp", "pp") if testable[model_type][k])
         rows.append(f"| `{model_type}` | {plans_} | " + " | ".join(marks) + " |")
     sched_rows = []
     for model_type in SCHEDULE_TYPES:
@@ -208,6 +210,16 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             v = verdict(r) if r else "missing"
             sched_rows.append((model_type, name, SYMBOL.get(v, "?"), "" if v == "pass" else
                                (r or {}).get("reason") or _diff_text(r or {})))
+    aux_rows = []
+    for model_type in sorted(t for t, v in testable.items() if v.get("moe")):
+        marks = []
+        for name in AUX:
+            r = cells.get(f"{model_type}:{name}")
+            v = verdict(r) if r else "missing"
+            marks.append(SYMBOL.get(v, "?"))
+            if v in ("refused", "fail", "untinyable"):
+                reasons.append((model_type, name, v, r.get("reason") or _diff_text(r)))
+        aux_rows.append(f"| `{model_type}` | " + " | ".join(marks) + " |")
     counts = collections.Counter(verdict(r) for r in cells.values())
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
@@ -246,6 +258,17 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "| model type | layout | result | reason |",
         "| --- | --- | --- | --- |",
         *[f"| `{m}` | {n} | {s} | {why} |" for m, n, s, why in sched_rows],
+        "",
+        "## Mixture of experts with the router auxiliary loss (`output_router_logits=True`)",
+        "",
+        "The load-balancing loss takes means over every token of the global batch; each data-parallel rank gathers "
+        "the router logits of the whole batch and the model's own `load_balancing_loss_func` gives the value, so "
+        "loss and gradients equal one process's. Routing (the experts of every token) is compared token by token "
+        "in every non-pipeline MoE cell.",
+        "",
+        "| model type | " + " | ".join(AUX) + " |",
+        "| --- | " + " | ".join("---" for _ in AUX) + " |",
+        *aux_rows,
         "",
         "## Why a cell is not ✓",
         "",

@@ -23,7 +23,8 @@ from models import make_model, padded_batches  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-ARCH, GLOBAL_BATCH, BATCHES, EPOCHS, CLIP = "llama8_tied", 8, 3, 2, 0.5
+ARCH = os.environ.get("TEST_ARCH", "llama8_tied")  # another architecture for one test (Qwen3)
+GLOBAL_BATCH, BATCHES, EPOCHS, CLIP = 8, 3, 2, 0.5
 ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(BATCHES, GLOBAL_BATCH) for i in range(GLOBAL_BATCH)]
 PROBE = padded_batches(1, 4, seed=5)[0]
 

@@ -73,6 +73,7 @@ def pytest_terminal_summary(terminalreporter):
     results = getattr(terminalreporter.config, "_parity_results", None)
     if not results:
         return
-    terminalreporter.write_sep("-", "parity: max |loss - reference| and max |weight - reference| (fp32)")
+    terminalreporter.write_sep("-", "parity: max |loss - reference|, |weight - reference|, |norm - reference|/norm (fp32, clipping active)")
     for name, r in results.items():
-        terminalreporter.write_line(f"{name:<24} loss {r['loss_diff']:.2e}   weights {r['weight_diff']:.2e}")
+        terminalreporter.write_line(f"{name:<24} loss {r['loss_diff']:.2e}   weights {r['weight_diff']:.2e}   "
+                                    f"grad norm (rel) {r.get('norm_rel_diff', float('nan')):.2e}")

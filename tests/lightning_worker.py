@@ -56,6 +56,8 @@ RUNS = {
     "zero1": ({"zero_stage": 1}, {}),  # the user's AdamW becomes a ZeroRedundancyOptimizer
     "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
     "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
+    # outside the Llama family: per-head norms replicated over TP under FSDP (compared with Qwen3 on one device)
+    "qwen3_dp2_tp2": ({"dp_shard": 2, "tp": 2}, {"arch": "qwen3"}),
 }
 # what each run is compared with: the single-device run with the same Trainer arguments
 MODULE_ARGS = ("hf_dir", "seed")  # how the LightningModule builds its model, not Trainer arguments
@@ -77,12 +79,12 @@ class Rows(Dataset):
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, hf_dir: str | None = None, seed: int = 0):
+    def __init__(self, hf_dir: str | None = None, seed: int = 0, arch: str = ARCH):
         super().__init__()
         self.hf_dir = hf_dir
         self.losses: list[float] = []
         if hf_dir is None:
-            self.model = make_model(ARCH, seed=seed)
+            self.model = make_model(arch, seed=seed)
 
     def configure_model(self):
         if self.hf_dir is not None and not hasattr(self, "model"):
@@ -138,7 +140,7 @@ def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
 
 def fit(strategy, devices, ckpt_path=None, **kwargs) -> dict:
     hf_dir = os.environ["HF_DIR"] if kwargs.pop("hf_dir", None) else None
-    module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0))
+    module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0), arch=kwargs.pop("arch", ARCH))
     t = trainer(strategy, devices, **kwargs)
     t.fit(module, ckpt_path=ckpt_path)
     return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan"))}

@@ -19,6 +19,10 @@ def make_config(arch: str):
         return LlamaConfig(**{**common, "num_hidden_layers": 8}, tie_word_embeddings=True)
     if arch == "llama_tied":
         return LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "qwen3":  # per-head q_norm / k_norm: replicated over TP, gradients summed over TP
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "mistral":

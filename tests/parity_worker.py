@@ -26,6 +26,7 @@ import ultrascale_plugins as us  # noqa: E402
 
 STEPS = 5
 LR, MOMENTUM = 0.1, 0.9
+CLIP = 0.05  # below the tiny models' gradient norms at every step: clipping is active, the global norm compared
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
@@ -38,17 +39,19 @@ def reference(arch: str, batches, key=None):
     if key not in _reference_cache:
         model = make_model(arch)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        losses = []
+        losses, norms = [], []
         for batch in batches:
             loss = model(**batch).loss
             loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
         model.eval()
         with torch.no_grad():
             eval_loss = model(**batches[0]).loss.item()
-        _reference_cache[key] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss)
+        _reference_cache[key] = (losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                                 eval_loss)
     return _reference_cache[key]
 
 
@@ -58,10 +61,10 @@ def run_case(name: str, spec: dict) -> dict | None:
     batches = padded_batches(STEPS, positions=positions)
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    losses = []
+    losses, norms = [], []
     for batch in batches:
         loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
-        pmodel.clip_grad_norm_(1e6)  # exercises the sharded norm; never clips at this threshold
+        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -78,11 +81,13 @@ def run_case(name: str, spec: dict) -> dict | None:
         roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
     if dist.get_rank() != 0:
         return None
-    ref_losses, ref_weights, ref_eval = reference(arch, batches, key=(arch, positions))
+    ref_losses, ref_norms, ref_weights, ref_eval = reference(arch, batches, key=(arch, positions))
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip}
 

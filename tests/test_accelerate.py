@@ -67,6 +67,21 @@ def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas)
 
 
 @pytest.mark.slow
+def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path):
+    """An architecture outside the Llama family: Qwen3's per-head q_norm/k_norm are replicated over TP and see
+    only this rank's heads (their gradients must be summed over TP, also when FSDP shards them over dp)."""
+    env = {"TEST_ARCH": "qwen3"}
+    ref_path = tmp_path / "ref.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref_path), "--reference", "--replicas", "2"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out.json"
+    proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra=env)
+    check(proc, out, {(2, 1): json.loads(ref_path.read_text())["losses"]}, replicas=2)
+
+
+@pytest.mark.slow
 def test_accumulation_save_state_resume_and_save_model(tmp_path, reference):
     """ZeRO-3, 2 micro-batches per step: save_state after 3 batches, a fresh process (other initial weights)
     load_state-s it and continues exactly; save_model gives an HF directory with equal logits."""

@@ -68,7 +68,7 @@ def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, refe
 
 @pytest.mark.slow
 def test_four_devices_every_name_and_pipeline_by_tensor(tmp_path, reference, hf_dir):
-    names = NAMES + ["pp2_tp2"]
+    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2"]
     assert_parity(run(4, tmp_path, hf_dir, *names), reference, names)
 
 

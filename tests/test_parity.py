@@ -5,6 +5,7 @@ from parity_cases import CASES
 
 LOSS_TOL = 1e-5
 WEIGHT_TOL = 1e-5
+NORM_TOL = 1e-5  # relative
 
 
 @pytest.mark.slow
@@ -16,7 +17,9 @@ def test_layout_matches_single_process(name, parity_results):
     tol = CASES[name].get("tol", LOSS_TOL)
     assert r["ranks_agree"], "ranks returned different losses"
     assert not r["missing_keys"], f"state-dict keys differ from the unparallelized model: {r['missing_keys']}"
+    assert r["clipped"], "gradient clipping was not active at every step: the global norm was not compared"
     assert r["loss_diff"] <= tol, (r["losses"], r["ref_losses"])
+    assert r["norm_rel_diff"] <= CASES[name].get("tol", NORM_TOL), "global gradient norm differs"
     assert r["weight_diff"] <= CASES[name].get("tol", WEIGHT_TOL)
     assert r["eval_diff"] <= tol, "eval_step differs from the reference model's loss in eval mode"
     if CASES[name].get("roundtrip"):

@@ -22,6 +22,7 @@ def check_recipe(recipe, init_from: str | None = None) -> None:
     from .engine import validate
 
     model_config = recipe.model_config()
+    model = None
     if init_from:
         from .pretrained import prepare
 
@@ -30,7 +31,13 @@ def check_recipe(recipe, init_from: str | None = None) -> None:
         if model_config.vocab_size < 256:
             raise ConfigError(f"--init-from {init_from}: vocab_size={model_config.vocab_size}, but the byte-level "
                               "corpus uses token ids up to 255. Fix: use a model with a vocabulary of 256 or more")
-    resolved = validate(recipe.parallel, model_config, recipe.nproc)
+    if model is None:  # the module tree on the meta device: what the plans and the structure rule out
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    resolved = validate(recipe.parallel, model_config, recipe.nproc, model=model)
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")

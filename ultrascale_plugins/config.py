@@ -168,11 +168,6 @@ class ParallelConfig:
         if layers and self.pp > layers:
             raise field_error("pp", self.pp, f"is larger than num_hidden_layers={layers}",
                               f"use pp <= {layers}")
-        if getattr(model_config, "output_router_logits", False):
-            raise ConfigError(
-                f"output_router_logits=True (model type '{getattr(model_config, 'model_type', '?')}'): the router "
-                "auxiliary loss is not available yet; training would silently leave it out. Fix: set "
-                "output_router_logits=False in the model config")
         vocab = getattr(model_config, "vocab_size", None)
         if self.loss_parallel and vocab and vocab % self.tp:
             raise field_error("loss_parallel", True, f"needs vocab_size={vocab} divisible by tp={self.tp}",

@@ -310,6 +310,18 @@ class ParallelModel:
             output = self.forward_module(**inputs, use_cache=False)
         with self.loss_context():
             loss_sum = token_loss_sum(output.logits, targets)
+        if getattr(output, "router_logits", None):  # mixture of experts with output_router_logits on
+            from .router_loss import router_aux_loss
+
+            aux = router_aux_loss(self.module, output.router_logits, batch.get("attention_mask"), self._dp_group)
+            # folded into the token-loss sum, which the step scales by dp/count: the gradient part (aux*count)
+            # gives coef*aux's gradient after the data-parallel average; the value part (aux*count/dp) sums to
+            # coef*aux over the data-parallel ranks
+            grad_part = aux * count.to(aux.dtype)
+            term = grad_part + (grad_part / self.data_parallel_size - grad_part).detach()
+            if isinstance(loss_sum, DTensor):
+                term = DTensor.from_local(term, loss_sum.device_mesh, loss_sum.placements, run_check=False)
+            loss_sum = loss_sum + term
         return output, loss_sum, count
 
     def reduce_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

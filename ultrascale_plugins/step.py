@@ -16,3 +16,11 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
     with pmodel.loss_context():
         (loss_sum * (loss_scale * pmodel.data_parallel_size / count)).backward()
     return pmodel.reduce_loss(loss_sum, count)
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    if getattr(model.config, "output_router_logits", False):
+        from .router_loss import aux_loss_function
+
+        aux_loss_function(model)  # a ConfigError when the model's auxiliary loss cannot be reproduced

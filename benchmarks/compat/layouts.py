@@ -1,4 +1,4 @@
-"""The layouts of the compatibility matrix: name -> (world size, ParallelConfig fields, plans it needs)."""
+"""The layouts of the compatibility matrix: name -> (world size, ParallelConfig fields)."""
 from __future__ import annotations
 
 # Every model type runs these (the ones its plans allow; the others must be refused with a ConfigError).
@@ -23,14 +23,11 @@ for _name, _extra in SCHEDULE_EXTRA.items():
     SCHEDULES[f"pp2_{_name}_zero3"] = (4, {"pp": 2, "dp_shard": 2, "pp_schedule": _name, **_extra})
 SCHEDULE_TYPES = ("llama", "qwen3", "gemma2", "mixtral")
 
-ALL = {**MATRIX, **SCHEDULES}
+# Mixture-of-experts types (configs with output_router_logits) also run with the router auxiliary loss on:
+# the "model" entry is applied to the tiny config, on both sides of the comparison.
+AUX = {"dp2_aux": (2, {"dp_shard": 2, "model": {"output_router_logits": True}}),
+       "dp2_tp2_sp_aux": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                              "model": {"output_router_logits": True}})}
 
+ALL = {**MATRIX, **SCHEDULES, **AUX}
 
-def needs(layout: dict) -> set[str]:
-    """The plans a layout needs: 'tp' and/or 'pp'."""
-    out = set()
-    if layout.get("tp", 1) > 1:
-        out.add("tp")
-    if layout.get("pp", 1) > 1:
-        out.add("pp")
-    return out

@@ -133,12 +133,14 @@ def tiny_config(model_type: str):
     return config
 
 
-def build_model(model_type: str, seed: int = 0):
-    """A tiny causal LM of ``model_type`` with float32 weights from ``seed``."""
+def build_model(model_type: str, seed: int = 0, overrides: dict | None = None):
+    """A tiny causal LM of ``model_type`` with float32 weights from ``seed`` (``overrides`` set on its config)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     try:  # count on the meta device first: a size field these rules do not know would make it huge
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")

@@ -72,11 +72,12 @@ def record_routing(model) -> list:
     return records
 
 
-def reference(model_type: str):
+def reference(model_type: str, overrides: dict | None = None):
     """One process, the model's own loss, torch's clip_grad_norm_, plain SGD."""
-    if model_type not in _reference:
+    key = (model_type, json.dumps(overrides or {}, sort_keys=True))
+    if key not in _reference:
         try:
-            model = build_model(model_type)
+            model = build_model(model_type, overrides=overrides)
             routing = record_routing(model)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
             losses, norms = [], []
@@ -88,11 +89,12 @@ def reference(model_type: str):
                 opt.zero_grad()
                 losses.append(loss.item())
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            _reference[model_type] = (losses, norms, weights, None)
-            _routing[model_type] = routing
+            _reference[key] = (losses, norms, weights, None)
+            _routing[key] = routing
         except Exception as exc:  # noqa: BLE001
-            _reference[model_type] = (None, None, None, f"{type(exc).__name__}: {_first_line(exc)}")
-    return _reference[model_type]
+            _reference[key] = (None, None, None, f"{type(exc).__name__}: {_first_line(exc)}")
+            _routing[key] = []
+    return _reference[key]
 
 
 def _first_line(exc) -> str:
@@ -106,10 +108,10 @@ def _where(exc) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
-def run_parallel(model_type: str, layout: dict) -> dict:
+def run_parallel(model_type: str, layout: dict, overrides: dict) -> dict:
     import ultrascale_plugins as us
 
-    model = build_model(model_type)
+    model = build_model(model_type, overrides=overrides)
     routing = record_routing(model)
     pmodel = us.parallelize(model, us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
@@ -147,10 +149,11 @@ def run_case(case: str) -> dict:
     from ultrascale_plugins import ConfigError
 
     model_type, layout_name = case.split(":")
-    layout = ALL[layout_name][1]
+    layout = dict(ALL[layout_name][1])
+    overrides = layout.pop("model", {})
     start = time.perf_counter()
     try:
-        got = run_parallel(model_type, layout)
+        got = run_parallel(model_type, layout, overrides)
         status = {"state": "ran"}
     except Untinyable as exc:
         got, status = None, {"state": "untinyable", "reason": str(exc)}
@@ -165,12 +168,13 @@ def run_case(case: str) -> dict:
         return {}
     out = {"case": case, "model_type": model_type, "layout": layout_name, "seconds": 0.0}
     bad = [s for s in statuses if s["state"] != "ran"]
-    if bad and bad[0]["state"] == "error" and reference(model_type)[3]:
-        out.update(state="untinyable", reason=f"the tiny model fails in one process: {reference(model_type)[3]}")
+    if bad and bad[0]["state"] == "error" and reference(model_type, overrides)[3]:
+        out.update(state="untinyable",
+                   reason=f"the tiny model fails in one process: {reference(model_type, overrides)[3]}")
     elif bad:
         out.update(bad[0])
     else:
-        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type)
+        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type, overrides)
         if ref_error:
             out.update(state="untinyable", reason=f"the tiny model fails in one process: {ref_error}")
         else:
@@ -183,7 +187,8 @@ def run_case(case: str) -> dict:
                 norm_rel_diff=max(abs(a - b) / max(b, 1e-12) for a, b in zip(got["norms"], ref_norms)),
                 weight_diff=max((weights[k].float() - ref_weights[k].float()).abs().max().item() for k in common),
                 clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
-                **routing_result(_routing.get(model_type) or [], got["routing"]),
+                **routing_result(_routing.get((model_type, json.dumps(overrides, sort_keys=True))) or [],
+                                 got["routing"]),
                 losses=got["losses"], ref_losses=ref_losses)
     out["seconds"] = round(time.perf_counter() - start, 2)
     return out

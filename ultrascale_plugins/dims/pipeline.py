@@ -70,6 +70,11 @@ def ultrascale_validate_config(config, model_config, world_size):
 def ultrascale_validate_model(model, plan, config):
     if config.pp > 1:
         pp_parts(model)  # a ConfigError naming the architecture when it has no usable pipeline plan
+        if getattr(model.config, "output_router_logits", False):
+            raise ConfigError(
+                f"output_router_logits=True with pp={config.pp}: the router auxiliary loss takes means over the "
+                "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
+                "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
 
 
 @hookimpl
