@@ -236,7 +236,7 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "experts, vocabulary 256), trained 4 SGD steps on padded batches with global gradient-norm clipping at "
         "0.05 (active at every step) under each layout, and compared with one process running the plain "
         f"transformers model: loss per step within {LOSS_TOL:g}, gradient norm within {NORM_TOL:g} (relative), "
-        f"final weights within {WEIGHT_TOL:g}, fp32.",
+        f"final weights within {WEIGHT_TOL:g} (relative to the tensor's largest entry where that exceeds 1), fp32.",
         "",
         f"**{summary['all_layouts']} of {summary['testable']} model types that build tiny pass every layout "
         f"(✓) or are refused before any worker starts (⊘)**; {summary['tp_fsdp_all_pass']} of "

@@ -130,7 +130,7 @@ class Pipeline:
                 x = torch.empty(*ids.shape, hidden_size, device=ids.device)
                 src = pp_rank_of_stage(self.ctx.config, stage - 1)
                 dist.recv(x, src=dist.get_global_rank(self.pp_group, src), group=self.pp_group)
-            out = modules[stage](x, mask, positions)
+            out = modules[stage](x, mask, positions) if stage == 0 else modules[stage](x, mask, positions, ids)
             if stage == self.n_stages - 1:
                 loss_sum = token_loss_sum(out, targets)
                 break

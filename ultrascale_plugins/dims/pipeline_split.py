@@ -4,13 +4,14 @@ Every stage is a copy of the causal LM in which the modules other stages own are
 placeholders (no parameters, hidden states pass through). Layers keep their index in the ``ModuleList``, so
 parameter names (FQNs) are those of the unsplit model and a checkpoint from one layout loads in another. Each stage
 runs the model's own forward — embeddings (first stage), rotary embeddings, causal and padding masks, positions
-(every stage, on the full sequence), norm and head (last stage) — so nothing about the architecture is
-re-implemented here.
+(every stage, on the full sequence), norm and the causal-LM head's own forward (last stage) — so nothing about the
+architecture is re-implemented here. The token ids travel with the hidden states.
 """
 from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from ..config import ConfigError
@@ -107,7 +108,26 @@ def pp_parts(model) -> tuple[list[str], str, list[str]]:
     return names[:i], lists[0], names[i + 1:]
 
 
+class ZeroEmbedding(Absent):
+    """The input embedding on a stage that does not own it: zeros of the hidden size, which the model's own code
+    before the layers may scale or add to; the stage's first layer then takes the received hidden states instead
+    (see ``build_stage``). No parameters."""
+
+    def __init__(self, hidden_size: int, received: dict):
+        super().__init__()
+        self.hidden_size, self.received = hidden_size, received
+
+    def forward(self, input_ids=None, *args, **kwargs):
+        x = self.received["x"]
+        return x.new_zeros(*input_ids.shape, self.hidden_size)
+
+
 def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.Module:
+    """This stage's copy of the causal LM. Every stage runs the model's own forward from the token ids — masks,
+    rotary and position embeddings, whatever the base model computes before its layers — and a stage that
+    receives hidden states hands them to its first layer in place of what the model computed there (so an
+    embedding scale or an absolute position embedding is applied once, on the first stage, as in the unsplit
+    model). The last stage runs the causal-LM head's own forward (logit scaling, soft-capping)."""
     before, layers_name, after = pp_parts(model)
     stage = copy.deepcopy(model)
     base = _base(stage)
@@ -116,22 +136,49 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         if i not in layer_range:
             layers[i] = Absent()
     first, last = stage_id == 0, stage_id == n_stages - 1
-    for name in (before if not first else []) + (after if not last else []):
+    received: dict = {}
+    if not first:
+        embed = stage.get_input_embeddings()
+        for name in before:
+            setattr(base, name, ZeroEmbedding(model.config.get_text_config().hidden_size, received)
+                    if getattr(base, name) is embed else Absent())
+        layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
+    for name in (after if not last else []):
         setattr(base, name, Absent())
     if not last:
         stage.lm_head = Absent()
+    causal_lm_forward = type(model).forward
 
-    def forward(x, attention_mask, position_ids):
-        inputs = {"input_ids": x} if first else {"inputs_embeds": x}
-        out = base(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state
-        if last:
-            return _own(stage.lm_head(hidden))
-        return _own(hidden), attention_mask, position_ids
+    def forward(x, attention_mask, position_ids, input_ids=None):
+        if first:
+            input_ids = x
+        else:
+            received["x"] = x
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        try:
+            if last:
+                return _own(causal_lm_forward(stage, **kwargs).logits)
+            return _own(base(**kwargs).last_hidden_state), attention_mask, position_ids, input_ids
+        finally:
+            received.clear()
 
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
+
+
+def _take_received(received: dict):
+    """Forward pre-hook on a stage's first layer: its hidden states are the ones the previous stage sent."""
+
+    def hook(module, args, kwargs):
+        x = received.get("x")
+        if x is None:
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    return hook
 
 
 def _own(t):
