@@ -162,6 +162,9 @@ def run_case(case: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded per case
         got, status = None, {"state": "error", "reason": f"{type(exc).__name__}: {_first_line(exc)}",
                              "where": _where(exc)}
+        # printed now: if the other ranks are stuck in a collective this case never reaches the agreement below
+        print(f"[compat] error on rank {dist.get_rank()}: {status['reason']} ({status['where']})", file=sys.stderr,
+              flush=True)
     statuses = [None] * dist.get_world_size()
     dist.all_gather_object(statuses, status)  # every rank must agree the case ended, and how
     if dist.get_rank() != 0:

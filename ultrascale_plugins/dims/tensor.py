@@ -9,7 +9,8 @@ head see the full sequence as the model's own code expects (some models reshape 
 
 One rule covers every parameter that all TP ranks hold whole but apply to different data (this rank's heads,
 this rank's sequence shard): it becomes a replicated DTensor whose gradient is summed over TP
-(``tp_styles.run_on_local_params``). The plan marks the first kind (``replicated_with_grad_allreduce``); under
+(``tp_styles.run_on_local_params``). The first kind is found by tracing the model's data flow on the meta
+device (``models.dataflow``; the plan's ``replicated_with_grad_allreduce`` marks some of them too); under
 sequence parallel the second kind is found from the module tree: every parameter in a decoder layer outside its
 regions.
 """
@@ -63,6 +64,12 @@ def ultrascale_validate_model(model, plan, config):
     if unknown:
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
                           "version cannot apply. Fix: use tp: 1 for this model")
+    _, mixed = rank_local_params(model, plan)
+    if mixed:
+        raise ConfigError(
+            f"tp={config.tp}: in model type '{arch}', {sorted(mixed)[:3]} meet both this rank's slice of the "
+            "features and replicated data, so neither summing nor keeping their gradients is right. Fix: use tp: 1 "
+            "for this model")
     if config.sequence_parallel:
         for fqn, module in sequence_shard_modules(model, plan):
             if not re.search(r"norm", type(module).__name__, re.I):
@@ -70,6 +77,20 @@ def ultrascale_validate_model(model, plan, config):
                     f"sequence_parallel=True: in model type '{arch}', '{fqn}' ({type(module).__name__}) is outside "
                     "the tensor-parallel regions of its plan, so it would see only this rank's part of the "
                     "sequence. Fix: set sequence_parallel: false for this model")
+
+
+def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
+    """(plain parameters that meet only this rank's slice of the features inside TP regions, parameters that
+    meet both), from a trace of the model's data flow (``models.dataflow``)."""
+    from ..models.dataflow import trace_tp_locality
+
+    try:
+        return trace_tp_locality(model, plan)
+    except Exception as exc:  # noqa: BLE001 - any failure means the data flow is unknown
+        raise ConfigError(
+            f"tp>1: could not trace the data flow of model type '{_model_type(model)}' on the meta device "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}), so the parameters "
+            "that need their gradients summed over TP are unknown. Fix: use tp: 1 for this model") from exc
 
 
 def sequence_shard_modules(model: nn.Module, plan) -> list[tuple[str, nn.Module]]:
@@ -113,10 +134,18 @@ def ultrascale_transform_model(model, ctx, phase):
                               shard_output=region_of.get(fqn) in simple)
               for fqn, name in matched.items()}
     seq_modules = sequence_shard_modules(model, plan) if sp else []
+    local, _ = rank_local_params(model, plan)
     parallelize_module(model, mesh, styles)
     for fqn, module in seq_modules:
         if fqn in present:
             run_on_local_params(module, mesh, replicate_plain=True)
+    owners: dict[str, set[str]] = {}
+    for name in local:
+        owner, _, pname = name.rpartition(".")
+        owners.setdefault(owner, set()).add(pname)
+    for owner, names in owners.items():
+        if owner in present:
+            run_on_local_params(model.get_submodule(owner), mesh, replicate_plain=True, only=names)
     if sp:
         for region in plan.regions:
             if region in present:

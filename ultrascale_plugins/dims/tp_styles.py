@@ -87,7 +87,7 @@ class _LocalWithSummedGrad(torch.autograd.Function):
         return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False)
 
 
-def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool) -> None:
+def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: set[str] | None = None) -> None:
     """Run ``module``'s forward on the local values of its own parameters.
 
     With ``replicate_plain``, plain parameters first become replicated DTensors on ``mesh`` whose gradient is
@@ -95,15 +95,16 @@ def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool) -> None:
     data — this rank's heads (Qwen3's per-head ``q_norm``), this rank's sequence shard (every norm under sequence
     parallel), a gate multiplying partial expert outputs. As DTensors they compose with FSDP2's sharding over
     data parallel (a gradient hook on the original tensor would be lost when FSDP swaps the parameters).
-    Already sharded parameters (e.g. attention sinks split by heads) are used as their local shard."""
-    if getattr(module, "_ultrascale_local_params", False):
-        return
+    Already sharded parameters (e.g. attention sinks split by heads) are used as their local shard. ``only``
+    limits the replicated ones to those names."""
     if replicate_plain:
         for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
+            if not isinstance(param, DTensor) and (only is None or name in only):
                 module.register_parameter(name, nn.Parameter(
                     DTensor.from_local(param, mesh, [Replicate()], run_check=False),
                     requires_grad=param.requires_grad))
+    if getattr(module, "_ultrascale_local_params", False):
+        return
     inner = module.forward
 
     def forward(*args, **kwargs):
