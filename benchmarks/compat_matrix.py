@@ -166,8 +166,9 @@ def _current_case(err_path: Path) -> str | None:
 def _tail(err_path: Path) -> str:
     text = err_path.read_text(errors="replace")
     own = [line.split("] ", 1)[1] for line in text.splitlines() if line.startswith("[compat] error on rank")]
-    if own:
-        return own[-1][:300]
+    if own:  # the rank that failed first; the others only time out waiting for it
+        first = [line for line in own if "Timed out" not in line and "timeout" not in line.lower()]
+        return (first or own)[0][:300]
     keep = [line for line in text.splitlines() if any(k in line for k in ("Error", "error", "Signal", "Fatal"))]
     return (keep[-1] if keep else text.strip().splitlines()[-1] if text.strip() else "")[:300]
 

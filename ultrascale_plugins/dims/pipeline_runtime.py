@@ -48,6 +48,7 @@ class Pipeline:
         cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
         for stage in stages:
             self._time_compute(stage)
+            _zero_inferred_inputs(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
         self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
         if self.tied:
@@ -198,6 +199,25 @@ class Pipeline:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
         return pmodel.reduce_loss(total, count)
+
+
+def _zero_inferred_inputs(stage) -> None:
+    """torch (2.13) infers a stage's output shapes by running its forward once on inputs made from metadata with
+    ``torch.empty``: token ids, positions and masks full of garbage, which models that index with them (CodeGen's
+    sinusoidal position table, GPT-J) turn into an out-of-bounds crash. Zero them instead. Wraps the stage's
+    private helper, where it exists; nothing else changes."""
+    inner = getattr(stage, "_to_tensor", None)
+    if inner is None:
+        return
+
+    def to_tensor(arg):
+        out = inner(arg)
+        if not isinstance(arg, torch.Tensor):  # made from metadata, not a real input
+            with torch.no_grad():
+                (out.to_local() if isinstance(out, DTensor) else out).zero_()
+        return out
+
+    stage._to_tensor = to_tensor
 
 
 def _timeout():

@@ -89,7 +89,9 @@ def stage_layer_counts(config, n_layers: int) -> list[int]:
 
 
 def _base(model):
-    return getattr(model, model.base_model_prefix)
+    """The base model inside the causal LM (its ``base_model_prefix`` attribute, or ``model``)."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return base if isinstance(base, nn.Module) and base is not model else getattr(model, "model", None)
 
 
 def pp_parts(model) -> tuple[list[str], str, list[str]]:
@@ -97,13 +99,18 @@ def pp_parts(model) -> tuple[list[str], str, list[str]]:
     architecture's ``base_model_pp_plan`` (``embed_tokens``/``layers``/``norm``, ``embed_in``/``emb_dropout``/
     ``layers``/``final_layer_norm``, ...)."""
     plan = getattr(model.config, "base_model_pp_plan", None) or {}
-    base = _base(model) if hasattr(model, "base_model_prefix") else None
+    base = _base(model)
     names = [n for n in plan if base is not None and hasattr(base, n)]
     lists = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
     if len(lists) != 1 or not hasattr(model, "lm_head"):
         raise ConfigError(f"pp>1: model type '{model.config.model_type}' has no usable pipeline plan "
                           "(base_model_pp_plan naming its embeddings, layer list and final norm). Fix: use pp: 1, "
                           "or a model such as Llama, Qwen2, Mistral or GPT-NeoX")
+    unplanned = [n for n, child in base.named_children()
+                 if n not in names and any(True for _ in child.parameters())]
+    if unplanned:
+        raise ConfigError(f"pp>1: model type '{model.config.model_type}' has parameters outside its pipeline plan "
+                          f"({unplanned}): no stage would own them. Fix: use pp: 1 for this model")
     i = names.index(lists[0])
     return names[:i], lists[0], names[i + 1:]
 
@@ -143,6 +150,10 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
             setattr(base, name, ZeroEmbedding(model.config.get_text_config().hidden_size, received)
                     if getattr(base, name) is embed else Absent())
         layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
+    sent: dict = {}
+    if not last:  # what the stage's last layer hands on (models may transform it after the layers)
+        layers[layer_range.stop - 1].register_forward_hook(
+            lambda m, a, out: sent.__setitem__("x", out[0] if isinstance(out, tuple) else out))
     for name in (after if not last else []):
         setattr(base, name, Absent())
     if not last:
@@ -158,9 +169,11 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         try:
             if last:
                 return _own(causal_lm_forward(stage, **kwargs).logits)
-            return _own(base(**kwargs).last_hidden_state), attention_mask, position_ids, input_ids
+            base(**kwargs)
+            return _own(sent["x"]), attention_mask, position_ids, input_ids
         finally:
             received.clear()
+            sent.clear()
 
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
     stage.pipeline_stage = (stage_id, n_stages)
