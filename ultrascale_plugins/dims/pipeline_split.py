@@ -151,9 +151,10 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
                     if getattr(base, name) is embed else Absent())
         layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
     sent: dict = {}
-    if not last:  # what the stage's last layer hands on (models may transform it after the layers)
-        layers[layer_range.stop - 1].register_forward_hook(
-            lambda m, a, out: sent.__setitem__("x", out[0] if isinstance(out, tuple) else out))
+    if not last:
+        # what the stage's last layer hands on, after every hook on it (sequence parallel gathers there): the
+        # input of the next, absent layer. Models may transform the hidden states after their layers.
+        layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
     for name in (after if not last else []):
         setattr(base, name, Absent())
     if not last:
@@ -178,6 +179,13 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
+
+
+def _capture_input(sent: dict):
+    def hook(module, args, kwargs):
+        sent["x"] = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+
+    return hook
 
 
 def _take_received(received: dict):
