@@ -81,6 +81,8 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
     named = dict(plan.param_matches(model))
     config = copy.deepcopy(model.config)
     config._attn_implementation = "eager"
+    if getattr(config, "output_router_logits", False):  # the auxiliary loss reads routing values: not on meta
+        config.output_router_logits = False
     with torch.device("meta"):
         twin = type(model)(config)
     twin.eval()
