@@ -81,6 +81,9 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
     named = dict(plan.param_matches(model))
     config = copy.deepcopy(model.config)
     config._attn_implementation = "eager"
+    if getattr(config, "_experts_implementation", None) is not None:
+        # grouped_mm's meta kernel accepts bf16 only; batched_mm has the same data flow and runs on meta
+        config._experts_implementation = "batched_mm"
     if getattr(config, "output_router_logits", False):  # the auxiliary loss reads routing values: not on meta
         config.output_router_logits = False
     with torch.device("meta"):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
+from .expert_plan import expert_tp_entries
 from .plan import hf_plan_from_model
 
 
 def full_tp_plan(model) -> dict[str, str]:
     """transformers keeps the base model's plan on the config (keys relative to the base model) and the head's
-    plan on the causal-LM class; join them into one plan of full FQNs."""
+    plan on the causal-LM class; join them into one plan of full FQNs, with the fused experts the TP plan
+    leaves to the expert-parallel plan (see expert_plan)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
@@ -17,6 +19,9 @@ def full_tp_plan(model) -> dict[str, str]:
         for k, v in head_plan.items():
             if not (prefix and k.startswith(prefix + ".")) and k.split(".")[0] not in base:
                 plan.setdefault(k, v)
+    ep_plan = {(f"{prefix}.{k}" if prefix else k): v
+               for k, v in (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
+    plan.update(expert_tp_entries(model, ep_plan, plan))
     return plan
 
 
