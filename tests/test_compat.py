@@ -19,7 +19,9 @@ EXPECT = {
     "phi3:tp2_sp": "pass",         # fused qkv_proj gathered inside the region
     "olmo2:tp2_sp": "pass",        # q_norm / k_norm over the whole projection
     "deepseek_v3:tp2": "pass",     # latent attention, TP experts + shared experts, routing compared
-    "gpt_oss:tp2_sp": "refused",   # attention outside the plan's TP regions would see a sequence shard
+    "gpt_oss:tp2_sp": "pass",      # attention and biased experts outside the TP plan run on the gathered sequence
+    "bamba:tp2_sp": "pass",        # Mamba mixers outside the TP plan run on the gathered sequence
+    "hrm_text:tp2_sp": "refused",  # mixes the split sequence with full-length states (crashed mid-step)
     "gpt2:pp2": "refused",         # no pipeline plan
     # world 4
     "qwen3:dp2_tp2_sp": "pass",    # per-head norms replicated over TP under FSDP (was silently wrong)
@@ -75,8 +77,10 @@ def test_refusals_need_no_process_group():
     with torch.device("meta"):
         oss = build_model("gpt_oss")
         gpt2 = build_model("gpt2")
-    with pytest.raises(us.ConfigError, match="gpt_oss.*sequence_parallel: false"):
-        validate(us.ParallelConfig(tp=2, sequence_parallel=True), oss.config, 2, model=oss)
+        hrm = build_model("hrm_text")
+    with pytest.raises(us.ConfigError, match="hrm_text.*sequence split.*sequence_parallel: false"):
+        validate(us.ParallelConfig(tp=2, sequence_parallel=True), hrm.config, 2, model=hrm)
+    validate(us.ParallelConfig(tp=2, sequence_parallel=True), oss.config, 2, model=oss)
     with pytest.raises(us.ConfigError, match="no usable pipeline plan"):
         validate(us.ParallelConfig(pp=2), gpt2.config, 2, model=gpt2)
     moe = tiny_config("mixtral")
@@ -87,3 +91,21 @@ def test_refusals_need_no_process_group():
         validate(us.ParallelConfig(pp=2), moe, 2, model=mixtral)
     validate(us.ParallelConfig(dp_shard=2), moe, 2, model=mixtral)  # the auxiliary loss runs under data parallel
     assert not dist.is_initialized()
+
+
+def test_fused_experts_get_tp_entries_from_their_layout():
+    """transformers 5.25 moved the fused experts from the TP plan to the EP plan: the plan shards them again by
+    their intermediate dimension when their layout says how (concatenated gate|up, no biases), and leaves them
+    whole otherwise (gpt-oss: biases, interleaved gate/up)."""
+    import torch
+    from compat.tiny import build_model
+
+    from ultrascale_plugins.models.hf_plan import full_tp_plan
+
+    with torch.device("meta"):
+        mixtral, oss = build_model("mixtral"), build_model("gpt_oss")
+    plan = full_tp_plan(mixtral)
+    experts = "model.layers.*.mlp.experts"
+    assert plan[experts] == "moe_tp_experts"
+    assert plan[experts + ".gate_up_proj"] == "packed_colwise" and plan[experts + ".down_proj"] == "rowwise"
+    assert not any("experts" in k for k in full_tp_plan(oss))

@@ -1,8 +1,9 @@
 """Tensor parallel and Megatron-style sequence parallel, on the ``tp`` axis, driven by the model plan.
 
 Sequence parallel keeps the residual stream sharded over the sequence between TP regions (attention, MLP, MoE
-blocks: see ``models.plan``): each region all-gathers its input and hands back sequence shards; every module in
-between — norms, however many a layer has, and whatever else a layer holds — runs on ``S/tp`` tokens. The
+blocks: see ``models.plan``): each region all-gathers its input and hands back sequence shards; the norms in
+between, however many a layer has, run on ``S/tp`` tokens, and any other module there runs replicated on the
+gathered sequence (``sequence_parallel``: gathered regions). The
 embedding and the model's mask/position computation stay on the full sequence; the first decoder layer takes
 its shard (a local slice, no communication) and the last one all-gathers its output, so the final norm and the
 head see the full sequence as the model's own code expects (some models reshape there).
@@ -11,12 +12,10 @@ One rule covers every parameter that all TP ranks hold whole but apply to differ
 this rank's sequence shard): it becomes a replicated DTensor whose gradient is summed over TP
 (``tp_styles.run_on_local_params``). The first kind is found by tracing the model's data flow on the meta
 device (``models.dataflow``; the plan's ``replicated_with_grad_allreduce`` marks some of them too); under
-sequence parallel the second kind is found from the module tree: every parameter in a decoder layer outside its
-regions.
+sequence parallel the second kind is found from the module tree: every norm parameter in a decoder layer outside
+its regions.
 """
 from __future__ import annotations
-
-import re
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -26,6 +25,8 @@ from ..config import ConfigError
 from ..hookspecs import hookimpl
 from ..models.plan import EXPERTS, ROWWISE
 from .pipeline_split import Absent
+from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
+from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
                         run_on_local_params)
 
@@ -70,13 +71,29 @@ def ultrascale_validate_model(model, plan, config):
             f"tp={config.tp}: in model type '{arch}', {sorted(mixed)[:3]} meet both this rank's slice of the "
             "features and replicated data, so neither summing nor keeping their gradients is right. Fix: use tp: 1 "
             "for this model")
+    try:
+        tp_dry_run(model, plan, config.tp)
+    except Exception as exc:  # noqa: BLE001 - the model's code does not accept one rank's shapes
+        raise ConfigError(
+            f"tp={config.tp}: model type '{arch}' does not run with its tensor-parallel plan's shards (tried with "
+            f"one rank's shapes on the meta device: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: use tp: 1 for this model") from exc
     if config.sequence_parallel:
-        for fqn, module in sequence_shard_modules(model, plan):
-            if not re.search(r"norm", type(module).__name__, re.I):
-                raise ConfigError(
-                    f"sequence_parallel=True: in model type '{arch}', '{fqn}' ({type(module).__name__}) is outside "
-                    "the tensor-parallel regions of its plan, so it would see only this rank's part of the "
-                    "sequence. Fix: set sequence_parallel: false for this model")
+        gathered, stuck = gathered_regions(model, plan)
+        if stuck:
+            raise ConfigError(
+                f"sequence_parallel=True: in model type '{arch}', {stuck[:3]} hold parameters outside the "
+                "tensor-parallel regions of its plan and no module around them inside the decoder layer can run "
+                "on the gathered sequence instead, so they would see only this rank's part of the sequence. Fix: "
+                "set sequence_parallel: false for this model")
+        try:
+            dry_run(model, plan, gathered, config.tp)
+        except Exception as exc:  # noqa: BLE001 - any failure means the split sequence does not flow through
+            raise ConfigError(
+                f"sequence_parallel=True: model type '{arch}' does not run with its sequence split between the "
+                f"tensor-parallel regions of its plan (tried on the meta device: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: set sequence_parallel: false for "
+                "this model") from exc
 
 
 def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
@@ -91,22 +108,6 @@ def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
             f"tp>1: could not trace the data flow of model type '{_model_type(model)}' on the meta device "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}), so the parameters "
             "that need their gradients summed over TP are unknown. Fix: use tp: 1 for this model") from exc
-
-
-def sequence_shard_modules(model: nn.Module, plan) -> list[tuple[str, nn.Module]]:
-    """Modules with parameters that see sequence shards under SP: inside decoder layers, outside regions and
-    plan entries."""
-    layers = set(plan.layers)
-    inside = set(plan.regions) | set(plan.matches(model))
-    out = []
-    for fqn, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        if any(fqn == r or fqn.startswith(r + ".") for r in inside):
-            continue
-        if any(fqn == layer or fqn.startswith(layer + ".") for layer in layers):
-            out.append((fqn, module))
-    return out
 
 
 @hookimpl
@@ -133,7 +134,8 @@ def ultrascale_transform_model(model, ctx, phase):
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
                               shard_output=region_of.get(fqn) in simple)
               for fqn, name in matched.items()}
-    seq_modules = sequence_shard_modules(model, plan) if sp else []
+    gathered = gathered_regions(model, plan)[0] if sp else []
+    seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
     local, _ = rank_local_params(model, plan)
     parallelize_module(model, mesh, styles)
     for fqn, module in seq_modules:
@@ -154,6 +156,12 @@ def ultrascale_transform_model(model, ctx, phase):
                                                   with_kwargs=True)
                 if region not in simple:
                     module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
+        for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence
+            if region in present:
+                module = model.get_submodule(region)
+                module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                                  with_kwargs=True)
+                module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
         layers = ctx.plan_layers(model)
         if layers:
             # the sequence is split where the (stage's) layers start and gathered again where they end: the

@@ -74,11 +74,9 @@ class _Trace(TorchFunctionMode):
         return out
 
 
-def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
-    """(parameters combined only with rank-local data, parameters combined with both) — plain parameters
-    only: the ones the plan shards are left out. Traced on a meta-device twin of ``model``."""
-    matched = plan.matches(model)
-    named = dict(plan.param_matches(model))
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A fresh copy of ``model``'s architecture on the meta device, configured to run there (eager attention,
+    experts without grouped_mm, no router auxiliary loss), in eval mode."""
     config = copy.deepcopy(model.config)
     config._attn_implementation = "eager"
     if getattr(config, "_experts_implementation", None) is not None:
@@ -88,7 +86,15 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
         config.output_router_logits = False
     with torch.device("meta"):
         twin = type(model)(config)
-    twin.eval()
+    return twin.eval()
+
+
+def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
+    """(parameters combined only with rank-local data, parameters combined with both) — plain parameters
+    only: the ones the plan shards are left out. Traced on a meta-device twin of ``model``."""
+    matched = plan.matches(model)
+    named = dict(plan.param_matches(model))
+    twin = meta_twin(model)
     sharded_owner = {fqn for fqn, style in matched.items() if style != "replicated_with_grad_allreduce"}
     planned = set(named) | {f"{m}.{p}" for m in sharded_owner for p, _ in twin.get_submodule(m).named_parameters()}
     params = {id(p): name for name, p in twin.named_parameters(remove_duplicate=False) if name not in planned}
