@@ -81,6 +81,12 @@ def test_refusals_need_no_process_group():
     with pytest.raises(us.ConfigError, match="hrm_text.*sequence split.*sequence_parallel: false"):
         validate(us.ParallelConfig(tp=2, sequence_parallel=True), hrm.config, 2, model=hrm)
     validate(us.ParallelConfig(tp=2, sequence_parallel=True), oss.config, 2, model=oss)
+    with torch.device("meta"):
+        doge, dsa = build_model("doge"), build_model("glm_moe_dsa")
+    with pytest.raises(us.ConfigError, match="doge.*tensor-parallel plan's shards.*tp: 1"):  # crashed mid-step
+        validate(us.ParallelConfig(tp=2), doge.config, 2, model=doge)
+    with pytest.raises(us.ConfigError, match="glm_moe_dsa.*state besides the hidden states.*pp: 1"):
+        validate(us.ParallelConfig(pp=2), dsa.config, 2, model=dsa)
     with pytest.raises(us.ConfigError, match="no usable pipeline plan"):
         validate(us.ParallelConfig(pp=2), gpt2.config, 2, model=gpt2)
     moe = tiny_config("mixtral")

@@ -75,6 +75,36 @@ def ultrascale_validate_model(model, plan, config):
                 f"output_router_logits=True with pp={config.pp}: the router auxiliary loss takes means over the "
                 "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
                 "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
+        extra = _layer_state(model)
+        if extra:
+            raise ConfigError(
+                f"pp={config.pp}: the decoder layers of model type '{model.config.model_type}' hand the next layer "
+                f"state besides the hidden states ({extra}), which pipeline stages do not send. Fix: use pp: 1 for "
+                "this model")
+
+
+def _layer_state(model) -> str | None:
+    """What a decoder layer returns besides the hidden states (GLM-MoE-DSA hands on its indexer's top-k), from
+    one run of a meta-device twin; None when it returns the hidden states alone (or cannot run on meta)."""
+    import torch
+
+    from ..models.dataflow import meta_inputs, meta_twin
+
+    twin = meta_twin(model)
+    _, layers_name, _ = pp_parts(twin)
+    seen: list = []
+    hook = getattr(_base(twin), layers_name)[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            twin(**meta_inputs(8))
+    except Exception:  # noqa: BLE001 - a model that cannot run on meta shows its own error when it runs
+        return None
+    finally:
+        hook.remove()
+    out = seen[0] if seen else None
+    if isinstance(out, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in out[1:]):
+        return f"a {type(out).__name__} of {len(out)}"
+    return None
 
 
 @hookimpl

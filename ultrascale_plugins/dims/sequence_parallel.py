@@ -85,7 +85,7 @@ def dry_run(model: nn.Module, plan, gathered, tp: int) -> None:
     takes a 1/tp slice, every region (TP or gathered) checks and 'gathers' its input (repeats it to the full
     length) and slices its output, the last layer 'gathers'. Raises what the model raises, or ValueError when a
     region is handed something that is not the split hidden states."""
-    from ..models.dataflow import meta_twin
+    from ..models.dataflow import meta_inputs, meta_twin
 
     twin = meta_twin(model)
     local = 7  # a length no hidden size or head count is likely to share
@@ -138,12 +138,9 @@ def dry_run(model: nn.Module, plan, gathered, tp: int) -> None:
     if plan.layers:
         hooks.append(twin.get_submodule(plan.layers[0]).register_forward_pre_hook(split_input, with_kwargs=True))
         hooks.append(twin.get_submodule(plan.layers[-1]).register_forward_hook(gather_output))
-    ids = torch.zeros(1, full, dtype=torch.long, device="meta")
-    mask = torch.zeros(1, 1, full, full, device="meta")  # 4-D: no mask construction (it reads values)
-    positions = torch.arange(full, device="meta")[None]
     try:
         with torch.no_grad():
-            twin(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            twin(**meta_inputs(full))
     finally:
         for h in hooks:
             h.remove()

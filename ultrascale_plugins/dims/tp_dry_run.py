@@ -64,12 +64,10 @@ def local_shapes_twin(model: nn.Module, plan, tp: int) -> nn.Module | None:
 
 def dry_run(model: nn.Module, plan, tp: int) -> None:
     """Raise what the model raises when run with one rank's shapes (nothing when it cannot be sized)."""
+    from ..models.dataflow import meta_inputs
+
     twin = local_shapes_twin(model, plan, tp)
     if twin is None:
         return
-    seq = 8
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    mask = torch.zeros(1, 1, seq, seq, device="meta")  # 4-D: no mask construction (it reads values)
-    positions = torch.arange(seq, device="meta")[None]
     with torch.no_grad():
-        twin(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        twin(**meta_inputs(8))

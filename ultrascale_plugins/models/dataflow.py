@@ -89,6 +89,14 @@ def meta_twin(model: nn.Module) -> nn.Module:
     return twin.eval()
 
 
+def meta_inputs(seq: int) -> dict:
+    """Inputs for one forward of a meta twin over ``seq`` tokens: a 4-D attention mask, so the model builds no
+    mask of its own (that reads values), and explicit positions."""
+    return dict(input_ids=torch.zeros(1, seq, dtype=torch.long, device="meta"),
+                attention_mask=torch.zeros(1, 1, seq, seq, device="meta"),
+                position_ids=torch.arange(seq, device="meta")[None], use_cache=False)
+
+
 def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
     """(parameters combined only with rank-local data, parameters combined with both) — plain parameters
     only: the ones the plan shards are left out. Traced on a meta-device twin of ``model``."""
@@ -109,14 +117,11 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
         elif _reducing_output(style):
             hooks.append(module.register_forward_hook(
                 lambda m, a, out: trace.mark(tree_flatten(out)[0], ACTIVATION)))
-    seq = 8
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    mask = torch.zeros(1, 1, seq, seq, device="meta")  # 4-D: no mask construction (it reads values)
-    positions = torch.arange(seq, device="meta")[None]
-    trace.mark([ids, mask, positions], ACTIVATION)
+    inputs = meta_inputs(8)
+    trace.mark([v for v in inputs.values() if isinstance(v, torch.Tensor)], ACTIVATION)
     try:
         with torch.no_grad(), trace:
-            twin(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            twin(**inputs)
     finally:
         for h in hooks:
             h.remove()
