@@ -77,6 +77,15 @@ def default_config(model_type: str):
         raise Untinyable(f"default config fails: {type(exc).__name__}: {_line(exc)}") from exc
 
 
+def _get(config, name):
+    """A config attribute, or None where the config refuses a global read (per-layer attributes of
+    heterogeneous configs: the tiny sizes set them for every layer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _line(exc) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:160]
 
@@ -100,7 +109,7 @@ def tiny_config(model_type: str):
         if key in names:
             kwargs[key] = value
     for name in names:  # per-layer or per-part sizes beside the main ones (e.g. intermediate_size_mlp)
-        value = getattr(target, name, None)
+        value = _get(target, name)
         if name not in kwargs and isinstance(value, int) and not isinstance(value, bool):
             if "expert" in name and value > SIZES["num_experts"]:
                 per_token = any(t in name for t in ("per_tok", "top_k", "topk"))
@@ -110,6 +119,8 @@ def tiny_config(model_type: str):
             elif "intermediate_size" in name and value > SIZES["intermediate_size"]:
                 kwargs[name] = SIZES["moe_intermediate_size"] if "moe" in name or "expert" in name else \
                     SIZES["intermediate_size"]
+            elif name.endswith("head_dim") and value > 2 * SIZES["head_dim"]:  # e.g. an indexer's or SWA's heads
+                kwargs[name] = 2 * SIZES["head_dim"]
     if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:  # multi-head latent attention: rotary part
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # latent attention has no grouped KV heads
@@ -118,16 +129,22 @@ def tiny_config(model_type: str):
         if "dropout" in name or "pdrop" in name:
             kwargs[name] = 0.0
     for name in TOKEN_FIELDS:
-        value = getattr(target, name, None)
+        value = _get(target, name)
         if name in names and isinstance(value, int) and value >= VOCAB:
             kwargs[name] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name]
-    if "layer_types" in names and getattr(target, "layer_types", None):
+    if "layer_types" in names and _get(target, "layer_types"):
         pattern = list(target.layer_types)
         kwargs["layer_types"] = [pattern[i % len(pattern)] for i in range(SIZES["num_hidden_layers"])]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = cls(**kwargs)
+        spec = target.__dict__.get("_heterogeneity_spec")
+        if spec is not None:  # heterogeneous layers (per_layer_config): the tiny sizes in every override
+            config.per_layer_config = {
+                i: {f: (kwargs.get(aliases.get(f, f), v) if isinstance(v, int) and not isinstance(v, bool) else v)
+                    for f, v in overrides.items()}
+                for i, overrides in spec.per_layer_overrides.items() if int(i) < SIZES["num_hidden_layers"]}
     except Exception as exc:  # noqa: BLE001
         raise Untinyable(f"tiny config rejected: {type(exc).__name__}: {_line(exc)}") from exc
     return config
