@@ -12,7 +12,8 @@ A model the rules cannot cover is refused before any worker starts: a decoder la
 directly, or a module whose only unsharded ancestors are containers. What the module tree cannot show —
 a parameter-free op that mixes tokens outside the regions, a region called with something other than the hidden
 states — is found by running the model once on the meta device with its sequence split the same way
-(``dry_run``): it must run, and every region must receive and return hidden states of the split length.
+(``dry_run``): it must run, every region must receive and return hidden states of the split length, and every
+gathered region must be called.
 """
 from __future__ import annotations
 
@@ -105,8 +106,11 @@ def dry_run(model: nn.Module, plan, gathered, tp: int) -> None:
         x = first_input(args, kwargs)
         return replace_first(args, kwargs, x.narrow(1, 0, local)) if x is not None else (args, kwargs)
 
+    fired: set[str] = set()
+
     def region_input(name):
         def hook(m, args, kwargs):
+            fired.add(name)
             x = first_input(args, kwargs)
             if x is None or x.dim() < 2 or x.shape[1] != local:
                 raise ValueError(f"'{name}' is called with {None if x is None else tuple(x.shape)}, not the "
@@ -144,3 +148,6 @@ def dry_run(model: nn.Module, plan, gathered, tp: int) -> None:
     finally:
         for h in hooks:
             h.remove()
+    unused = [g for g in gathered if g not in fired]
+    if unused:  # its parameters are read by other code, which would see the shards
+        raise ValueError(f"{unused[:3]} hold parameters but are never called")

@@ -51,9 +51,10 @@ def local_shapes_twin(model: nn.Module, plan, tp: int) -> nn.Module | None:
         module = twin.get_submodule(fqn)
         if fqn == plan.lm_head or style in _FULL_OUTPUT or fqn in plan.param_matches(twin):
             continue
-        if not isinstance(module, nn.Linear) or style not in ("colwise", "packed_colwise", "rowwise"):
+        if not isinstance(module, nn.Linear) or style not in ("colwise", "packed_colwise", "unit_colwise", "rowwise",
+                                                              "unit_rowwise"):
             return None
-        if style == "rowwise":
+        if "rowwise" in style:
             ok = _cut(module, "weight", 1, tp)
         else:
             ok = _cut(module, "weight", 0, tp) and _cut(module, "bias", 0, tp)

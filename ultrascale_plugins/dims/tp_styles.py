@@ -229,13 +229,13 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
         return extra[name](sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     seq = Shard(1)
     row_out = seq if sequence_parallel and shard_output else Replicate()
-    if name == "colwise":
-        return ColwiseParallel()
+    if name in ("colwise", "unit_colwise"):  # unit_*: transformers' head-aligned styles; with heads divisible by
+        return ColwiseParallel()              # tp (checked before launch) they are the plain ones
     if name in ("colwise_gather_output", "colwise_rep"):
         if is_head and loss_parallel:
             return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise":
+    if name in ("rowwise", "unit_rowwise"):
         return RowwiseParallel(output_layouts=row_out)
     if name in ("rowwise_split_input", "rowwise_rep"):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=row_out)
@@ -270,7 +270,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
 KNOWN_STYLES = {"colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
                 "embedding_rowwise", "vocab_parallel_embedding", "embedding_colwise", "replicated_with_grad_allreduce",
                 "local_params", "replicate", "moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj",
-                "sequence_parallel", "packed_colwise", "packed_rowwise"}
+                "sequence_parallel", "packed_colwise", "packed_rowwise", "unit_colwise", "unit_rowwise"}
 
 
 def redistribute_first_input(mesh, src, dst) -> Callable:

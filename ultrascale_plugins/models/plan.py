@@ -9,8 +9,8 @@ from typing import Any, Callable
 from torch import nn
 
 # transformers' TP style names by what they do to the data flowing through a TP region.
-COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}
-ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise"}
+COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "unit_colwise"}
+ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "unit_rowwise"}
 EXPERTS = {"moe_tp_experts"}
 
 
