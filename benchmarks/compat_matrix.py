@@ -252,8 +252,10 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "",
         f"**{summary['all_layouts']} of {summary['testable']} model types that build tiny pass every layout "
         f"(✓) or are refused before any worker starts (⊘)**; {summary['tp_fsdp_all_pass']} of "
-        f"{summary['testable']} pass every TP/FSDP layout (dp2, tp2, tp2_sp, dp2_tp2_sp). "
-        f"{summary['untinyable']} more types with a plan cannot be built tiny (listed below with the reason); "
+        f"{summary['testable']} ({100 * tp_fsdp_pass / max(1, summary['testable']):.0f} %) pass every TP/FSDP "
+        f"layout (dp2, tp2, tp2_sp, dp2_tp2_sp). {summary['untinyable']} more types with a plan cannot be built "
+        f"tiny (listed below with the reason), so of all {summary['denominator']} types with a plan "
+        f"{100 * tp_fsdp_pass / max(1, summary['denominator']):.0f} % are shown to pass every TP/FSDP layout; "
         f"{summary['planless']} causal-LM types carry no plan at all.",
         "",
         "✓ parity · ⊘ refused with a ConfigError before training (reason below) · ✗ failure (reason below) · "
