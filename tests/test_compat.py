@@ -29,7 +29,7 @@ EXPECT = {
     "qwen3_moe:dp2_tp2_sp": "pass",
     "llama:pp2_zbv_tp2_sp": "pass",  # zero-bubble schedules with SP (crashed: in-place detach of a view)
     # router auxiliary loss on (output_router_logits): global router statistics, equal to one process's
-    "granitemoe:dp2_aux": "pass",
+    "mixtral:dp2_aux": "pass",     # (granitemoe's own aux-loss code fails in one process under transformers 5.17)
     "qwen3_moe:dp2_tp2_sp_aux": "pass",
 }
 
