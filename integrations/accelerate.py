@@ -76,10 +76,7 @@ class UltraScaleAccelerator(Accelerator):
         if config is None:
             config = layout_from_environment(os.environ, world)
         if mixed is not None and str(mixed) != "no":
-            if str(mixed) != "bf16":
-                raise ConfigError(f"mixed_precision={mixed!r}: fp16 needs a sharded loss scaler, which is not "
-                                  "available. Fix: use bf16")
-            config = config.replace(mixed_precision="bf16")
+            config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
         self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
         for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
             os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast
@@ -100,12 +97,14 @@ class UltraScaleAccelerator(Accelerator):
 
     @property
     def data_parallel_rank(self) -> int:
-        """This process's data-parallel replica: the mesh's, once a model is prepared; before that, from the mesh
-        order pp, dp_replicate, dp_shard, cp, tp (a data loader may be prepared first)."""
+        """This process's data-parallel replica: the mesh's, once a model is prepared; before that, from the
+        layout's axis order (a data loader may be prepared first)."""
         if self.ultrascale_models:
             return self.ultrascale_models[0].pmodel.data_parallel_rank
-        c = self.ultrascale_config
-        return (self.process_index // (c.cp * c.tp)) % c.dp
+        from ..parallel_dims import ParallelDims
+
+        dims = ParallelDims(self.ultrascale_config, self.num_processes)
+        return dims.coordinate(self.process_index, dims.row_axes)
 
     def prepare(self, *args, device_placement=None):
         from transformers import PreTrainedModel
@@ -120,7 +119,7 @@ class UltraScaleAccelerator(Accelerator):
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)
                 out[i] = self._parallelize(obj)
-        from ..dims.data_parallel import move_scheduler
+        from ..engine import move_scheduler
 
         rest, replaced = [], {}
         for i, obj in enumerate(out):
@@ -174,11 +173,7 @@ class UltraScaleAccelerator(Accelerator):
             group["params"] = params
         if optimizer.state:
             raise ConfigError("prepare(): the optimizer has already taken steps. Fix: prepare it before training")
-        if self.ultrascale_config.zero_stage != 1 or self.data_parallel_size == 1:
-            return optimizer
-        from ..dims.data_parallel import partitioned
-
-        return partitioned(optimizer, self.ultrascale_models[-1].pmodel.ctx.sub_mesh("dp").get_group())
+        return self.ultrascale_models[-1].pmodel.prepare_optimizer(optimizer)  # ZeRO-1 partitions it
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
@@ -217,11 +212,12 @@ class UltraScaleAccelerator(Accelerator):
 
     def backward(self, loss, **kwargs):
         adapter = self._adapter()
-        if adapter is not None and adapter.apply_pending_grads():
+        if adapter is None:
+            return super().backward(loss, **kwargs)
+        if adapter.apply_pending_grads():
             return  # the pipeline schedule ran the backward inside the model call
-        context = adapter.pmodel.loss_context() if adapter is not None else contextlib.nullcontext()
-        with context:
-            super().backward(loss, **kwargs)
+        adapter.pmodel.backward(loss, backward_fn=lambda value: super(UltraScaleAccelerator, self).backward(
+            value, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self, model):
@@ -247,8 +243,8 @@ class UltraScaleAccelerator(Accelerator):
             return super().gather(tensor)
         from accelerate.utils import recursively_apply
 
-        group = self._adapter().pmodel.ctx.sub_mesh("dp")
-        group = group.get_group() if group is not None else None
+        dims = self._adapter().pmodel.dims
+        group = dims.group(dims.row_axes)
         size = self.data_parallel_size
 
         def one(t):

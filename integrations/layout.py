@@ -12,12 +12,14 @@ reach the workers; ``ultrascale accelerate-launch`` sets it). ``ultrascale accel
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
 from ..config import ConfigError, ParallelConfig
+from ..parallel_dims import declared_axes
 
 ACCELERATE_ENV_PREFIXES = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
                            "FSDP_", "ACCELERATE_MIXED_PRECISION")
@@ -59,6 +61,7 @@ def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
     for field, key in SIZE_KEYS.items():
         if key in section:
             fields[field] = int(section[key])
+    _without_unit_cp(fields)
     fields.update(_fsdp_fields({k.upper(): str(v) for k, v in (data.get("fsdp_config") or {}).items()},
                                data.get("distributed_type") == "FSDP"))
     for field in extra:
@@ -96,6 +99,13 @@ def _fsdp_fields(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
     return fields
 
 
+def _without_unit_cp(fields: dict) -> None:
+    """Accelerate always writes a context-parallel size; 1 means none. A larger one needs a plugin that declares
+    the ``cp`` field (ParallelConfig then refuses or accepts it)."""
+    if fields.get("cp") == 1 and "cp" not in ParallelConfig.field_names():
+        del fields["cp"]
+
+
 def _check_unavailable(sizes: Mapping) -> None:
     sp = int(sizes.get("parallelism_config_sp_size", sizes.get("SP_SIZE", 1)) or 1)
     if sp > 1:
@@ -116,32 +126,31 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
                 value = env.get(f"PARALLELISM_CONFIG_{field.upper()}_SIZE")
                 if value is not None:
                     fields[field] = int(value)
+            _without_unit_cp(fields)
             _check_unavailable({k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in env.items()
                                 if k.startswith("PARALLELISM_CONFIG_")})
         fields.update(_fsdp_fields(env, str(env.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"))
         config = ParallelConfig.from_dict(fields)
     mixed = str(env.get("ACCELERATE_MIXED_PRECISION", "no"))
     if mixed not in ("no", "None", ""):
-        if mixed != "bf16":
-            raise ConfigError(f"mixed_precision={mixed!r}: fp16 needs a sharded loss scaler, which is not available. "
-                              "Fix: mixed_precision: bf16")
-        config = config.replace(mixed_precision="bf16")
-    product = config.dp_replicate * max(config.dp_shard, 1) * config.tp * config.cp * config.pp
-    if config.dp_shard != -1 and product != world:
+        config = config.replace(mixed_precision=mixed)  # the data-parallel plugin checks the value
+    axes = declared_axes(config)
+    product = math.prod(a.degree for a in axes)
+    if all(a.degree != -1 for a in axes) and product != world:
         hint = (" One process was launched: give `accelerate launch --cpu` the process count "
                 "(`--num_processes N`), or a file with num_processes (as `ultrascale accelerate-config` writes it)."
                 if world == 1 else "")
         missing = "" if path else (" The pipeline degree and other ultrascale fields travel in the file's "
                                    f"'{SECTION}' block: set ULTRASCALE_CONFIG=FILE (or use `ultrascale "
                                    "accelerate-launch`).")
-        raise ConfigError(f"the layout asks for dp_replicate*dp_shard*tp*cp*pp = {product} processes but "
+        raise ConfigError(f"the layout asks for {'*'.join(a.name for a in axes)} = {product} processes but "
                           f"{world} were launched.{missing}{hint} Fix: make num_processes equal the product")
     return config
 
 
 def accelerate_yaml(config: ParallelConfig, num_processes: int, use_cpu: bool, num_machines: int = 1) -> dict:
     """An Accelerate config file holding the whole layout."""
-    sizes = {key: getattr(config, field) for field, key in SIZE_KEYS.items()}
+    sizes = {key: getattr(config, field, 1) for field, key in SIZE_KEYS.items()}
     sizes["parallelism_config_dp_shard_size"] = config.resolve(num_processes).dp_shard
     defaults = ParallelConfig().to_dict()
     extra = {k: v for k, v in config.to_dict().items()

@@ -128,12 +128,12 @@ def test_loading_never_unpickles_objects(tmp_path, one_process):
         def __reduce__(self):
             return (os.system, ("echo pwned",))
 
-    rng_file = path / "rng" / "rank00000.pt"
+    rng_file = path / "rank_local" / "rank00000.pt"
     rng_file.write_bytes(pickle.dumps({"cpu": Boom()}))
     with pytest.raises(CheckpointError, match="rank00000.pt"):  # the size check notices first
         load_checkpoint(pmodel, opt, path)
     meta = json.loads((path / "ultrascale.json").read_text())
-    meta["files"]["rng/rank00000.pt"] = rng_file.stat().st_size  # a forger who also edits the metadata
+    meta["files"]["rank_local/rank00000.pt"] = rng_file.stat().st_size  # a forger who also edits the metadata
     (path / "ultrascale.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError):
         load_checkpoint(pmodel, opt, path)

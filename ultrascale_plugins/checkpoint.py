@@ -2,8 +2,8 @@
 unparallelized model's parameter names, so a checkpoint saved in one layout loads in any other (DCP reshards
 DTensors by their global shape).
 
-A checkpoint directory ``step-00000042`` holds the DCP shards of the model and the optimizer, one RNG file per
-rank and ``ultrascale.json`` (step, layout, optimizer hyper-parameters, caller's extra state, file sizes). It is
+A checkpoint directory ``step-00000042`` holds the DCP shards of the model, the optimizer and the plugins' shared
+state, one file per rank of the plugins' rank-local state (the step's RNG) and ``ultrascale.json`` (step, layout, optimizer hyper-parameters, caller's extra state, file sizes). It is
 written under a temporary name and renamed when every rank has finished, so a crash during a save leaves the
 previous checkpoints untouched and no partial directory ever looks complete. Loading never unpickles objects:
 tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON.
@@ -95,19 +95,33 @@ def _init_optimizer_state(optimizer) -> None:
             g["weight_decay"] = wd
 
 
-def _plugin_state(pmodel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What plugins add through ``ultrascale_state_dict``: tensors go into the sharded files, other values
-    (which must be JSON) into ``ultrascale.json``."""
-    state: dict[str, Any] = {}
+class PluginState:
+    """What the plugins save through ``ultrascale_state_dict``: ``shared`` holds what every rank holds alike
+    (tensors go into the sharded files, other values, which must be JSON, into ``ultrascale.json``);
+    ``rank_local`` what differs per rank (tensors and containers of them, one file per rank, restored only when
+    the world size is unchanged)."""
+
+    def __init__(self, shared: dict | None = None, rank_local: dict | None = None):
+        self.shared: dict[str, Any] = dict(shared or {})
+        self.rank_local: dict[str, Any] = dict(rank_local or {})
+
+
+def _plugin_state(pmodel) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(shared tensors, shared JSON values, rank-local state) of every plugin."""
+    state = PluginState()
     pmodel.pm.hook.ultrascale_state_dict(pmodel=pmodel, state=state)
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    values = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in state.shared.items() if isinstance(v, torch.Tensor)}
+    values = {k: v for k, v in state.shared.items() if not isinstance(v, torch.Tensor)}
     try:
         json.dumps(values)
     except TypeError as exc:
         raise ConfigError(f"a plugin's ultrascale_state_dict returned a value that is neither a tensor nor JSON "
                           f"({exc}). Fix: return tensors, numbers, strings, lists or dicts") from None
-    return tensors, values
+    return tensors, values, state.rank_local
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / "rank_local" / f"rank{rank:05d}.pt"
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -147,16 +161,13 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        (tmp / "rng").mkdir()
+        (tmp / "rank_local").mkdir()
     dist.barrier()
     model_state = _model_state(pmodel)
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
-    plugin_tensors, plugin_values = _plugin_state(pmodel)
+    plugin_tensors, plugin_values, rank_local = _plugin_state(pmodel)
     dcp.save({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, checkpoint_id=str(tmp))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng" / f"rank{rank:05d}.pt")
+    torch.save(rank_local, _rank_file(tmp, rank))
     if rank == 0:
         for name, obj in (files or {}).items():
             torch.save(obj, tmp / name)
@@ -219,7 +230,7 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     path = Path(path)
     meta = read_meta(path)
     model_state = _model_state(pmodel)
-    plugin_tensors, _ = _plugin_state(pmodel)  # this layout's tensors, filled in place by the load
+    plugin_tensors, _, _ = _plugin_state(pmodel)  # this layout's tensors, filled in place by the load
     state: dict[str, Any] = {"model": model_state, "plugins": plugin_tensors}
     if optimizer is not None:
         _init_optimizer_state(optimizer)
@@ -234,11 +245,9 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
             group.update(saved)
-    pmodel.pm.hook.ultrascale_load_state_dict(pmodel=pmodel, state={**plugin_tensors, **meta.get("plugins", {})})
-    rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
-    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    rank_local, rank_file = {}, _rank_file(path, dist.get_rank())
+    if meta["world_size"] == dist.get_world_size() and rank_file.is_file():
+        rank_local = read_file(path, str(rank_file.relative_to(path)))
+    state = PluginState({**plugin_tensors, **meta.get("plugins", {})}, rank_local)
+    pmodel.pm.hook.ultrascale_load_state_dict(pmodel=pmodel, state=state)
     return meta

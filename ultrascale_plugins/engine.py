@@ -1,5 +1,6 @@
-"""The engine: ``parallelize(model, config)`` validates, builds the mesh, asks every plugin to transform the
-model phase by phase, and returns a ``ParallelModel`` whose ``train_step`` every front end calls."""
+"""The engine: ``parallelize(model, config)`` checks the layout, builds the mesh, composes the dimensions'
+transforms in one fixed order and returns a ``ParallelModel``, whose forward / backward / step every front end
+calls (the CLI through ``train_step``, Lightning and Accelerate through ``hf_module.ParallelCausalLM``)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,40 +14,50 @@ from torch.distributed.tensor import DTensor
 
 from . import launch
 from .config import ConfigError, ParallelConfig
-from .hookspecs import TRANSFORM_PHASES
-from .mesh import build_mesh, sub_mesh
 from .models.plan import ModelPlan
+from .parallel_dims import ParallelDims, resolve
 from .plugins import get_plugin_manager
-
-DIMENSION_NAMES = {"pp": "pipeline parallelism", "cp": "context parallelism", "tp": "tensor parallelism",
-                   "dp_shard": "sharded data parallelism", "dp_replicate": "replicated data parallelism"}
+from .runtime import Runtime
 
 
 @dataclasses.dataclass
 class ParallelContext:
-    """What the plugins see while transforming: the resolved config, the mesh, the plan and the device."""
+    """What the plugins see while transforming: the layout, the plan, the device, this rank's model parts."""
 
-    config: ParallelConfig
-    mesh: Any
+    dims: ParallelDims
     plan: ModelPlan | None
     device: torch.device
     modules: list = dataclasses.field(default_factory=list)  # this rank's model parts (pipeline stages, or one)
-    forward_module: nn.Module | None = None  # what train_step calls (a DDP wrapper, or the model itself)
+    runtime: Runtime = dataclasses.field(default_factory=Runtime)  # how the parts run a step
+    forward_module: nn.Module | None = None  # what the forward calls (a DDP wrapper, or the model itself)
     autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
-    extras: dict = dataclasses.field(default_factory=dict)  # free room for third-party plugins
+    claimed_axes: set = dataclasses.field(default_factory=set)  # gradient-averaging axes a wrapper handles
 
     _materializer: Any = None
 
+    @property
+    def config(self) -> ParallelConfig:
+        return self.dims.config
+
+    @property
+    def mesh(self):
+        return self.dims.mesh
+
+    def sub_mesh(self, names):
+        return self.dims.sub_mesh(names)
+
+    def claim_grad_reduction(self, *axes: str) -> None:
+        """The calling wrapper averages gradients over ``axes`` itself (FSDP, DDP); the engine averages the
+        gradient axes nobody claims."""
+        self.claimed_axes.update(axes)
+
     def materialize(self) -> None:
         """Give a meta-device model's parameters storage and their values, in their layout at this point (once).
-        The engine calls it after the last phase; a phase that needs real tensors (DDP broadcasts them when it
-        wraps the model) calls it first."""
+        The engine calls it after the last transform; a transform that needs real tensors (DDP broadcasts them
+        when it wraps the model) calls it first."""
         if self._materializer is not None:
             load, self._materializer = self._materializer, None
             load()
-
-    def sub_mesh(self, name: str):
-        return sub_mesh(self.mesh, name)
 
     def plan_layers(self, model: nn.Module) -> list[str]:
         """The decoder layers present in ``model`` (a pipeline stage holds only some)."""
@@ -57,20 +68,18 @@ class ParallelContext:
         return [fqn for fqn, _ in model.named_modules() if fqn in present]
 
 
+def as_config(config: ParallelConfig | dict | None) -> ParallelConfig:
+    if config is None:
+        return ParallelConfig()
+    return ParallelConfig.from_dict(config) if isinstance(config, dict) else config
+
+
 def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None, model=None) -> ParallelConfig:
     """Every check that needs no process group: degrees vs world size, vs the model, and each plugin's own;
     with ``model`` (real or on the meta device) also the checks on its module tree and plan.
-    Returns the resolved config (dp_shard filled in)."""
+    Returns the resolved config (the ``-1`` degree filled in)."""
     pm = pm or get_plugin_manager()
-    resolved = config.resolve(world_size)
-    axes = declared_axes(resolved, pm)
-    for field in ("pp", "cp", "tp", "dp_shard", "dp_replicate"):
-        degree = getattr(resolved, field)
-        if degree > 1 and field not in axes:
-            raise ConfigError(
-                f"{field}={degree}: {DIMENSION_NAMES[field]} is not available in this version (no installed plugin "
-                f"provides the '{field}' axis). Fix: set {field}: 1, or install a plugin that provides it")
-    resolved.validate_for_model(model_config)
+    resolved = resolve(as_config(config), world_size, pm)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
     if model is not None:
         plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
@@ -78,22 +87,17 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     return resolved
 
 
-def declared_axes(config: ParallelConfig, pm) -> dict[str, int]:
-    axes: dict[str, int] = {}
-    for result in pm.hook.ultrascale_mesh_axes(config=config):
-        for name, degree in result or []:
-            axes[name] = degree
-    return axes
-
-
 def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,
-             micro_batch: int = 1) -> dict[str, float]:
-    """Per-rank memory (bytes) and communication (bytes per step) terms, each contributed by its dimension's
-    plugin through ``ultrascale_estimate``. Validates the layout first."""
+             micro_batch: int = 1):
+    """Per-rank memory by category and communication per mesh axis (an ``estimates.Estimate``), each term
+    contributed by its dimension's plugin through ``ultrascale_estimate``. Validates the layout first."""
+    from .estimates import Estimate
+
     pm = get_plugin_manager()
     resolved = validate(config, model_config, world_size, pm)
-    est: dict[str, float] = {"seq_len": seq_len, "micro_batch": micro_batch}
-    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config, estimate=est)
+    est = Estimate()
+    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config,
+                                shape={"seq_len": seq_len, "micro_batch": micro_batch}, estimate=est)
     return est
 
 
@@ -101,38 +105,43 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
                 init_weights=None) -> "ParallelModel":
     """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``.
 
-    ``model`` may live on the meta device (``pretrained.empty_model``); then ``init_weights`` (an object with
-    ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``) gives every rank's shards storage and values
-    once the layout is final, so no rank ever holds the whole model."""
-    if config is None:
-        config = ParallelConfig()
-    elif isinstance(config, dict):
-        config = ParallelConfig.from_dict(config)
+    ``model`` may live on the meta device (built under ``torch.device("meta")``): then every rank gives only its
+    own shards storage and values once the layout is final — from ``init_weights`` (an object with
+    ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``), else from the directory its config was read
+    from, else with the model's own initialization — so no rank ever holds the whole model."""
     pm = get_plugin_manager()
-    world = launch.world_size()
-    resolved = validate(config, model.config, world, pm, model=model)  # before any process group exists
+    config = validate(as_config(config), model.config, launch.world_size(), pm, model=model)  # no group yet
+    if init_weights is None and any(p.is_meta for p in model.parameters()):
+        from .pretrained import weights_for
+
+        init_weights = weights_for(model, None)
     if device is None:
         device = launch.init_distributed()
     elif not dist.is_initialized():
         launch.init_distributed()
-    plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
-    mesh = build_mesh(device.type, declared_axes(resolved, pm))
-    ctx = ParallelContext(config=resolved, mesh=mesh, plan=plan, device=device, modules=[model])
-    if init_weights is None and any(p.is_meta for p in model.parameters()):
-        raise ConfigError("the model's parameters are on the meta device and no weights were given. Fix: use "
-                          "ultrascale_plugins.pretrained.from_pretrained(HF_DIR, config), or build the model "
-                          "with real tensors")
+    dims = ParallelDims(config, launch.world_size(), pm)
+    dims.build_mesh(device.type)
+    ctx = ParallelContext(dims=dims, plan=pm.hook.ultrascale_model_plan(model=model, config=config), device=device,
+                          modules=[model])
     if init_weights is not None:  # the weights replace whatever the parameters hold now
         buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
         ctx._materializer = lambda: init_weights.load(ctx, buffers)
     else:
         model.to(device)
-    for phase in TRANSFORM_PHASES:
-        # the pipeline phase may replace ctx.modules by this rank's stages; later phases transform each
-        for module in list(ctx.modules):
-            pm.hook.ultrascale_transform_model(model=module, ctx=ctx, phase=phase)
+
+    # 1. pipeline split: this rank's stages and the runtime that schedules them (or the model whole)
+    split = pm.hook.ultrascale_split_model(model=model, ctx=ctx)
+    if split is not None:
+        ctx.modules, ctx.runtime = split
+    for part in ctx.modules:
+        # 2. inside the layers: tensor and sequence parallel
+        pm.hook.ultrascale_shard_model(model=part, ctx=ctx)
+        # 3. around each layer: activation checkpointing
+        pm.hook.ultrascale_wrap_layers(model=part, ctx=ctx)
+        # 4. around the whole: FSDP2 (ZeRO-2/3, HSDP) or DDP
+        pm.hook.ultrascale_wrap_model(model=part, ctx=ctx)
     ctx.materialize()
-    return ParallelModel(ctx.modules[0], ctx, pm)
+    return ParallelModel(model, ctx, pm)
 
 
 class ParallelModel:
@@ -141,14 +150,19 @@ class ParallelModel:
     def __init__(self, module: nn.Module, ctx: ParallelContext, pm):
         self.module = module
         self.ctx = ctx
+        self.dims = ctx.dims
         self.config = ctx.config
         self.pm = pm
+        self.runtime = ctx.runtime
         self.forward_module = ctx.forward_module or module
-        dp = ctx.sub_mesh("dp")
-        self._dp_group = dp.get_group() if dp is not None else None
-        self.data_parallel_size = dp.size() if dp is not None else 1
-        self.data_parallel_rank = dp.get_local_rank() if dp is not None else 0
         self.device = ctx.device
+        rows = self.dims.sub_mesh(self.dims.row_axes)
+        self.data_parallel_size = self.dims.dp
+        self.data_parallel_rank = rows.get_local_rank() if rows is not None else 0
+        self._token_group = self.dims.group(self.dims.token_axes)
+        unclaimed = tuple(a for a in self.dims.grad_axes if a not in ctx.claimed_axes)
+        self._grad_group = self.dims.group(unclaimed)
+        self._grad_group_size = self.dims.sub_mesh(unclaimed).size() if self._grad_group is not None else 1
         self.grad_sync = True  # False inside no_sync()
 
     # ---- what users call -------------------------------------------------------------------------
@@ -169,19 +183,29 @@ class ParallelModel:
     def pipeline_stats(self) -> dict | None:
         """With pp > 1: this rank's last training step as ``{step_s, busy_s, idle_fraction}`` (idle = pipeline
         bubble plus waiting on communication)."""
-        pipe = self.ctx.extras.get("pipeline")
-        return pipe.last_step_stats if pipe is not None else None
+        return self.runtime.stats
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to train with, for an optimizer over this model's (sharded) parameters: the layout's
+        plugins may replace it (ZeRO-1 partitions its states over data parallel). Every front end's optimizer
+        comes through here."""
+        replaced = self.pm.hook.ultrascale_prepare_optimizer(pmodel=self, optimizer=optimizer)
+        return replaced if replaced is not None else optimizer
 
     def build_optimizer(self, optimizer_cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-        """The optimizer for this layout: ZeRO-1 shards its states over data parallel; otherwise plain."""
-        opt = self.pm.hook.ultrascale_build_optimizer(pmodel=self, optimizer_cls=optimizer_cls, kwargs=kwargs)
-        return opt if opt is not None else optimizer_cls(self.parameters(), **kwargs)
+        return self.prepare_optimizer(optimizer_cls(list(self.parameters()), **kwargs))
 
     def train_step(self, batch: dict, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward on this rank's share of the global batch; returns the global-mean loss.
         Gradients are those of ``loss_scale`` x that loss, added to any already there."""
-        self.module.train()
+        for module in self.modules:
+            module.train()
         return self.pm.hook.ultrascale_train_step(pmodel=self, batch=batch, loss_scale=loss_scale)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict) -> torch.Tensor:
+        """Validation loss of the global batch (``model.eval()`` semantics: no dropout)."""
+        return self.runtime.eval_step(self, batch)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -202,19 +226,6 @@ class ParallelModel:
             for m in fsdp:
                 m.set_requires_gradient_sync(True)
 
-    @torch.no_grad()
-    def eval_step(self, batch: dict) -> torch.Tensor:
-        """Validation loss of the global batch (``model.eval()`` semantics: no dropout)."""
-        pipe = self.ctx.extras.get("pipeline")
-        if pipe is not None:
-            return pipe.step(self, batch, train=False)
-        self.module.eval()
-        try:
-            loss_sum, count = self.loss_terms(batch)
-            return self.reduce_loss(loss_sum, count)
-        finally:
-            self.module.train()
-
     def __call__(self, *args, **kwargs):
         return self.forward_module(*args, **kwargs)
 
@@ -222,36 +233,34 @@ class ParallelModel:
         """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
         from .grad_norm import clip_grad_norm_
 
-        pipe = self.ctx.extras.get("pipeline")
-        params, group = list(self.parameters()), None
-        if pipe is not None:
-            group = pipe.pp_group
-            if pipe.has_last and pipe.tied:
-                head = pipe.tied_params()[-1]  # the head's copy of the tied weight: count it once
-                params = [p for p in params if p is not head]
-        return clip_grad_norm_(params, max_norm, norm_type, group=group, clip=list(self.parameters()))
+        params = list(self.parameters())
+        return clip_grad_norm_(self.runtime.norm_parameters(params), max_norm, norm_type,
+                               group=self.runtime.norm_group(), clip=params)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state: ``{"model": ...}`` (DTensors where sharded, the unparallelized
-        model's parameter names) plus whatever each dimension adds through ``ultrascale_state_dict``."""
+        model's parameter names), the layout, and what each dimension adds through ``ultrascale_state_dict``."""
+        from .checkpoint import PluginState
+
         model_state: dict[str, Any] = {}
         for module in self.modules:
             model_state.update(module.state_dict())
-        state: dict[str, Any] = {"model": model_state, "config": self.config.to_dict()}
-        self.pm.hook.ultrascale_state_dict(pmodel=self, state=state)
-        return state
+        plugins = PluginState()
+        self.pm.hook.ultrascale_state_dict(pmodel=self, state=plugins)
+        return {"model": model_state, "config": self.config.to_dict(), "plugins": plugins}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by ``state_dict`` in the same layout."""
-        saved = state.get("config")
-        if saved is not None and saved != self.config.to_dict():
-            diff = {k: (v, self.config.to_dict()[k]) for k, v in saved.items() if self.config.to_dict().get(k) != v}
+        saved, current = state.get("config"), self.config.to_dict()
+        if saved is not None and saved != current:
+            diff = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
             raise ConfigError(f"state was saved in another layout (saved vs current: {diff}). Fix: load it in the "
                               "layout it was saved in")
         for module in self.modules:
             own = module.state_dict().keys()
             module.load_state_dict({k: v for k, v in state["model"].items() if k in own})
-        self.pm.hook.ultrascale_load_state_dict(pmodel=self, state=state)
+        if state.get("plugins") is not None:
+            self.pm.hook.ultrascale_load_state_dict(pmodel=self, state=state["plugins"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
@@ -261,23 +270,31 @@ class ParallelModel:
                 if isinstance(tensor, DTensor):
                     tensor = tensor.full_tensor()
                 out[name] = tensor.detach().cpu().clone()
-        pipe = self.ctx.extras.get("pipeline")
-        if pipe is not None:  # every stage's part, on every rank
-            parts = [None] * dist.get_world_size(pipe.pp_group)
-            dist.all_gather_object(parts, out, group=pipe.pp_group)
-            out = {k: v for part in parts for k, v in part.items()}
-        return out
+        return self.runtime.gather_full_state(out)
 
-    # ---- pieces of the step, used by step plugins ------------------------------------------------
+    # ---- the step's pieces: the built-in step, the pipeline runtime and the front ends use these --------
     def to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
+    def prepare_batch(self, batch: dict) -> dict:
+        """This rank's inputs and next-token ``targets`` on the device: the data loader's rows, then each
+        dimension's part of them (``ultrascale_shard_batch``). Targets are shifted before any plugin splits the
+        sequence, so the token after a split point stays the target of the one before it."""
+        from .loss import shifted_targets
+
+        batch = self.to_device(batch)
+        out = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
+        out["targets"] = shifted_targets(batch)
+        self.pm.hook.ultrascale_shard_batch(batch=out, ctx=self.ctx)
+        return out
+
     def global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
+        """Valid target tokens over every rank that holds different tokens (the ``counts_tokens`` axes)."""
         from .loss import IGNORE_INDEX
 
         count = (targets != IGNORE_INDEX).sum().to(torch.float64)
-        if self._dp_group is not None:
-            dist.all_reduce(count, group=self._dp_group)
+        if self._token_group is not None:
+            dist.all_reduce(count, group=self._token_group)
         return count.clamp_min(1)
 
     def autocast(self):
@@ -287,48 +304,100 @@ class ParallelModel:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def loss_context(self):
-        if self.config.loss_parallel and self.config.tp > 1:
+        if self.config.loss_parallel and self.dims.enabled("tp"):
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def loss_terms(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of this rank's token losses, global number of valid tokens)."""
-        _, loss_sum, count = self.forward_loss(batch)
-        return loss_sum, count
+    def loss_share(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The loss-scale rule: this rank's token-loss sum x ``grad_scale`` / global tokens, whose gradient after
+        the averaging over the gradient axes is that of the global-mean loss."""
+        return loss_sum * (self.dims.grad_scale / count)
 
-    def forward_loss(self, batch: dict) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """(the model's output, sum of this rank's token losses, global number of valid tokens)."""
-        from .loss import shifted_targets, token_loss_sum
+    def reduce_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The global-mean loss (same value on every rank) from this rank's token-loss sum."""
+        total = loss_sum.detach()
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        total = total.to(torch.float64)
+        if self._token_group is not None:
+            dist.all_reduce(total, group=self._token_group)
+        return (total / count).float()
 
-        batch = self.to_device(batch)
-        targets = shifted_targets(batch)
+    def forward(self, batch: dict):
+        """The model's output on this rank's batch, with ``loss``: its value is the global-mean loss over every
+        valid token of the global batch (the same on every rank), its gradient this rank's share of it. Under
+        ``torch.no_grad`` the loss is the plain global mean."""
+        from .loss import token_loss_sum
+
+        batch = self.prepare_batch(batch)
+        targets = batch.pop("targets")
         count = self.global_token_count(targets)
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         with self.autocast():
-            output = self.forward_module(**inputs, use_cache=False)
+            output = self.forward_module(**batch, use_cache=False)
         with self.loss_context():
             loss_sum = token_loss_sum(output.logits, targets)
         if getattr(output, "router_logits", None):  # mixture of experts with output_router_logits on
             from .router_loss import router_aux_loss
 
-            aux = router_aux_loss(self.module, output.router_logits, batch.get("attention_mask"), self._dp_group)
-            # folded into the token-loss sum, which the step scales by dp/count: the gradient part (aux*count)
-            # gives coef*aux's gradient after the data-parallel average; the value part (aux*count/dp) sums to
-            # coef*aux over the data-parallel ranks
+            aux = router_aux_loss(self.module, output.router_logits, batch.get("attention_mask"), self._token_group)
+            # folded into the token-loss sum, which the loss share scales by grad_scale/count: the gradient part
+            # (aux*count) gives coef*aux's gradient after the gradient averaging; the value part
+            # (aux*count/grad_scale) sums to coef*aux over the token-counting ranks
             grad_part = aux * count.to(aux.dtype)
-            term = grad_part + (grad_part / self.data_parallel_size - grad_part).detach()
+            term = grad_part + (grad_part / self.dims.grad_scale - grad_part).detach()
             if isinstance(loss_sum, DTensor):
                 term = DTensor.from_local(term, loss_sum.device_mesh, loss_sum.placements, run_check=False)
             loss_sum = loss_sum + term
-        return output, loss_sum, count
+        mean = self.reduce_loss(loss_sum, count)
+        if torch.is_grad_enabled():
+            share = self.loss_share(loss_sum, count)
+            if isinstance(share, DTensor):  # vocab-parallel loss: a replicated scalar
+                share = share.to_local()
+            output.loss = (share + (mean - share).detach()).float()  # value: the global mean
+        else:
+            output.loss = mean
+        return output
 
-    def reduce_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        total = loss_sum.detach()
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        total = total.to(torch.float64)
-        if self._dp_group is not None:
-            dist.all_reduce(total, group=self._dp_group)
-        return (total / count).float()
+    def backward(self, loss: torch.Tensor, backward_fn=None) -> None:
+        """Backward of ``loss`` (a front end passes its own ``backward_fn``), then ``finish_backward``."""
+        with self.loss_context():
+            (backward_fn or torch.Tensor.backward)(loss)
+        self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """After a backward that completes the gradients (not inside ``no_sync``): average them over the
+        gradient axes no wrapper reduced, then the runtime's own work (a pipeline's tied weights)."""
+        if not self.grad_sync:
+            return
+        if self._grad_group is not None:
+            average_gradients(self.parameters(), self._grad_group, self._grad_group_size)
+        self.runtime.after_backward(self)
+
+
+def average_gradients(params, group, size: int) -> None:
+    """Average the (local shards of the) gradients over ``group`` in one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def move_scheduler(scheduler, old, new) -> None:
+    """Point an LR scheduler built on ``old`` at ``new`` (the optimizer ``prepare_optimizer`` returned in its
+    place), carrying the per-group learning rates the scheduler set up."""
+    if getattr(scheduler, "optimizer", None) is not old or new is old:
+        return
+    for g_new, g_old in zip(new.param_groups, old.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in g_old:
+                g_new[key] = g_old[key]
+    scheduler.optimizer = new

@@ -1,8 +1,22 @@
 """What a parallelism dimension is: the pluggy hook specifications.
 
-Every built-in dimension (ZeRO, tensor/sequence parallel, activation checkpointing, the default training step,
-the GPT-2 plan) implements these hooks exactly as a third-party plugin would. Hook names start with
-``ultrascale_``; an implementation whose name matches no specification is rejected when plugins load.
+Every built-in dimension (data parallel / ZeRO, tensor and sequence parallel, pipeline parallel, activation
+checkpointing, the training step, the model plans) implements these hooks exactly as a third-party plugin
+registered under the ``ultrascale_plugins`` entry point would. Hook names start with ``ultrascale_``; an
+implementation whose name matches no specification is rejected when plugins load.
+
+A dimension, in the order the engine asks (``engine.parallelize`` reads top to bottom):
+
+1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), checked before any
+   process group exists (``ultrascale_validate_config``, ``ultrascale_validate_model``);
+2. its model transform, in one of the composition's places: pipeline split (``ultrascale_split_model``), sharding
+   inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
+   activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
+3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
+   (``ultrascale_prepare_optimizer``), the step itself (``ultrascale_train_step``: replace it, or wrap it with a
+   ``@hookimpl(wrapper=True)`` generator);
+4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``) and its costs
+   (``ultrascale_estimate``).
 """
 from __future__ import annotations
 
@@ -12,23 +26,25 @@ PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-# The order in which model transforms run (torchtitan's composition order). The engine calls
-# ``ultrascale_transform_model`` once per phase, in this order.
-TRANSFORM_PHASES = ("pipeline", "tensor", "context", "activation_checkpointing", "compile", "data_parallel")
+
+# ---- the layout -------------------------------------------------------------------------------------------
+@hookspec
+def ultrascale_add_fields(fields):
+    """Declare this dimension's layout fields: ``fields.add(name, type, default, help, choices=..., minimum=...,
+    optional=..., check=...)`` (see ``fields.Fields``). They become valid everywhere a layout is written."""
 
 
 @hookspec
 def ultrascale_mesh_axes(config):
-    """Return ``[(axis_name, degree), ...]`` for the device-mesh axes this dimension needs (degree 1 allowed).
-
-    An axis nobody declares cannot be used: asking for ``pp=2`` with no plugin declaring ``"pp"`` is a
-    ConfigError that says the dimension is not available.
-    """
+    """Return the ``parallel_dims.MeshAxis`` values this dimension needs for ``config`` (degree 1 allowed; one axis
+    in the whole layout may have degree -1, the rest of the world). Their product is the world size."""
 
 
 @hookspec
 def ultrascale_validate_config(config, model_config, world_size):
-    """Raise ``ConfigError`` when this dimension's part of ``config`` cannot run (before any process group)."""
+    """Raise ``ConfigError`` when this dimension's part of ``config`` cannot run. Called before any process group:
+    with ``model_config=None`` when the layout is resolved against the world size, and again with the Hugging
+    Face config when the model is known."""
 
 
 @hookspec
@@ -42,35 +58,67 @@ def ultrascale_model_plan(model, config):
     """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""
 
 
+# ---- the model transform, in the order the engine composes it ------------------------------------------------
+@hookspec(firstresult=True)
+def ultrascale_split_model(model, ctx):
+    """Split ``model`` into this rank's pipeline stages: return ``(stages, runtime)`` — a list of modules and the
+    ``runtime.Runtime`` that runs them — or None to keep the model whole."""
+
+
 @hookspec
-def ultrascale_transform_model(model, ctx, phase):
-    """Transform ``model`` in place for ``phase`` (one of TRANSFORM_PHASES). ``ctx`` is the ParallelContext
-    (config, mesh, plan); act only on the phases that concern this dimension."""
+def ultrascale_shard_model(model, ctx):
+    """Shard the parameters and activations inside the layers of ``model`` (one stage, or the whole model): tensor
+    and sequence parallel. ``ctx`` is the ``engine.ParallelContext``."""
+
+
+@hookspec
+def ultrascale_wrap_layers(model, ctx):
+    """Wrap each decoder layer of ``model`` (``ctx.plan_layers(model)``): activation checkpointing."""
+
+
+@hookspec
+def ultrascale_wrap_model(model, ctx):
+    """Wrap ``model`` as a whole, last: data parallel (FSDP2, DDP). A wrapper that averages gradients over some
+    axes itself says so with ``ctx.claim_grad_reduction(*axes)``; the engine averages the others."""
+
+
+# ---- the step -----------------------------------------------------------------------------------------------
+@hookspec
+def ultrascale_shard_batch(batch, ctx):
+    """Take this rank's part of ``batch`` in place (a dict of tensors: ``input_ids``, ``attention_mask``,
+    ``position_ids``, ``targets`` — next-token targets, already shifted, -100 where ignored). Called on every
+    step after the data loader's row split, before the forward."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_build_optimizer(pmodel, optimizer_cls, kwargs):
-    """Return an optimizer over ``pmodel``'s parameters, or None for the plain ``optimizer_cls``."""
+def ultrascale_prepare_optimizer(pmodel, optimizer):
+    """Return the optimizer to train ``pmodel`` with instead of ``optimizer`` (ZeRO-1 partitions its states), or
+    None to keep it. Every front end's optimizer passes through here."""
 
 
 @hookspec(firstresult=True)
 def ultrascale_train_step(pmodel, batch, loss_scale):
     """Run forward and backward on this rank's batch and return the global-mean loss (a 0-d tensor, the same on
-    every rank). Gradients are those of ``loss_scale`` times that loss (front ends pass 1/k under gradient
-    accumulation). First result wins: the built-in data/tensor-parallel step is registered last."""
+    every rank). Gradients are those of ``loss_scale`` times that loss. The built-in step (``step.py``) runs the
+    model's runtime; a plugin may replace it (first result wins) or wrap it (``@hookimpl(wrapper=True)``)."""
 
 
-@hookspec
-def ultrascale_estimate(config, model_config, estimate):
-    """Add this dimension's memory (bytes per rank) and communication (bytes per rank per step) terms to the
-    ``estimate`` dict, in place, under keys of your choosing."""
-
-
+# ---- state and costs ----------------------------------------------------------------------------------------
 @hookspec
 def ultrascale_state_dict(pmodel, state):
-    """Add entries to ``state`` (a dict being saved) that this dimension owns."""
+    """Add this dimension's entries to ``state`` (a ``checkpoint.PluginState``): ``state.shared[key]`` for what
+    every rank holds alike (tensors go into the sharded files, other values into JSON) and
+    ``state.rank_local[key]`` for what differs per rank (restored only in the same world size)."""
 
 
 @hookspec
 def ultrascale_load_state_dict(pmodel, state):
-    """Restore this dimension's entries from ``state``."""
+    """Restore this dimension's entries from ``state`` (a ``checkpoint.PluginState``, as saved)."""
+
+
+@hookspec
+def ultrascale_estimate(config, model_config, shape, estimate):
+    """Add this dimension's per-rank costs to ``estimate`` (an ``estimates.Estimate``): memory in bytes per
+    category (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``) and
+    communication in bytes per step per mesh axis (``estimate.add_comm(axis, n)``). ``shape`` holds the
+    ``seq_len`` and ``micro_batch`` the estimate is for."""

@@ -1,8 +1,8 @@
-"""One DeviceMesh with named axes, outermost to innermost: pp, (plugin axes), dp_replicate, dp_shard, cp, tp.
+"""One DeviceMesh with named axes, outermost to innermost, as ``ParallelDims`` orders them (built-ins: pp,
+dp_replicate, dp_shard, tp; plugin axes where their ``order`` puts them). Axes of degree 1 are left out.
 
-TP is innermost because consecutive ranks share the fastest links (one node). Axes of degree 1 are left out;
-``sub_mesh`` returns None for them. Flattened views: ``dp`` (data loading and loss reduction), ``dp_shard_cp``
-(what FSDP shards over) and ``dp_cp``.
+Several axes used together (the data-parallel rows, the gradient-averaging axes, the token-counting axes) get a
+flattened view, created here on every rank at once because flattening creates process groups.
 """
 from __future__ import annotations
 
@@ -11,27 +11,21 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .launch import collective_timeout
 
-CANONICAL_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+def flat_name(names: tuple[str, ...]) -> str:
+    return "+".join(names)
 
 
-def order_axes(axes: dict[str, int]) -> list[tuple[str, int]]:
-    extra = [name for name in axes if name not in CANONICAL_ORDER]
-    names = ["pp", *extra, "dp_replicate", "dp_shard", "cp", "tp"]
-    return [(n, axes[n]) for n in names if n in axes and axes[n] > 1]
-
-
-def build_mesh(device_type: str, axes: dict[str, int]) -> DeviceMesh | None:
-    ordered = order_axes(axes)
-    if not ordered:
+def build_mesh(device_type: str, axes, flattened: list[tuple[str, ...]]) -> DeviceMesh | None:
+    if not axes:
         return None
-    mesh = init_device_mesh(device_type, tuple(d for _, d in ordered), mesh_dim_names=tuple(n for n, _ in ordered))
+    mesh = init_device_mesh(device_type, tuple(a.degree for a in axes), mesh_dim_names=tuple(a.name for a in axes))
     groups = [mesh.get_group(name) for name in mesh.mesh_dim_names]
-    for alias, parts in FLATTENED.items():
-        present = tuple(p for p in parts if p in mesh.mesh_dim_names)
-        if len(present) > 1:
-            groups.append(mesh[present]._flatten(alias).get_group())
+    done = set()
+    for names in flattened:
+        if len(names) > 1 and names not in done:
+            done.add(names)
+            groups.append(mesh[names]._flatten(flat_name(names)).get_group())
     # new_group() gives sub-groups torch's 30-minute default, not the job's timeout: set it on each, so a dead
     # or stalled peer becomes an error within the job's bound instead of a long hang.
     for group in groups:
@@ -39,16 +33,16 @@ def build_mesh(device_type: str, axes: dict[str, int]) -> DeviceMesh | None:
     return mesh
 
 
-def sub_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
-    """The named axis or flattened view, or None when every axis it covers has degree 1."""
+def sub_mesh(mesh: DeviceMesh | None, names) -> DeviceMesh | None:
+    """The named axis, or the flattened view of several (built by ``build_mesh``); axes of degree 1 are skipped;
+    None when none is left."""
     if mesh is None:
         return None
-    names = mesh.mesh_dim_names or ()
-    if name in names:
-        return mesh[name]
-    parts = tuple(p for p in FLATTENED.get(name, ()) if p in names)
-    if len(parts) == 1:
-        return mesh[parts[0]]
-    if len(parts) > 1:
-        return mesh[name]
-    return None
+    present = mesh.mesh_dim_names or ()
+    names = (names,) if isinstance(names, str) else tuple(names)
+    names = tuple(n for n in names if n in present)
+    if not names:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[flat_name(names)]

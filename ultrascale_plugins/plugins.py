@@ -17,9 +17,9 @@ ENV_VAR = "ULTRASCALE_PLUGINS"
 
 # Built-in plugins, registered exactly like third-party ones.
 DEFAULT_PLUGINS = (
-    "ultrascale_plugins.dims.pipeline",
     "ultrascale_plugins.dims.data_parallel",
     "ultrascale_plugins.dims.tensor",
+    "ultrascale_plugins.dims.pipeline",
     "ultrascale_plugins.dims.checkpointing",
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
@@ -27,6 +27,7 @@ DEFAULT_PLUGINS = (
 )
 
 _manager: pluggy.PluginManager | None = None
+_fields = None  # the layout fields of the process-wide manager's plugins (dropped when plugins change)
 
 
 def _allowed_entry_points() -> set[str] | None:
@@ -59,19 +60,34 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return _manager
 
 
+def layout_fields():
+    """Every layout field the installed plugins declare (``fields.Fields``)."""
+    global _fields
+    if _fields is None:
+        from .fields import collect
+
+        _fields = collect(get_plugin_manager())
+    return _fields
+
+
 def register(plugin, name: str | None = None) -> None:
     """Register a plugin object or module in the process-wide manager (tests, notebooks, scripts)."""
+    global _fields
     pm = get_plugin_manager()
     pm.register(plugin, name=name)
     pm.check_pending()
+    _fields = None
 
 
 def unregister(plugin=None, name: str | None = None) -> None:
+    global _fields
     get_plugin_manager().unregister(plugin=plugin, name=name)
+    _fields = None
 
 
 def list_plugins() -> list[dict]:
-    """One entry per registered plugin: name, where it comes from, version and the hooks it implements."""
+    """One entry per registered plugin: name, where it comes from, version, the hooks it implements and the layout
+    fields it declares."""
     pm = get_plugin_manager()
     dists = {id(p): d for p, d in pm.list_plugin_distinfo()}
     rows = []
@@ -86,5 +102,6 @@ def list_plugins() -> list[dict]:
             from . import __version__
 
             source, version = "builtin", __version__
-        rows.append({"name": name, "source": source, "version": version, "hooks": hooks})
+        fields = [f for f in layout_fields() if f.plugin == name]
+        rows.append({"name": name, "source": source, "version": version, "hooks": hooks, "fields": fields})
     return rows

@@ -1,21 +1,16 @@
-"""Built-in plugin: the training step for every layout without a pipeline (registered last, so a pipeline
-plugin's step takes over when it answers).
-
-Data-parallel wrappers average gradients over the ``dp`` ranks, so the local loss sum is scaled by
-``dp / global_tokens``: after averaging, the gradient is that of the mean over every valid token of the
-global batch.
-"""
+"""Built-in plugin: the training step. It runs the model's runtime (``runtime.Runtime``: forward, the loss share,
+backward, gradient averaging; a pipeline's schedule). Registered as the last answer, so a plugin's
+``ultrascale_train_step`` replaces it, and a plugin's ``@hookimpl(wrapper=True)`` runs around it."""
 from __future__ import annotations
+
+import torch
 
 from .hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)
 def ultrascale_train_step(pmodel, batch, loss_scale):
-    loss_sum, count = pmodel.loss_terms(batch)
-    with pmodel.loss_context():
-        (loss_sum * (loss_scale * pmodel.data_parallel_size / count)).backward()
-    return pmodel.reduce_loss(loss_sum, count)
+    return pmodel.runtime.train_step(pmodel, batch, loss_scale)
 
 
 @hookimpl
@@ -24,3 +19,22 @@ def ultrascale_validate_model(model, plan, config):
         from .router_loss import aux_loss_function
 
         aux_loss_function(model)  # a ConfigError when the model's auxiliary loss cannot be reproduced
+
+
+@hookimpl
+def ultrascale_state_dict(pmodel, state):
+    """The random state of this rank (dropout), so a resumed run continues bit for bit."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state.rank_local["rng"] = rng
+
+
+@hookimpl
+def ultrascale_load_state_dict(pmodel, state):
+    rng = state.rank_local.get("rng")
+    if rng is None:  # another world size: each rank keeps its own stream
+        return
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

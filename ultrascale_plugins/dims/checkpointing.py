@@ -13,6 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..hookspecs import hookimpl
 
+MODES = ("none", "full", "selective")
+
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -43,15 +45,22 @@ def _wrap(module: torch.nn.Module, selective: bool) -> None:
 
 
 @hookimpl
-def ultrascale_transform_model(model, ctx, phase):
+def ultrascale_add_fields(fields):
+    fields.add("activation_checkpointing", str, "none", "recompute each decoder layer in backward: full, or "
+               "selective (keep matmul and attention outputs)", choices=MODES)
+
+
+@hookimpl
+def ultrascale_wrap_layers(model, ctx):
     mode = ctx.config.activation_checkpointing
-    if phase != "activation_checkpointing" or mode == "none":
+    if mode == "none":
         return
     for fqn in ctx.plan_layers(model):
         _wrap(model.get_submodule(fqn), selective=(mode == "selective"))
 
 
 @hookimpl
-def ultrascale_estimate(config, model_config, estimate):
-    if config.activation_checkpointing != "none":
-        estimate["recompute_flops_factor"] = 1.33 if config.activation_checkpointing == "full" else 1.03
+def ultrascale_estimate(config, model_config, shape, estimate):
+    from ..estimates import activation_terms
+
+    activation_terms(config, model_config, shape["seq_len"], shape["micro_batch"], estimate)

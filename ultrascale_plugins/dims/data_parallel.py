@@ -13,101 +13,92 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError
 from ..hookspecs import hookimpl
+from ..parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16}
+
+
+def _dp_shard(value):
+    if value == 0 or value < -1:
+        return "must be positive, or -1 for the rest of the world", "use dp_shard: -1"
+    return None
+
+
+def _precision(value):
+    if value == "fp16":
+        return ("fp16 needs a loss scaler over sharded gradients, which is not available yet",
+                "use mixed_precision: bf16")
+    return None
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("dp_replicate", int, 1, "replicated data-parallel degree (HSDP's replica groups)", minimum=1)
+    fields.add("dp_shard", int, -1, "sharded data-parallel degree; -1 = the rest of the world", check=_dp_shard)
+    fields.add("zero_stage", int, 3, "3: parameters, gradients and optimizer states sharded (FSDP2); 2: gradients "
+               "and optimizer states; 1: optimizer states (DDP + ZeroRedundancyOptimizer); 0: plain DDP",
+               choices=(0, 1, 2, 3))
+    fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
+               choices=("no", "bf16", "fp16"), check=_precision)
 
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [("dp_replicate", config.dp_replicate), ("dp_shard", max(config.dp_shard, 1))]
+    return [MeshAxis("dp_replicate", config.dp_replicate, DP_REPLICATE_ORDER, splits_rows=True, reduces_grads=True,
+                     counts_tokens=True),
+            MeshAxis("dp_shard", config.dp_shard, DP_SHARD_ORDER, splits_rows=True, reduces_grads=True,
+                     counts_tokens=True)]
 
 
 @hookimpl
-def ultrascale_validate_config(config, model_config, world_size):
-    if config.mixed_precision == "fp16":
-        raise ConfigError("mixed_precision='fp16': fp16 needs a loss scaler over sharded gradients, which is not "
-                          "available yet. Fix: use mixed_precision: bf16")
-
-
-def uses_fsdp(ctx) -> bool:
-    return ctx.config.zero_stage >= 2 and ctx.config.dp_shard > 1
-
-
-@hookimpl
-def ultrascale_transform_model(model, ctx, phase):
-    if phase != "data_parallel":
-        return
-    cfg = ctx.config
+def ultrascale_wrap_model(model, ctx):
+    dims, cfg = ctx.dims, ctx.config
     dtype = DTYPES.get(cfg.mixed_precision)
-    if uses_fsdp(ctx):
+    if dims.fsdp:
         # HSDP when both data axes are >1: FSDP2 replicates over the first mesh dim and shards over the second.
-        mesh = ctx.mesh[("dp_replicate", "dp_shard")] if cfg.dp_replicate > 1 else ctx.mesh["dp_shard"]
+        mesh = ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
         # micro-batch), as torchtitan does.
-        reshard = cfg.zero_stage == 3 and cfg.pp == 1
+        reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
         for fqn in ctx.plan_layers(model):
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an
         # all-gather at no real memory cost.
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        ctx.claim_grad_reduction("dp_replicate", "dp_shard")
         return
     if dtype is not None:
         ctx.autocast_dtype = dtype
-    dp_mesh = ctx.sub_mesh("dp")
-    if dp_mesh is None:
-        return
-    if cfg.pp > 1:
-        # DDP's reducer miscounts parameters under the pipeline's per-micro-batch no_sync (torch 2.13: "rebuilt
-        # parameter indices size is not same"), so pipeline stages average their gradients here after the
-        # schedule's last backward instead.
-        hooks = ctx.extras.setdefault("post_backward", [])
-        if not any(getattr(h, "is_dp_allreduce", False) for h in hooks):
-            hooks.append(_allreduce_hook(ctx, dp_mesh.get_group(), dp_mesh.size()))
+    dp_mesh = ctx.sub_mesh(("dp_replicate", "dp_shard"))
+    if dp_mesh is None or len(ctx.modules) > 1 or dims.enabled("pp"):
+        # Pipeline stages: DDP's reducer miscounts parameters under the schedule's per-micro-batch no_sync (torch
+        # 2.13: "rebuilt parameter indices size is not same"), so the engine averages their gradients after the
+        # schedule's last backward instead (these axes stay unclaimed).
         return
     ctx.materialize()  # DDP broadcasts rank 0's parameters when it wraps the model: they must exist
     ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-
-
-def _allreduce_hook(ctx, group, size: int):
-    def allreduce_grads() -> None:
-        grads = [p.grad for m in ctx.modules for p in m.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    allreduce_grads.is_dp_allreduce = True
-    return allreduce_grads
+    ctx.claim_grad_reduction("dp_replicate", "dp_shard")
 
 
 @hookimpl
-def ultrascale_build_optimizer(pmodel, optimizer_cls, kwargs):
-    ctx = pmodel.ctx
-    if ctx.config.zero_stage != 1 or ctx.sub_mesh("dp") is None:
+def ultrascale_prepare_optimizer(pmodel, optimizer):
+    group = pmodel.dims.group(("dp_replicate", "dp_shard"))
+    if pmodel.config.zero_stage != 1 or group is None:
         return None
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(list(pmodel.parameters()), optimizer_class=optimizer_cls,
-                                   process_group=ctx.sub_mesh("dp").get_group(), **kwargs)
+    return partitioned(optimizer, group)
 
 
 @hookimpl
-def ultrascale_estimate(config, model_config, estimate):
+def ultrascale_estimate(config, model_config, shape, estimate):
     from ..estimates import data_parallel_terms
 
     data_parallel_terms(config, model_config, estimate)
 
 
 def partitioned(optimizer, group):
-    """ZeRO-1 for an optimizer a user already built (front ends: Lightning's configure_optimizers, an
-    Accelerate script): a ``ZeroRedundancyOptimizer`` of the same class and settings over ``group``."""
+    """ZeRO-1: a ``ZeroRedundancyOptimizer`` of the same class and settings as ``optimizer`` over ``group``."""
     import inspect
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -119,15 +110,3 @@ def partitioned(optimizer, group):
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # defaults may hold derived keys
     return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
                                    process_group=group, **settings)
-
-
-def move_scheduler(scheduler, old, new) -> None:
-    """Point an LR scheduler built on ``old`` at ``new`` (its ``partitioned`` replacement), carrying the
-    per-group learning rates the scheduler set up."""
-    if getattr(scheduler, "optimizer", None) is not old:
-        return
-    for g_new, g_old in zip(new.param_groups, old.param_groups):
-        for key in ("lr", "initial_lr"):
-            if key in g_old:
-                g_new[key] = g_old[key]
-    scheduler.optimizer = new

@@ -18,14 +18,34 @@ from __future__ import annotations
 
 from ..config import ConfigError
 from ..hookspecs import hookimpl
+from ..parallel_dims import PP_ORDER, MeshAxis
 from .pipeline_runtime import Pipeline
 from .pipeline_split import (LOOPED, SINGLE_STAGE, V_SHAPED, _base, build_stage, microbatches, pp_parts,
                              split_layers, stage_ids_for_rank, stage_layer_counts, stages_per_rank)
 
+SCHEDULES = (*SINGLE_STAGE, *LOOPED, *V_SHAPED)
+
+
+def _split(value):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return "must be a list of layer counts per stage", "write e.g. pp_split: [3, 5], or leave it out"
+    return None
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1)
+    fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES)
+    fields.add("pp_microbatches", int, 0, "micro-batches per step; 0 = as many as pipeline stages", minimum=0)
+    fields.add("pp_virtual_stages", int, 1, "stages per rank (looped schedules: 2 or more; V schedules: 2)",
+               minimum=1)
+    fields.add("pp_split", list, None, "layers per pipeline stage, e.g. [3, 5]; unset = balanced automatically",
+               optional=True, check=_split)
+
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [("pp", config.pp)]
+    return [MeshAxis("pp", config.pp, PP_ORDER)]
 
 
 @hookimpl
@@ -35,6 +55,8 @@ def ultrascale_validate_config(config, model_config, world_size):
     v, m = stages_per_rank(config), microbatches(config)
     n_stages = config.pp * v
     layers = getattr(model_config, "num_hidden_layers", None)
+    if layers is not None and config.pp > layers:
+        raise ConfigError(f"pp={config.pp}: is larger than num_hidden_layers={layers}. Fix: use pp <= {layers}")
     name = config.pp_schedule
     if name in SINGLE_STAGE and config.pp_virtual_stages != 1:
         raise ConfigError(f"pp_virtual_stages={config.pp_virtual_stages}: schedule '{name}' runs one stage per "
@@ -49,7 +71,8 @@ def ultrascale_validate_config(config, model_config, world_size):
         raise ConfigError(f"pp={config.pp} x {v} stages per rank = {n_stages} stages but the model has "
                           f"num_hidden_layers={layers}. Fix: use fewer stages")
     if config.pp_split:
-        if len(config.pp_split) != n_stages or sum(config.pp_split) != layers or min(config.pp_split) < 1:
+        if (len(config.pp_split) != n_stages or min(config.pp_split) < 1
+                or (layers is not None and sum(config.pp_split) != layers)):
             raise ConfigError(f"pp_split={config.pp_split}: needs {n_stages} positive layer counts summing to "
                               f"num_hidden_layers={layers}. Fix: e.g. pp_split: {split_layers(layers, n_stages)}")
     if name in ("1f1b",) and m < config.pp:
@@ -108,24 +131,15 @@ def _layer_state(model) -> str | None:
 
 
 @hookimpl
-def ultrascale_transform_model(model, ctx, phase):
+def ultrascale_split_model(model, ctx):
+    if not ctx.dims.enabled("pp"):
+        return None
     cfg = ctx.config
-    if phase != "pipeline" or cfg.pp == 1:
-        return
     _, layers_name, _ = pp_parts(model)
-    pp_mesh = ctx.sub_mesh("pp")
-    pp_rank = pp_mesh.get_local_rank()
+    pp_rank = ctx.sub_mesh("pp").get_local_rank()
     n_layers = len(getattr(_base(model), layers_name))
     counts = stage_layer_counts(cfg, n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     ids = stage_ids_for_rank(cfg, pp_rank)
-    ctx.modules = [build_stage(model, s, len(counts), range(starts[s], starts[s] + counts[s])) for s in ids]
-    ctx.extras["pipeline"] = Pipeline(ctx, ids, len(counts), counts)
-
-
-@hookimpl(tryfirst=True)
-def ultrascale_train_step(pmodel, batch, loss_scale):
-    pipe = pmodel.ctx.extras.get("pipeline")
-    if pipe is None:
-        return None
-    return pipe.step(pmodel, batch, train=True, loss_scale=loss_scale)
+    stages = [build_stage(model, s, len(counts), range(starts[s], starts[s] + counts[s])) for s in ids]
+    return stages, Pipeline(ctx, stages, ids, len(counts))

@@ -12,15 +12,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
-from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, Absent, microbatches, pp_rank_of_stage
+from ..models.placeholder import Absent
+from ..runtime import Runtime
+from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, microbatches, pp_rank_of_stage
 
 
-class Pipeline:
-    """The schedule and its stages on this rank; built lazily after every other phase has transformed the
-    stage modules (PipelineStage must wrap the final, FSDP-sharded module)."""
+class Pipeline(Runtime):
+    """The schedule and its stages on this rank; built lazily at the first step, after every other transform
+    has wrapped the stage modules (PipelineStage must wrap the final, FSDP-sharded module)."""
 
-    def __init__(self, ctx, stage_ids, n_stages, counts):
-        self.ctx, self.stage_ids, self.n_stages, self.counts = ctx, stage_ids, n_stages, counts
+    backward_in_forward = True
+
+    def __init__(self, ctx, stages, stage_ids, n_stages):
+        self.ctx, self.stages, self.stage_ids, self.n_stages = ctx, stages, stage_ids, n_stages
         self.schedule = None
         self.scale = 1.0
         pp_mesh = ctx.sub_mesh("pp")
@@ -43,7 +47,7 @@ class Pipeline:
 
         cfg = self.ctx.config
         stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group)
-                  for m, sid in zip(self.ctx.modules, self.stage_ids)]
+                  for m, sid in zip(self.stages, self.stage_ids)]
         names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
         cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
         for stage in stages:
@@ -87,7 +91,7 @@ class Pipeline:
 
     def tied_params(self) -> list[nn.Parameter]:
         out = []
-        for m in self.ctx.modules:
+        for m in self.stages:
             sid = m.pipeline_stage[0]
             embed = m.get_input_embeddings()
             if sid == 0 and not isinstance(embed, Absent):
@@ -119,8 +123,8 @@ class Pipeline:
         actions) on the multi-stage schedules and fails there."""
         from ..loss import token_loss_sum
 
-        modules = dict(zip(self.stage_ids, self.ctx.modules))
-        hidden_size = self.ctx.modules[0].config.hidden_size
+        modules = dict(zip(self.stage_ids, self.stages))
+        hidden_size = self.stages[0].config.hidden_size
         x, loss_sum = None, torch.zeros((), device=ids.device)
         for stage in range(self.n_stages):
             if stage not in modules:
@@ -149,18 +153,44 @@ class Pipeline:
         the next step could start from a gathered copy older than the optimizer's last update."""
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.ctx.modules:
+        for module in self.stages:
             for sub in module.modules():
                 if isinstance(sub, FSDPModule):
                     sub.reshard()
 
-    def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
-        from ..loss import shifted_targets
+    # ---- the Runtime interface ------------------------------------------------------------------------
+    def train_step(self, pmodel, batch, loss_scale: float) -> torch.Tensor:
+        return self.step(pmodel, batch, train=True, loss_scale=loss_scale)
 
+    def eval_step(self, pmodel, batch) -> torch.Tensor:
+        return self.step(pmodel, batch, train=False)
+
+    def norm_parameters(self, params):
+        if self.has_last and self.tied:
+            head = self.tied_params()[-1]  # the head's copy of the tied weight: count it once
+            return [p for p in params if p is not head]
+        return params
+
+    def norm_group(self):
+        return self.pp_group
+
+    def after_backward(self, pmodel) -> None:
+        self.sync_tied_grads()
+
+    def gather_full_state(self, state: dict) -> dict:
+        parts = [None] * dist.get_world_size(self.pp_group)  # every stage's part, on every rank
+        dist.all_gather_object(parts, state, group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    @property
+    def stats(self) -> dict | None:
+        return self.last_step_stats
+
+    def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         if self.schedule is None:
             self.build()
-        batch = pmodel.to_device(batch)
-        ids = batch["input_ids"]
+        batch = pmodel.prepare_batch(batch)
+        ids, targets = batch["input_ids"], batch["targets"]
         mask = batch.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(ids)
@@ -171,14 +201,13 @@ class Pipeline:
         if train and ids.shape[0] % m:
             raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
                               f"{m} micro-batches. Fix: make the per-rank batch a multiple of {m}")
-        targets = shifted_targets(batch)
         count = pmodel.global_token_count(targets)
-        for module in self.ctx.modules:
+        for module in self.stages:
             module.train(train)
         total = torch.zeros((), dtype=torch.float64, device=ids.device)
         with pmodel.autocast():
             if train:
-                self.scale = (loss_scale * pmodel.data_parallel_size / count).item()
+                self.scale = float(pmodel.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 self._busy, start = 0.0, time.perf_counter()
@@ -186,16 +215,13 @@ class Pipeline:
                 elapsed = time.perf_counter() - start
                 self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
-                if pmodel.grad_sync:  # off inside pmodel.no_sync(): gradients accumulate, synced on the last
-                    for hook in self.ctx.extras.get("post_backward", []):  # e.g. data-parallel averaging
-                        hook()
-                    self.sync_tied_grads()
+                pmodel.finish_backward()  # off inside pmodel.no_sync(): synced with the window's last step
                 if self.has_last:
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:
                 total += float(self._forward_only(ids, mask, positions, targets))
                 self._reshard()
-        for module in self.ctx.modules:
+        for module in self.stages:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
         return pmodel.reduce_loss(total, count)

@@ -23,8 +23,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ..config import ConfigError
 from ..hookspecs import hookimpl
+from ..models.placeholder import present_modules
 from ..models.plan import EXPERTS, ROWWISE
-from .pipeline_split import Absent
+from ..parallel_dims import TP_ORDER, MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
@@ -32,18 +33,46 @@ from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_
 
 
 @hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1)
+    fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions")
+    fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
+
+
+@hookimpl
 def ultrascale_mesh_axes(config):
-    return [("tp", config.tp)]
+    return [MeshAxis("tp", config.tp, TP_ORDER)]
 
 
 @hookimpl
 def ultrascale_validate_config(config, model_config, world_size):
+    if config.tp == 1:
+        for flag, what in (("sequence_parallel", "to shard the sequence over"),
+                           ("loss_parallel", "(the vocabulary is sharded over tp)")):
+            if getattr(config, flag):
+                raise ConfigError(f"{flag}=True: needs tensor parallel (tp > 1) {what}. Fix: set tp: 2 or more, or "
+                                  f"{flag}: false")
+        return
     dp = config.dp_replicate * max(config.dp_shard, 1)
-    if config.tp > 1 and dp > 1 and not (config.zero_stage >= 2 and config.dp_shard > 1):
+    if dp > 1 and not (config.zero_stage >= 2 and config.dp_shard > 1):
         raise ConfigError(
             f"zero_stage={config.zero_stage}, dp_shard={config.dp_shard} with tp={config.tp}: replicated data "
             "parallel (DDP) over tensor-parallel (DTensor) parameters is not available. Fix: use zero_stage: 2 or "
             "3 with dp_shard >= 2 (FSDP2 composes with TP; add dp_replicate for HSDP)")
+    if model_config is None:
+        return
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and heads % config.tp:
+        raise ConfigError(f"tp={config.tp}: does not divide num_attention_heads={heads}. Fix: use a tp that divides "
+                          f"{heads}")
+    if kv_heads and kv_heads % config.tp:
+        raise ConfigError(f"tp={config.tp}: does not divide num_key_value_heads={kv_heads} (key/value heads are "
+                          f"sharded, not replicated). Fix: use a tp that divides {kv_heads}")
+    vocab = getattr(model_config, "vocab_size", None)
+    if config.loss_parallel and vocab and vocab % config.tp:
+        raise ConfigError(f"loss_parallel=True: needs vocab_size={vocab} divisible by tp={config.tp}. Fix: turn "
+                          "loss_parallel off or pad the vocabulary")
 
 
 def _model_type(model) -> str:
@@ -111,14 +140,13 @@ def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
 
 
 @hookimpl
-def ultrascale_transform_model(model, ctx, phase):
-    if phase != "tensor" or ctx.config.tp == 1:
+def ultrascale_shard_model(model, ctx):
+    if not ctx.dims.enabled("tp"):
         return
     plan = ctx.plan
-    ultrascale_validate_model(model=model, plan=plan, config=ctx.config)
     mesh = ctx.sub_mesh("tp")
     sp = ctx.config.sequence_parallel
-    present = {fqn for fqn, m in model.named_modules() if not isinstance(m, Absent)}
+    present = present_modules(model)
     matched = {fqn: name for fqn, name in plan.matches(model).items() if fqn in present}
     # regions whose output a row-parallel layer hands back directly; others (MoE blocks, several row-parallel
     # layers) all-reduce inside and slice their output back to sequence shards at the end
@@ -200,8 +228,7 @@ def _shard_named_params(model, plan, mesh, present) -> None:
 
 
 @hookimpl
-def ultrascale_estimate(config, model_config, estimate):
+def ultrascale_estimate(config, model_config, shape, estimate):
     from ..estimates import tensor_parallel_terms
 
-    tensor_parallel_terms(config, model_config, estimate.get("seq_len", 2048), estimate.get("micro_batch", 1),
-                          estimate)
+    tensor_parallel_terms(config, model_config, shape["seq_len"], shape["micro_batch"], estimate)

@@ -75,8 +75,8 @@ def ultrascale_model_plan(model, config):
 
 
 @hookimpl
-def ultrascale_transform_model(model, ctx, phase):
-    if phase != "tensor" or ctx.config.tp == 1 or not _is_gpt2(model):
+def ultrascale_shard_model(model, ctx):
+    if ctx.config.tp == 1 or not _is_gpt2(model):
         return
     for block in model.transformer.h:
         block.attn.split_size = block.attn.embed_dim // ctx.config.tp

@@ -1,0 +1,106 @@
+"""Configuration fields contributed by plugins (pytest's ``addoption`` is the model).
+
+Every dimension declares its own layout fields in ``ultrascale_add_fields(fields)``::
+
+    @hookimpl
+    def ultrascale_add_fields(fields):
+        fields.add("tp", int, 1, "tensor-parallel degree", minimum=1)
+
+A field is typed, has a default and may restrict its values; ``ParallelConfig`` accepts exactly the fields the
+installed plugins declare, so a third party's field is valid in YAML recipes, ``--set``, ``UltraScaleStrategy(...)``
+and the Accelerate ``ultrascale:`` block with no change to the package.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A layout or recipe that cannot run. The message names the field, the value and the fix."""
+
+
+def field_error(field: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{field}={value!r}: {problem}. Fix: {fix}")
+
+
+def suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(choices))}"
+
+
+TYPES = {int: "an integer", bool: "true or false", str: "a string", float: "a number", list: "a list"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One layout field. ``check(value)`` returns None or ``(problem, fix)`` for values the type and ``choices``
+    / ``minimum`` do not rule out; ``optional`` allows None."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    plugin: str = ""
+    choices: tuple | None = None
+    minimum: int | float | None = None
+    optional: bool = False
+    check: Callable[[Any], tuple[str, str] | None] | None = None
+
+    def validate(self, value: Any) -> Any:
+        """The value, checked (lists are copied); a ConfigError naming the field, the value and the fix."""
+        if value is None and self.optional:
+            return None
+        example = f"e.g. {self.name}: {self.default!r}" if self.default is not None else f"set {self.name}"
+        wrong_type = (isinstance(value, bool) and self.type is not bool) or not isinstance(
+            value, (int, float) if self.type is float else self.type)
+        if wrong_type:
+            raise field_error(self.name, value, f"must be {TYPES.get(self.type, self.type.__name__)}", example)
+        if self.choices is not None and value not in self.choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise field_error(self.name, value, f"unknown value; one of {', '.join(map(str, self.choices))}",
+                              f"{hint}pick one of those")
+        if self.minimum is not None and value < self.minimum:
+            raise field_error(self.name, value, f"must be at least {self.minimum}", example)
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise field_error(self.name, value, *problem)
+        return list(value) if isinstance(value, list) else value
+
+
+class Fields:
+    """The registry ``ultrascale_add_fields`` fills: one ``Field`` per name, in declaration order."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Field] = {}
+        self.plugin = ""  # set by the caller while one plugin's hook runs
+
+    def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
+            optional: bool = False, check=None) -> None:
+        if name in self.by_name:
+            raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
+                              f"'{self.plugin}'. Fix: rename one of them")
+        field = Field(name, type, default, help, self.plugin, tuple(choices) if choices is not None else None,
+                      minimum, optional, check)
+        if default is not None or not optional:
+            field.validate(default)  # a plugin's own default must be valid
+        self.by_name[name] = field
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_name
+
+
+def collect(pm) -> Fields:
+    """Every installed plugin's fields, each recorded with the plugin that declared it."""
+    fields = Fields()
+    for impl in pm.hook.ultrascale_add_fields.get_hookimpls():  # registration order
+        fields.plugin = impl.plugin_name
+        impl.function(fields=fields)
+    fields.plugin = ""
+    return fields
