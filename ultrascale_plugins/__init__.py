@@ -7,9 +7,10 @@ __version__ = "0.1.0"
 from .config import ConfigError, ParallelConfig
 from .hookspecs import hookimpl, hookspec
 from .launch import init_distributed
+from .parallel_dims import MeshAxis
 from .plugins import get_plugin_manager, list_plugins, register
 
-__all__ = ["ConfigError", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec", "init_distributed",
+__all__ = ["ConfigError", "MeshAxis", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec", "init_distributed",
            "parallelize", "get_plugin_manager", "list_plugins", "register", "validate", "estimate",
            "__version__"]
 

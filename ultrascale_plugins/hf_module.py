@@ -17,7 +17,6 @@ import os
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
 
@@ -48,7 +47,7 @@ class ParallelCausalLM(nn.Module):
 
     @property
     def pipelined(self) -> bool:
-        return self.pmodel.ctx.extras.get("pipeline") is not None
+        return self.pmodel.runtime.backward_in_forward
 
     def _pipeline_step(self, batch):
         """Forward and backward through the schedule, into fresh gradients that are set aside until the front
@@ -99,17 +98,9 @@ class ParallelCausalLM(nn.Module):
         if labels is None:
             with pm.autocast():
                 return pm.forward_module(**pm.to_device(batch), **kwargs)
-        output, loss_sum, count = pm.forward_loss(batch)
-        mean = pm.reduce_loss(loss_sum, count)  # the global mean, same value on every rank
-        if torch.is_grad_enabled():
-            share = loss_sum * (pm.data_parallel_size / count)
-            if isinstance(share, DTensor):  # vocab-parallel loss: a replicated scalar
-                share = share.to_local()
-            loss = (share + (mean - share).detach()).float()  # value: the global mean; gradient: this rank's
-        else:
-            loss = mean
-        output.loss = loss
-        return output
+        # the engine's forward, as in the CLI's step: the loss's value is the global mean, its gradient this rank's
+        # share, so a front end's backward of it (plus any term the user adds) gives exact gradients
+        return pm.forward(batch)
 
     def no_sync(self):
         """Accumulate gradients without data-parallel reduction. A pipeline reduces each call's own gradients

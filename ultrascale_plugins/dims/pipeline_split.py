@@ -21,11 +21,7 @@ LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "Schedul
 V_SHAPED = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
-class Absent(nn.Module):
-    """Placeholder for a module another pipeline stage owns: no parameters, passes its input through."""
-
-    def forward(self, hidden_states=None, *args, **kwargs):
-        return hidden_states
+from ..models.placeholder import Absent  # noqa: E402 - re-exported for the pipeline's modules
 
 
 def stages_per_rank(config) -> int:
