@@ -19,6 +19,14 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600, env: dic
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def outside_plugin_env(env: dict | None = None) -> dict:
+    """The environment with tests/outside_plugin (a plugin package outside ultrascale-plugins, registered through
+    its .dist-info's entry point) on PYTHONPATH."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS / "outside_plugin"), env.get("PYTHONPATH")) if p)
+    return env
+
+
 CRASH_SIGNALS = ("Signal 11 (SIGSEGV)", "Signal 6 (SIGABRT)", "Signal 7 (SIGBUS)")
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import make_model, padded_batches, rows  # noqa: E402
-from parity_cases import CASES  # noqa: E402
+from parity_cases import CASES, OUTSIDE_CASES  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
 
@@ -98,7 +98,7 @@ def main() -> None:
     results = {}
     for name in names:
         print(f"[parity] case {name} (rank {dist.get_rank()})", file=sys.stderr, flush=True)
-        results[name] = run_case(name, CASES[name])
+        results[name] = run_case(name, CASES[name] if name in CASES else OUTSIDE_CASES[name])
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

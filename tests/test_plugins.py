@@ -1,8 +1,8 @@
-"""The pluggy spine: built-ins are plugins, third parties join through hooks or the entry point."""
+"""The pluggy spine: built-ins are plugins, third parties join through the same hooks or the entry point."""
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pluggy
 import pytest
@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 import ultrascale_plugins as us
 from models import make_model, padded_batches
-from ultrascale_plugins import hookimpl, plugins
-from ultrascale_plugins.hookspecs import TRANSFORM_PHASES
+from ultrascale_plugins import hookimpl, hookspecs, plugins
+
+OUTSIDE = Path(__file__).parent / "outside_plugin"  # a plugin package outside ultrascale-plugins
 
 
 @pytest.fixture
@@ -27,26 +28,47 @@ def test_builtins_are_registered_as_plugins():
     for builtin in plugins.DEFAULT_PLUGINS:
         assert builtin in names
         assert names[builtin]["source"] == "builtin"
-    assert "ultrascale_transform_model" in names["ultrascale_plugins.dims.tensor"]["hooks"]
+    assert "ultrascale_shard_model" in names["ultrascale_plugins.dims.tensor"]["hooks"]
+    assert [f.name for f in names["ultrascale_plugins.dims.tensor"]["fields"]] == ["tp", "sequence_parallel",
+                                                                                  "loss_parallel"]
 
 
-def test_third_party_hooks_run_in_order_during_parallelize(single_process):
+def test_every_hook_is_implemented_by_a_builtin():
+    """A hook nothing implements is decoration. The one exception, ``ultrascale_shard_batch``, exists for
+    sequence-splitting dimensions (context parallel, a later plugin); tests/outside_plugin implements it."""
+    specs = {name for name in dir(hookspecs) if name.startswith("ultrascale_")}
+    implemented = {row_hook for row in us.list_plugins() if row["source"] == "builtin" for row_hook in row["hooks"]}
+    assert specs - implemented == {"ultrascale_shard_batch"}
+
+
+def test_third_party_hooks_run_in_the_composition_order(single_process):
     calls = []
 
     class Recorder:
         @hookimpl
-        def ultrascale_transform_model(self, model, ctx, phase):
-            calls.append(phase)
+        def ultrascale_split_model(self, model, ctx):
+            calls.append("split")
+
+        @hookimpl
+        def ultrascale_shard_model(self, model, ctx):
+            calls.append("shard")
+
+        @hookimpl
+        def ultrascale_wrap_layers(self, model, ctx):
+            calls.append("wrap_layers")
+
+        @hookimpl
+        def ultrascale_wrap_model(self, model, ctx):
+            calls.append("wrap_model")
 
         @hookimpl
         def ultrascale_mesh_axes(self, config):
-            return [("expert", 1)]
+            return [us.MeshAxis("expert", 1)]
 
-    recorder = Recorder()
-    us.register(recorder, name="recorder")
+    us.register(Recorder(), name="recorder")
     try:
         pmodel = us.parallelize(make_model("llama"), us.ParallelConfig())
-        assert calls == list(TRANSFORM_PHASES)
+        assert calls == ["split", "shard", "wrap_layers", "wrap_model"]
         batch = padded_batches(1)[0]
         ref = make_model("llama")(**batch).loss
         assert torch.allclose(pmodel.train_step(batch), ref, atol=1e-6)
@@ -54,64 +76,103 @@ def test_third_party_hooks_run_in_order_during_parallelize(single_process):
         plugins.unregister(name="recorder")
 
 
-def test_first_train_step_result_wins(single_process):
+def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process):
+    seen = []
+
     class CustomStep:
         @hookimpl(tryfirst=True)
         def ultrascale_train_step(self, pmodel, batch):
             return torch.tensor(42.0)
 
-    us.register(CustomStep(), name="custom-step")
+    class Around:
+        @hookimpl(wrapper=True)
+        def ultrascale_train_step(self, pmodel, batch, loss_scale):
+            seen.append("before")
+            loss = yield
+            seen.append(float(loss))
+            return loss * 2
+
+    us.register(Around(), name="around")
     try:
         pmodel = us.parallelize(make_model("llama"), us.ParallelConfig())
-        assert pmodel.train_step(padded_batches(1)[0]).item() == 42.0
+        batch = padded_batches(1)[0]
+        ref = make_model("llama")(**batch).loss.item()
+        assert pmodel.train_step(batch).item() == pytest.approx(2 * ref, abs=1e-5)  # the built-in step, wrapped
+        assert seen == ["before", pytest.approx(ref, abs=1e-6)]
+        us.register(CustomStep(), name="custom-step")
+        assert pmodel.train_step(batch).item() == 84.0
     finally:
         plugins.unregister(name="custom-step")
+        plugins.unregister(name="around")
+
+
+def test_a_plugin_field_is_a_layout_field_with_its_checks():
+    class Field:
+        @hookimpl
+        def ultrascale_add_fields(self, fields):
+            fields.add("expert_parallel", int, 1, "experts per group", minimum=1)
+
+    with pytest.raises(us.ConfigError, match="unknown parallel key 'expert_parallel'"):
+        us.ParallelConfig(expert_parallel=2)
+    us.register(Field(), name="field")
+    try:
+        assert us.ParallelConfig(expert_parallel=2).expert_parallel == 2
+        assert us.ParallelConfig().to_dict()["expert_parallel"] == 1
+        with pytest.raises(us.ConfigError, match="expert_parallel=0: must be at least 1"):
+            us.ParallelConfig(expert_parallel=0)
+    finally:
+        plugins.unregister(name="field")
+
+
+def test_a_plugin_axis_enters_the_world_size_product():
+    class Axis:
+        @hookimpl
+        def ultrascale_mesh_axes(self, config):
+            return [us.MeshAxis("expert", 2, order=45)]
+
+    us.register(Axis(), name="axis")
+    try:
+        with pytest.raises(us.ConfigError, match=r"world size is 4"):
+            us.ParallelConfig(tp=2, dp_shard=2).resolve(4)
+        assert us.ParallelConfig(tp=2).resolve(8).dp_shard == 2
+        from ultrascale_plugins.parallel_dims import ParallelDims
+
+        dims = ParallelDims(us.ParallelConfig(tp=2).resolve(8), 8)
+        assert [a.name for a in dims.live_axes] == ["dp_shard", "expert", "tp"]
+        assert [dims.coordinate(r, ("dp_shard",)) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    finally:
+        plugins.unregister(name="axis")
 
 
 def test_unknown_hook_name_fails_fast():
     class Typo:
         @hookimpl
-        def ultrascale_transfrom_model(self, model, ctx, phase):
+        def ultrascale_shard_modle(self, model, ctx):
             pass
 
-    with pytest.raises(pluggy.PluginValidationError, match="ultrascale_transfrom_model"):
+    with pytest.raises(pluggy.PluginValidationError, match="ultrascale_shard_modle"):
         us.register(Typo(), name="typo")
     plugins.unregister(name="typo")
 
 
-def _install_entry_point_plugin(tmp_path):
-    (tmp_path / "acme_dim.py").write_text(textwrap.dedent("""
-        import ultrascale_plugins
-
-        @ultrascale_plugins.hookimpl
-        def ultrascale_estimate(config, model_config, estimate):
-            estimate["acme"] = 1
-    """))
-    info = tmp_path / "acme_dim-0.3.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-dim\nVersion: 0.3.1\n")
-    (info / "entry_points.txt").write_text("[ultrascale_plugins]\nacme = acme_dim\n")
-
-
-def _plugins_cli(tmp_path, **env):
-    full = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+def _plugins_cli(**env):
+    full = {**os.environ, "PYTHONPATH": f"{OUTSIDE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
     return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "plugins"], capture_output=True,
                           text=True, env=full, timeout=120)
 
 
-def test_entry_point_plugin_appears_in_cli(tmp_path):
-    _install_entry_point_plugin(tmp_path)
-    out = _plugins_cli(tmp_path)
+def test_entry_point_plugin_appears_in_cli_with_its_fields():
+    out = _plugins_cli()
     assert out.returncode == 0, out.stderr
-    assert "acme" in out.stdout and "acme-dim 0.3.1" in out.stdout
-    assert "ultrascale_estimate" in out.stdout.split("acme", 1)[1]
-    assert "ultrascale_plugins.dims.tensor" in out.stdout
+    assert "acme" in out.stdout and "acme-replicas 0.2.0" in out.stdout
+    mine = out.stdout.split("acme-replicas", 1)[1]
+    assert "ultrascale_shard_batch" in mine and "field acme_dp: int = 1" in mine
+    assert "ultrascale_plugins.dims.tensor" in out.stdout and "field tp: int = 1" in out.stdout
 
 
-def test_environment_variable_restricts_entry_points(tmp_path):
-    _install_entry_point_plugin(tmp_path)
-    out = _plugins_cli(tmp_path, ULTRASCALE_PLUGINS="")
+def test_environment_variable_restricts_entry_points():
+    out = _plugins_cli(ULTRASCALE_PLUGINS="")
     assert out.returncode == 0, out.stderr
     assert "acme" not in out.stdout
     assert "ultrascale_plugins.dims.tensor" in out.stdout
-    assert "acme" in _plugins_cli(tmp_path, ULTRASCALE_PLUGINS="acme,other").stdout
+    assert "acme" in _plugins_cli(ULTRASCALE_PLUGINS="acme,other").stdout

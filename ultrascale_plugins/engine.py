@@ -286,7 +286,7 @@ class ParallelModel:
         out = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         out["targets"] = shifted_targets(batch)
         self.pm.hook.ultrascale_shard_batch(batch=out, ctx=self.ctx)
-        return out
+        return {k: v.contiguous() for k, v in out.items()}  # a strided split would reach collectives as a view
 
     def global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
         """Valid target tokens over every rank that holds different tokens (the ``counts_tokens`` axes)."""
