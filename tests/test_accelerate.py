@@ -234,3 +234,20 @@ def test_cpu_relaunch_reads_the_launch_command_in_all_its_spellings():
                           env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env})
     assert proc.returncode != 0 and "ConfigError" in proc.stderr, proc.stderr[-2000:]
     assert "was not started by `accelerate launch`" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_outside_plugin_axis_through_accelerate(tmp_path, reference):
+    """A dimension plugin outside the package (tests/outside_plugin: the acme_dp axis) in an Accelerate file's
+    `ultrascale` block, written by `ultrascale accelerate-config --set acme_dp=2`: every step equals one process."""
+    from conftest import outside_plugin_env
+
+    env = outside_plugin_env()
+    config = tmp_path / "acme.yaml"
+    made = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--num-processes",
+                           "4", "--set", "dp_shard=2", "--set", "acme_dp=2", "--out", str(config)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load(config.read_text())["parallelism_config"]["ultrascale"]["acme_dp"] == 2
+    out = tmp_path / "out.json"
+    check(launch(str(config), out, env_extra={"PYTHONPATH": env["PYTHONPATH"]}), out, reference, 2)

@@ -44,9 +44,11 @@ def parameter_count(mc) -> int:
 
 
 def data_parallel_terms(config, mc, est: Estimate) -> None:
-    psi = parameter_count(mc) / (config.tp * config.pp)
-    dp = config.dp_replicate * max(config.dp_shard, 1)
-    shard = max(config.dp_shard, 1)
+    from .parallel_dims import ParallelDims
+
+    dims = ParallelDims(config)
+    psi = parameter_count(mc) / (dims.degree("tp") * dims.degree("pp"))
+    dp, shard = dims.dp, dims.degree("dp_shard")
     half = 2 if config.mixed_precision == "bf16" else 4
     weights, grads, optim = half * psi, half * psi, (12 if half == 2 else 8) * psi
     if config.zero_stage == 3:
@@ -61,7 +63,7 @@ def data_parallel_terms(config, mc, est: Estimate) -> None:
     if dp > 1:
         factor = 3 if config.zero_stage == 3 else 2  # all-gather fwd + bwd + reduce-scatter vs one all-reduce
         volume = factor * half * psi * (dp - 1) / dp
-        axes = [a for a in ("dp_replicate", "dp_shard") if getattr(config, a) > 1]
+        axes = [a for a in ("dp_replicate", "dp_shard") if dims.enabled(a)]
         for axis in axes:  # HSDP: split between the two axes by their share of the ranks
             est.add_comm(axis, volume / len(axes))
 

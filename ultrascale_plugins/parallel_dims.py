@@ -86,7 +86,7 @@ def resolve(config, world_size: int, pm=None):
 class ParallelDims:
     """A resolved layout: its axes, the mesh once built, and the rules derived from them."""
 
-    def __init__(self, config, world_size: int, pm=None):
+    def __init__(self, config, world_size: int | None = None, pm=None):
         self.config = config  # resolved
         self.world_size = world_size
         self.axes = declared_axes(config, pm)

@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..hookspecs import hookimpl
 from ..models.placeholder import present_modules
 from ..models.plan import EXPERTS, ROWWISE
-from ..parallel_dims import TP_ORDER, MeshAxis
+from ..parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
@@ -53,8 +53,8 @@ def ultrascale_validate_config(config, model_config, world_size):
                 raise ConfigError(f"{flag}=True: needs tensor parallel (tp > 1) {what}. Fix: set tp: 2 or more, or "
                                   f"{flag}: false")
         return
-    dp = config.dp_replicate * max(config.dp_shard, 1)
-    if dp > 1 and not (config.zero_stage >= 2 and config.dp_shard > 1):
+    dims = ParallelDims(config, world_size)
+    if dims.dp > 1 and not dims.fsdp:
         raise ConfigError(
             f"zero_stage={config.zero_stage}, dp_shard={config.dp_shard} with tp={config.tp}: replicated data "
             "parallel (DDP) over tensor-parallel (DTensor) parameters is not available. Fix: use zero_stage: 2 or "
