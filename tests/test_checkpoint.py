@@ -135,7 +135,7 @@ def test_loading_never_unpickles_objects(tmp_path, one_process):
     meta = json.loads((path / "ultrascale.json").read_text())
     meta["files"]["rank_local/rank00000.pt"] = rng_file.stat().st_size  # a forger who also edits the metadata
     (path / "ultrascale.json").write_text(json.dumps(meta))
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="could not be read safely"):  # refused, never executed
         load_checkpoint(pmodel, opt, path)
 
 
@@ -193,13 +193,15 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
 
         @us.hookimpl
         def ultrascale_state_dict(self, pmodel, state):
-            state["counter.seen"] = self.seen
-            state["counter.name"] = self.name
+            state.shared["counter.seen"] = self.seen
+            state.shared["counter.name"] = self.name
+            state.rank_local["counter.rank"] = torch.tensor([7.0])
 
         @us.hookimpl
         def ultrascale_load_state_dict(self, pmodel, state):
-            self.seen.copy_(state["counter.seen"])
-            self.name = state["counter.name"]
+            self.seen.copy_(state.shared["counter.seen"])
+            self.name = state.shared["counter.name"]
+            self.rank = state.rank_local["counter.rank"]
 
     counter = Counter()
     us.register(counter, name="counter")
@@ -210,7 +212,7 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
         counter.seen.fill_(0.0)
         counter.name = "changed"
         load_checkpoint(pmodel, opt, path)
-        assert counter.seen.item() == 41.0 and counter.name == "after step 1"
+        assert counter.seen.item() == 41.0 and counter.name == "after step 1" and counter.rank.item() == 7.0
     finally:
         from ultrascale_plugins import plugins
 
