@@ -1,55 +1,127 @@
 """``transformers.Trainer`` on any ultrascale layout: a ``Trainer`` whose Accelerator is ``UltraScaleAccelerator``.
 
     from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
-    trainer = UltraScaleTrainer(model=model, args=TrainingArguments(..., save_strategy="no"),
-                                train_dataset=ds, ultrascale_plugin=UltraScalePlugin(tp=2))
-    trainer.train(); trainer.save_model("out/")     # every rank calls save_model (it streams shards)
+    args = TrainingArguments(..., save_strategy="steps", save_steps=500, save_total_limit=3)
+    trainer = UltraScaleTrainer(model=model, args=args, train_dataset=ds, ultrascale_plugin=UltraScalePlugin(tp=2))
+    trainer.train()                                  # or trainer.train(resume_from_checkpoint=True)
+    trainer.save_model("out/")                       # every rank calls save_model (it streams shards)
 
 The layout comes from ``ultrascale_plugin`` or, like any Accelerate run, from the launch (``ultrascale
-accelerate-launch F.yaml train.py``). What works: training (loss, gradient accumulation, ``max_grad_norm``,
-``bf16=True``), logging, evaluation loss, ``save_model``. What does not: Trainer checkpoints during training
-(``save_strategy`` other than ``"no"``; the optimizer state is sharded — use the Accelerate loop's
-``save_state`` for resumable checkpoints) and ``num_items_in_batch`` loss kwargs (the model's loss is already the
-exact global mean).
+accelerate-launch F.yaml train.py``). ``create_accelerator_and_postprocess`` builds the ``UltraScaleAccelerator``
+itself, from the arguments a ``Trainer`` gives its ``Accelerator``; Trainer's own FSDP / DeepSpeed /
+``parallelism_config`` arguments are refused (the layout is ultrascale's).
+
+What works: training (loss, gradient accumulation, ``max_grad_norm``, ``bf16=True``), logging, evaluation loss,
+``save_model`` (a ``from_pretrained`` directory), and checkpoints during training (``save_strategy`` "steps",
+"epoch" or "best", ``save_total_limit``, ``load_best_model_at_end``, ``resume_from_checkpoint=PATH or True``).
+
+A checkpoint is Trainer's ``{output_dir}/checkpoint-{step}`` directory holding the package's sharded checkpoint
+(``UltraScaleAccelerator.save_state``: model and optimizer shards written by every rank, ``ultrascale.json``)
+plus Trainer's own ``trainer_state.json``, ``scheduler.pt`` and ``rng_state*.pth`` files. It is assembled in a
+hidden ``.staging-checkpoint-{step}`` directory and renamed into place once complete, so a run that fails while
+saving leaves every earlier checkpoint (one of the same name included) as it was. Resuming loads the shards into
+the current layout (any layout: DCP reshards), the scheduler, the RNG and ``TrainerState``; Trainer then skips the
+batches already consumed. With ``save_only_model=True`` a checkpoint holds the model shards and Trainer's state
+only (resuming from it restarts the optimizer, as with a plain Trainer).
+
+Once ``train()`` has prepared the model, evaluation and prediction run the parallelized model (``self.model``
+stays the Hugging Face module Trainer was given); an ``evaluate()`` before any ``train()`` runs that module
+unparallelized on every rank, as a plain Trainer would. Not supported: ``num_items_in_batch`` loss kwargs (the
+model's loss is already the exact global mean).
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import shutil
+import warnings
+from pathlib import Path
 
+import torch
 from transformers import Trainer
 
 from ..config import ConfigError
-from .accelerate import UltraScaleAccelerator, UltraScalePlugin
+from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
+
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
+SCHEDULER_NAME = "scheduler.pt"
+CHECKPOINT_PREFIX = "checkpoint"
+STAGING = ".staging-"   # a checkpoint being assembled; never matched by Trainer's "checkpoint-*" look-ups
+REPLACED = ".replaced-"  # an earlier checkpoint of the same name, until the new one is in place
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """A directory written by the package's ``write_checkpoint`` (``UltraScaleAccelerator.save_state``)."""
+    from ..checkpoint import META
+
+    return path is not None and os.path.isfile(os.path.join(str(path), META))
 
 
 class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
         super().__init__(*args, **kwargs)
-        if self.args.save_strategy not in ("no", None) and str(self.args.save_strategy) not in ("no",
-                                                                                              "SaveStrategy.NO"):
-            raise ConfigError(f"save_strategy={self.args.save_strategy!r}: Trainer checkpoints are not available "
-                              "with ultrascale (sharded optimizer state). Fix: save_strategy='no' and "
-                              "trainer.save_model() at the end, or an Accelerate loop with save_state")
         # the adapter's loss is the global mean over every valid token already: no num_items_in_batch scaling
         self.model_accepts_loss_kwargs = False
 
+    # ---- the accelerator ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        import transformers.trainer as trainer_module
+        """What ``Trainer.create_accelerator_and_postprocess`` does, with ``UltraScaleAccelerator`` as the class:
+        Trainer accumulates gradients itself (Accelerate's ``num_steps`` is 1), the data loader settings come
+        from ``accelerator_config``, the rest from ``Trainer._build_accelerator_args``."""
+        from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
-        original = trainer_module.Accelerator
-        trainer_module.Accelerator = functools.partial(UltraScaleAccelerator,
-                                                       ultrascale_plugin=self.ultrascale_plugin)
-        try:
-            super().create_accelerator_and_postprocess()
-        finally:
-            trainer_module.Accelerator = original
+        if self.args.fsdp_plugin_args is not None:
+            raise ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. Fix: "
+                              "drop fsdp / fsdp_config and describe the layout with UltraScalePlugin (e.g. "
+                              "UltraScalePlugin(dp_shard=N) for ZeRO-3)")
+        grad_acc_kwargs = dict(self.args.accelerator_config.gradient_accumulation_kwargs or {})
+        if "num_steps" in grad_acc_kwargs:
+            if self.args.gradient_accumulation_steps > 1:
+                raise ValueError("The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is "
+                                 "greater than 1 in the passed `TrainingArguments`: set only one of them")
+            self.args.gradient_accumulation_steps = grad_acc_kwargs["num_steps"]
+        grad_acc_kwargs["num_steps"] = 1  # Trainer divides the loss by its accumulation steps itself
+
+        accelerator_config = self.args.accelerator_config.to_dict()
+        dataloader_config = DataLoaderConfiguration(**{key: accelerator_config.pop(key) for key in (
+            "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")})
+        dataloader_config.data_seed = self.args.data_seed
+        dataloader_config.non_blocking = accelerator_config.pop("non_blocking")
+
+        args = self._build_accelerator_args(dataloader_config=dataloader_config,
+                                            gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc_kwargs))
+        self.accelerator = UltraScaleAccelerator(ultrascale_plugin=self.ultrascale_plugin, **args)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(self.gather_function,
+                                                     use_gather_object=self.args.eval_use_gather_object)
+        # UltraScaleAccelerator refuses DeepSpeed and FSDP plugins: neither of Trainer's code paths for them applies
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = False
+
+    def _ultrascale_adapter(self):
+        adapters = self.accelerator.ultrascale_models
+        if len(adapters) > 1:
+            raise ConfigError(f"{len(adapters)} models were prepared: a Trainer checkpoint holds one")
+        return adapters[0] if adapters else None
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Once prepared, the model that runs is the parallelized one: ``self.model`` stays the Hugging Face
+        module Trainer was given, so evaluation / prediction (which start from it) are handed the adapter."""
+        adapter = self._ultrascale_adapter()
+        if adapter is not None and model is self.model:
+            return adapter
+        return super()._wrap_model(model, training, dataloader)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         for adapter in self.accelerator.ultrascale_models:  # a pipeline's backward runs inside the call
             adapter.loss_scale = 1.0 / self.current_gradient_accumulation_steps
         return super().training_step(model, inputs, num_items_in_batch)
 
+    # ---- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         adapters = self.accelerator.ultrascale_models
         if not adapters:
@@ -59,5 +131,137 @@ class UltraScaleTrainer(Trainer):
         if self.processing_class is not None and self.args.should_save:
             self.processing_class.save_pretrained(output_dir)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` with the sharded checkpoint in place of the full model / optimizer files.
+        Collective: every rank writes its shards. The directory is assembled under a hidden name and renamed
+        into place once complete (an earlier checkpoint of the same name is replaced only then)."""
+        adapter = self._ultrascale_adapter()
+        if adapter is None:
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy
 
-__all__ = ["UltraScaleTrainer"]
+        from ..checkpoint import write_checkpoint
+
+        folder = f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+        staging = os.path.join(run_dir, STAGING + folder)
+        main = self.accelerator.is_main_process
+
+        # the shards (model, optimizer unless save_only_model, each rank's own state): complete at `staging`, or
+        # absent; then Trainer's own files beside them
+        if self.args.save_only_model:
+            write_checkpoint(adapter.pmodel, None, self.accelerator._broadcast_path(staging),
+                             step=int(self.state.global_step))
+        else:
+            self.accelerator.save_state(staging)
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
+
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and \
+                self.state.best_global_step:
+            best = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{self.state.best_global_step}")
+            if self.state.best_global_step == self.state.global_step or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+
+        if main:
+            for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
+                       if isinstance(cb, ExportableState)]:
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()
+        if main:
+            _commit(Path(staging), Path(output_dir))
+        self.accelerator.wait_for_everyone()
+
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        if main:
+            self._rotate(run_dir)
+        self.accelerator.wait_for_everyone()
+
+    def _rotate(self, run_dir: str) -> None:
+        """Keep ``save_total_limit`` checkpoints (the newest and the best always stay), as Trainer does."""
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer state is in the sharded checkpoint (``_save_checkpoint``); the scheduler is Trainer's
+        ``scheduler.pt``."""
+        if self._ultrascale_adapter() is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.accelerator.is_main_process and self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's "please also save the optimizer state" warning
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # ---- resuming ----------------------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Trainer loads a checkpoint's weights into the unparallelized model before ``prepare``; a sharded one
+        is loaded after it, with the optimizer (``_load_optimizer_and_scheduler``)."""
+        if not is_sharded_checkpoint(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            raise ConfigError(f"resume_from_checkpoint='{resume_from_checkpoint}': a sharded checkpoint without "
+                              f"{TRAINER_STATE_NAME} (not written by a Trainer). Fix: resume from a checkpoint-N "
+                              "directory of a Trainer run, or load it with UltraScaleAccelerator.load_state")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_sharded_checkpoint(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from ..checkpoint import load_checkpoint, read_meta
+
+        adapter = self._ultrascale_adapter()
+        if adapter is None:
+            raise ConfigError(f"resume_from_checkpoint='{checkpoint}': no model was prepared by the "
+                              "UltraScaleAccelerator to load it into")
+        meta = read_meta(checkpoint)
+        if meta["optimizer"]["class"] is None or not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+            load_checkpoint(adapter.pmodel, None, checkpoint)  # save_only_model: weights only
+        else:
+            self.accelerator.load_state(checkpoint)  # model, optimizer (in this layout), each rank's RNG
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        path = self.state.best_model_checkpoint
+        adapter = self._ultrascale_adapter()
+        if adapter is None or not is_sharded_checkpoint(path):
+            return super()._load_best_model()
+        from ..checkpoint import load_checkpoint
+
+        # the weights only: the random state goes on from the end of training, not from the checkpoint's
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        load_checkpoint(adapter.pmodel, None, path)
+        torch.set_rng_state(rng)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+def _commit(staging: Path, final: Path) -> None:
+    """Rename a complete checkpoint into place; an earlier one of the same name is moved aside first and
+    deleted only once the new one is there."""
+    aside = None
+    if final.exists():
+        aside = final.parent / f"{REPLACED}{final.name}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+    os.replace(staging, final)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+__all__ = ["UltraScaleTrainer", "is_sharded_checkpoint"]

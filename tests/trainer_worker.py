@@ -1,10 +1,27 @@
-"""transformers.Trainer under ultrascale (see tests/test_accelerate.py).
+"""transformers.Trainer under ultrascale (see tests/test_accelerate.py and tests/test_trainer.py).
 
-    torchrun --nproc_per_node N trainer_worker.py OUT.json FIELD=VALUE ...   UltraScaleTrainer with that layout
-    python trainer_worker.py OUT.json --reference                            plain Trainer, one process
+    torchrun --nproc_per_node N trainer_worker.py OUT.json FIELD=VALUE ... [OPTIONS]   UltraScaleTrainer, that layout
+    python trainer_worker.py OUT.json --reference                                       plain Trainer, one process
+    ... CASE --then CASE ...                                     several runs, one after the other, in one launch
+
+OPTIONS (checkpoints, tests/test_trainer.py):
+    --max-steps N          optimizer steps (default 4: one epoch of the 4 global batches; more runs more epochs)
+    --save-steps S         save_strategy="steps" every S steps (default: save_strategy="no")
+    --save-limit L         save_total_limit
+    --eval-steps E         evaluate every E steps on one batch; with --save-steps also load_best_model_at_end
+    --keep STEP DIR        when checkpoint-STEP is saved, copy it to DIR (rotation may delete it later)
+    --resume PATH          trainer.train(resume_from_checkpoint=PATH)
+    --output-dir DIR       TrainingArguments.output_dir (default: OUT.json's directory/trainer)
+    --no-save-model        skip the final save_model
+    --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
+                           OUT.json then says whether an existing checkpoint-STEP was left untouched
+
+OUT.json: {"losses": [...], "steps": [...] (the step of each logged loss), "eval": [[step, eval_loss], ...],
+"best": the best checkpoint or null; with --fail-at-save also "failed" and "untouched"}.
 """
 import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -16,21 +33,47 @@ from models import make_model, padded_batches  # noqa: E402
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH, STEPS = 8, 4
 ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(STEPS, GLOBAL_BATCH) for i in range(GLOBAL_BATCH)]
+EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_BATCH, seed=7)
+             for i in range(GLOBAL_BATCH)]
+OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
+           "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1}
 
 
-def main():
+def parse(argv):
+    out, opts, fields, i = argv[0], {}, [], 1
+    while i < len(argv):
+        a = argv[i]
+        if a in OPTIONS:
+            n = OPTIONS[a]
+            opts[a] = argv[i + 1:i + 1 + n] if n else True
+            i += 1 + n
+        else:
+            fields.append(a)
+            i += 1
+    return out, opts, {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in fields)}
+
+
+def run(argv):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    out, rest = sys.argv[1], sys.argv[2:]
-    losses = []
+    out, opts, fields = parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    losses, steps, evals = [], [], []
+    keep = opts.get("--keep")
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
+                steps.append(state.global_step)
+            if logs and "eval_loss" in logs:
+                evals.append([state.global_step, logs["eval_loss"]])
 
-    reference = rest == ["--reference"]
-    fields = {} if reference else {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rest)}
+        def on_save(self, args, state, control, **kwargs):
+            if keep and state.global_step == int(keep[0]) and rank == 0:
+                shutil.copytree(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), keep[1])
+
+    reference = "--reference" in opts
     if reference:
         cls, extra, dp = Trainer, {}, 1
     else:
@@ -40,20 +83,75 @@ def main():
 
         dp = ParallelConfig(**fields).resolve(int(os.environ["WORLD_SIZE"])).dp
         cls, extra = UltraScaleTrainer, {"ultrascale_plugin": UltraScalePlugin(**fields)}
-    args = TrainingArguments(output_dir=os.path.dirname(out) + "/trainer",
-                             per_device_train_batch_size=GLOBAL_BATCH // dp,
-                             max_steps=STEPS, learning_rate=1e-3, weight_decay=0.01, max_grad_norm=0.5,
-                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-                             train_sampling_strategy="sequential", use_cpu=True, disable_tqdm=True,
-                             optim="adamw_torch", seed=0)
+    checkpoints = {}
+    if "--save-steps" in opts:
+        checkpoints = dict(save_strategy="steps", save_steps=int(opts["--save-steps"][0]))
+        if "--save-limit" in opts:
+            checkpoints["save_total_limit"] = int(opts["--save-limit"][0])
+    evaluation = {}
+    if "--eval-steps" in opts:
+        evaluation = dict(eval_strategy="steps", eval_steps=int(opts["--eval-steps"][0]),
+                          per_device_eval_batch_size=GLOBAL_BATCH // dp)
+        if checkpoints:
+            evaluation.update(load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    output_dir = opts["--output-dir"][0] if "--output-dir" in opts else os.path.dirname(out) + "/trainer"
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // dp,
+                             max_steps=int(opts.get("--max-steps", [STEPS])[0]), learning_rate=1e-3,
+                             weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
+                             logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
+                             disable_tqdm=True, optim="adamw_torch", seed=0,
+                             **({"save_strategy": "no"} | checkpoints), **evaluation)
     trainer = cls(model=make_model("llama8_tied", seed=0), args=args, train_dataset=ROWS, callbacks=[Record()],
-                  **extra)
-    trainer.train()
-    if not reference:
+                  eval_dataset=EVAL_ROWS if evaluation else None, **extra)
+    result = {}
+    if "--fail-at-save" in opts:
+        fail_at = int(opts["--fail-at-save"][0])
+        existing = os.path.join(output_dir, f"checkpoint-{fail_at}")
+        before = _snapshot(existing)
+        save_rng = trainer._save_rng_state
+
+        def failing(output_dir):
+            if trainer.state.global_step == fail_at:
+                raise RuntimeError("injected failure while saving")
+            return save_rng(output_dir)
+
+        trainer._save_rng_state = failing
+    try:
+        trainer.train(resume_from_checkpoint=opts["--resume"][0] if "--resume" in opts else None)
+    except RuntimeError as exc:
+        if "--fail-at-save" not in opts or "injected" not in str(exc):
+            raise
+        result.update(failed=str(exc), untouched=before is not None and _snapshot(existing) == before)
+    if not reference and "--no-save-model" not in opts and "failed" not in result:
         trainer.save_model(os.path.dirname(out) + "/hf")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
+        result.update(losses=losses, steps=steps, eval=evals, best=trainer.state.best_model_checkpoint)
         with open(out, "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump(result, f)
+
+
+def _snapshot(directory):
+    """(name, inode, mtime, size) of every file under a directory: any rewrite or replacement changes it."""
+    if not os.path.isdir(directory):
+        return None
+    found = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            found.append((os.path.relpath(os.path.join(root, name), directory), st.st_ino, st.st_mtime_ns,
+                          st.st_size))
+    return sorted(found)
+
+
+def main():
+    """Cases separated by ``--then`` run one after the other in these processes (one launch, several runs)."""
+    case = []
+    for a in sys.argv[1:] + ["--then"]:
+        if a == "--then":
+            run(case)
+            case = []
+        else:
+            case.append(a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""UltraScaleTrainer checkpoints: save_strategy="steps" writes the package's sharded checkpoint as Trainer's
+``checkpoint-N`` (rotated by save_total_limit), and ``resume_from_checkpoint`` continues with the uninterrupted
+run's losses. Two launches of 2 processes in all: every layout's runs share them (tests/trainer_worker.py)."""
+import json
+import os
+from pathlib import Path
+
+WORKER = Path(__file__).parent / "trainer_worker.py"
+LAYOUTS = {"zero3": ["dp_shard=2"], "pp": ["pp=2"], "tp": ["tp=2"]}
+# 6 steps over 4 global batches (two epochs), a checkpoint every 2 steps, the newest 2 kept, evaluation every 2
+# steps with load_best_model_at_end (the best checkpoint is never rotated away)
+RUN = ["--max-steps", "6", "--save-steps", "2", "--save-limit", "2", "--eval-steps", "2", "--no-save-model"]
+SAME = 1e-6   # resumed vs uninterrupted, same layout (fp32, CPU)
+ACROSS = 1e-5  # another layout (reduction order differs), as tests/test_accelerate.py
+
+
+def _launch(cases):
+    from conftest import torchrun
+
+    args = []
+    for case in cases:
+        Path(case[0]).parent.mkdir(parents=True, exist_ok=True)
+        args += [*case, "--then"]
+    proc = torchrun(2, WORKER, *args[:-1])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
+    return [json.loads(Path(case[0]).read_text()) for case in cases]
+
+
+def _close(a, b, tol):
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    runs = _launch([[str(tmp_path / name / "run.json"), *layout, *RUN, "--keep", "2", str(tmp_path / name / "kept-2")]
+                    for name, layout in LAYOUTS.items()])
+    for (name, _), run in zip(LAYOUTS.items(), runs):
+        assert run["steps"] == [1, 2, 3, 4, 5, 6], (name, run)
+        assert _close(run["losses"], runs[0]["losses"], ACROSS), (name, run["losses"], runs[0]["losses"])
+        out = tmp_path / name / "trainer"
+        # save_total_limit=2: the newest and the best stay (Trainer's rule); nothing half-written is left around
+        best = os.path.basename(run["best"])
+        want = {"checkpoint-6", best} | ({"checkpoint-4"} if best == "checkpoint-6" else set())
+        assert set(os.listdir(out)) == want, (name, os.listdir(out), best)
+        for folder in want:
+            files = set(os.listdir(out / folder))
+            assert {"ultrascale.json", "trainer_state.json", "scheduler.pt", "rng_state_0.pth",
+                    "rng_state_1.pth"} <= files, (name, folder, files)
+            step = json.loads((out / folder / "trainer_state.json").read_text())["global_step"]
+            assert f"checkpoint-{step}" == folder
+            assert json.loads((out / folder / "ultrascale.json").read_text())["optimizer"]["class"] == "AdamW"
+
+    # resume from the step-2 checkpoint (copied aside before rotation deleted it), into the first runs' output
+    # directories: checkpoint-4 / -6 are replaced by the resumed run's. Then, in the same launch, a ZeRO-3 -> PP
+    # resume, and a resume whose save of checkpoint-4 fails after its shards are written.
+    cases = [[str(tmp_path / name / "resumed.json"), *layout, *RUN, "--resume", str(tmp_path / name / "kept-2")]
+             for name, layout in LAYOUTS.items()]
+    cases.append([str(tmp_path / "across" / "resumed.json"), *LAYOUTS["pp"], *RUN, "--resume",
+                  str(tmp_path / "zero3" / "kept-2"), "--output-dir", str(tmp_path / "across" / "trainer")])
+    cases.append([str(tmp_path / "failed" / "resumed.json"), *LAYOUTS["zero3"], *RUN, "--resume",
+                  str(tmp_path / "zero3" / "kept-2"), "--output-dir", str(tmp_path / "zero3" / "trainer"),
+                  "--fail-at-save", "4"])
+    *resumed, across, failed = _launch(cases)
+    for (name, _), run, again in zip(LAYOUTS.items(), runs, resumed):
+        assert again["steps"] == [3, 4, 5, 6], (name, again)
+        assert _close(again["losses"], run["losses"][2:], SAME), (name, again["losses"], run["losses"])
+        assert _close([v for _, v in again["eval"]], [v for s, v in run["eval"] if s > 2], SAME), (name, again, run)
+        out = tmp_path / name / "trainer"
+        assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+        if name != "zero3":  # (the failed save below left its staging directory in zero3's)
+            assert not [n for n in os.listdir(out) if n.startswith(".")], (name, os.listdir(out))
+    assert across["steps"] == [3, 4, 5, 6] and _close(across["losses"], runs[0]["losses"][2:], ACROSS), across
+
+    # a save that fails leaves the checkpoint of the same name as it was, and Trainer never picks up the partial one
+    assert failed["failed"] and failed["untouched"], failed
+    out = tmp_path / "zero3" / "trainer"
+    assert {"checkpoint-4", "checkpoint-6"} <= set(os.listdir(out)), os.listdir(out)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-6")
+
+
+def test_checkpoint_commit_replaces_only_when_complete(tmp_path):
+    from ultrascale_plugins.integrations.trainer import REPLACED, _commit, is_sharded_checkpoint
+
+    final, staging = tmp_path / "checkpoint-4", tmp_path / ".staging-checkpoint-4"
+    for d, text in ((final, "old"), (staging, "new")):
+        d.mkdir()
+        (d / "trainer_state.json").write_text(text)
+    (staging / "ultrascale.json").write_text("{}")
+    _commit(staging, final)
+    assert (final / "trainer_state.json").read_text() == "new" and is_sharded_checkpoint(final)
+    assert os.listdir(tmp_path) == ["checkpoint-4"]  # neither the staging name nor the replaced one remain
+    staging.mkdir()
+    (tmp_path / f"{REPLACED}checkpoint-4").mkdir()  # left by an earlier crash between the two renames
+    _commit(staging, final)
+    assert os.listdir(tmp_path) == ["checkpoint-4"] and not is_sharded_checkpoint(final)
