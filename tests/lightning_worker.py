@@ -58,6 +58,8 @@ RUNS = {
     "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
     # outside the Llama family: per-head norms replicated over TP under FSDP (compared with Qwen3 on one device)
     "qwen3_dp2_tp2": ({"dp_shard": 2, "tp": 2}, {"arch": "qwen3"}),
+    # a field of the plugin outside the package (tests/outside_plugin; needs it on PYTHONPATH)
+    "outside_acme_dp2_zero3_dp2": ({"acme_dp": 2, "dp_shard": 2}, {}),
 }
 # what each run is compared with: the single-device run with the same Trainer arguments
 MODULE_ARGS = ("hf_dir", "seed")  # how the LightningModule builds its model, not Trainer arguments

@@ -37,9 +37,9 @@ def reference(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def run(nproc, tmp_path, hf_dir, *names):
+def run(nproc, tmp_path, hf_dir, *names, env=None):
     out = tmp_path / f"runs{nproc}.json"
-    proc = torchrun(nproc, WORKER, "runs", str(out), *names, env={"HF_DIR": str(hf_dir)})
+    proc = torchrun(nproc, WORKER, "runs", str(out), *names, env={"HF_DIR": str(hf_dir), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -67,9 +67,14 @@ def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, refe
 
 
 @pytest.mark.slow
-def test_four_devices_every_name_and_pipeline_by_tensor(tmp_path, reference, hf_dir):
-    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2"]
-    assert_parity(run(4, tmp_path, hf_dir, *names), reference, names)
+def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tmp_path, reference, hf_dir):
+    """With the plugin outside the package installed (tests/outside_plugin): its acme_dp field in
+    UltraScaleStrategy(acme_dp=2, dp_shard=2) matches one device, and its presence changes no other run."""
+    from conftest import outside_plugin_env
+
+    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2", "outside_acme_dp2_zero3_dp2"]
+    env = {"PYTHONPATH": outside_plugin_env()["PYTHONPATH"]}
+    assert_parity(run(4, tmp_path, hf_dir, *names, env=env), reference, names)
 
 
 @pytest.mark.slow

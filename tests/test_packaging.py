@@ -1,9 +1,18 @@
-"""One install brings everything; integrations/ installs under the ultrascale_plugins namespace only."""
+"""One install brings everything; integrations/ installs under the ultrascale_plugins namespace only (and a
+checkout run from its root imports the same files under the same names); the core imports neither Lightning nor
+Accelerate; the Lightning strategy is a plainly defined class, registered in both Lightning packages."""
+import ast
 import importlib
+import importlib.util
+import inspect
+import json
 import os
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
+
+import pytest
 
 
 def test_integrations_live_under_the_package_namespace(tmp_path):
@@ -24,3 +33,185 @@ def test_console_script_and_data_are_installed():
     data = resources.files("ultrascale_plugins").joinpath("data")
     assert data.joinpath("corpus.txt").read_bytes()
     assert "parallel:" in data.joinpath("default.yaml").read_text()
+
+
+# ---- the installed adapters are the real files; the checkout's stand-in is not shipped ---------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_installed_integrations_are_the_real_files(tmp_path):
+    # what a user outside the checkout imports: the wheel's ultrascale_plugins/integrations/ is integrations/
+    probe = "import ultrascale_plugins.integrations as m; print(m.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    installed = Path(out.stdout.strip()).parent
+    if installed.is_relative_to(ROOT):
+        pytest.skip("an editable install: the package is this checkout")
+    assert (installed / "__init__.py").read_text() == (ROOT / "integrations" / "__init__.py").read_text()
+    assert {p.name for p in installed.glob("*.py")} == {p.name for p in (ROOT / "integrations").glob("*.py")}
+
+
+def test_the_checkout_imports_its_own_integrations_directory():
+    # python -c / python -m from the repository root import ultrascale_plugins from the checkout (the tests'
+    # subprocesses do), whatever is installed; the adapters must then come from the checkout's integrations/
+    probe = ("import ultrascale_plugins, ultrascale_plugins.integrations.presets as m; "
+             "print(ultrascale_plugins.__file__); print(m.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    package, presets = map(Path, out.stdout.split())
+    assert package == ROOT / "ultrascale_plugins" / "__init__.py"
+    assert presets == ROOT / "integrations" / "presets.py"
+
+
+# ---- the core imports neither Lightning nor Accelerate -------------------------------------------------------
+
+FRAMEWORKS = {"lightning", "pytorch_lightning", "lightning_fabric", "accelerate"}
+CORE = ROOT / "ultrascale_plugins"
+
+
+def _core_modules():
+    for path in sorted(CORE.rglob("*.py")):
+        if "integrations" not in path.relative_to(CORE).parts:
+            yield path
+
+
+def _imports(path: Path, core: Path = CORE):
+    """(line, absolute module name, inside a function?) of every import in the file, importlib calls included."""
+    package = ".".join(("ultrascale_plugins", *path.relative_to(core).parent.parts))
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node, in_function):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name, in_function) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[:len(base) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.append((node.lineno, module, in_function))
+            if node.module is None:  # from . import x
+                found.extend((node.lineno, f"{module}.{alias.name}", in_function) for alias in node.names)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            found.append((node.lineno, node.args[0].value, in_function))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def test_the_core_imports_no_framework():
+    bad = []
+    for path in _core_modules():
+        rel = path.relative_to(ROOT).as_posix()
+        for line, module, in_function in _imports(path):
+            top = module.split(".")[0]
+            if top in FRAMEWORKS:
+                bad.append(f"{rel}:{line}: {module}")
+            elif module.startswith("ultrascale_plugins.integrations"):
+                # the CLI's accelerate-config / accelerate-launch subcommands use the adapters' layout helpers,
+                # imported when the subcommand runs
+                if not (rel == "ultrascale_plugins/cli.py" and in_function):
+                    bad.append(f"{rel}:{line}: {module} (the adapters, outside a CLI subcommand)")
+    assert not bad, "imports of Lightning/Accelerate (or of the adapters) in the core:\n" + "\n".join(bad)
+
+
+def test_the_scan_sees_every_kind_of_import(tmp_path):
+    path = tmp_path / "ultrascale_plugins" / "models" / "probe.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import accelerate\nfrom lightning.pytorch import Trainer\ndef f():\n    import pytorch_lightning\n"
+                    "    from ..integrations import lightning\n    importlib.import_module('lightning_fabric')\n"
+                    "    from .. import integrations\n")
+    assert _imports(path, core=path.parent.parent) == [
+        (1, "accelerate", False), (2, "lightning.pytorch", False), (4, "pytorch_lightning", True),
+        (5, "ultrascale_plugins.integrations", True), (6, "lightning_fabric", True),
+        (7, "ultrascale_plugins", True), (7, "ultrascale_plugins.integrations", True)]
+
+
+def test_importing_the_core_loads_no_framework():
+    probe = """
+import json, pkgutil, sys, importlib
+import ultrascale_plugins, ultrascale_plugins.engine, ultrascale_plugins.cli, ultrascale_plugins.train
+first = sorted({m.split(".")[0] for m in sys.modules})
+modeling = "transformers.modeling_utils" in sys.modules
+for info in pkgutil.walk_packages(ultrascale_plugins.__path__, "ultrascale_plugins."):
+    if not info.name.startswith("ultrascale_plugins.integrations"):
+        importlib.import_module(info.name)
+print(json.dumps({"first": first, "modeling": modeling, "all": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    lightning = {"lightning", "pytorch_lightning", "lightning_fabric"}
+    assert not lightning & set(seen["first"]), seen["first"]
+    assert not lightning & set(seen["all"]), seen["all"]
+    # transformers' modeling code imports accelerate itself when it is installed; the package, imported on its
+    # own, does not load transformers' models, so nothing brings accelerate in (the scan above covers our code)
+    if not seen["modeling"]:
+        assert "accelerate" not in seen["first"], seen["first"]
+
+
+# ---- the Lightning strategy is a plain class, registered in both Lightning packages ---------------------------
+
+def _check_strategy_module(module, pl_package: str, fabric_package: str):
+    strategies = importlib.import_module(f"{pl_package}.strategies")
+    precision = importlib.import_module(f"{pl_package}.plugins.precision")
+    rank_zero = importlib.import_module(f"{fabric_package}.utilities.rank_zero")
+    distributed = importlib.import_module(f"{fabric_package}.utilities.distributed")
+    from ultrascale_plugins.integrations.presets import PRESETS
+
+    for cls in (module.UltraScaleStrategy, module.UltraScalePrecision):
+        assert cls.__module__ == module.__name__
+        assert cls.__qualname__ == cls.__name__  # defined at module level, not inside a function
+        assert inspect.getsource(cls).startswith(f"class {cls.__name__}(")
+        assert getattr(module, cls.__name__) is cls
+    assert issubclass(module.UltraScaleStrategy, strategies.ParallelStrategy)
+    assert issubclass(module.UltraScalePrecision, precision.Precision)
+    # the functions that differ between the packages are this package's own
+    assert module.UltraScaleStrategy._rank_zero_only is rank_zero.rank_zero_only
+    assert module.UltraScaleStrategy._init_dist_connection is distributed._init_dist_connection
+    assert module.UltraScaleStrategy._sync_ddp_if_available is distributed._sync_ddp_if_available
+    for name, (preset, _) in PRESETS.items():
+        key = "ultrascale" if name == "default" else f"ultrascale_{name}"
+        strategy = strategies.StrategyRegistry.get(key)
+        assert type(strategy) is module.UltraScaleStrategy, key
+        assert strategy.preset == preset
+        assert type(strategy.precision_plugin) is module.UltraScalePrecision
+
+
+def test_lightning_strategy_is_a_plain_class():
+    from ultrascale_plugins.integrations import lightning
+
+    assert lightning.UltraScaleStrategy.__module__ == "ultrascale_plugins.integrations.lightning"
+    _check_strategy_module(lightning, "lightning.pytorch", "lightning.fabric")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
+                    reason="the standalone pytorch_lightning package is not installed")
+def test_pytorch_lightning_strategy_is_a_plain_class():
+    import ultrascale_plugins.integrations.lightning  # noqa: F401 - registers the names in both packages
+    from ultrascale_plugins.integrations import pytorch_lightning
+
+    assert pytorch_lightning.UltraScaleStrategy.__module__ == "ultrascale_plugins.integrations.pytorch_lightning"
+    _check_strategy_module(pytorch_lightning, "pytorch_lightning", "lightning_fabric")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
+                    reason="the standalone pytorch_lightning package is not installed")
+@pytest.mark.parametrize("first", ["lightning", "pytorch_lightning"])
+def test_one_import_registers_the_names_in_both_packages(first):
+    probe = f"""
+import ultrascale_plugins.integrations.{first}
+from lightning.pytorch.strategies import StrategyRegistry as A
+from pytorch_lightning.strategies import StrategyRegistry as B
+print(type(A.get("ultrascale_tp")).__module__, type(B.get("ultrascale_tp")).__module__)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ultrascale_plugins.integrations.lightning",
+                                  "ultrascale_plugins.integrations.pytorch_lightning"]

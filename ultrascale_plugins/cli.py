@@ -92,6 +92,9 @@ def cmd_plugins(args) -> int:
     for r in rows:
         print(f"{r['name']:<{width}}  {r['source']} {r['version']}")
         print(f"{'':<{width}}  hooks: {', '.join(r['hooks'])}")
+        for f in r["fields"]:
+            choices = f" ({'|'.join(map(str, f.choices))})" if f.choices else ""
+            print(f"{'':<{width}}  field {f.name}: {f.type.__name__} = {f.default!r}{choices}  {f.help}")
     return 0
 
 

@@ -21,6 +21,30 @@ from torch import nn
 from .config import ConfigError
 
 
+_SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+               "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def size_in_bytes(size: int | str) -> int:
+    """``save_pretrained``'s ``max_shard_size`` in bytes, with Hugging Face's spellings: an int, or a number with
+    a unit, ``"5GB"`` (10**9), ``"5GiB"`` (2**30), ``"200KB"``, ``"1.5MiB"``...; a lower-case final ``b``
+    (``"5Gb"``) means bits."""
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return size
+    text = str(size).strip()
+    for unit, factor in _SIZE_UNITS.items():
+        if text.upper().endswith(unit):
+            try:
+                value = int(float(text[:-len(unit)]) * factor)
+            except ValueError:
+                break
+            if value >= 0:
+                return value // 8 if text.endswith("b") and not unit.endswith("IB") else value
+            break
+    raise ConfigError(f"max_shard_size={size!r}: not a size. Fix: an int (bytes) or a number with a unit, "
+                      "e.g. '5GB' or '500MiB'")
+
+
 class _PipelinedLoss(torch.autograd.Function):
     """The loss of a pipelined call: its backward already ran inside the schedule. A plain ``loss.backward()``
     would silently do nothing, so it fails and names the call that applies the gradients."""
@@ -116,7 +140,6 @@ class ParallelCausalLM(nn.Module):
         from pathlib import Path
 
         import torch.distributed as dist
-        from accelerate.utils import convert_file_size_to_int
 
         from .checkpoint import write_checkpoint
         from .export import export_hf
@@ -128,7 +151,7 @@ class ParallelCausalLM(nn.Module):
         try:
             write_checkpoint(self.pmodel, None, staging / "ckpt", step=0)
             if dist.get_rank() == 0:
-                export_hf(staging / "ckpt", staging / "hf", max_shard_bytes=convert_file_size_to_int(max_shard_size))
+                export_hf(staging / "ckpt", staging / "hf", max_shard_bytes=size_in_bytes(max_shard_size))
                 target.mkdir(parents=True, exist_ok=True)
                 for old in target.glob("model*.safetensors*"):
                     old.unlink()
