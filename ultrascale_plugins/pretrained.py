@@ -1,12 +1,13 @@
 """Load a pretrained Hugging Face model (``save_pretrained`` directory: ``config.json`` + safetensors, one file or
 sharded) into any layout without any rank holding the whole model.
 
-The model is built on the meta device (parameters without storage; buffers such as rotary frequencies are
-computed as usual), parallelized — pipeline split, TP, FSDP — while still empty, then every rank allocates only its
-own shards and reads exactly those slices from the safetensors files (PyTorch distributed checkpoint's
-``HuggingFaceStorageReader`` plans the reads from each DTensor's local chunk and reads them with
-``safe_open(...).get_slice``). Names are matched, tied weights resolved and shapes checked before any process
-group exists, so a wrong directory fails fast with the offending key named.
+The model is built on the meta device (parameters without storage; buffers such as rotary frequencies are then
+computed by the model's own ``_init_weights``, as transformers does after its own meta build), parallelized —
+pipeline split, TP, FSDP — while still empty, then every rank allocates only its own shards and reads exactly those
+slices from the safetensors files (PyTorch distributed checkpoint's ``HuggingFaceStorageReader`` plans the reads
+from each DTensor's local chunk and reads them with ``safe_open(...).get_slice``). Names are matched, tied weights
+resolved and shapes checked before any process group exists, so a wrong directory fails fast with the offending
+key named.
 
     pmodel = from_pretrained("my-model/", ParallelConfig(tp=2))
 """
@@ -39,8 +40,10 @@ class PretrainedWeights:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+        from .initialize import to_empty_tied
+
         for module in ctx.modules:
-            module.to_empty(device=ctx.device)
+            to_empty_tied(module, ctx.device)  # plain to_empty would untie a tied head from its embedding
             with torch.no_grad():
                 for name, buf in module.named_buffers():
                     if name in buffers:
@@ -134,13 +137,14 @@ def match_weights(model, path: str | Path) -> PretrainedWeights:
 
 
 def empty_model(model_config):
-    """The causal LM on the meta device, with its buffers computed and its weights tied."""
-    from accelerate import init_empty_weights
+    """The causal LM on the meta device (tied weights stay tied), with its buffers computed."""
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
+    from .initialize import fill_buffers
+
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    model.tie_weights()  # init_empty_weights re-creates parameters on registration, which unties them
+    fill_buffers(model)  # the buffers the meta build left empty, from the model's own _init_weights
     return model
 
 
@@ -163,29 +167,30 @@ def prepare(path: str | Path, trust_remote_code: bool = False):
     return match_weights(model, path), model
 
 
-
 def computed_buffers(model_config) -> dict[str, torch.Tensor]:
     """The buffers a model computes at construction (rotary frequencies, ...), for a model built entirely on the
     meta device (``torch.device("meta")``), which leaves them empty."""
     return {name: buf for name, buf in empty_model(model_config).named_buffers()}
 
 
-def weights_for(model, init_from: str | Path | None) -> PretrainedWeights | None:
-    """The weights a front end should load into ``model`` once parallelized: ``init_from`` if given; for a model
-    built on the meta device (``empty_init``, ``torch.device("meta")``), the directory its config was read from
-    (``AutoConfig.from_pretrained(DIR)`` records it); else none. Meta buffers are recomputed first."""
+def weights_for(model, init_from: str | Path | None):
+    """What a front end should load into ``model`` once parallelized: the weights of ``init_from`` if given; for a
+    model built on the meta device (``empty_init``, ``torch.device("meta")``), those of the directory its config was
+    read from (``AutoConfig.from_pretrained(DIR)`` records it), else a ``ModelInit`` that initializes it shard by
+    shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
+    build left empty are computed first."""
+    from .initialize import ModelInit, fill_buffers
+
     source = init_from
-    if source is None and any(p.is_meta for p in model.parameters()):
+    meta = any(p.is_meta for p in model.parameters())
+    if source is None and meta:
         origin = getattr(model.config, "_name_or_path", "")
-        if not origin or not Path(origin, "config.json").is_file():
-            raise CheckpointError("the model was built on the meta device but no weights were named. Fix: pass "
-                                  "init_from=HF_DIR, or build its config with AutoConfig.from_pretrained(HF_DIR)")
-        source = origin
-    if source is None:
+        if origin and Path(origin, "config.json").is_file():
+            source = origin
+    if source is None and not meta:
         return None
     if any(b.is_meta for b in model.buffers()):
-        computed = computed_buffers(model.config)
-        for name, _ in list(model.named_buffers()):
-            owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._buffers[leaf] = computed[name]
+        fill_buffers(model)
+    if source is None:
+        return ModelInit(model)
     return match_weights(model, source)

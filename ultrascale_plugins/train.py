@@ -61,8 +61,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
 
         pmodel = from_pretrained(init_from, recipe.parallel, device=device)
     else:
-        pmodel = engine.parallelize(AutoModelForCausalLM.from_config(recipe.model_config()), recipe.parallel,
-                                    device=device)
+        with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
+            model = AutoModelForCausalLM.from_config(recipe.model_config())
+        pmodel = engine.parallelize(model, recipe.parallel, device=device)
     model = pmodel.module
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
                                        weight_decay=recipe.train.weight_decay)

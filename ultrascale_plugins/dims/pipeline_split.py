@@ -130,31 +130,39 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
     rotary and position embeddings, whatever the base model computes before its layers — and a stage that
     receives hidden states hands them to its first layer in place of what the model computed there (so an
     embedding scale or an absolute position embedding is applied once, on the first stage, as in the unsplit
-    model). The last stage runs the causal-LM head's own forward (logit scaling, soft-capping)."""
+    model). The last stage runs the causal-LM head's own forward (logit scaling, soft-capping).
+
+    Only this stage's modules are copied (see ``_stage_copy``): no other stage's weights are, and a meta-device
+    model stays on the meta device."""
     before, layers_name, after = pp_parts(model)
-    stage = copy.deepcopy(model)
+    first, last = stage_id == 0, stage_id == n_stages - 1
+    base_orig = _base(model)
+    layers_orig = getattr(base_orig, layers_name)
+    received: dict = {}
+    elsewhere: dict[int, nn.Module] = {}  # id of a module another stage owns -> this stage's placeholder
+    for i, layer in enumerate(layers_orig):
+        if i not in layer_range:
+            elsewhere[id(layer)] = Absent()
+    if not first:
+        embed = model.get_input_embeddings()
+        for name in before:
+            child = getattr(base_orig, name)
+            elsewhere[id(child)] = (ZeroEmbedding(model.config.get_text_config().hidden_size, received)
+                                    if child is embed else Absent())
+    if not last:
+        for name in after:
+            elsewhere[id(getattr(base_orig, name))] = Absent()
+        elsewhere[id(model.lm_head)] = Absent()
+    stage = _stage_copy(model, elsewhere)
     base = _base(stage)
     layers = getattr(base, layers_name)
-    for i in range(len(layers)):
-        if i not in layer_range:
-            layers[i] = Absent()
-    first, last = stage_id == 0, stage_id == n_stages - 1
-    received: dict = {}
     if not first:
-        embed = stage.get_input_embeddings()
-        for name in before:
-            setattr(base, name, ZeroEmbedding(model.config.get_text_config().hidden_size, received)
-                    if getattr(base, name) is embed else Absent())
         layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
     sent: dict = {}
     if not last:
         # what the stage's last layer hands on, after every hook on it (sequence parallel gathers there): the
         # input of the next, absent layer. Models may transform the hidden states after their layers.
         layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
-    for name in (after if not last else []):
-        setattr(base, name, Absent())
-    if not last:
-        stage.lm_head = Absent()
     causal_lm_forward = type(model).forward
 
     def forward(x, attention_mask, position_ids, input_ids=None):
@@ -176,6 +184,36 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
 
+
+def _stage_copy(model: nn.Module, elsewhere: dict[int, nn.Module]) -> nn.Module:
+    """A copy of ``model``'s module tree in which each module another stage owns (``elsewhere``: id -> placeholder)
+    is its placeholder; the traversal never enters those. The stage's parameters are new ``Parameter`` objects
+    over the same storage (on the meta device there is none), so each stage is its own module tree for the
+    transforms to shard and the model's own ``Parameter`` objects are left as they were. A parameter shared with
+    a module another stage owns (the tied embedding/head) is a separate parameter on each of the two stages, and
+    only the stage holding its first occurrence shares the storage: when both stages live on one rank (V
+    schedules) the optimizer steps each copy. Buffers and plain attributes are copied, as before."""
+    memo: dict[int, object] = dict(elsewhere)
+    away: set[int] = set()  # the modules other stages own, and everything inside them
+    for m in model.modules():
+        if id(m) in elsewhere:
+            away.update(id(sub) for sub in m.modules())
+    first_holder: dict[int, nn.Module] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                first_holder.setdefault(id(p), m)
+    for m in model.modules():
+        if id(m) in away:
+            continue
+        for p in m._parameters.values():
+            if p is None or id(p) in memo:
+                continue
+            # shared with a module another stage owns: the stage holding its first occurrence (the embedding's
+            # stage for a tied head) keeps the storage, the other one gets a copy
+            shared = p.is_meta or id(first_holder[id(p)]) not in away
+            memo[id(p)] = type(p)(p.detach() if shared else p.detach().clone(), p.requires_grad)
+    return copy.deepcopy(model, memo)
 
 def _capture_input(sent: dict):
     def hook(module, args, kwargs):
