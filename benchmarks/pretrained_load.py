@@ -1,4 +1,4 @@
-"""Loading pretrained HF weights into a sharded layout: ``ultrascale_plugins.pretrained.from_pretrained`` (meta
+"""Loading pretrained HF weights into a sharded layout: ``ultrascale_plugins.from_pretrained`` (meta
 init, each rank reads only its shards) vs the usual path (``AutoModelForCausalLM.from_pretrained`` on every rank,
 then ``parallelize``), same directory, same run.
 
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_io import timed  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.pretrained import from_pretrained  # noqa: E402
+from ultrascale_plugins.engine import from_pretrained  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

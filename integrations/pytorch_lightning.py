@@ -17,7 +17,7 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from .lightning import _UltraScalePrecisionMixin, _UltraScaleStrategyMixin
+from .lightning_common import _UltraScalePrecisionMixin, _UltraScaleStrategyMixin
 
 
 class UltraScalePrecision(_UltraScalePrecisionMixin, Precision):

@@ -11,13 +11,13 @@ from .launch import init_distributed
 from .parallel_dims import MeshAxis
 from .plugins import get_plugin_manager, list_plugins, register
 
-__all__ = ["ConfigError", "MeshAxis", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec", "init_distributed",
-           "parallelize", "get_plugin_manager", "list_plugins", "register", "validate", "estimate",
-           "__version__"]
+__all__ = ["ConfigError", "MeshAxis", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec",
+           "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
+           "validate", "estimate", "__version__"]
 
 
 def __getattr__(name):  # the engine pulls in torch.distributed; import it on first use
-    if name in ("parallelize", "ParallelModel", "validate", "estimate"):
+    if name in ("parallelize", "from_pretrained", "ParallelModel", "validate", "estimate"):
         from . import engine
 
         return getattr(engine, name)

@@ -144,6 +144,22 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
     return ParallelModel(model, ctx, pm)
 
 
+def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device=None,
+                    trust_remote_code: bool = False) -> "ParallelModel":
+    """Build the model of the Hugging Face directory ``path`` in the layout ``config`` and load its weights, each
+    rank reading only its own shards (``pretrained``: names, tied weights and shapes are checked before any process
+    group exists)."""
+    import warnings
+
+    from .pretrained import prepare
+
+    weights, model = prepare(path, trust_remote_code=trust_remote_code)
+    if weights.unexpected and launch.global_rank() == 0:
+        warnings.warn(f"'{path}': {len(weights.unexpected)} key(s) in the files are not used by the model: "
+                      f"{', '.join(weights.unexpected[:8])}", stacklevel=2)
+    return parallelize(model, config, device=device, init_weights=weights)
+
+
 class ParallelModel:
     """A parallelized model and its training step. ``module`` is the Hugging Face model (sharded in place)."""
 

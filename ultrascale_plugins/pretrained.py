@@ -9,18 +9,16 @@ from each DTensor's local chunk and reads them with ``safe_open(...).get_slice``
 resolved and shapes checked before any process group exists, so a wrong directory fails fast with the offending
 key named.
 
-    pmodel = from_pretrained("my-model/", ParallelConfig(tp=2))
+    pmodel = ultrascale_plugins.from_pretrained("my-model/", ParallelConfig(tp=2))   # engine.from_pretrained
 """
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 import torch
 
 from .checkpoint import CheckpointError
-from .config import ParallelConfig
 
 SUFFIX = ".safetensors"
 
@@ -146,19 +144,6 @@ def empty_model(model_config):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     fill_buffers(model)  # the buffers the meta build left empty, from the model's own _init_weights
     return model
-
-
-def from_pretrained(path: str | Path, config: ParallelConfig | dict | None = None, *, device=None,
-                    trust_remote_code: bool = False):
-    """Build the model of the HF directory ``path`` in the layout ``config`` and load its weights, each rank
-    reading only its own shards. Returns the ``ParallelModel``."""
-    from . import engine, launch
-
-    weights, model = prepare(path, trust_remote_code=trust_remote_code)
-    if weights.unexpected and launch.global_rank() == 0:
-        warnings.warn(f"'{path}': {len(weights.unexpected)} key(s) in the files are not used by the model: "
-                      f"{', '.join(weights.unexpected[:8])}", stacklevel=2)
-    return engine.parallelize(model, config, device=device, init_weights=weights)
 
 
 def prepare(path: str | Path, trust_remote_code: bool = False):

@@ -57,7 +57,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(recipe.train.seed)
     if init_from:
-        from .pretrained import from_pretrained
+        from .engine import from_pretrained
 
         pmodel = from_pretrained(init_from, recipe.parallel, device=device)
     else:

@@ -1,0 +1,340 @@
+"""What the Lightning strategy does, independent of which Lightning package it plugs into: plain mixins that
+``integrations/lightning.py`` (``lightning.pytorch``) and ``integrations/pytorch_lightning.py`` (the standalone
+``pytorch_lightning``) put over their own package's ``ParallelStrategy`` and ``Precision``; the few functions that
+differ between the packages are class attributes of those classes. See ``lightning.py`` for the user's view."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, ParallelConfig
+from .layout import make_config
+from .presets import PRESETS, config_for_preset
+
+PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
+STATE_FILE = "lightning.pt"
+
+
+def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
+    """(attribute name, model) of the LightningModule's Hugging Face causal LM (a direct child)."""
+    from transformers import PreTrainedModel
+
+    found = [(name, child) for name, child in module.named_children()
+             if isinstance(child, PreTrainedModel) and hasattr(child, "lm_head")]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
+        raise ConfigError(f"the LightningModule holds {what} Hugging Face causal LM(s) as attributes. Fix: assign "
+                          "exactly one, e.g. self.model = AutoModelForCausalLM.from_config(...), in __init__ or "
+                          "configure_model")
+    return found[0]
+
+
+def _plain(obj):
+    """Lightning's checkpoint dict with dict subclasses (AttributeDict, OrderedDict) as plain dicts, so it loads
+    with ``torch.load(weights_only=True)``."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj) if not hasattr(obj, "_fields") else tuple(_plain(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _plain(dataclasses.asdict(obj))
+    return obj
+
+
+class _UltraScalePrecisionMixin:
+    """The precision plugin's logic, shared by ``lightning.pytorch`` and ``pytorch_lightning``: put it before
+    the package's ``Precision`` in the bases (see ``UltraScalePrecision``)."""
+
+    def __init__(self, precision: str = "32-true"):
+        super().__init__()
+        if str(precision) not in PRECISIONS:
+            raise ConfigError(f"precision={precision!r}: not available with the ultrascale strategy. Fix: use "
+                              f"one of {', '.join(k for k in PRECISIONS if k != '32')}")
+        self.precision = str(precision)
+        self.strategy = None
+
+    def convert_module(self, module):
+        return module  # bf16-true is applied to the HF model before it is parallelized
+
+    def clip_grad_by_norm(self, optimizer, clip_val, norm_type: float = 2.0) -> None:
+        # the norm of the whole unsharded model: DTensor shards, pipeline stages and TP replicas counted once
+        self.strategy.pmodel.clip_grad_norm_(float(clip_val), norm_type)
+
+
+class _UltraScaleStrategyMixin:
+    """The strategy's logic, shared by ``lightning.pytorch`` and ``pytorch_lightning``: put it before the
+    package's ``ParallelStrategy`` in the bases, and set the class attributes below to that package's own
+    pieces (see ``UltraScaleStrategy``)."""
+
+    # set by the concrete class: the precision plugin class it pairs with, and its Lightning package's launcher,
+    # process-group setup, all-reduce, rank-zero switch and optimizer wrapper
+    _precision_class: type
+    _launcher_class: type
+    _init_dist_connection: Any
+    _sync_ddp_if_available: Any
+    _rank_zero_only: Any
+    _lightning_optimizer_class: type
+
+    strategy_name = "ultrascale"
+
+    def __init__(self, config=None, *, preset: str | None = None, init_from: str | Path | None = None,
+                 timeout: float | timedelta | None = None, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: str | None = None, **fields):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(PRESETS)}")
+        if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
+            config, preset = os.environ["ULTRASCALE_CONFIG"], None
+        self.preset = preset if (config is None and not fields) else None
+        self.config = make_config(config, fields)
+        self.init_from = init_from
+        from ..launch import DEFAULT_TIMEOUT_S
+
+        self._timeout = timeout if timeout is not None else DEFAULT_TIMEOUT_S
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self.pmodel = None
+        self.adapter = None
+        self._attr = None
+
+    # ---- processes ------------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def world(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def _configure_launcher(self) -> None:
+        # the layout is checked against the world size here, in the launching process, before any worker
+        # or process group exists
+        if self.preset is None:
+            self.config.resolve(self.world)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.world)
+        self._rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        from ..launch import collective_timeout, set_collective_timeout
+
+        self.set_world_ranks()
+        set_collective_timeout(self._timeout)
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        kwargs = {"timeout": collective_timeout()}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        self._init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning adds a DistributedSampler over distributed_sampler_kwargs
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of one data-parallel replica (its TP, CP and pipeline peers) reads the same samples
+        return {"num_replicas": self.pmodel.data_parallel_size, "rank": self.pmodel.data_parallel_rank}
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None):
+        # empty_init: parameters on the meta device; each rank then allocates only its shards (pretrained
+        # weights from init_from or the config's directory)
+        with torch.device("meta") if empty_init else contextlib.nullcontext():
+            yield
+
+    # ---- the model ------------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self):
+        return self._precision_plugin if self._precision_plugin is not None else self._precision_class()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if plugin is not None and not isinstance(plugin, self._precision_class):
+            plugin = self._precision_class(getattr(plugin, "precision", "32-true"))
+        if plugin is not None:
+            plugin.strategy = self
+        self._precision_plugin = plugin
+
+    def layout_for(self, model_config) -> ParallelConfig:
+        config = self.config
+        if self.preset is not None:
+            config = config_for_preset(self.preset, self.world, self.num_processes, model_config)
+        mp = PRECISIONS[self.precision_plugin.precision]
+        if mp == "bf16":
+            config = config.replace(mixed_precision="bf16")
+        return config
+
+    def setup(self, trainer) -> None:
+        from .. import engine
+        from ..hf_module import ParallelCausalLM
+        from ..pretrained import weights_for
+
+        self.accelerator.setup(trainer)
+        lm = self.lightning_module
+        self._attr, hf = find_causal_lm(lm)
+        config = self.layout_for(hf.config)
+        if self.precision_plugin.precision == "bf16-true":
+            hf.to(torch.bfloat16)
+        weights = weights_for(hf, self.init_from)
+        self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_weights=weights)
+        self.adapter = ParallelCausalLM(self.pmodel)
+        setattr(lm, self._attr, self.adapter)
+        self.model = lm
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+            self._prepare_optimizers()
+        self.setup_precision_plugin()
+
+    def _prepare_optimizers(self) -> None:
+        """The user's optimizers go through the engine's optimizer path (``ParallelModel.prepare_optimizer``):
+        under ZeRO-1 the data-parallel plugin rebuilds each as a ``ZeroRedundancyOptimizer`` of the same class and
+        settings; LR schedulers follow their optimizer."""
+        from ..engine import move_scheduler
+
+        rebuilt = [self.pmodel.prepare_optimizer(opt) for opt in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            for old, new in zip(self.optimizers, rebuilt):
+                move_scheduler(config.scheduler, old, new)
+        self.optimizers = rebuilt
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ---- the step -------------------------------------------------------------------------------------
+    def training_step(self, *args, **kwargs):
+        if self.adapter is not None:
+            self.adapter.loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.adapter is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.adapter.apply_pending_grads():
+            return closure_loss  # the pipeline schedule ran the backward inside the model call
+        # the engine's backward around Lightning's (hooks, precision): then the gradient averaging over the axes
+        # no wrapper reduces
+        lightning_backward, out = super().backward, []
+        self.pmodel.backward(closure_loss, backward_fn=lambda loss: out.append(
+            lightning_backward(loss, optimizer, *args, **kwargs)))
+        return out[0]
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        # gradient accumulation: no data-parallel reduction until the window's last micro-batch. A pipeline
+        # synchronises each call's own gradients instead (its backward runs inside the model call, and the
+        # reductions are linear, so the sum of synchronised parts is the synchronised sum)
+        with self.adapter.no_sync() if self.adapter is not None else contextlib.nullcontext():
+            yield
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if isinstance(tensor, torch.Tensor):
+            return self._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    def teardown(self) -> None:
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the sharded model
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # restored by load_checkpoint, in place, resharded if the layout changed
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the sharded model state is written by save_checkpoint
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def _other_state(self) -> dict[str, Any]:
+        """The LightningModule's own parameters and buffers outside the HF model."""
+        prefix = f"{self._attr}."
+        return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
+                if not k.startswith(prefix)}
+
+    def _optimizer(self):
+        if len(self.optimizers) > 1:
+            raise ConfigError(f"{len(self.optimizers)} optimizers: checkpoints hold one. Fix: return one "
+                              "optimizer from configure_optimizers")
+        opt = self.optimizers[0] if self.optimizers else None
+        return opt._optimizer if isinstance(opt, self._lightning_optimizer_class) else opt
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        from ..checkpoint import write_checkpoint
+
+        if storage_options is not None:
+            raise ConfigError("save_checkpoint(storage_options=...): sharded checkpoints are written by every "
+                              "rank to a shared path. Fix: drop storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest["other_state_dict"] = self._other_state()
+        write_checkpoint(self.pmodel, self._optimizer(), path, step=int(checkpoint.get("global_step", 0)),
+                         files={STATE_FILE: _plain(rest)})
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from ..checkpoint import load_checkpoint, read_file
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        load_checkpoint(self.pmodel, self._optimizer(), path)
+        rest = read_file(path, STATE_FILE)
+        other = rest.pop("other_state_dict", {})
+        if other:
+            self.lightning_module.load_state_dict(other, strict=False)
+        rest["state_dict"] = {}
+        return rest
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # done by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0:
+            import shutil
+
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    @classmethod
+    def register_strategies(cls, registry) -> None:
+        for name, (preset, description) in PRESETS.items():
+            key = "ultrascale" if name == "default" else f"ultrascale_{name}"
+            registry.register(key, cls, description=description, preset=preset)
