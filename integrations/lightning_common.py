@@ -324,7 +324,7 @@ class _UltraScaleStrategyMixin:
         pass  # done by load_checkpoint
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass
+        pass  # done by load_checkpoint, resharded into this layout
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:

@@ -99,13 +99,9 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         """The data-parallel degree: product of the axes the batch rows are split over (after resolve())."""
-        from .parallel_dims import declared_axes
+        from .parallel_dims import ParallelDims
 
-        out = 1
-        for axis in declared_axes(self):
-            if axis.splits_rows:
-                out *= max(axis.degree, 1)
-        return out
+        return ParallelDims(self).dp
 
 
 def _unknown(key: str, value: Any, fields) -> ConfigError:

@@ -176,9 +176,9 @@ class ParallelModel:
         self.data_parallel_size = self.dims.dp
         self.data_parallel_rank = rows.get_local_rank() if rows is not None else 0
         self._token_group = self.dims.group(self.dims.token_axes)
-        unclaimed = tuple(a for a in self.dims.grad_axes if a not in ctx.claimed_axes)
-        self._grad_group = self.dims.group(unclaimed)
-        self._grad_group_size = self.dims.sub_mesh(unclaimed).size() if self._grad_group is not None else 1
+        unclaimed = self.dims.sub_mesh(tuple(a for a in self.dims.grad_axes if a not in ctx.claimed_axes))
+        self._grad_group = unclaimed.get_group() if unclaimed is not None else None
+        self._grad_group_size = unclaimed.size() if unclaimed is not None else 1
         self.grad_sync = True  # False inside no_sync()
 
     # ---- what users call -------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 dp_replicate, dp_shard, tp; plugin axes where their ``order`` puts them). Axes of degree 1 are left out.
 
 Several axes used together (the data-parallel rows, the gradient-averaging axes, the token-counting axes) get a
-flattened view, created here on every rank at once because flattening creates process groups.
+flattened view: the engine's are made here, on every rank at once because flattening creates process groups;
+others on first use.
 """
 from __future__ import annotations
 
@@ -20,17 +21,29 @@ def build_mesh(device_type: str, axes, flattened: list[tuple[str, ...]]) -> Devi
     if not axes:
         return None
     mesh = init_device_mesh(device_type, tuple(a.degree for a in axes), mesh_dim_names=tuple(a.name for a in axes))
-    groups = [mesh.get_group(name) for name in mesh.mesh_dim_names]
-    done = set()
+    for name in mesh.mesh_dim_names:
+        _bound(mesh.get_group(name))
     for names in flattened:
-        if len(names) > 1 and names not in done:
-            done.add(names)
-            groups.append(mesh[names]._flatten(flat_name(names)).get_group())
+        if len(names) > 1:
+            _flattened(mesh, names)
+    return mesh
+
+
+def _bound(group) -> None:
     # new_group() gives sub-groups torch's 30-minute default, not the job's timeout: set it on each, so a dead
     # or stalled peer becomes an error within the job's bound instead of a long hang.
-    for group in groups:
-        _set_pg_timeout(collective_timeout(), group)
-    return mesh
+    _set_pg_timeout(collective_timeout(), group)
+
+
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The flattened view of ``names``, made on first use (every rank asks for it in the same order: flattening
+    creates a process group)."""
+    try:
+        return mesh[flat_name(names)]
+    except KeyError:
+        view = mesh[names]._flatten(flat_name(names))
+        _bound(view.get_group())
+        return view
 
 
 def sub_mesh(mesh: DeviceMesh | None, names) -> DeviceMesh | None:
@@ -45,4 +58,4 @@ def sub_mesh(mesh: DeviceMesh | None, names) -> DeviceMesh | None:
         return None
     if len(names) == 1:
         return mesh[names[0]]
-    return mesh[flat_name(names)]
+    return _flattened(mesh, names)
