@@ -67,6 +67,29 @@ def padded_batches(steps: int, global_batch: int = 8, seq_len: int = 16, seed: i
     return out
 
 
+def packed_batches(steps: int, global_batch: int = 8, seq_len: int = 256, seed: int = 2) -> list[dict]:
+    """Rows of several documents each, as transformers' packing collator (DataCollatorWithFlattening) makes
+    them: ``position_ids`` restart at 0 at every document, the first token of a document is not a target, no
+    attention mask; plus labels at -100 in random places."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (global_batch, seq_len), generator=g)
+        positions = torch.zeros(global_batch, seq_len, dtype=torch.long)
+        labels = ids.clone()
+        for row in range(global_batch):
+            start = 0
+            while start < seq_len:
+                length = int(torch.randint(5, seq_len // 2, (1,), generator=g))
+                end = min(seq_len, start + length)
+                positions[row, start:end] = torch.arange(end - start)
+                labels[row, start] = -100
+                start = end
+        labels = labels.masked_fill(torch.rand(labels.shape, generator=g) < 0.15, -100)
+        out.append({"input_ids": ids, "position_ids": positions, "labels": labels})
+    return out
+
+
 def rows(batch: dict, rank: int, size: int) -> dict:
     per = next(iter(batch.values())).shape[0] // size
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}

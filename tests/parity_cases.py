@@ -79,3 +79,31 @@ OUTSIDE_CASES = {
     "acme2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"acme_dp": 2, "tp": 2, "sequence_parallel": True}},
     "acme2_pp2": {"world": 4, "arch": "llama8_tied", "layout": {"acme_dp": 2, "pp": 2, "pp_microbatches": 2}},
 }
+
+# Context parallel (sequence of 256 tokens, so each rank's chunks hold several documents and the padding): ring
+# and Ulysses at cp=2 and cp=4, on right-padded and on packed batches (documents separated by restarting
+# position_ids, no mask), and composed with ZeRO-3, TP + SP, pipeline, and in 3-D.
+for _method in ("ring", "ulysses"):
+    for _cp in (2, 4):
+        for _data in ("padded", "packed"):
+            CASES[f"cp{_cp}_{_method}_{_data}"] = {"world": _cp, "arch": "llama", "seq": 256, "data": _data,
+                                                   "layout": {"cp": _cp, "cp_method": _method}}
+# compositions: each with both methods, on padded and packed batches
+CP_COMPOSITIONS = {
+    "cp2_dp2": (4, "llama", {"cp": 2, "dp_shard": 2}),
+    "cp2_tp2_sp": (4, "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    "cp2_pp2": (4, "llama8_tied", {"cp": 2, "pp": 2}),
+    "dp2_cp2_tp2": (8, "llama", {"dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True}),
+    "cp2_tp2_pp2": (8, "llama8_tied", {"cp": 2, "tp": 2, "pp": 2}),
+}
+for _name, (_world, _arch, _layout) in CP_COMPOSITIONS.items():
+    for _method in ("ring", "ulysses"):
+        for _data in ("padded", "packed"):
+            CASES[f"{_name}_{_method}_{_data}"] = {"world": _world, "arch": _arch, "seq": 256, "data": _data,
+                                                   "layout": {**_layout, "cp_method": _method}}
+# packed documents inside pipeline stages (the stages pass no mask on, so transformers sees the packing)
+CASES["pp2_packed"] = {"world": 2, "arch": "llama8_tied", "seq": 256, "data": "packed", "layout": {"pp": 2}}
+# 4-D: every dimension at once on 16 processes
+CASES["dp2_cp2_tp2_pp2_ring_packed"] = {"world": 16, "arch": "llama8_tied", "seq": 256, "data": "packed",
+                                       "layout": {"dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True,
+                                                  "pp": 2}}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import make_model, padded_batches, rows  # noqa: E402
+from models import make_model, packed_batches, padded_batches, rows  # noqa: E402
 from parity_cases import CASES, OUTSIDE_CASES  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
@@ -41,7 +41,7 @@ def reference(arch: str, batches, key=None):
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         losses, norms = [], []
         for batch in batches:
-            loss = model(**batch).loss
+            loss = model(**batch, use_cache=False).loss  # as the engine: packed rows get document masks
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
@@ -49,16 +49,24 @@ def reference(arch: str, batches, key=None):
             losses.append(loss.item())
         model.eval()
         with torch.no_grad():
-            eval_loss = model(**batches[0]).loss.item()
+            eval_loss = model(**batches[0], use_cache=False).loss.item()
         _reference_cache[key] = (losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()},
                                  eval_loss)
     return _reference_cache[key]
 
 
+def make_batches(spec: dict) -> list[dict]:
+    """Right-padded batches (16 tokens unless the case says ``seq``), or packed ones (``data: packed``)."""
+    seq = spec.get("seq", 16)
+    if spec.get("data") == "packed":
+        return packed_batches(STEPS, seq_len=seq)
+    return padded_batches(STEPS, seq_len=seq, positions=spec.get("positions", False))
+
+
 def run_case(name: str, spec: dict) -> dict | None:
     arch, layout = spec["arch"], spec["layout"]
     positions = spec.get("positions", False)
-    batches = padded_batches(STEPS, positions=positions)
+    batches = make_batches(spec)
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
@@ -81,7 +89,8 @@ def run_case(name: str, spec: dict) -> dict | None:
         roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
     if dist.get_rank() != 0:
         return None
-    ref_losses, ref_norms, ref_weights, ref_eval = reference(arch, batches, key=(arch, positions))
+    ref_losses, ref_norms, ref_weights, ref_eval = reference(
+        arch, batches, key=(arch, positions, spec.get("data", "padded"), spec.get("seq", 16)))
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,

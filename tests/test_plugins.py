@@ -34,11 +34,10 @@ def test_builtins_are_registered_as_plugins():
 
 
 def test_every_hook_is_implemented_by_a_builtin():
-    """A hook nothing implements is decoration. The one exception, ``ultrascale_shard_batch``, exists for
-    sequence-splitting dimensions (context parallel, a later plugin); tests/outside_plugin implements it."""
+    """A hook nothing implements is decoration."""
     specs = {name for name in dir(hookspecs) if name.startswith("ultrascale_")}
     implemented = {row_hook for row in us.list_plugins() if row["source"] == "builtin" for row_hook in row["hooks"]}
-    assert specs - implemented == {"ultrascale_shard_batch"}
+    assert specs - implemented == set()
 
 
 def test_third_party_hooks_run_in_the_composition_order(single_process):

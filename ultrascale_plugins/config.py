@@ -3,7 +3,7 @@
 Its fields are whatever the installed dimension plugins declare through ``ultrascale_add_fields`` (see
 ``fields.py``): the built-ins declare ``dp_replicate``, ``dp_shard``, ``zero_stage``, ``mixed_precision`` (data
 parallel), ``tp``, ``sequence_parallel``, ``loss_parallel`` (tensor parallel), ``pp`` and its schedule fields
-(pipeline), ``activation_checkpointing``; a third-party plugin's fields join them. Values are checked when the
+(pipeline), ``activation_checkpointing``, ``cp`` and ``cp_method`` (context parallel); a third-party plugin's fields join them. Values are checked when the
 config is made, so a bad layout fails in milliseconds, before any process group, with an error that names the
 field, the value and the fix.
 """
@@ -13,10 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from .fields import ConfigError, field_error, suggest  # noqa: F401 - re-exported: every module's error type
-
-# Fields users may know from other tools that no installed plugin provides yet: a clear refusal, not a typo hint.
-NOT_AVAILABLE = {"cp": "context parallelism", "cp_method": "context parallelism"}
-
 
 def _fields():
     from .plugins import layout_fields
@@ -105,10 +101,6 @@ class ParallelConfig:
 
 
 def _unknown(key: str, value: Any, fields) -> ConfigError:
-    if key in NOT_AVAILABLE:
-        return ConfigError(f"{key}={value!r}: {NOT_AVAILABLE[key]} is not available in this version (no installed "
-                           f"plugin declares the '{key}' field). Fix: remove {key}, or install a plugin that "
-                           "provides it")
     return ConfigError(f"unknown parallel key '{key}': {suggest(key, [f.name for f in fields])} (no installed "
                        "plugin declares it; `ultrascale plugins` lists the fields)")
 

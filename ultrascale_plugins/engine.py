@@ -32,6 +32,9 @@ class ParallelContext:
     forward_module: nn.Module | None = None  # what the forward calls (a DDP wrapper, or the model itself)
     autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
     claimed_axes: set = dataclasses.field(default_factory=set)  # gradient-averaging axes a wrapper handles
+    # what a dimension keeps for this model between its hooks (e.g. context parallel's group and batch flags),
+    # keyed by a name the plugin chooses
+    plugin_state: dict = dataclasses.field(default_factory=dict)
 
     _materializer: Any = None
 

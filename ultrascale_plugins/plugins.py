@@ -20,6 +20,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.dims.data_parallel",
     "ultrascale_plugins.dims.tensor",
     "ultrascale_plugins.dims.pipeline",
+    "ultrascale_plugins.dims.context_parallel",
     "ultrascale_plugins.dims.checkpointing",
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",

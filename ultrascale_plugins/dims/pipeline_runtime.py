@@ -192,8 +192,10 @@ class Pipeline(Runtime):
         batch = pmodel.prepare_batch(batch)
         ids, targets = batch["input_ids"], batch["targets"]
         mask = batch.get("attention_mask")
+        for module in self.stages:  # no mask: the stages pass None on, so packed rows keep their document masks
+            module.pipeline_options["mask"] = mask is not None
         if mask is None:
-            mask = torch.ones_like(ids)
+            mask = torch.ones_like(ids)  # a stage input must be a tensor
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()

@@ -164,13 +164,16 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         # input of the next, absent layer. Models may transform the hidden states after their layers.
         layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
     causal_lm_forward = type(model).forward
+    options = {"mask": True}  # the runtime says per step whether the batch has a mask (the input is always one)
 
     def forward(x, attention_mask, position_ids, input_ids=None):
         if first:
             input_ids = x
         else:
             received["x"] = x
-        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        # transformers finds packed documents from restarting positions only when no mask is given
+        mask = attention_mask if options["mask"] else None
+        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         try:
             if last:
                 return _own(causal_lm_forward(stage, **kwargs).logits)
@@ -181,6 +184,7 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
             sent.clear()
 
     stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
+    stage.pipeline_options = options
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
 

@@ -1,0 +1,331 @@
+"""Context-parallel attention: ring attention and Ulysses, as transformers attention functions.
+
+Both are registered in transformers' ``AttentionInterface`` and selected on the model's config, so every
+architecture whose attention goes through that interface runs them unchanged. They get this rank's queries, keys
+and values for its head-tail shard of the sequence (``cp_layout``) and the shard's global ``position_ids``, and
+build the mask themselves from global indices: causal, within one document for packed rows (positions that
+restart), within the sliding window when the layer has one. Right padding needs no mask: it comes after every
+real token, so causality hides it.
+
+Why not PyTorch's own context parallel (``torch.distributed.tensor.experimental.context_parallel``, torch 2.13)?
+It patches ``F.scaled_dot_product_attention`` only, routes only the flash / efficient / cuDNN SDPA kernels (none
+exists for CPU: it raises there), refuses any attention mask (padding, documents, windows) and soft-capping. So the
+ring is written here with point-to-point sends (``batch_isend_irecv``: works on gloo and NCCL), with an exact
+backward that sends the key/value gradients round the ring to their owners.
+
+- **ring**: keys and values travel round the cp ranks; each step attends this rank's queries to the visiting
+  block (only the chunk pairs causality allows) and merges the partial result by its log-sum-exp. Activation
+  memory per rank is that of ``S / cp`` tokens: only the local queries, keys, values, output and log-sum-exp
+  are kept for backward, which recomputes each block's probabilities.
+- **ulysses**: an all-to-all turns (all heads, S/cp tokens) into (heads/cp, all S tokens), attention runs over the
+  whole sequence for those heads (``F.scaled_dot_product_attention`` with the mask: on CUDA its memory-efficient
+  kernel), and a second all-to-all turns it back. Key/value heads that do not split over cp are replicated first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .cp_layout import chunk_ids, layout_index, segments, visible
+
+# kwargs the attention functions understand; any other tensor argument changes attention in a way they don't know
+KNOWN_KWARGS = {"position_ids", "sliding_window", "softcap", "dropout", "scaling", "use_cache", "is_causal",
+                "output_attentions", "cache_position", "past_key_values", "past_key_value", "layer_idx",
+                "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "token_type_ids"}
+REFUSED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a relative position bias",
+                  "alibi": "ALiBi position biases", "attention_bias": "an additive attention bias"}
+
+
+@dataclasses.dataclass
+class CPState:
+    """One model's context-parallel group and the per-batch flag the attention functions read."""
+
+    group: object
+    size: int
+    rank: int
+    method: str
+    document_mask: bool = True  # set per batch by shard_batch: packed documents count only without a mask
+    name: str = ""  # its registered attention-function name
+
+    def __post_init__(self):
+        self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+
+# ---- one block of attention, its partial result and the merge ------------------------------------------------
+def block_scores(q, k, scale: float, softcap: float | None):
+    """(B, H, Lq, Lk) fp32 scores, and tanh(s / softcap) for the backward when soft-capped."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def block_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """Attention of ``q`` to one block of keys, unnormalised-merge ready: (normalised output, log-sum-exp).
+    Rows that see no key of the block give output 0 and log-sum-exp -inf (they vanish in the merge)."""
+    s, _ = block_scores(q, k, scale, softcap)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v) / total.clamp_min(torch.finfo(total.dtype).tiny)
+    lse = (m + torch.log(total)).squeeze(-1)  # -inf where nothing is visible
+    return out, lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Combine two partial attention results over disjoint key sets by their log-sum-exps (exact)."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    a = torch.exp(lse - safe).unsqueeze(-1)
+    b = torch.exp(block_lse - safe).unsqueeze(-1)
+    return a * out + b * block_out, new
+
+
+def repeat_heads(x, n: int):
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def fold_heads(x, n: int):
+    """Sum a gradient over the query heads that shared one key/value head."""
+    if n == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // n, n, s, d).sum(2)
+
+
+# ---- the ring ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RingPlan:
+    """What every step of the ring needs besides the tensors: the chunks, the masks' inputs, the scale."""
+
+    state: CPState
+    chunk: int
+    q_index: torch.Tensor  # (L,) global index of each local token
+    seg: torch.Tensor | None  # (B, S) document of every global token, or None
+    window: int | None
+    scale: float
+    softcap: float | None
+    n_rep: int
+
+    def blocks(self, src: int):
+        """(query rows, key rows of the visiting block, mask) for each pair of this rank's query chunk and the
+        block's key chunks that causality leaves visible."""
+        c, cp = self.chunk, self.state.size
+        out = []
+        for qi, q_chunk in enumerate(chunk_ids(cp, self.state.rank)):
+            keys = [ki for ki, k_chunk in enumerate(chunk_ids(cp, src)) if k_chunk <= q_chunk]
+            if not keys:
+                continue
+            q_rows = slice(qi * c, (qi + 1) * c)
+            k_rows = torch.cat([torch.arange(ki * c, (ki + 1) * c) for ki in keys])
+            q_idx = self.q_index[q_rows]
+            k_idx = torch.cat([torch.arange(kc * c, (kc + 1) * c)
+                               for ki, kc in enumerate(chunk_ids(cp, src)) if ki in keys]).to(q_idx.device)
+            q_seg = k_seg = None
+            if self.seg is not None:
+                q_seg, k_seg = self.seg[:, q_idx], self.seg[:, k_idx]
+            out.append((q_rows, k_rows.to(q_idx.device), visible(q_idx, k_idx, q_seg, k_seg, self.window)))
+        return out
+
+
+def _exchange(send: torch.Tensor, state: CPState):
+    """Start sending ``send`` to the next rank and receiving the previous rank's into a new buffer."""
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, state.next_peer, group=state.group),
+           dist.P2POp(dist.irecv, recv, state.prev_peer, group=state.group)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact causal ring attention over the cp group: q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) of
+    this rank's shard -> (B, H, L, Dv)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan):
+        cp, rank = plan.state.size, plan.state.rank
+        qf = q.float()
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        dk = k.shape[-1]
+        for step in range(cp):
+            src = (rank - step) % cp
+            nxt, works = _exchange(kv, plan.state) if step < cp - 1 else (None, [])
+            kf = repeat_heads(kv[..., :dk].float(), plan.n_rep)
+            vf = repeat_heads(kv[..., dk:].float(), plan.n_rep)
+            for q_rows, k_rows, mask in plan.blocks(src):
+                o, l_ = block_attention(qf[:, :, q_rows], kf[:, :, k_rows], vf[:, :, k_rows], mask, plan.scale,
+                                        plan.softcap)
+                out[:, :, q_rows], lse[:, :, q_rows] = merge(out[:, :, q_rows], lse[:, :, q_rows], o, l_)
+            _wait(works)
+            kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        cp, rank = plan.state.size, plan.state.rank
+        dk_dim = k.shape[-1]
+        qf, do = q.float(), grad_out.float()
+        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(qf)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
+        for step in range(cp):
+            src = (rank - step) % cp
+            nxt, works = _exchange(kv, plan.state) if step < cp - 1 else (None, [])
+            kf = repeat_heads(kv[..., :dk_dim].float(), plan.n_rep)
+            vf = repeat_heads(kv[..., dk_dim:].float(), plan.n_rep)
+            dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+            for q_rows, k_rows, mask in plan.blocks(src):
+                qb, kb, vb, dob = qf[:, :, q_rows], kf[:, :, k_rows], vf[:, :, k_rows], do[:, :, q_rows]
+                s, t = block_scores(qb, kb, plan.scale, plan.softcap)
+                p = torch.exp(s.masked_fill(~mask, float("-inf")) - lse[:, :, q_rows].unsqueeze(-1))
+                dvf[:, :, k_rows] += torch.matmul(p.transpose(-1, -2), dob)
+                ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[:, :, q_rows])
+                if t is not None:
+                    ds = ds * (1 - t * t)
+                dq[:, :, q_rows] += torch.matmul(ds, kb) * plan.scale
+                dkf[:, :, k_rows] += torch.matmul(ds.transpose(-1, -2), qb) * plan.scale
+            dkv += torch.cat([fold_heads(dkf, plan.n_rep), fold_heads(dvf, plan.n_rep)], dim=-1)
+            _wait(works)
+            # the block and its gradient so far move on together; after the last step the gradient goes home
+            dkv_next, works = _exchange(dkv, plan.state)
+            _wait(works)
+            kv, dkv = nxt, dkv_next
+        return dq.to(q.dtype), dkv[..., :dk_dim].to(k.dtype), dkv[..., dk_dim:].to(v.dtype), None
+
+
+# ---- Ulysses -------------------------------------------------------------------------------------------------
+class AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0 of a contiguous tensor; its own transpose, so backward is the same."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides were
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x, state: CPState):
+    """(B, H, L, D) sequence shard -> (B, H/cp, cp*L, D) all tokens (rank order) for this rank's heads."""
+    b, h, length, d = x.shape
+    cp = state.size
+    x = x.reshape(b, cp, h // cp, length, d).permute(1, 0, 2, 3, 4).contiguous()
+    x = AllToAll.apply(x, state.group)  # dim 0 now: the source rank of the tokens
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * length, d)
+
+
+def heads_to_seq(x, state: CPState):
+    """Inverse of ``seq_to_heads``."""
+    b, hl, total, d = x.shape
+    cp = state.size
+    x = x.reshape(b, hl, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    x = AllToAll.apply(x, state.group)  # dim 0 now: the rank whose heads these are
+    return x.permute(1, 0, 2, 3, 4).reshape(b, cp * hl, total // cp, d)
+
+
+def dense_attention(q, k, v, mask, scale: float, softcap: float | None):
+    """Masked attention over a whole (gathered) sequence: SDPA where it applies (CUDA: memory-efficient kernel
+    with the boolean mask), the eager formula with soft-capping."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s, _ = block_scores(q.float(), k.float(), scale, softcap)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
+def kv_replication(h_local: int, kv_local: int, cp: int) -> int:
+    """How many times to repeat each key/value head so they split over ``cp`` like the query heads."""
+    n_rep = h_local // kv_local
+    need = cp // math.gcd(cp, kv_local)
+    if h_local % cp or n_rep % need:
+        raise ConfigError(f"cp={cp} with cp_method=ulysses: this rank's {h_local} attention heads do not split over "
+                          f"cp. Fix: use cp_method: ring, or a cp that divides the heads per tensor-parallel rank")
+    return need
+
+
+# ---- the functions transformers calls ------------------------------------------------------------------------
+def _global_positions(position_ids, state: CPState, rows: int) -> torch.Tensor:
+    """All-gather the shards' positions and put them in global order: (B, S)."""
+    local = position_ids.expand(rows, -1).contiguous()
+    parts = [torch.empty_like(local) for _ in range(state.size)]
+    dist.all_gather(parts, local, group=state.group)
+    gathered = torch.cat(parts, dim=1)  # rank order
+    index = layout_index(gathered.shape[1], state.size, gathered.device)
+    out = torch.empty_like(gathered)
+    out[:, index] = gathered
+    return out
+
+
+def _check_call(module, attention_mask, dropout, kwargs) -> None:
+    if attention_mask is not None:
+        raise ConfigError(f"context parallel: {type(module).__name__} received an attention mask built by the model "
+                          "for the local shard; context parallel builds its own from global positions. Fix: cp: 1 "
+                          "for this model")
+    if dropout:
+        raise ConfigError(f"context parallel: attention dropout {dropout} is not supported. Fix: set the model's "
+                          "attention dropout to 0")
+    for name, value in kwargs.items():
+        if name in REFUSED_KWARGS or (name not in KNOWN_KWARGS and isinstance(value, torch.Tensor)):
+            raise ConfigError(f"context parallel: {type(module).__name__} passes '{name}' "
+                              f"({REFUSED_KWARGS.get(name, 'an unknown tensor')}) to its attention, which context "
+                              "parallel does not implement. Fix: cp: 1 for this model")
+    if kwargs.get("position_ids") is None:
+        raise ConfigError(f"context parallel: {type(module).__name__} does not pass position_ids to its attention "
+                          "function, so the shards' global positions are unknown. Fix: cp: 1 for this model")
+
+
+def cp_attention(state: CPState, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The function registered in transformers' AttentionInterface: (B, H, L, D) shards in, (B, L, H, Dv) out."""
+    _check_call(module, attention_mask, dropout, kwargs)
+    rows, heads, length, _ = query.shape
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    positions = _global_positions(kwargs["position_ids"], state, rows)
+    seg = segments(positions) if state.document_mask else None
+    total = positions.shape[1]
+    if state.method == "ring":
+        plan = RingPlan(state, total // (2 * state.size),
+                        layout_index(total, state.size, query.device)[state.rank * length:(state.rank + 1) * length],
+                        seg, window, scale, softcap, heads // key.shape[1])
+        out = RingAttention.apply(query, key, value, plan)
+    else:
+        rep = kv_replication(heads, key.shape[1], state.size)
+        q = seq_to_heads(query, state)
+        k = seq_to_heads(repeat_heads(key, rep), state)
+        v = seq_to_heads(repeat_heads(value, rep), state)
+        n_rep = q.shape[1] // k.shape[1]
+        index = layout_index(total, state.size, query.device)  # the gathered tokens' global indices
+        order_seg = seg[:, index] if seg is not None else None
+        mask = visible(index, index, order_seg, order_seg, window)
+        out = dense_attention(q, repeat_heads(k, n_rep), repeat_heads(v, n_rep), mask, scale, softcap)
+        out = heads_to_seq(out, state)
+    return out.transpose(1, 2).contiguous(), None
