@@ -196,7 +196,9 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     matrix_layouts = list(MATRIX)
     rows, reasons = [], []
     full_pass, tp_fsdp_pass = 0, 0
-    tp_fsdp = [n for n in matrix_layouts if "pp" not in n]
+    tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n]
+    cp_layouts = [n for n in matrix_layouts if n.startswith("cp")]
+    cp_pass = cp_refused = 0
     for model_type in sorted(testable):
         marks = []
         for layout in matrix_layouts:
@@ -211,6 +213,9 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             full_pass += 1
         if all(verdict(cells.get(f"{model_type}:{n}", {})) == "pass" for n in tp_fsdp):
             tp_fsdp_pass += 1
+        cp_verdicts = {verdict(cells.get(f"{model_type}:{n}", {})) for n in cp_layouts}
+        cp_pass += cp_verdicts == {"pass"}
+        cp_refused += cp_verdicts == {"refused"}
         plans_ = "+".join(k.upper() for k in ("tp", "pp") if testable[model_type][k])
         rows.append(f"| `{model_type}` | {plans_} | " + " | ".join(marks) + " |")
     sched_rows = []
@@ -235,6 +240,7 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     counts = collections.Counter(verdict(r) for r in cells.values())
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
+               "cp_all_pass": cp_pass, "cp_refused": cp_refused,
                "cells": dict(counts)}
     lines = [
         "# Compatibility matrix",
@@ -256,7 +262,10 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         f"layout (dp2, tp2, tp2_sp, dp2_tp2_sp). {summary['untinyable']} more types with a plan cannot be built "
         f"tiny (listed below with the reason), so of all {summary['denominator']} types with a plan "
         f"{100 * tp_fsdp_pass / max(1, summary['denominator']):.0f} % are shown to pass every TP/FSDP layout; "
-        f"{summary['planless']} causal-LM types carry no plan at all.",
+        f"{summary['planless']} causal-LM types carry no plan at all. Context parallel (ring and Ulysses, cp=2): "
+        f"{cp_pass} of {summary['testable']} types pass both, {cp_refused} are refused before any worker starts "
+        "(attention outside transformers' attention interface, convolutions or state-space layers over the "
+        "sequence, attention sinks, a model-built mask); the router auxiliary loss under cp is in the MoE table.",
         "",
         "✓ parity · ⊘ refused with a ConfigError before training (reason below) · ✗ failure (reason below) · "
         "– the tiny model does not run in one process",

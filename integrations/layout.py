@@ -3,7 +3,8 @@ or Accelerate's own configuration.
 
 Accelerate's YAML (what ``accelerate config`` writes and ``accelerate launch --config_file`` reads) has keys for
 ``mixed_precision``, ``num_processes``, ``fsdp_config`` and ``parallelism_config`` sizes (dp_replicate, dp_shard,
-tp, cp); its launcher exports them to the workers as ``ACCELERATE_MIXED_PRECISION``, ``FSDP_*`` and
+tp, cp, sp: each read by the dimension plugin that declares it through ``ultrascale_accelerate_keys``, so
+``cp_size`` is ring context parallel and ``sp_size`` Ulysses); its launcher exports them to the workers as ``ACCELERATE_MIXED_PRECISION``, ``FSDP_*`` and
 ``PARALLELISM_CONFIG_*`` and they mean here what they mean in Accelerate. It has no key for the rest (pipeline,
 schedule, micro-batches, sequence parallel, ZeRO stage, activation checkpointing): those live in an
 ``ultrascale:`` block inside ``parallelism_config`` — Accelerate accepts unknown keys inside its sections but
@@ -23,8 +24,7 @@ from ..parallel_dims import declared_axes
 
 ACCELERATE_ENV_PREFIXES = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
                            "FSDP_", "ACCELERATE_MIXED_PRECISION")
-SIZE_KEYS = {"dp_replicate": "parallelism_config_dp_replicate_size", "dp_shard": "parallelism_config_dp_shard_size",
-             "tp": "parallelism_config_tp_size", "cp": "parallelism_config_cp_size"}
+YAML_PREFIX, ENV_PREFIX = "parallelism_config_", "PARALLELISM_CONFIG_"
 SECTION = "ultrascale"
 
 
@@ -57,11 +57,8 @@ def read_layout_file(path: str | Path) -> ParallelConfig:
 def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
     section = dict(data.get("parallelism_config") or {})
     extra = dict(section.pop(SECTION, None) or {})
-    fields: dict[str, Any] = {}
-    for field, key in SIZE_KEYS.items():
-        if key in section:
-            fields[field] = int(section[key])
-    _without_unit_cp(fields)
+    fields = sizes_to_fields({k.removeprefix(YAML_PREFIX): v for k, v in section.items()
+                              if k.startswith(YAML_PREFIX) and k.endswith("_size")}, where)
     fields.update(_fsdp_fields({k.upper(): str(v) for k, v in (data.get("fsdp_config") or {}).items()},
                                data.get("distributed_type") == "FSDP"))
     for field in extra:
@@ -71,8 +68,45 @@ def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
     fields.update(extra)
     if str(data.get("mixed_precision", "no")) not in ("no", "None"):
         fields.setdefault("mixed_precision", str(data["mixed_precision"]))
-    _check_unavailable(section)
     return ParallelConfig.from_dict(fields)
+
+
+def accelerate_keys() -> dict[str, tuple[str, dict]]:
+    """Accelerate's size keys the installed dimension plugins read (``ultrascale_accelerate_keys``):
+    ``{"tp_size": ("tp", {}), ...}``."""
+    from ..plugins import get_plugin_manager
+
+    keys: dict[str, tuple[str, dict]] = {}
+    for result in get_plugin_manager().hook.ultrascale_accelerate_keys():
+        keys.update(result or {})
+    return keys
+
+
+def sizes_to_fields(sizes: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Layout fields from Accelerate's sizes (``{"tp_size": 2, ...}``). A size of 1 is what Accelerate writes when
+    it means none; several keys may feed one field (``cp_size`` and ``sp_size``) but only one may be above 1; a
+    size above 1 that no installed plugin reads is refused."""
+    keys = accelerate_keys()
+    fields: dict[str, Any] = {}
+    set_by: dict[str, str] = {}
+    for key, raw in sizes.items():
+        value = int(raw or 1)
+        if key not in keys:
+            if value > 1:
+                raise ConfigError(f"{where}: parallelism_config_{key}={value}: no installed plugin reads this "
+                                  "Accelerate size. Fix: set it to 1, or install the plugin that provides it")
+            continue
+        field, implied = keys[key]
+        if value == 1 and (field in set_by or any(k != key and keys.get(k, ("",))[0] == field
+                                                  and int(sizes[k] or 1) > 1 for k in sizes)):
+            continue  # another key sets this field
+        if field in set_by and (fields[field] != value or value > 1):
+            raise ConfigError(f"{where}: parallelism_config_{set_by[field]}={fields[field]} and "
+                              f"parallelism_config_{key}={value} both set {field}. Fix: set one of them to 1")
+        fields[field], set_by[field] = value, key
+        if value > 1:
+            fields.update(implied)
+    return fields
 
 
 def _fsdp_fields(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
@@ -99,20 +133,6 @@ def _fsdp_fields(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
     return fields
 
 
-def _without_unit_cp(fields: dict) -> None:
-    """Accelerate always writes a context-parallel size; 1 means none. A larger one needs a plugin that declares
-    the ``cp`` field (ParallelConfig then refuses or accepts it)."""
-    if fields.get("cp") == 1 and "cp" not in ParallelConfig.field_names():
-        del fields["cp"]
-
-
-def _check_unavailable(sizes: Mapping) -> None:
-    sp = int(sizes.get("parallelism_config_sp_size", sizes.get("SP_SIZE", 1)) or 1)
-    if sp > 1:
-        raise ConfigError(f"parallelism_config_sp_size={sp}: Accelerate's sequence parallel (Ulysses) is context "
-                          "parallelism here, which is not available yet. Fix: set it to 1")
-
-
 def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfig:
     """The layout of an ``accelerate launch``-ed (or torchrun-ed) worker: ``$ULTRASCALE_CONFIG`` if set, else
     what Accelerate's launcher exported, else ZeRO-3 over every process."""
@@ -122,13 +142,8 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
     else:
         fields: dict[str, Any] = {}
         if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
-            for field in SIZE_KEYS:
-                value = env.get(f"PARALLELISM_CONFIG_{field.upper()}_SIZE")
-                if value is not None:
-                    fields[field] = int(value)
-            _without_unit_cp(fields)
-            _check_unavailable({k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in env.items()
-                                if k.startswith("PARALLELISM_CONFIG_")})
+            fields = sizes_to_fields({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()
+                                      if k.startswith(ENV_PREFIX) and k.endswith("_SIZE")}, "accelerate launch")
         fields.update(_fsdp_fields(env, str(env.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"))
         config = ParallelConfig.from_dict(fields)
     mixed = str(env.get("ACCELERATE_MIXED_PRECISION", "no"))
@@ -150,11 +165,12 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
 
 def accelerate_yaml(config: ParallelConfig, num_processes: int, use_cpu: bool, num_machines: int = 1) -> dict:
     """An Accelerate config file holding the whole layout."""
-    sizes = {key: getattr(config, field, 1) for field, key in SIZE_KEYS.items()}
-    sizes["parallelism_config_dp_shard_size"] = config.resolve(num_processes).dp_shard
+    resolved = config.resolve(num_processes)
+    plain = {key: field for key, (field, implied) in accelerate_keys().items() if not implied}
+    sizes = {YAML_PREFIX + key: getattr(resolved, field) for key, field in plain.items()}
     defaults = ParallelConfig().to_dict()
     extra = {k: v for k, v in config.to_dict().items()
-             if k not in SIZE_KEYS and k != "mixed_precision" and v != defaults[k]}
+             if k not in plain.values() and k != "mixed_precision" and v != defaults[k]}
     if extra:
         sizes[SECTION] = extra
     return {"compute_environment": "LOCAL_MACHINE",

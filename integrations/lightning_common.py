@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ParallelConfig
+from ..presets import config_for_preset, presets
 from .layout import make_config
-from .presets import PRESETS, config_for_preset
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 STATE_FILE = "lightning.pt"
@@ -90,8 +90,8 @@ class _UltraScaleStrategyMixin:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if preset is not None and preset not in PRESETS:
-            raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(PRESETS)}")
+        if preset is not None and preset not in presets():
+            raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(presets())}")
         if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
             config, preset = os.environ["ULTRASCALE_CONFIG"], None
         self.preset = preset if (config is None and not fields) else None
@@ -335,6 +335,6 @@ class _UltraScaleStrategyMixin:
 
     @classmethod
     def register_strategies(cls, registry) -> None:
-        for name, (preset, description) in PRESETS.items():
+        for name, preset in presets().items():  # the dimension plugins' presets: ultrascale_<name>
             key = "ultrascale" if name == "default" else f"ultrascale_{name}"
-            registry.register(key, cls, description=description, preset=preset)
+            registry.register(key, cls, description=preset.description, preset=name)

@@ -177,8 +177,17 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
         layout_from_environment(env, 8)
     with pytest.raises(ConfigError, match="accelerate launch --cpu"):
         layout_from_environment(env, 1)
-    with pytest.raises(ConfigError, match="sp_size=2"):
-        layout_from_environment({**env, "PARALLELISM_CONFIG_SP_SIZE": "2"}, 4)
+    # Accelerate's context-parallel sizes, read by the context-parallel plugin: cp_size is the ring, sp_size Ulysses
+    ulysses = layout_from_environment({**env, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1",
+                                       "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "2"}, 4)
+    assert (ulysses.cp, ulysses.cp_method, ulysses.tp) == (2, "ulysses", 2)
+    ring = layout_from_environment({**env, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_CP_SIZE": "2",
+                                    "PARALLELISM_CONFIG_SP_SIZE": "1"}, 4)
+    assert (ring.cp, ring.cp_method) == (2, "ring")
+    with pytest.raises(ConfigError, match="parallelism_config_cp_size=2 and parallelism_config_sp_size=2"):
+        layout_from_environment({**env, "PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "2"}, 4)
+    with pytest.raises(ConfigError, match="parallelism_config_ep_size=2: no installed plugin reads"):
+        layout_from_environment({**env, "PARALLELISM_CONFIG_EP_SIZE": "2"}, 4)
     fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_VERSION": "2"}
     assert layout_from_environment(fsdp, 4).zero_stage == 2
     with pytest.raises(ConfigError, match="fp16"):

@@ -56,13 +56,13 @@ def test_installed_integrations_are_the_real_files(tmp_path):
 def test_the_checkout_imports_its_own_integrations_directory():
     # python -c / python -m from the repository root import ultrascale_plugins from the checkout (the tests'
     # subprocesses do), whatever is installed; the adapters must then come from the checkout's integrations/
-    probe = ("import ultrascale_plugins, ultrascale_plugins.integrations.presets as m; "
+    probe = ("import ultrascale_plugins, ultrascale_plugins.integrations.layout as m; "
              "print(ultrascale_plugins.__file__); print(m.__file__)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    package, presets = map(Path, out.stdout.split())
+    package, layout = map(Path, out.stdout.split())
     assert package == ROOT / "ultrascale_plugins" / "__init__.py"
-    assert presets == ROOT / "integrations" / "presets.py"
+    assert layout == ROOT / "integrations" / "layout.py"
 
 
 # ---- the core imports neither Lightning nor Accelerate -------------------------------------------------------
@@ -163,7 +163,7 @@ def _check_strategy_module(module, pl_package: str, fabric_package: str):
     precision = importlib.import_module(f"{pl_package}.plugins.precision")
     rank_zero = importlib.import_module(f"{fabric_package}.utilities.rank_zero")
     distributed = importlib.import_module(f"{fabric_package}.utilities.distributed")
-    from ultrascale_plugins.integrations.presets import PRESETS
+    from ultrascale_plugins.presets import presets
 
     for cls in (module.UltraScaleStrategy, module.UltraScalePrecision):
         assert cls.__module__ == module.__name__
@@ -176,11 +176,11 @@ def _check_strategy_module(module, pl_package: str, fabric_package: str):
     assert module.UltraScaleStrategy._rank_zero_only is rank_zero.rank_zero_only
     assert module.UltraScaleStrategy._init_dist_connection is distributed._init_dist_connection
     assert module.UltraScaleStrategy._sync_ddp_if_available is distributed._sync_ddp_if_available
-    for name, (preset, _) in PRESETS.items():
+    for name in presets():
         key = "ultrascale" if name == "default" else f"ultrascale_{name}"
         strategy = strategies.StrategyRegistry.get(key)
         assert type(strategy) is module.UltraScaleStrategy, key
-        assert strategy.preset == preset
+        assert strategy.preset == name
         assert type(strategy.precision_plugin) is module.UltraScalePrecision
 
 

@@ -16,7 +16,9 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
    (``ultrascale_prepare_optimizer``), the step itself (``ultrascale_train_step``: replace it, or wrap it with a
    ``@hookimpl(wrapper=True)`` generator);
 4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``) and its costs
-   (``ultrascale_estimate``).
+   (``ultrascale_estimate``);
+5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
+   Accelerate's ``parallelism_config`` sizes).
 """
 from __future__ import annotations
 
@@ -122,3 +124,17 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     category (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``) and
     communication in bytes per step per mesh axis (``estimate.add_comm(axis, n)``). ``shape`` holds the
     ``seq_len`` and ``micro_batch`` the estimate is for."""
+
+
+# ---- names in the front ends --------------------------------------------------------------------------------
+@hookspec
+def ultrascale_presets():
+    """Return named layouts (``presets.Preset``) that front ends offer by name: Lightning registers each as the
+    strategy ``ultrascale_<name>`` (``Trainer(strategy="ultrascale_cp", devices=8)``)."""
+
+
+@hookspec
+def ultrascale_accelerate_keys():
+    """Return the Accelerate ``parallelism_config`` size keys this dimension reads, as ``{key: (field, implied)}``:
+    the YAML key ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>`` set ``field`` to
+    their value and the fields of ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``)."""

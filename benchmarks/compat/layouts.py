@@ -10,6 +10,8 @@ MATRIX = {
     "pp2": (2, {"pp": 2}),
     "pp2_tp2": (4, {"pp": 2, "tp": 2}),
     "pp2_dp2": (4, {"pp": 2, "dp_shard": 2}),
+    "cp2_ring": (2, {"cp": 2, "cp_method": "ring"}),
+    "cp2_ulysses": (2, {"cp": 2, "cp_method": "ulysses"}),
 }
 
 # A few representative architectures run every pipeline schedule with TP, TP + SP and ZeRO-3.
@@ -27,7 +29,8 @@ SCHEDULE_TYPES = ("llama", "qwen3", "gemma2", "mixtral")
 # the "model" entry is applied to the tiny config, on both sides of the comparison.
 AUX = {"dp2_aux": (2, {"dp_shard": 2, "model": {"output_router_logits": True}}),
        "dp2_tp2_sp_aux": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
-                              "model": {"output_router_logits": True}})}
+                              "model": {"output_router_logits": True}}),
+       "cp2_aux": (2, {"cp": 2, "model": {"output_router_logits": True}})}
 
 ALL = {**MATRIX, **SCHEDULES, **AUX}
 

@@ -123,10 +123,14 @@ def run_parallel(model_type: str, layout: dict, overrides: dict) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     gathered = [None] * dist.get_world_size()  # routing of this rank's tokens, in data-parallel order
-    dist.all_gather_object(gathered, (pmodel.data_parallel_rank, routing if layout.get("pp", 1) == 1 else None))
+    cp = layout.get("cp", 1)
+    cp_rank = pmodel.dims.coordinate(dist.get_rank(), ("cp",)) if cp > 1 else 0
+    dist.all_gather_object(gathered, (pmodel.data_parallel_rank, cp_rank,
+                                      routing if layout.get("pp", 1) == 1 else None))
     by_dp = {}
-    for dp_rank, recs in gathered:
-        by_dp.setdefault(dp_rank, recs)
+    for dp_rank, rank_in_cp, recs in sorted(gathered, key=lambda g: (g[0], g[1])):
+        by_dp.setdefault(dp_rank, []).append(recs)
+    by_dp = {k: _unsplit_sequence(v, BATCH // pmodel.data_parallel_size) for k, v in by_dp.items()}
     merged = None
     if all(r is not None for r in by_dp.values()):
         ordered = [by_dp[k] for k in sorted(by_dp)]
@@ -134,15 +138,43 @@ def run_parallel(model_type: str, layout: dict, overrides: dict) -> dict:
     return {"losses": losses, "norms": norms, "weights": pmodel.full_state_dict(), "routing": merged}
 
 
-def routing_result(ref: list, got: list | None) -> dict:
+def _unsplit_sequence(per_cp_rank: list, rows: int):
+    """One data-parallel rank's routing records in token order, from its context-parallel ranks' records (each
+    holds its head-tail shard of every row; one record per router call, (rows x shard tokens, k))."""
+    if len(per_cp_rank) == 1 or any(r is None for r in per_cp_rank):
+        return per_cp_rank[0]
+    from ultrascale_plugins.dims.cp_layout import layout_index
+
+    cp, out = len(per_cp_rank), []
+    for calls in zip(*per_cp_rank):
+        parts = [c.reshape(rows, -1, c.shape[-1]) for c in calls]
+        in_rank_order = torch.cat(parts, dim=1)
+        index = layout_index(in_rank_order.shape[1], cp)
+        ordered = torch.empty_like(in_rank_order)
+        ordered[:, index] = in_rank_order
+        out.append(ordered.reshape(-1, ordered.shape[-1]))
+    return out
+
+
+def routing_result(ref: list, got: list | None, real_tokens_only: bool = False) -> dict:
     """{} for a model without routers; else whether every token went to the same experts (None: not compared,
-    e.g. under a pipeline, where routers run per micro-batch on other ranks)."""
+    e.g. under a pipeline, where routers run per micro-batch on other ranks). ``real_tokens_only``: padding
+    tokens are left out (context parallel hides padding by causality, so a padding token attends to the padding
+    before it, which transformers' key mask hides: its own hidden state, and so its experts, differ, while no
+    real token, loss or gradient depends on it)."""
     if not ref:
         return {}
     if got is None:
         return {"routed_tokens": 0}
-    same = len(got) == len(ref) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ref))
-    return {"routing_match": same, "routed_tokens": sum(int(r.shape[0]) for r in ref)}
+    masks = [b["attention_mask"].reshape(-1).bool() for b in batches()]
+    per_step = max(1, len(ref) // len(masks))
+
+    def keep(i, t):
+        return t[masks[i // per_step]] if real_tokens_only and t.shape[0] == masks[0].numel() else t
+
+    same = len(got) == len(ref) and all(a.shape == b.shape and torch.equal(keep(i, a), keep(i, b))
+                                        for i, (a, b) in enumerate(zip(got, ref)))
+    return {"routing_match": same, "routed_tokens": sum(int(keep(i, r).shape[0]) for i, r in enumerate(ref))}
 
 
 def run_case(case: str) -> dict:
@@ -193,7 +225,7 @@ def run_case(case: str) -> dict:
                                  / ref_weights[k].float().abs().max().clamp_min(1.0)).item() for k in common),
                 clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
                 **routing_result(_routing.get((model_type, json.dumps(overrides, sort_keys=True))) or [],
-                                 got["routing"]),
+                                 got["routing"], real_tokens_only=layout.get("cp", 1) > 1),
                 losses=got["losses"], ref_losses=ref_losses)
     out["seconds"] = round(time.perf_counter() - start, 2)
     return out

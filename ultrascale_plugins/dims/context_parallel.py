@@ -128,6 +128,26 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     return result
 
 
+def _cp_layout(world, per_node, model_config):
+    from ..presets import largest_divisor
+
+    cp = largest_divisor(world, per_node)
+    return {"cp": cp, "cp_method": "ring", "dp_shard": world // cp}
+
+
+@hookimpl
+def ultrascale_presets():
+    from ..presets import Preset
+
+    return [Preset("cp", "context parallel (ring attention) within a node, ZeRO-3 across", _cp_layout)]
+
+
+@hookimpl
+def ultrascale_accelerate_keys():
+    # Accelerate's cp_size is its ring (torch) context parallel; sp_size its Ulysses sequence parallel
+    return {"cp_size": ("cp", {}), "sp_size": ("cp", {"cp_method": "ulysses"})}
+
+
 # ---- the check before any worker starts ---------------------------------------------------------------------
 def probe_attention(model: nn.Module, cp: int) -> None:
     """Run ``model``'s architecture once on the meta device with a probe registered as its attention function;
@@ -138,11 +158,12 @@ def probe_attention(model: nn.Module, cp: int) -> None:
     from ..models.dataflow import meta_twin
 
     arch = getattr(model.config, "model_type", type(model).__name__)
-    mixers = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))})
-    recurrent = sorted({type(m).__name__ for m in model.modules()
-                        if any(word in type(m).__name__.lower() for word in ("mamba", "ssm", "rwkv", "lstm"))})
-    if mixers or recurrent:
-        what = ", ".join(mixers + recurrent)
+    # convolutions over the sequence (Mamba-style mixers carry one), recurrent cells, state-space blocks
+    mixers = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, (nn.Conv1d, nn.RNNBase))
+                     or any(word in type(m).__name__.lower() for word in ("mamba", "rwkv"))})
+    if mixers:
+        what = ", ".join(mixers)
         raise ConfigError(f"cp={cp}: model type '{arch}' mixes tokens outside attention ({what}), which would see "
                           "only this rank's part of the sequence. Fix: cp: 1 for this model")
     calls: list = []

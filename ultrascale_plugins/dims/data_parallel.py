@@ -110,3 +110,18 @@ def partitioned(optimizer, group):
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # defaults may hold derived keys
     return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
                                    process_group=group, **settings)
+
+
+@hookimpl
+def ultrascale_presets():
+    from ..presets import Preset
+
+    return [Preset("zero3", "ZeRO-3 (FSDP2) over every device",
+                   lambda world, per_node, mc: {"dp_shard": world, "zero_stage": 3}),
+            Preset("zero2", "ZeRO-2 (FSDP2, parameters kept whole) over every device",
+                   lambda world, per_node, mc: {"dp_shard": world, "zero_stage": 2})]
+
+
+@hookimpl
+def ultrascale_accelerate_keys():
+    return {"dp_replicate_size": ("dp_replicate", {}), "dp_shard_size": ("dp_shard", {})}

@@ -143,3 +143,20 @@ def ultrascale_split_model(model, ctx):
     ids = stage_ids_for_rank(cfg, pp_rank)
     stages = [build_stage(model, s, len(counts), range(starts[s], starts[s] + counts[s])) for s in ids]
     return stages, Pipeline(ctx, stages, ids, len(counts))
+
+
+def _pp_layout(world, per_node, model_config):
+    nodes = max(1, world // per_node)
+    pp = nodes if nodes > 1 else min(2, world)
+    if world % pp:
+        raise ConfigError(f"strategy 'ultrascale_pp': {world} devices do not split into {pp} pipeline stages. "
+                          "Fix: use an even number of devices")
+    return {"pp": pp, "dp_shard": world // pp, "pp_schedule": "1f1b"}
+
+
+@hookimpl
+def ultrascale_presets():
+    from ..presets import Preset
+
+    return [Preset("pp", "pipeline parallel across nodes (2 stages on one node), 1F1B, ZeRO-3 over the rest",
+                   _pp_layout)]

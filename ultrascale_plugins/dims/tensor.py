@@ -232,3 +232,32 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     from ..estimates import tensor_parallel_terms
 
     tensor_parallel_terms(config, model_config, shape["seq_len"], shape["micro_batch"], estimate)
+
+
+def tp_degree(devices_per_node: int, model_config) -> int:
+    """The largest divisor of the devices per node that divides the attention and key/value head counts."""
+    from ..presets import largest_divisor
+
+    heads = getattr(model_config, "num_attention_heads", None) or 1
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    return largest_divisor(devices_per_node, devices_per_node, lambda d: heads % d == 0 and kv % d == 0)
+
+
+def _tp_layout(sequence_parallel: bool):
+    def layout(world, per_node, model_config):
+        tp = tp_degree(per_node, model_config)
+        return {"tp": tp, "dp_shard": world // tp, "sequence_parallel": sequence_parallel and tp > 1}
+    return layout
+
+
+@hookimpl
+def ultrascale_presets():
+    from ..presets import Preset
+
+    return [Preset("tp", "tensor parallel within a node, ZeRO-3 across", _tp_layout(False)),
+            Preset("tp_sp", "tensor + sequence parallel within a node, ZeRO-3 across", _tp_layout(True))]
+
+
+@hookimpl
+def ultrascale_accelerate_keys():
+    return {"tp_size": ("tp", {})}

@@ -1,0 +1,51 @@
+"""Named layouts for front ends whose users give only a name and a device count (``Trainer(strategy=NAME,
+devices=N)``). The dimension plugins supply them through ``ultrascale_presets`` — each a rule that picks the
+degrees from the world size, the devices per node and the model — so a third party's dimension gets its own
+Lightning strategy name with no change to the front ends. The front ends add one of their own: ``default``
+(the layout in ``$ULTRASCALE_CONFIG`` if set, else ZeRO-3 over every device).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .config import ConfigError, ParallelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """``layout(world, devices_per_node, model_config)`` returns the layout's fields."""
+
+    name: str
+    description: str
+    layout: Callable[[int, int, Any], dict]
+
+
+DEFAULT = Preset("default", "every device in one ZeRO-3 group, or the layout in $ULTRASCALE_CONFIG",
+                 lambda world, per_node, model_config: {"dp_shard": world, "zero_stage": 3})
+
+
+def presets(pm=None) -> dict[str, Preset]:
+    """Every preset: ``default`` first, then the plugins' in registration order."""
+    from .plugins import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    out = {DEFAULT.name: DEFAULT}
+    for result in reversed(pm.hook.ultrascale_presets()):
+        for preset in result or []:
+            if preset.name in out:
+                raise ConfigError(f"preset '{preset.name}' is declared twice. Fix: rename one of them")
+            out[preset.name] = preset
+    return out
+
+
+def config_for_preset(name: str, world: int, devices_per_node: int, model_config) -> ParallelConfig:
+    table = presets()
+    if name not in table:
+        raise ConfigError(f"preset={name!r}: unknown. Fix: one of {', '.join(table)}")
+    return ParallelConfig(**table[name].layout(world, devices_per_node, model_config))
+
+
+def largest_divisor(n: int, limit: int, ok: Callable[[int], bool] = lambda d: True) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` and passes ``ok`` (1 at least)."""
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0 and (d == 1 or ok(d)))
