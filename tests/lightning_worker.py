@@ -47,6 +47,7 @@ RUNS = {
     "ultrascale_tp": ("ultrascale_tp", {}),
     "ultrascale_tp_sp": ("ultrascale_tp_sp", {}),
     "ultrascale_pp": ("ultrascale_pp", {}),
+    "ultrascale_cp": ("ultrascale_cp", {}),  # context parallel (ring) over every device of the node
     "zero3_accumulate2": ("ultrascale_zero3", {"accumulate_grad_batches": 2}),
     "pp_accumulate2": ("ultrascale_pp", {"accumulate_grad_batches": 2}),
     "zero3_bf16_mixed": ("ultrascale_zero3", {"precision": "bf16-mixed"}),
@@ -58,6 +59,7 @@ RUNS = {
     "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
     # outside the Llama family: per-head norms replicated over TP under FSDP (compared with Qwen3 on one device)
     "qwen3_dp2_tp2": ({"dp_shard": 2, "tp": 2}, {"arch": "qwen3"}),
+    "cp2_ulysses_dp2": ({"cp": 2, "cp_method": "ulysses", "dp_shard": 2}, {}),
     # a field of the plugin outside the package (tests/outside_plugin; needs it on PYTHONPATH)
     "outside_acme_dp2_zero3_dp2": ({"acme_dp": 2, "dp_shard": 2}, {}),
 }

@@ -260,3 +260,15 @@ def test_outside_plugin_axis_through_accelerate(tmp_path, reference):
     assert yaml.safe_load(config.read_text())["parallelism_config"]["ultrascale"]["acme_dp"] == 2
     out = tmp_path / "out.json"
     check(launch(str(config), out, env_extra={"PYTHONPATH": env["PYTHONPATH"]}), out, reference, 2)
+
+
+@pytest.mark.slow
+def test_accelerates_own_sp_size_key_runs_ulysses_context_parallel(tmp_path, reference):
+    """Accelerate's own `parallelism_config_sp_size` (its Ulysses) in a plain `accelerate launch --config_file`:
+    the context-parallel plugin reads it as cp=2, cp_method=ulysses; every step equals one process."""
+    from ultrascale_plugins.integrations.layout import read_layout_file
+
+    layout = read_layout_file(RECIPES / "sp_ulysses_zero3.yaml")
+    assert (layout.cp, layout.cp_method, layout.dp_shard) == (2, "ulysses", 2)
+    out = tmp_path / "out.json"
+    check(launch(str(RECIPES / "sp_ulysses_zero3.yaml"), out, through_cli=False), out, reference, 2)

@@ -12,7 +12,8 @@ import pytest
 from conftest import torchrun
 
 WORKER = Path(__file__).parent / "lightning_worker.py"
-NAMES = ["ultrascale", "ultrascale_zero3", "ultrascale_zero2", "ultrascale_tp", "ultrascale_tp_sp", "ultrascale_pp"]
+NAMES = ["ultrascale", "ultrascale_zero3", "ultrascale_zero2", "ultrascale_tp", "ultrascale_tp_sp", "ultrascale_pp",
+         "ultrascale_cp"]
 TOL = 1e-5
 
 
@@ -68,11 +69,13 @@ def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, refe
 
 @pytest.mark.slow
 def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tmp_path, reference, hf_dir):
-    """With the plugin outside the package installed (tests/outside_plugin): its acme_dp field in
-    UltraScaleStrategy(acme_dp=2, dp_shard=2) matches one device, and its presence changes no other run."""
+    """Every strategy name (ultrascale_cp: context parallel over the 4 devices) and UltraScaleStrategy(cp=2,
+    cp_method="ulysses", dp_shard=2) match one device. With the plugin outside the package installed
+    (tests/outside_plugin): its acme_dp field in UltraScaleStrategy(acme_dp=2, dp_shard=2) matches one device, and
+    its presence changes no other run."""
     from conftest import outside_plugin_env
 
-    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2", "outside_acme_dp2_zero3_dp2"]
+    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2", "cp2_ulysses_dp2", "outside_acme_dp2_zero3_dp2"]
     env = {"PYTHONPATH": outside_plugin_env()["PYTHONPATH"]}
     assert_parity(run(4, tmp_path, hf_dir, *names, env=env), reference, names)
 

@@ -14,6 +14,7 @@ FAMILIES = {
     "tensor": {"dims.tensor", "dims.tp_styles", "dims.tp_dry_run", "dims.sequence_parallel"},
     "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime"},
     "checkpointing": {"dims.checkpointing"},
+    "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention"},
 }
 FRONT = {"engine", "cli", "train", "recipe", "hf_module", "checkpoint", "export", "pretrained", "initialize",
          "corpus"}

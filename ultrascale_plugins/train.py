@@ -151,6 +151,10 @@ def describe(cfg, pmodel) -> str:
         parts.append(f"dp_shard={cfg.dp_shard} (ZeRO-{cfg.zero_stage})")
     if cfg.tp > 1:
         parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
+    for axis in pmodel.dims.live_axes:  # the other plugins' axes (context parallel, third parties')
+        if axis.name not in ("pp", "dp_replicate", "dp_shard", "tp"):
+            method = getattr(cfg, f"{axis.name}_method", None)
+            parts.append(f"{axis.name}={axis.degree}" + (f" ({method})" if method else ""))
     if cfg.activation_checkpointing != "none":
         parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
     if cfg.mixed_precision != "no":

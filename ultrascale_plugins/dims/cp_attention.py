@@ -18,8 +18,9 @@ backward that sends the key/value gradients round the ring to their owners.
   memory per rank is that of ``S / cp`` tokens: only the local queries, keys, values, output and log-sum-exp
   are kept for backward, which recomputes each block's probabilities.
 - **ulysses**: an all-to-all turns (all heads, S/cp tokens) into (heads/cp, all S tokens), attention runs over the
-  whole sequence for those heads (``F.scaled_dot_product_attention`` with the mask: on CUDA its memory-efficient
-  kernel), and a second all-to-all turns it back. Key/value heads that do not split over cp are replicated first.
+  whole sequence for those heads (``F.scaled_dot_product_attention(is_causal=True)`` when plain causal: flash
+  kernels on CUDA; the exact block kernel with documents, windows, soft-capping), and a second all-to-all turns it
+  back. Key/value heads that do not split over cp are replicated first.
 """
 from __future__ import annotations
 
@@ -207,9 +208,11 @@ class RingAttention(torch.autograd.Function):
             dkv += torch.cat([fold_heads(dkf, plan.n_rep), fold_heads(dvf, plan.n_rep)], dim=-1)
             _wait(works)
             # the block and its gradient so far move on together; after the last step the gradient goes home
-            dkv_next, works = _exchange(dkv, plan.state)
-            _wait(works)
-            kv, dkv = nxt, dkv_next
+            if cp > 1:
+                received, works = _exchange(dkv, plan.state)
+                _wait(works)  # dkv (the send buffer) stays referenced until the send completes
+                dkv = received
+            kv = nxt
         return dq.to(q.dtype), dkv[..., :dk_dim].to(k.dtype), dkv[..., dk_dim:].to(v.dtype), None
 
 
@@ -251,14 +254,24 @@ def heads_to_seq(x, state: CPState):
     return x.permute(1, 0, 2, 3, 4).reshape(b, cp * hl, total // cp, d)
 
 
-def dense_attention(q, k, v, mask, scale: float, softcap: float | None):
-    """Masked attention over a whole (gathered) sequence: SDPA where it applies (CUDA: memory-efficient kernel
-    with the boolean mask), the eager formula with soft-capping."""
-    if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s, _ = block_scores(q.float(), k.float(), scale, softcap)
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(p, v.float()).to(q.dtype)
+@dataclasses.dataclass
+class _Whole:
+    """The ring kernel's view of a sequence held whole by one rank (Ulysses, after its all-to-all)."""
+
+    size: int = 1
+    rank: int = 0
+
+
+def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float | None):
+    """Causal attention over a whole sequence in global order (B, H, S, D), k/v with H heads. Plain causal
+    attention goes to ``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on CUDA, the flash CPU
+    kernel here: no S x S mask or scores are kept); documents, windows and soft-capping go to the ring's block
+    kernel on one rank, which keeps only q, k, v, the output and its log-sum-exp for backward."""
+    if seg is None and window is None and not softcap:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    total = q.shape[2]
+    plan = RingPlan(_Whole(), total // 2, torch.arange(total, device=q.device), seg, window, scale, softcap, 1)
+    return RingAttention.apply(q, k, v, plan)
 
 
 def kv_replication(h_local: int, kv_local: int, cp: int) -> int:
@@ -323,9 +336,8 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         k = seq_to_heads(repeat_heads(key, rep), state)
         v = seq_to_heads(repeat_heads(value, rep), state)
         n_rep = q.shape[1] // k.shape[1]
-        index = layout_index(total, state.size, query.device)  # the gathered tokens' global indices
-        order_seg = seg[:, index] if seg is not None else None
-        mask = visible(index, index, order_seg, order_seg, window)
-        out = dense_attention(q, repeat_heads(k, n_rep), repeat_heads(v, n_rep), mask, scale, softcap)
-        out = heads_to_seq(out, state)
+        order = torch.argsort(layout_index(total, state.size, query.device))  # rank order -> global order
+        q, k, v = (t.index_select(2, order) for t in (q, repeat_heads(k, n_rep), repeat_heads(v, n_rep)))
+        out = whole_sequence_attention(q, k, v, seg, window, scale, softcap)
+        out = heads_to_seq(out.index_select(2, layout_index(total, state.size, query.device)), state)
     return out.transpose(1, 2).contiguous(), None
