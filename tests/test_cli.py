@@ -36,8 +36,8 @@ def test_invalid_layout_is_refused_before_launch():
                        "num_attention_heads=4")
     assert_clean_error(ultrascale("train", "--set", "tp=two"), "tp='two'", "integer")
     assert_clean_error(ultrascale("train", "--nproc", "3"), "world size is 3")
-    assert_clean_error(ultrascale("train", "--set", "cp=2", "--set", "tp=1",
-                                  "--set", "sequence_parallel=false"), "context parallelism is not available")
+    # the embedded default already fills its 8 processes (pp=2 x dp_shard=2 x tp=2): cp=2 gets a one-line fix
+    assert_clean_error(ultrascale("train", "--set", "cp=2"), "cp", "world size is 8", "dp_shard: -1")
 
 
 def test_unknown_recipe_key_suggests(tmp_path):

@@ -23,6 +23,12 @@ EXPECT = {
     "bamba:tp2_sp": "pass",        # Mamba mixers outside the TP plan run on the gathered sequence
     "hrm_text:tp2_sp": "refused",  # mixes the split sequence with full-length states (crashed mid-step)
     "gpt2:pp2": "refused",         # no pipeline plan
+    # context parallel: the attention functions under sliding windows + soft-capping, per-head norms, MoE routing
+    "gemma2:cp2_ring": "pass",
+    "qwen3:cp2_ulysses": "pass",
+    "mixtral:cp2_aux": "pass",     # router auxiliary loss over the cp ranks' tokens
+    "gpt_oss:cp2_ring": "refused",  # attention sinks
+    "bamba:cp2_ulysses": "refused",  # Mamba mixers over the sequence
     # world 4
     "qwen3:dp2_tp2_sp": "pass",    # per-head norms replicated over TP under FSDP (was silently wrong)
     "mixtral:dp2_tp2_sp": "pass",  # TP experts under FSDP + SP, routing compared

@@ -127,8 +127,11 @@ def run_parallel(model_type: str, layout: dict, overrides: dict) -> dict:
     cp_rank = pmodel.dims.coordinate(dist.get_rank(), ("cp",)) if cp > 1 else 0
     dist.all_gather_object(gathered, (pmodel.data_parallel_rank, cp_rank,
                                       routing if layout.get("pp", 1) == 1 else None))
+    shards = {}  # (data-parallel rank, context-parallel rank) -> records; TP/PP peers hold the same tokens
+    for dp_rank, rank_in_cp, recs in gathered:
+        shards.setdefault((dp_rank, rank_in_cp), recs)
     by_dp = {}
-    for dp_rank, rank_in_cp, recs in sorted(gathered, key=lambda g: (g[0], g[1])):
+    for (dp_rank, _), recs in sorted(shards.items(), key=lambda item: item[0]):
         by_dp.setdefault(dp_rank, []).append(recs)
     by_dp = {k: _unsplit_sequence(v, BATCH // pmodel.data_parallel_size) for k, v in by_dp.items()}
     merged = None
