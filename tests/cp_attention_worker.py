@@ -1,6 +1,6 @@
 """Context-parallel attention functions against unsplit attention, forward and backward, on every rank of a
 torchrun launch (gloo): ring and Ulysses; multi-head, grouped-query and multi-query heads; plain causal, packed
-documents, a sliding window within documents, soft-capping. Rank 0 writes the largest difference as JSON.
+documents, a sliding window within documents, soft-capping, attention sinks (their gradient summed over ranks). Rank 0 writes the largest difference as JSON.
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/cp_attention_worker.py OUT.json
 """
@@ -18,7 +18,7 @@ class Attention(torch.nn.Module):  # what transformers passes as ``module``
     is_causal = True
 
 
-def unsplit(q, k, v, positions, documents, window, softcap, scale):
+def unsplit(q, k, v, positions, documents, window, softcap, scale, sinks=None):
     n = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
     index = torch.arange(q.shape[2])
@@ -26,7 +26,10 @@ def unsplit(q, k, v, positions, documents, window, softcap, scale):
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    p = torch.softmax(s.masked_fill(~visible(index, index, seg, seg, window), float("-inf")), -1)
+    s = s.masked_fill(~visible(index, index, seg, seg, window), float("-inf"))
+    if sinks is not None:  # transformers' eager rule: a sink logit per head joins the softmax, then is dropped
+        s = torch.cat([s, sinks[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, -1)[..., :q.shape[2]]
     return (p @ v).transpose(1, 2)
 
 
@@ -37,8 +40,9 @@ def main():
     batch, seq, dim = 2, 32, 8
     for method in ("ring", "ulysses"):
         for heads, kv_heads in ((4, 2), (8, 8), (4, 1)):
-            for documents, window, softcap in ((False, None, None), (True, None, None), (True, 5, None),
-                                               (False, None, 30.0)):
+            for documents, window, softcap, sink in ((False, None, None, False), (True, None, None, False),
+                                                     (True, 5, None, False), (False, None, 30.0, False),
+                                                     (True, 7, None, True)):
                 torch.manual_seed(cases)
                 q = torch.randn(batch, heads, seq, dim, requires_grad=True)
                 k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
@@ -50,7 +54,8 @@ def main():
                     positions[1, 25:] -= 5
                 grad = torch.randn(batch, seq, heads, dim)
                 scale = dim ** -0.5
-                want = unsplit(q, k, v, positions, documents, window, softcap, scale)
+                sinks = torch.randn(heads, requires_grad=True) if sink else None
+                want = unsplit(q, k, v, positions, documents, window, softcap, scale, sinks)
                 (want * grad).sum().backward()
                 index = local_index(seq, cp, rank)
                 mine = [t.detach()[:, :, index].clone().requires_grad_() for t in (q, k, v)]
@@ -61,10 +66,16 @@ def main():
                     kwargs["sliding_window"] = window
                 if softcap:
                     kwargs["softcap"] = softcap
+                if sink:
+                    kwargs["s_aux"] = my_sinks = sinks.detach().clone().requires_grad_()
                 out, _ = cp_attention(state, Attention(), *mine, None, scaling=scale, **kwargs)
                 (out * grad[:, index]).sum().backward()
                 diffs = [(out - want.detach()[:, index]).abs().max()] + [
                     (m.grad - t.grad[:, :, index]).abs().max() for m, t in zip(mine, (q, k, v))]
+                if sink:  # each rank's share of the sinks' gradient, summed over the ranks
+                    total = my_sinks.grad.clone()
+                    dist.all_reduce(total)
+                    diffs.append((total - sinks.grad).abs().max())
                 worst = max(worst, *(float(d) for d in diffs))
                 cases += 1
     if rank == 0:

@@ -107,7 +107,6 @@ def _tiny(model_type, **fields):
 
 
 @pytest.mark.parametrize("model_type, fields, words", [
-    ("gpt_oss", {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}, ["s_aux", "attention sinks"]),
     ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
                "attn_layer_indices": [1]}, ["mixes tokens outside attention", "Conv1d"]),
 ])
@@ -145,6 +144,6 @@ def test_ring_and_ulysses_equal_unsplit_attention_forward_and_backward(cp, tmp_p
     proc = torchrun(cp, Path(__file__).parent / "cp_attention_worker.py", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["cases"] == 24  # every method x heads x masking case ran
+    assert result["cases"] == 30  # every method x heads x masking case ran
     assert result["max_diff"] < 1e-5, result
     assert math.isfinite(result["max_diff"])

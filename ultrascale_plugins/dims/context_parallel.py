@@ -210,8 +210,6 @@ def probe_attention(model: nn.Module, cp: int) -> None:
             if bad:
                 problem = (f"{type(module).__name__} passes {bad[0]} "
                            f"({REFUSED_KWARGS.get(bad[0], 'an unknown tensor')}) to its attention")
-            elif any("sink" in n for n, _ in module.named_parameters()):
-                problem = f"{type(module).__name__} has attention sinks"
     if problem:
         raise ConfigError(f"cp={cp}: model type '{arch}': {problem}, which context parallel does not implement. "
                           "Fix: cp: 1 for this model")

@@ -35,10 +35,10 @@ from ..config import ConfigError
 from .cp_layout import chunk_ids, layout_index, segments, visible
 
 # kwargs the attention functions understand; any other tensor argument changes attention in a way they don't know
-KNOWN_KWARGS = {"position_ids", "sliding_window", "softcap", "dropout", "scaling", "use_cache", "is_causal",
+KNOWN_KWARGS = {"position_ids", "sliding_window", "softcap", "s_aux", "dropout", "scaling", "use_cache", "is_causal",
                 "output_attentions", "cache_position", "past_key_values", "past_key_value", "layer_idx",
                 "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "token_type_ids"}
-REFUSED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a relative position bias",
+REFUSED_KWARGS = {"position_bias": "a relative position bias",
                   "alibi": "ALiBi position biases", "attention_bias": "an additive attention bias"}
 
 
@@ -153,7 +153,8 @@ def _wait(works) -> None:
 
 class RingAttention(torch.autograd.Function):
     """Exact causal ring attention over the cp group: q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) of
-    this rank's shard -> (B, H, L, Dv)."""
+    this rank's shard -> output (B, H, L, Dv) and its log-sum-exp (B, H, L), both differentiable (attention sinks
+    rescale the output by the log-sum-exp)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
@@ -176,16 +177,18 @@ class RingAttention(torch.autograd.Function):
             kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out.to(q.dtype)
+        return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         cp, rank = plan.state.size, plan.state.rank
         dk_dim = k.shape[-1]
         qf, do = q.float(), grad_out.float()
-        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O); d lse / d s = P, so it enters as -grad_lse
+        if grad_lse is not None:
+            delta = delta - grad_lse.unsqueeze(-1)
         dq = torch.zeros_like(qf)
         kv = torch.cat([k, v], dim=-1).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
@@ -262,16 +265,25 @@ class _Whole:
     rank: int = 0
 
 
-def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float | None):
+def with_sinks(out, lse, sinks):
+    """Attention sinks (GPT-OSS): one extra logit per head that joins the softmax's denominator and carries no
+    value, i.e. the output scaled by exp(lse) / (exp(lse) + exp(sink))."""
+    if sinks is None:
+        return out
+    total = torch.logaddexp(lse, sinks.float()[None, :, None])
+    return (out.float() * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype)
+
+
+def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float | None, sinks=None):
     """Causal attention over a whole sequence in global order (B, H, S, D), k/v with H heads. Plain causal
     attention goes to ``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on CUDA, the flash CPU
-    kernel here: no S x S mask or scores are kept); documents, windows and soft-capping go to the ring's block
-    kernel on one rank, which keeps only q, k, v, the output and its log-sum-exp for backward."""
-    if seg is None and window is None and not softcap:
+    kernel here: no S x S mask or scores are kept); documents, windows, soft-capping and sinks go to the ring's
+    block kernel on one rank, which keeps only q, k, v, the output and its log-sum-exp for backward."""
+    if seg is None and window is None and not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     total = q.shape[2]
     plan = RingPlan(_Whole(), total // 2, torch.arange(total, device=q.device), seg, window, scale, softcap, 1)
-    return RingAttention.apply(q, k, v, plan)
+    return with_sinks(*RingAttention.apply(q, k, v, plan), sinks)
 
 
 def kv_replication(h_local: int, kv_local: int, cp: int) -> int:
@@ -322,6 +334,9 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and hasattr(sinks, "to_local"):  # a DTensor parameter (tensor parallel): this rank's heads
+        sinks = sinks.to_local()
     positions = _global_positions(kwargs["position_ids"], state, rows)
     seg = segments(positions) if state.document_mask else None
     total = positions.shape[1]
@@ -329,7 +344,7 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         plan = RingPlan(state, total // (2 * state.size),
                         layout_index(total, state.size, query.device)[state.rank * length:(state.rank + 1) * length],
                         seg, window, scale, softcap, heads // key.shape[1])
-        out = RingAttention.apply(query, key, value, plan)
+        out = with_sinks(*RingAttention.apply(query, key, value, plan), sinks)
     else:
         rep = kv_replication(heads, key.shape[1], state.size)
         q = seq_to_heads(query, state)
@@ -338,6 +353,8 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         n_rep = q.shape[1] // k.shape[1]
         order = torch.argsort(layout_index(total, state.size, query.device))  # rank order -> global order
         q, k, v = (t.index_select(2, order) for t in (q, repeat_heads(k, n_rep), repeat_heads(v, n_rep)))
-        out = whole_sequence_attention(q, k, v, seg, window, scale, softcap)
+        if sinks is not None:  # this rank's heads after the all-to-all
+            sinks = sinks[state.rank * q.shape[1]:(state.rank + 1) * q.shape[1]]
+        out = whole_sequence_attention(q, k, v, seg, window, scale, softcap, sinks)
         out = heads_to_seq(out.index_select(2, layout_index(total, state.size, query.device)), state)
     return out.transpose(1, 2).contiguous(), None
