@@ -64,8 +64,15 @@ def classify_types(types=None) -> tuple[dict, dict, dict]:
         except Untinyable as exc:
             untiny[model_type] = str(exc)
             continue
-        if not tp and not pp:
-            planless[model_type] = "no TP or PP plan"
+        if not tp and not pp:  # data parallel and context parallel need no plan: they get cells too
+            try:
+                import torch
+
+                with torch.device("meta"):
+                    build_model(model_type)
+                planless[model_type] = ""
+            except Exception as exc:  # noqa: BLE001
+                planless[model_type] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
         try:
             import torch
@@ -83,8 +90,12 @@ def classify_types(types=None) -> tuple[dict, dict, dict]:
     return testable, untiny, planless
 
 
-def cases_for(testable: dict, layouts=None) -> list[str]:
-    out = []
+PLANLESS_LAYOUTS = ("dp2", "cp2_ring", "cp2_ulysses")  # what needs no TP or PP plan
+
+
+def cases_for(testable: dict, layouts=None, planless: dict | None = None) -> list[str]:
+    out = [f"{model_type}:{name}" for model_type, why in (planless or {}).items() if not why
+           for name in PLANLESS_LAYOUTS if not layouts or name in layouts]
     for model_type in testable:
         names = list(MATRIX) + (list(SCHEDULES) if model_type in SCHEDULE_TYPES else []) + \
             (list(AUX) if testable[model_type].get("moe") else [])
@@ -197,8 +208,8 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     rows, reasons = [], []
     full_pass, tp_fsdp_pass = 0, 0
     tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n]
-    cp_layouts = [n for n in matrix_layouts if n.startswith("cp")]
-    cp_pass = cp_refused = 0
+    cp_layouts = [n for n in matrix_layouts if n.startswith("cp") and "tp" not in n]
+    cp_pass = cp_refused = cp_tp_pass = 0
     for model_type in sorted(testable):
         marks = []
         for layout in matrix_layouts:
@@ -216,6 +227,8 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         cp_verdicts = {verdict(cells.get(f"{model_type}:{n}", {})) for n in cp_layouts}
         cp_pass += cp_verdicts == {"pass"}
         cp_refused += cp_verdicts == {"refused"}
+        cp_tp_pass += all(verdict(cells.get(f"{model_type}:{n}", {})) == "pass"
+                          for n in matrix_layouts if n.startswith("cp") and "tp" in n)
         plans_ = "+".join(k.upper() for k in ("tp", "pp") if testable[model_type][k])
         rows.append(f"| `{model_type}` | {plans_} | " + " | ".join(marks) + " |")
     sched_rows = []
@@ -237,10 +250,22 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             if v in ("refused", "fail", "untinyable"):
                 reasons.append((model_type, name, v, r.get("reason") or _diff_text(r)))
         aux_rows.append(f"| `{model_type}` | " + " | ".join(marks) + " |")
+    planless_rows, planless_cp_pass = [], 0
+    for model_type in sorted(m for m, why in planless.items() if not why):
+        found = [cells.get(f"{model_type}:{n}") for n in PLANLESS_LAYOUTS]
+        if any(r and verdict(r) == "untinyable" for r in found):
+            planless_rows.append(f"| `{model_type}` | " + " | ".join("–" for _ in found) + " | the tiny model fails "
+                                 "in one process |")
+            continue
+        marks = [SYMBOL.get(verdict(r), "?") if r else "?" for r in found]
+        why = "; ".join(f"{n}: {_md(r.get('reason') or _diff_text(r))[:160]}" for n, r in zip(PLANLESS_LAYOUTS, found)
+                        if r and verdict(r) != "pass")
+        planless_cp_pass += all(r and verdict(r) == "pass" for r in found[1:])
+        planless_rows.append(f"| `{model_type}` | " + " | ".join(marks) + f" | {why} |")
     counts = collections.Counter(verdict(r) for r in cells.values())
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
-               "cp_all_pass": cp_pass, "cp_refused": cp_refused,
+               "cp_all_pass": cp_pass, "cp_refused": cp_refused, "cp_tp_pass": cp_tp_pass,
                "cells": dict(counts)}
     lines = [
         "# Compatibility matrix",
@@ -262,10 +287,12 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         f"layout (dp2, tp2, tp2_sp, dp2_tp2_sp). {summary['untinyable']} more types with a plan cannot be built "
         f"tiny (listed below with the reason), so of all {summary['denominator']} types with a plan "
         f"{100 * tp_fsdp_pass / max(1, summary['denominator']):.0f} % are shown to pass every TP/FSDP layout; "
-        f"{summary['planless']} causal-LM types carry no plan at all. Context parallel (ring and Ulysses, cp=2): "
-        f"{cp_pass} of {summary['testable']} types pass both, {cp_refused} are refused before any worker starts "
-        "(attention outside transformers' attention interface, convolutions or state-space layers over the "
-        "sequence, attention sinks, a model-built mask); the router auxiliary loss under cp is in the MoE table.",
+        f"{summary['planless']} causal-LM types carry no TP or PP plan (their data- and context-parallel cells are "
+        f"at the end). Context parallel: {cp_pass} of {summary['testable']} types pass the ring and Ulysses at "
+        f"cp=2, {cp_refused} are refused before any worker starts (attention outside transformers' attention "
+        "interface, convolutions or state-space layers over the sequence, a model-built mask or sparse-attention "
+        f"indexer); {cp_tp_pass} pass Ulysses composed with TP + SP (`cp2_tp2_sp`); the router auxiliary loss "
+        "under cp is in the MoE table.",
         "",
         "✓ parity · ⊘ refused with a ConfigError before training (reason below) · ✗ failure (reason below) · "
         "– the tiny model does not run in one process",
@@ -307,10 +334,17 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "",
         "## Causal-LM types without a TP or PP plan",
         "",
-        "These train under data parallel (ZeRO, DDP) only; `tp > 1` and `pp > 1` are refused for them before any "
-        "worker starts. GPT-2 has tensor parallel through the built-in plugin `ultrascale_plugins.models.gpt2`.",
+        "These train under data parallel (ZeRO, DDP) and context parallel, which need no plan; `tp > 1` and "
+        "`pp > 1` are refused for them before any worker starts. GPT-2 has tensor parallel through the built-in "
+        "plugin `ultrascale_plugins.models.gpt2`. Same tiny models, batches and tolerances as above.",
         "",
-        ", ".join(f"`{m}`" for m in sorted(planless)),
+        "| model type | " + " | ".join(PLANLESS_LAYOUTS) + " | reason a cell is not ✓ |",
+        "| --- | " + " | ".join("---" for _ in PLANLESS_LAYOUTS) + " | --- |",
+        *planless_rows,
+        "",
+        f"Of the {len(planless_rows)} that build tiny, {planless_cp_pass} pass the ring and Ulysses. "
+        + (("Not built tiny: " + "; ".join(f"`{m}` ({_md(why)})" for m, why in sorted(planless.items()) if why)
+            + ".") if any(planless.values()) else ""),
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,7 +388,7 @@ def main(argv=None) -> int:
     log(f"{len(testable)} testable types, {len(untiny)} with a plan that cannot be built tiny, "
         f"{len(planless)} without a plan ({time.time() - start:.0f} s)")
     cells = load_cache(cache)
-    wanted = cases_for(testable, args.layouts)
+    wanted = cases_for(testable, args.layouts, planless)
     if args.rerun == "all":
         drop = set(wanted)
     elif args.rerun == "failed":

@@ -112,6 +112,8 @@ def main():
         result["pp2_tp2_to_dp4"] = resumed(a, ckpt_pp)
         result["dp4_to_pp2_zbv_dp2"] = resumed({"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"}, ckpt)
         result["dp4_to_zero1"] = resumed({"zero_stage": 1}, ckpt)
+        result["dp4_to_cp2_tp2_sp"] = resumed({"cp": 2, "tp": 2, "sequence_parallel": True, "dp_shard": 1}, ckpt)
+        result["dp4_to_cp2_ulysses_dp2"] = resumed({"cp": 2, "cp_method": "ulysses", "dp_shard": 2}, ckpt)
         pmodel, opt = build({"zero_stage": 1})  # ZeRO-1: each rank writes the optimizer states it owns
         first = train(pmodel, opt, range(SAVE_AT))
         ckpt_z1 = save_checkpoint(pmodel, opt, out / "zero1", step=SAVE_AT, extra={"data_position": SAVE_AT})

@@ -15,10 +15,33 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
+    check_loss_convention(model)
     if getattr(model.config, "output_router_logits", False):
         from .router_loss import aux_loss_function
 
         aux_loss_function(model)  # a ConfigError when the model's auxiliary loss cannot be reproduced
+
+
+def check_loss_convention(model) -> None:
+    """The step trains transformers' causal-LM objective: next-token targets (labels shifted inside), the mean
+    over valid tokens — what a causal LM's ``self.loss_function`` computes. A few heads compute their own loss on
+    unshifted labels (BART-family decoders, XLM, XLNet, TrOCR, CPM-Ant: the caller shifts); training them here
+    would not reproduce their own loss, so they are refused."""
+    import inspect
+
+    forward = type(model).forward
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):  # no source (a compiled or dynamic class): nothing to judge by
+        return
+    if "loss_function" not in source and "labels" in inspect.signature(forward).parameters:
+        from .config import ConfigError
+
+        arch = getattr(model.config, "model_type", type(model).__name__)
+        raise ConfigError(f"model type '{arch}': {type(model).__name__} computes its own loss on labels it does not "
+                          "shift (the caller shifts them), not transformers' causal-LM loss that every layout here "
+                          "trains, so a run would not reproduce the model's own loss. Fix: use a causal-LM class "
+                          "that computes its loss with transformers' loss_function")
 
 
 @hookimpl

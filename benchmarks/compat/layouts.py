@@ -12,6 +12,7 @@ MATRIX = {
     "pp2_dp2": (4, {"pp": 2, "dp_shard": 2}),
     "cp2_ring": (2, {"cp": 2, "cp_method": "ring"}),
     "cp2_ulysses": (2, {"cp": 2, "cp_method": "ulysses"}),
+    "cp2_tp2_sp": (4, {"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True}),
 }
 
 # A few representative architectures run every pipeline schedule with TP, TP + SP and ZeRO-3.

@@ -61,7 +61,7 @@ def ultrascale_wrap_model(model, ctx):
         # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
         # micro-batch), as torchtitan does.
         reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
-        for fqn in ctx.plan_layers(model):
+        for fqn in fsdp_groups(model, ctx.plan_layers(model)):
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an
         # all-gather at no real memory cost.
@@ -80,6 +80,23 @@ def ultrascale_wrap_model(model, ctx):
     ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
+
+
+def fsdp_groups(model, layers: list[str]) -> list[str]:
+    """The layers that get an FSDP group of their own: the outermost of nested ones (Mamba's block holds its
+    mixer, both "no split" modules), and none whose parameters are shared with a module outside it (an encoder
+    used as a decoder lists its embeddings, whose weight the head ties): those stay in the root's group, as
+    torch requires of a shared parameter."""
+    chosen = [fqn for fqn in layers if not any(fqn.startswith(other + ".") for other in layers if other != fqn)]
+    owners: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name)
+
+    def shared_outside(fqn: str) -> bool:
+        inside = fqn + "."
+        return any(any(not n.startswith(inside) for n in owners[id(p)]) for p in model.get_submodule(fqn).parameters())
+
+    return [fqn for fqn in chosen if not shared_outside(fqn)]
 
 
 @hookimpl
