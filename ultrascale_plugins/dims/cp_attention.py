@@ -104,6 +104,9 @@ def fold_heads(x, n: int):
 
 
 # ---- the ring ------------------------------------------------------------------------------------------------
+TILE = 1024  # query x key tokens per block of scores (transient memory: heads x TILE x TILE floats)
+
+
 @dataclasses.dataclass
 class RingPlan:
     """What every step of the ring needs besides the tensors: the chunks, the masks' inputs, the scale."""
@@ -118,23 +121,30 @@ class RingPlan:
     n_rep: int
 
     def blocks(self, src: int):
-        """(query rows, key rows of the visiting block, mask) for each pair of this rank's query chunk and the
-        block's key chunks that causality leaves visible."""
-        c, cp = self.chunk, self.state.size
+        """(query rows, key rows of the visiting block, mask) for each tile of at most ``TILE`` x ``TILE`` tokens
+        of this rank's query chunks against the block's key chunks that causality (and the window) leave
+        visible. Tiles bound the transient scores (the saved activations are the shard's q, k, v, output and
+        log-sum-exp whatever the tile); tiles wholly above the diagonal or outside the window are skipped."""
+        c, cp, tile = self.chunk, self.state.size, TILE
         out = []
         for qi, q_chunk in enumerate(chunk_ids(cp, self.state.rank)):
-            keys = [ki for ki, k_chunk in enumerate(chunk_ids(cp, src)) if k_chunk <= q_chunk]
-            if not keys:
-                continue
-            q_rows = slice(qi * c, (qi + 1) * c)
-            k_rows = torch.cat([torch.arange(ki * c, (ki + 1) * c) for ki in keys])
-            q_idx = self.q_index[q_rows]
-            k_idx = torch.cat([torch.arange(kc * c, (kc + 1) * c)
-                               for ki, kc in enumerate(chunk_ids(cp, src)) if ki in keys]).to(q_idx.device)
-            q_seg = k_seg = None
-            if self.seg is not None:
-                q_seg, k_seg = self.seg[:, q_idx], self.seg[:, k_idx]
-            out.append((q_rows, k_rows.to(q_idx.device), visible(q_idx, k_idx, q_seg, k_seg, self.window)))
+            for ki, k_chunk in enumerate(chunk_ids(cp, src)):
+                if k_chunk > q_chunk:
+                    continue
+                for qa in range(0, c, tile):
+                    q_rows = slice(qi * c + qa, qi * c + min(c, qa + tile))
+                    q_first, q_last = q_chunk * c + qa, q_chunk * c + min(c, qa + tile) - 1
+                    for ka in range(0, c, tile):
+                        k_first, k_last = k_chunk * c + ka, k_chunk * c + min(c, ka + tile) - 1
+                        if k_first > q_last or (self.window is not None and q_first - k_last >= self.window):
+                            continue
+                        q_idx = self.q_index[q_rows]
+                        k_idx = torch.arange(k_first, k_last + 1, device=q_idx.device)
+                        q_seg = k_seg = None
+                        if self.seg is not None:
+                            q_seg, k_seg = self.seg[:, q_idx], self.seg[:, k_idx]
+                        out.append((q_rows, slice(ki * c + ka, ki * c + min(c, ka + tile)),
+                                    visible(q_idx, k_idx, q_seg, k_seg, self.window)))
         return out
 
 
@@ -339,6 +349,8 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         sinks = sinks.to_local()
     positions = _global_positions(kwargs["position_ids"], state, rows)
     seg = segments(positions) if state.document_mask else None
+    if seg is not None and not bool((seg[:, -1] != 0).any()):  # no row restarts: plain causal (as transformers)
+        seg = None
     total = positions.shape[1]
     if state.method == "ring":
         plan = RingPlan(state, total // (2 * state.size),
