@@ -105,6 +105,35 @@ def test_refusals_need_no_process_group():
     assert not dist.is_initialized()
 
 
+def test_what_the_plan_less_sweep_found_is_fixed_or_refused_before_any_process_group():
+    """Found by sweeping the types without a TP/PP plan under ZeRO-3: causal-LM heads whose own loss does not shift
+    the labels trained another objective (refused); a tied embedding grouped apart from its head and nested Mamba
+    blocks crashed FSDP (each "no split" module gets a group only when outermost and not tied outside)."""
+    import torch
+    import torch.distributed as dist
+    from compat.tiny import build_model
+
+    import ultrascale_plugins as us
+    from ultrascale_plugins.dims.data_parallel import fsdp_groups
+    from ultrascale_plugins.engine import ParallelContext, validate
+    from ultrascale_plugins.parallel_dims import ParallelDims
+
+    with torch.device("meta"):
+        xlnet, roberta, mamba = build_model("xlnet"), build_model("roberta"), build_model("mamba")
+    with pytest.raises(us.ConfigError, match="'xlnet': XLNetLMHeadModel computes its own loss on labels it does not "
+                                             "shift"):
+        validate(us.ParallelConfig(dp_shard=2), xlnet.config, 2, model=xlnet)
+    for model in (roberta, mamba):
+        config = validate(us.ParallelConfig(dp_shard=2), model.config, 2, model=model)
+        ctx = ParallelContext(dims=ParallelDims(config, 2), plan=None, device=torch.device("cpu"))
+        groups = fsdp_groups(model, ctx.plan_layers(model))
+        assert groups and not any(g.startswith(h + ".") for g in groups for h in groups if g != h)  # outermost
+        tied = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+                if n.endswith("word_embeddings.weight") or n.startswith("lm_head")}
+        assert not any(id(p) in tied for g in groups for p in model.get_submodule(g).parameters())
+    assert not dist.is_initialized()
+
+
 def test_fused_experts_get_tp_entries_from_their_layout():
     """transformers 5.25 moved the fused experts from the TP plan to the EP plan: the plan shards them again by
     their intermediate dimension when their layout says how (concatenated gate|up, no biases), and leaves them
