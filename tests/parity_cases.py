@@ -107,3 +107,16 @@ CASES["pp2_packed"] = {"world": 2, "arch": "llama8_tied", "seq": 256, "data": "p
 CASES["dp2_cp2_tp2_pp2_ring_packed"] = {"world": 16, "arch": "llama8_tied", "seq": 256, "data": "packed",
                                        "layout": {"dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True,
                                                   "pp": 2}}
+# context parallel with recomputation, bf16 and plain data parallel (DDP / ZeRO-1)
+CASES.update({
+    "cp2_ring_ac_full": {"world": 2, "arch": "llama", "seq": 256, "data": "packed",
+                         "layout": {"cp": 2, "activation_checkpointing": "full"}},
+    "cp2_ulysses_ac_selective": {"world": 2, "arch": "llama", "seq": 256, "data": "packed",
+                                 "layout": {"cp": 2, "cp_method": "ulysses", "activation_checkpointing": "selective"}},
+    "cp2_ring_bf16": {"world": 2, "arch": "llama", "seq": 256, "data": "padded", "tol": 2e-2,
+                      "layout": {"cp": 2, "mixed_precision": "bf16"}},
+    "cp2_ddp_dp2": {"world": 4, "arch": "llama", "seq": 256, "data": "packed",
+                    "layout": {"cp": 2, "dp_shard": 2, "zero_stage": 0}},
+    "cp2_zero1_dp2": {"world": 4, "arch": "llama", "seq": 256, "data": "padded",
+                      "layout": {"cp": 2, "cp_method": "ulysses", "dp_shard": 2, "zero_stage": 1}},
+})
