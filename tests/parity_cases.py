@@ -120,3 +120,10 @@ CASES.update({
     "cp2_zero1_dp2": {"world": 4, "arch": "llama", "seq": 256, "data": "padded",
                       "layout": {"cp": 2, "cp_method": "ulysses", "dp_shard": 2, "zero_stage": 1}},
 })
+CASES.update({
+    "cp2_pp2_zbv_packed": {"world": 4, "arch": "llama8_tied", "seq": 256, "data": "packed",
+                           "layout": {"cp": 2, "pp": 2, "pp_schedule": "zbv"}},
+    "cp2_pp2_interleaved_ulysses": {"world": 4, "arch": "llama8_tied", "seq": 256, "data": "packed",
+                                    "layout": {"cp": 2, "cp_method": "ulysses", "pp": 2,
+                                               "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
+})
