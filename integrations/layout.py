@@ -89,18 +89,17 @@ def sizes_to_fields(sizes: Mapping[str, Any], where: str) -> dict[str, Any]:
     keys = accelerate_keys()
     fields: dict[str, Any] = {}
     set_by: dict[str, str] = {}
-    for key, raw in sizes.items():
-        value = int(raw or 1)
+    values = {key: int(raw or 1) for key, raw in sizes.items()}
+    for key, value in sorted(values.items(), key=lambda item: -item[1]):  # sizes above 1 first
         if key not in keys:
             if value > 1:
                 raise ConfigError(f"{where}: parallelism_config_{key}={value}: no installed plugin reads this "
                                   "Accelerate size. Fix: set it to 1, or install the plugin that provides it")
             continue
         field, implied = keys[key]
-        if value == 1 and (field in set_by or any(k != key and keys.get(k, ("",))[0] == field
-                                                  and int(sizes[k] or 1) > 1 for k in sizes)):
+        if value == 1 and field in set_by:
             continue  # another key sets this field
-        if field in set_by and (fields[field] != value or value > 1):
+        if field in set_by:
             raise ConfigError(f"{where}: parallelism_config_{set_by[field]}={fields[field]} and "
                               f"parallelism_config_{key}={value} both set {field}. Fix: set one of them to 1")
         fields[field], set_by[field] = value, key

@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..hookspecs import hookimpl
 from ..parallel_dims import CP_ORDER, MeshAxis
 from . import cp_layout
-from .cp_attention import KNOWN_KWARGS, REFUSED_KWARGS, CPState, cp_attention, kv_replication
+from .cp_attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
 
 METHODS = ("ring", "ulysses")
 _names = itertools.count(1)
@@ -205,8 +205,7 @@ def probe_attention(model: nn.Module, cp: int) -> None:
         elif kwargs.get("position_ids") is None or kwargs["position_ids"].shape[-1] != seq:
             problem = f"{type(module).__name__} does not pass the token positions to its attention"
         else:
-            bad = [k for k, v in kwargs.items()
-                   if k in REFUSED_KWARGS or (k not in KNOWN_KWARGS and isinstance(v, torch.Tensor))]
+            bad = unsupported_kwargs(kwargs)
             if bad:
                 problem = (f"{type(module).__name__} passes {bad[0]} "
                            f"({REFUSED_KWARGS.get(bad[0], 'an unknown tensor')}) to its attention")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .cp_layout import chunk_ids, layout_index, segments, visible
+from .cp_layout import chunk_ids, layout_index, local_index, segments, visible
 
 # kwargs the attention functions understand; any other tensor argument changes attention in a way they don't know
 KNOWN_KWARGS = {"position_ids", "sliding_window", "softcap", "s_aux", "dropout", "scaling", "use_cache", "is_causal",
@@ -307,15 +307,20 @@ def kv_replication(h_local: int, kv_local: int, cp: int) -> int:
 
 
 # ---- the functions transformers calls ------------------------------------------------------------------------
-def _global_positions(position_ids, state: CPState, rows: int) -> torch.Tensor:
-    """All-gather the shards' positions and put them in global order: (B, S)."""
+def unsupported_kwargs(kwargs: dict) -> list[str]:
+    """The attention arguments these functions do not implement: the refused ones, and unknown tensors."""
+    return [name for name, value in kwargs.items()
+            if name in REFUSED_KWARGS or (name not in KNOWN_KWARGS and isinstance(value, torch.Tensor))]
+
+
+def _global_positions(position_ids, state: CPState, rows: int, index: torch.Tensor) -> torch.Tensor:
+    """All-gather the shards' positions and put them in global order (``index``: the rank-order tokens' global
+    indices): (B, S)."""
     local = position_ids.expand(rows, -1).contiguous()
     parts = [torch.empty_like(local) for _ in range(state.size)]
     dist.all_gather(parts, local, group=state.group)
-    gathered = torch.cat(parts, dim=1)  # rank order
-    index = layout_index(gathered.shape[1], state.size, gathered.device)
-    out = torch.empty_like(gathered)
-    out[:, index] = gathered
+    out = torch.empty(rows, index.numel(), dtype=local.dtype, device=local.device)
+    out[:, index] = torch.cat(parts, dim=1)
     return out
 
 
@@ -327,11 +332,10 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
     if dropout:
         raise ConfigError(f"context parallel: attention dropout {dropout} is not supported. Fix: set the model's "
                           "attention dropout to 0")
-    for name, value in kwargs.items():
-        if name in REFUSED_KWARGS or (name not in KNOWN_KWARGS and isinstance(value, torch.Tensor)):
-            raise ConfigError(f"context parallel: {type(module).__name__} passes '{name}' "
-                              f"({REFUSED_KWARGS.get(name, 'an unknown tensor')}) to its attention, which context "
-                              "parallel does not implement. Fix: cp: 1 for this model")
+    for name in unsupported_kwargs(kwargs):
+        raise ConfigError(f"context parallel: {type(module).__name__} passes '{name}' "
+                          f"({REFUSED_KWARGS.get(name, 'an unknown tensor')}) to its attention, which context "
+                          "parallel does not implement. Fix: cp: 1 for this model")
     if kwargs.get("position_ids") is None:
         raise ConfigError(f"context parallel: {type(module).__name__} does not pass position_ids to its attention "
                           "function, so the shards' global positions are unknown. Fix: cp: 1 for this model")
@@ -347,14 +351,14 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
     sinks = kwargs.get("s_aux")
     if sinks is not None and hasattr(sinks, "to_local"):  # a DTensor parameter (tensor parallel): this rank's heads
         sinks = sinks.to_local()
-    positions = _global_positions(kwargs["position_ids"], state, rows)
+    total = length * state.size
+    index = layout_index(total, state.size, query.device)  # global index of each token, in rank order
+    positions = _global_positions(kwargs["position_ids"], state, rows, index)
     seg = segments(positions) if state.document_mask else None
     if seg is not None and not bool((seg[:, -1] != 0).any()):  # no row restarts: plain causal (as transformers)
         seg = None
-    total = positions.shape[1]
     if state.method == "ring":
-        plan = RingPlan(state, total // (2 * state.size),
-                        layout_index(total, state.size, query.device)[state.rank * length:(state.rank + 1) * length],
+        plan = RingPlan(state, total // (2 * state.size), local_index(total, state.size, state.rank, query.device),
                         seg, window, scale, softcap, heads // key.shape[1])
         out = with_sinks(*RingAttention.apply(query, key, value, plan), sinks)
     else:
@@ -363,10 +367,10 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         k = seq_to_heads(repeat_heads(key, rep), state)
         v = seq_to_heads(repeat_heads(value, rep), state)
         n_rep = q.shape[1] // k.shape[1]
-        order = torch.argsort(layout_index(total, state.size, query.device))  # rank order -> global order
+        order = torch.argsort(index)  # rank order -> global order
         q, k, v = (t.index_select(2, order) for t in (q, repeat_heads(k, n_rep), repeat_heads(v, n_rep)))
         if sinks is not None:  # this rank's heads after the all-to-all
             sinks = sinks[state.rank * q.shape[1]:(state.rank + 1) * q.shape[1]]
         out = whole_sequence_attention(q, k, v, seg, window, scale, softcap, sinks)
-        out = heads_to_seq(out.index_select(2, layout_index(total, state.size, query.device)), state)
+        out = heads_to_seq(out.index_select(2, index), state)
     return out.transpose(1, 2).contiguous(), None
