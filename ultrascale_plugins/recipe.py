@@ -24,7 +24,9 @@ class DataSpec:
 @dataclasses.dataclass
 class TrainSpec:
     steps: int = 60
-    global_batch: int = 16
+    global_batch: int = 16  # sequences per optimizer step = data-parallel size x micro_batch_size x grad_accum
+    micro_batch_size: int = 0  # rows per forward/backward on each data-parallel rank; 0 = derived
+    grad_accum: int = 0  # micro-batches per optimizer step (with pp > 1: the pipeline's); 0 = derived
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.0
@@ -76,7 +78,8 @@ def _typed(section: str, cls, data: dict[str, Any]):
             if isinstance(default, int) and not isinstance(value, int):
                 raise ConfigError(f"{section}.{key}={value!r}: must be an integer. Fix: e.g. {key}: {default}")
             if value < 0 or (value == 0 and key in ("steps", "global_batch", "seq_len", "log_every")):
-                raise ConfigError(f"{section}.{key}={value!r}: must be positive. Fix: e.g. {key}: {default}")
+                rule = "must be 0 or more" if default == 0 else "must be positive"
+                raise ConfigError(f"{section}.{key}={value!r}: {rule}. Fix: e.g. {key}: {default}")
         out[key] = value
     return cls(**out)
 
@@ -111,7 +114,76 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int) -> tuple[TrainSpec, ParallelConfig]:
+    """``train`` with ``micro_batch_size`` and ``grad_accum`` filled in, and ``parallel`` with a pipeline's
+    ``pp_microbatches`` set to ``grad_accum``, after checking ``global_batch = dp x micro_batch_size x grad_accum``
+    where ``dp`` is the number of row shards of the layout resolved against ``world_size``.
+
+    Neither given: one micro-batch per step (with pp > 1: the pipeline's micro-batches, ``pp_microbatches`` or
+    its default of one per stage); one given: the other is derived; both given: they must multiply out."""
+    gb, mbs, ga = train.global_batch, train.micro_batch_size, train.grad_accum
+    from .parallel_dims import ParallelDims
+
+    resolved = parallel.resolve(world_size)  # a bad layout fails here, with the layout's own message
+    dims = ParallelDims(resolved)
+    dp = dims.dp  # the product of the mesh axes that split rows (dp_replicate x dp_shard, a plugin's own)
+    pp = getattr(resolved, "pp", 1)
+    row_axes = " x ".join(f"{name}={dims.degree(name)}" for name in dims.row_axes) or "no axis splits rows"
+    dp_text = f"the data-parallel size {dp} ({row_axes})"
+    if gb % dp:
+        raise ConfigError(f"train.global_batch={gb} is not divisible by {dp_text}. Fix: use a multiple of {dp}, "
+                          f"e.g. global_batch: {dp * max(1, round(gb / dp))}")
+    rows = gb // dp  # each data-parallel rank's share of a step
+    if mbs and ga:
+        if dp * mbs * ga != gb:
+            raise ConfigError(f"train.micro_batch_size={mbs} x train.grad_accum={ga} x {dp_text} = {dp * mbs * ga}, "
+                              f"but train.global_batch={gb}. Fix: set global_batch: {dp * mbs * ga}, or set one of "
+                              "micro_batch_size / grad_accum to 0 to derive it")
+    elif mbs:
+        if rows % mbs:
+            raise ConfigError(f"train.micro_batch_size={mbs}: train.global_batch={gb} / {dp_text} = {rows} rows per "
+                              f"rank, not a multiple of {mbs}. Fix: use a micro_batch_size that divides {rows}, or "
+                              f"a global_batch that is a multiple of {dp * mbs}")
+        ga = rows // mbs
+    else:
+        knob = "train.grad_accum"
+        if ga:
+            field = f"train.grad_accum={ga}"
+        elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
+            from .dims.pipeline_split import microbatches
+
+            ga = microbatches(resolved)
+            if resolved.pp_microbatches:
+                field, knob = f"pp_microbatches={ga}", "pp_microbatches (or train.grad_accum)"
+            else:
+                field = f"the pipeline's default of {ga} micro-batches (one per stage; pp_microbatches=0)"
+        else:
+            ga = 1
+            field = "train.grad_accum=1"
+        if rows % ga:
+            raise ConfigError(f"{field}: train.global_batch={gb} / {dp_text} = {rows} rows per rank, which do not "
+                              f"split into {ga} micro-batches. Fix: use a global_batch that is a multiple of "
+                              f"{dp * ga}, or set {knob} to a divisor of {rows}")
+        mbs = rows // ga
+    if pp > 1:  # the micro-batches are the pipeline schedule's: one train_step runs all of them
+        if parallel.pp_microbatches and parallel.pp_microbatches != ga:
+            raise ConfigError(f"train.grad_accum={ga} but pp_microbatches={parallel.pp_microbatches}: with pp={pp} "
+                              "the gradient-accumulation micro-batches are the pipeline's. Fix: set only one of "
+                              "them (or both to the same value)")
+        parallel = parallel.replace(pp_microbatches=ga)
+        try:
+            parallel.resolve(world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"train.grad_accum={ga} sets the pipeline's micro-batches (pp={pp}): {exc} (or set "
+                              "train.grad_accum to that value)") from None
+    return dataclasses.replace(train, micro_batch_size=mbs, grad_accum=ga), parallel
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
+                world_size: int | None = None) -> Recipe:
+    """The recipe at ``path`` (the embedded default when None) with ``overrides``, checked and with its derived
+    values filled in. ``world_size`` (default: the recipe's ``nproc``) is the number of processes the layout is
+    resolved against: a worker started by torchrun or SLURM on several nodes passes the real one."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
     for key in data:
@@ -123,7 +195,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     model = data.get("model")
     if not isinstance(model, dict):
         raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}")
-    recipe = Recipe(nproc=nproc, model=model, data=_typed("data", DataSpec, data.get("data")),
-                    train=_typed("train", TrainSpec, data.get("train")),
-                    parallel=ParallelConfig.from_dict(data.get("parallel")))
-    return recipe
+    data_spec = _typed("data", DataSpec, data.get("data"))
+    train, parallel = resolve_batching(_typed("train", TrainSpec, data.get("train")),
+                                       ParallelConfig.from_dict(data.get("parallel")), world_size or nproc)
+    return Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -70,6 +71,11 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     data = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len, recipe.train.global_batch,
                        recipe.train.seed)
     dp_rank, dp_size = pmodel.data_parallel_rank, pmodel.data_parallel_size
+    t = recipe.train
+    if dp_size * t.micro_batch_size * t.grad_accum != t.global_batch:  # load_recipe derived them for another world
+        raise ConfigError(f"train.global_batch={t.global_batch} != data-parallel size {dp_size} x micro_batch_size="
+                          f"{t.micro_batch_size} x grad_accum={t.grad_accum} in a world of {world} processes. Fix: "
+                          "set nproc to the number of processes, or leave micro_batch_size and grad_accum at 0")
     first_step = 0
     if resume:
         from .checkpoint import load_checkpoint
@@ -86,7 +92,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         source = f" from {init_from}" if init_from else ""
         print(f"ultrascale: {world} processes, layout {describe(recipe.parallel, pmodel)}, "
               f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params (per-rank shards), "
-              f"{recipe.train.steps} steps", flush=True)
+              f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
+              f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
+              flush=True)
         bar = tqdm(total=recipe.train.steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0 if not sys.stdout.isatty() else 0.1)
         if first_step:
@@ -98,7 +106,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
         batch = data.local(data.global_batch_at(step), dp_rank, dp_size)
-        loss = pmodel.train_step(batch)
+        loss = accumulate_step(pmodel, batch, recipe)
         if recipe.train.max_grad_norm > 0:
             pmodel.clip_grad_norm_(recipe.train.max_grad_norm)
         optimizer.step()
@@ -124,7 +132,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra={"data_position": step + 1},
                             keep_last_n=t.keep_last_n or None)
     elapsed = time.perf_counter() - start
-    val = [float(pmodel.eval_step(data.local(data.global_batch_at(i, "val"), dp_rank, dp_size)))
+    val = [eval_batch(pmodel, data.local(data.global_batch_at(i, "val"), dp_rank, dp_size), recipe)
            for i in range(recipe.train.eval_batches)]
     result = {"losses": losses, "val_loss": sum(val) / len(val), "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
@@ -138,6 +146,42 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                 json.dump(result, f)
     dist.destroy_process_group()
     return result
+
+
+def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
+    """A rank's batch as ``grad_accum`` chunks of ``micro_batch_size`` rows (every tensor entry sliced along its
+    first dimension, the rows); the whole batch when a pipeline runs the micro-batches itself (pp > 1) or there is
+    no accumulation."""
+    t = recipe.train
+    if t.grad_accum <= 1 or getattr(recipe.parallel, "pp", 1) > 1:
+        return [batch]
+    size = t.micro_batch_size
+    return [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            for i in range(t.grad_accum)]
+
+
+def accumulate_step(pmodel, batch: dict, recipe: Recipe) -> float:
+    """Forward and backward of one optimizer step over this rank's batch, micro-batch by micro-batch, with the
+    gradients synchronised once, after the last; returns the step's (global-batch) mean loss.
+
+    Each micro-batch's loss is the mean over its own tokens (on every data-parallel rank). ByteBatches rows are all
+    full ``seq_len`` windows, so every micro-batch holds the same number of valid tokens and weighting each by
+    ``1 / grad_accum`` gives exactly the gradient (and the value) of the mean loss over the whole global batch."""
+    chunks = micro_batches(batch, recipe)
+    losses = []
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        with (contextlib.nullcontext() if last else pmodel.no_sync()):
+            # 1/grad_accum: exact because every micro-batch has the same token count (full-length rows)
+            losses.append(float(pmodel.train_step(chunk, loss_scale=1.0 / len(chunks))))
+    return sum(losses) / len(losses)
+
+
+def eval_batch(pmodel, batch: dict, recipe: Recipe) -> float:
+    """Validation loss of a rank's batch in the training micro-batches (the memory the recipe sized), the mean of
+    their losses (equal token counts: the global-batch mean)."""
+    chunks = micro_batches(batch, recipe)
+    return sum(float(pmodel.eval_step(chunk)) for chunk in chunks) / len(chunks)
 
 
 def describe(cfg, pmodel) -> str:
@@ -162,6 +206,16 @@ def describe(cfg, pmodel) -> str:
     return " x ".join(parts) or "single process"
 
 
+def launched_world_size() -> int | None:
+    """The number of processes torchrun or SLURM started (on every node), or None outside a launcher: the recipe's
+    batch split is derived from the real world size, which on several nodes is not the recipe's ``nproc``."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ultrascale_plugins.train")
     parser.add_argument("recipe", nargs="?")
@@ -171,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from")
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size())
         run(recipe, args.metrics, args.resume, args.init_from)
     except ConfigError as exc:
         print(f"ultrascale: error: {exc}", file=sys.stderr)
