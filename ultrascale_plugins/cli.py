@@ -194,6 +194,13 @@ def cmd_accelerate_launch(args) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def cmd_plan(args) -> int:
+    """Cost layouts of a model on a cluster and print the best (``planner``)."""
+    from .planner.command import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultrascale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     alaunch.add_argument("script")
     alaunch.add_argument("script_args", nargs=argparse.REMAINDER)
     alaunch.set_defaults(func=cmd_accelerate_launch)
+    plan = sub.add_parser("plan", help="predict memory and throughput of layouts on a cluster; print the best")
+    from .planner.command import add_arguments
+
+    add_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     plugins.set_defaults(func=cmd_plugins)
     return parser

@@ -91,16 +91,32 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
 
 
 def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,
-             micro_batch: int = 1):
-    """Per-rank memory by category and communication per mesh axis (an ``estimates.Estimate``), each term
-    contributed by its dimension's plugin through ``ultrascale_estimate``. Validates the layout first."""
-    from .estimates import Estimate
+             micro_batch: int = 1, micro_batches: int = 1, coords: dict | None = None, model=None,
+             profile: str = "ultrascale", optimizer: str = "adamw", check: bool = True, pm=None, plan=None,
+             **constants):
+    """Per-rank memory by category, communication terms per mesh axis and compute factors (an
+    ``estimates.Estimate``), each contributed by its dimension's plugin through ``ultrascale_estimate``.
 
-    pm = get_plugin_manager()
-    resolved = validate(config, model_config, world_size, pm)
-    est = Estimate()
-    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config,
-                                shape={"seq_len": seq_len, "micro_batch": micro_batch}, estimate=est)
+    ``coords`` picks the rank ({axis: index}; an axis left out: the most loaded rank along it). ``model`` (real or
+    on the meta device) gives the exact parameter inventory; without it the model is built from ``model_config``
+    on the meta device (``plan``: its model plan, when the caller has it). ``check=False`` costs layouts this
+    engine cannot run (the planner's "runnable: false")."""
+    from .estimates import Estimate, Shape, inventory
+
+    pm = pm or get_plugin_manager()
+    resolved = validate(config, model_config, world_size, pm) if check else resolve(as_config(config), world_size,
+                                                                                      pm, check=False)
+    if model is None:
+        from .planner.model_spec import meta_model
+
+        model = meta_model(model_config)
+    if plan is None:
+        plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
+    shape = Shape(model_config=model_config, seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
+                  profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=inventory(model, plan),
+                  model=model, plan=plan, **constants)
+    est = Estimate(micro_batches=micro_batches)
+    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config, shape=shape, estimate=est)
     return est
 
 

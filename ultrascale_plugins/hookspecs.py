@@ -121,9 +121,17 @@ def ultrascale_load_state_dict(pmodel, state):
 @hookspec
 def ultrascale_estimate(config, model_config, shape, estimate):
     """Add this dimension's per-rank costs to ``estimate`` (an ``estimates.Estimate``): memory in bytes per
-    category (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``) and
-    communication in bytes per step per mesh axis (``estimate.add_comm(axis, n)``). ``shape`` holds the
-    ``seq_len`` and ``micro_batch`` the estimate is for."""
+    category (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``),
+    communication (``estimate.add_comm(axis, nbytes, collective, calls=, per="step" | "micro_batch",
+    overlap=)``) and compute factors (``estimate.factors``: ``recompute_flops``, ``bubble``).
+
+    ``shape`` (an ``estimates.Shape``) says what the estimate is for — ``seq_len``, ``micro_batch``,
+    ``micro_batches``, ``profile``, ``optimizer``, ``coords`` (the rank) — and holds the model's parameters as
+    ``shape.inventory``, which the dimensions cut in turn: the pipeline first (``tryfirst``: this rank's stages,
+    ``layers_here``, ``in_flight``, ``holds_head``), tensor parallel next (each record's ``local`` shape), data
+    parallel last (``trylast``: shards what is left and adds parameter, gradient and optimizer bytes). A
+    dimension that changes what the others see (context parallel: the tokens per rank) or needs their totals
+    (a replica axis: the gradient bytes) is a ``wrapper=True`` implementation around them."""
 
 
 # ---- names in the front ends --------------------------------------------------------------------------------

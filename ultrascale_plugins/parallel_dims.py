@@ -55,9 +55,10 @@ def declared_axes(config, pm=None) -> list[MeshAxis]:
     return sorted(axes.values(), key=lambda a: (a.order, a.name))
 
 
-def resolve(config, world_size: int, pm=None):
+def resolve(config, world_size: int, pm=None, check: bool = True):
     """``config`` with its ``-1`` degree filled in, after checking the axes' product against the world size and
-    running every plugin's field checks that need no model (``ultrascale_validate_config``)."""
+    running every plugin's field checks that need no model (``ultrascale_validate_config``; ``check=False``
+    skips them: the planner costs layouts this engine cannot run)."""
     from .plugins import get_plugin_manager
 
     pm = pm or get_plugin_manager()
@@ -79,7 +80,8 @@ def resolve(config, world_size: int, pm=None):
     elif product != world_size:
         raise ConfigError(f"{formula} = {values} = {product} but the world size is {world_size}. Fix: make the "
                           f"product {world_size}, or set dp_shard: -1 to use the rest")
-    pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
+    if check:
+        pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
     return config
 
 

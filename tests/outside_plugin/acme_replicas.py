@@ -55,8 +55,9 @@ def ultrascale_load_state_dict(pmodel, state):
     STEPS["taken"] = state.shared.get("acme_steps", 0)
 
 
-@hookimpl
+@hookimpl(wrapper=True)
 def ultrascale_estimate(config, model_config, shape, estimate):
-    if config.acme_dp > 1:  # one all-reduce of fp32 gradients per step
-        params = estimate.memory["params"]  # this rank's parameter bytes, from the data-parallel plugin
-        estimate.add_comm("acme_dp", 2 * params * (config.acme_dp - 1) / config.acme_dp)
+    result = yield  # after the built-in dimensions: this rank's gradient bytes are known
+    if config.acme_dp > 1:  # one all-reduce of the gradients per step
+        estimate.add_comm("acme_dp", estimate.memory["grads"], "all_reduce")
+    return result

@@ -63,4 +63,4 @@ def ultrascale_wrap_layers(model, ctx):
 def ultrascale_estimate(config, model_config, shape, estimate):
     from ..estimates import activation_terms
 
-    activation_terms(config, model_config, shape["seq_len"], shape["micro_batch"], estimate)
+    activation_terms(config, shape, estimate)

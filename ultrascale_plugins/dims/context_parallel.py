@@ -117,14 +117,19 @@ def ultrascale_estimate(config, model_config, shape, estimate):
         shape["seq_len"] = full
     heads, kv = _heads(model_config)
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    tokens = shape["seq_len"] // config.cp * shape["micro_batch"]
-    layers = model_config.num_hidden_layers / getattr(config, "pp", 1)
-    width = 2 if config.mixed_precision == "bf16" else 4
+    tokens = -(-full // config.cp) * shape["micro_batch"]  # this rank's tokens of one micro-batch
+    layers = shape["layers_here"] if shape["layers_here"] is not None else model_config.num_hidden_layers
+    width = 2 if config.mixed_precision == "bf16" or shape["profile"] == "nanotron" else 4
+    tp = getattr(config, "tp", 1)
     if config.cp_method == "ring":  # forward: k, v over cp-1 hops; backward: again, plus dk, dv over cp hops
         per_layer = 2 * kv * head_dim * tokens * width * (3 * (config.cp - 1) + 2)
+        calls = 3 * (config.cp - 1) + 2
+        # each hop's transfer runs while the previous block is attended
+        estimate.add_comm("cp", per_layer * layers / tp, "p2p", calls=calls * layers, per="micro_batch",
+                          overlap=0.8)
     else:  # q, k, v, out forward and their gradients backward, each moving (cp-1)/cp of itself
         per_layer = 2 * (2 * heads + 2 * kv) * head_dim * tokens * width * (config.cp - 1) / config.cp
-    estimate.add_comm("cp", per_layer * layers / getattr(config, "tp", 1))
+        estimate.add_comm("cp", per_layer * layers / tp, "all_to_all", calls=8 * layers, per="micro_batch")
     return result
 
 

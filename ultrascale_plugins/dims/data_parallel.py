@@ -107,11 +107,12 @@ def ultrascale_prepare_optimizer(pmodel, optimizer):
     return partitioned(optimizer, group)
 
 
-@hookimpl
+@hookimpl(trylast=True)
 def ultrascale_estimate(config, model_config, shape, estimate):
+    """Last: shards what the pipeline and tensor parallel left this rank."""
     from ..estimates import data_parallel_terms
 
-    data_parallel_terms(config, model_config, estimate)
+    data_parallel_terms(config, shape, estimate)
 
 
 def partitioned(optimizer, group):

@@ -154,6 +154,14 @@ def _pp_layout(world, per_node, model_config):
     return {"pp": pp, "dp_shard": world // pp, "pp_schedule": "1f1b"}
 
 
+@hookimpl(tryfirst=True)
+def ultrascale_estimate(config, model_config, shape, estimate):
+    """First: the rank's stages decide which parameters and layers the other dimensions cost."""
+    from .pipeline_costs import pipeline_terms
+
+    pipeline_terms(config, shape, estimate)
+
+
 @hookimpl
 def ultrascale_presets():
     from ..presets import Preset

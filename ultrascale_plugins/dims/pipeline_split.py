@@ -10,6 +10,7 @@ architecture is re-implemented here. The token ids travel with the hidden states
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -52,6 +53,11 @@ def pp_rank_of_stage(config, stage: int) -> int:
 
 
 def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[int]:
+    return list(_split_layers(n_layers, n_stages, embed_cost, head_cost))
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for the same few splits for thousands of layouts
+def _split_layers(n_layers: int, n_stages: int, embed_cost: float, head_cost: float) -> tuple[int, ...]:
     """Contiguous layer counts per stage minimising the most loaded stage, where the embedding (first stage) and
     the head (last stage) count as ``embed_cost`` / ``head_cost`` layers of work. Every stage gets a layer."""
     best: dict = {}
@@ -74,7 +80,7 @@ def split_layers(n_layers: int, n_stages: int, embed_cost: float = 1.0, head_cos
         best[key] = result
         return result
 
-    return solve(0, 0)[1]
+    return tuple(solve(0, 0)[1])
 
 
 def stage_layer_counts(config, n_layers: int) -> list[int]:

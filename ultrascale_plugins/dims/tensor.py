@@ -229,9 +229,9 @@ def _shard_named_params(model, plan, mesh, present) -> None:
 
 @hookimpl
 def ultrascale_estimate(config, model_config, shape, estimate):
-    from ..estimates import tensor_parallel_terms
+    from .tp_costs import tensor_parallel_terms
 
-    tensor_parallel_terms(config, model_config, shape["seq_len"], shape["micro_batch"], estimate)
+    tensor_parallel_terms(config, shape, estimate)
 
 
 def tp_degree(devices_per_node: int, model_config) -> int:

@@ -1,0 +1,74 @@
+"""The pipeline's part of a layout's cost: which parameters and layers a pipeline rank holds, how many
+micro-batches of activations its schedule keeps in flight, the bubble, and the point-to-point traffic
+(formulas: the reference notes' pipeline table — Narayanan et al. 2021, the ZB-pipeline and DualPipe papers)."""
+from __future__ import annotations
+
+from .pipeline_split import LOOPED, V_SHAPED, stage_ids_for_rank, stage_layer_counts, stages_per_rank
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of all its layers."""
+    if schedule == "gpipe":
+        return m
+    if schedule in V_SHAPED:
+        return min(m, p + 1) if schedule == "dualpipev" else min(m, p)
+    base = min(m, p - rank)
+    if schedule in LOOPED:
+        return base * (1 + (p - 1) / (p * v))
+    return base
+
+
+def bubble(schedule: str, p: int, v: int, m: int) -> float:
+    """Idle time of a pipeline step as a fraction of its busy time (backward ~ 2x forward)."""
+    if p == 1:
+        return 0.0
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m)
+    if schedule == "zbv":
+        return 0.0
+    if schedule == "dualpipev":
+        return max(0.0, p / 2 - 1) / m
+    if schedule in LOOPED:
+        return (p - 1) / (v * m)
+    return (p - 1) / m
+
+
+def pipeline_terms(config, shape, est) -> None:
+    n_layers = 1 + max((r.layer for r in shape.inventory if r.layer is not None), default=-1)
+    if config.pp == 1:
+        shape.layers_here, shape.in_flight, shape.holds_head = n_layers, 1, True
+        return
+    p, v = config.pp, stages_per_rank(config)
+    m = shape.micro_batches
+    rank = shape.coords.get("pp", 0)
+    n_stages = p * v
+    counts = stage_layer_counts(config, n_layers) if n_stages <= n_layers else [1] * n_layers + [0] * (
+        n_stages - n_layers)  # more stages than layers (this engine refuses it; the planner still costs it)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    stages = stage_ids_for_rank(config, rank)
+    last = len(counts) - 1
+    layers = set()
+    for s in stages:
+        layers.update(range(starts[s], starts[s] + counts[s]))
+    kept = []
+    for r in shape.inventory:
+        if r.part == "layer" and r.layer in layers or r.part == "pre" and 0 in stages \
+                or r.part == "post" and last in stages:
+            kept.append(r)
+        if r.tied_head and last in stages and 0 not in stages:  # the last stage's copy of a tied head
+            copy = r.clone()
+            copy.part, copy.tied_head = "post", False
+            kept.append(copy)
+    shape.inventory[:] = kept
+    shape.layers_here = len(layers)
+    # measured pipelines hold more than their schedule's micro-batches (buffers of the sends and receives in
+    # flight, allocator slack): a global growth per pipeline rank, see docs/planner.md
+    shape.in_flight = in_flight(config.pp_schedule, p, v, m, rank) * (1 + shape.pipeline_activation_growth * p)
+    shape.holds_head = last in stages
+    est.factors["bubble"] = bubble(config.pp_schedule, p, v, m)
+    element = shape.activation_bytes(config)
+    act = shape.tokens_per_micro_batch * shape.model_config.hidden_size * element
+    if config.sequence_parallel:
+        act /= config.tp
+    # each micro-batch: activations to the next stage and their gradient back, on every stage boundary it crosses
+    est.add_comm("pp", 2 * act * v, "p2p", calls=2 * v, per="micro_batch")

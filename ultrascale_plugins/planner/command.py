@@ -1,0 +1,112 @@
+"""``ultrascale plan``: the planner's command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from ..config import ConfigError
+from ..estimates import OPTIMIZERS, PROFILES
+from .hardware import PRESETS as GPU_PRESETS
+from .model_spec import PRESETS as MODEL_PRESETS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face config.json (or its directory), or one of: "
+                   + ", ".join(MODEL_PRESETS))
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", help="hardware preset: " + ", ".join(GPU_PRESETS) + " (or the four figures below)")
+    p.add_argument("--gpu-memory-gb", type=float)
+    p.add_argument("--gpu-tflops", type=float, help="dense bf16 peak per GPU")
+    p.add_argument("--intra-node-gbps", type=float, help="per-GPU bandwidth inside a node, GB/s")
+    p.add_argument("--inter-node-gbps", type=float, help="per-GPU bandwidth between nodes, GB/s")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--profile", default="ultrascale", choices=PROFILES,
+                   help="memory of this package's implementation, or of nanotron as the Ultra-Scale Playbook ran it")
+    p.add_argument("--layout", help='cost exactly one layout, e.g. "dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,'
+                   'recompute=none" (also schedule=, virtual=, dp_replicate=, sp=)')
+    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--all", action="store_true", help="rank layouts this engine cannot run too")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", help="write a PNG: memory of the top layouts and the chosen pipeline schedule")
+
+
+def build(args):
+    """(cost model, model fields for a recipe) from the arguments; every input checked before any work."""
+    from .cost import CostModel, Workload
+    from .hardware import hardware_from_args
+    from .model_spec import ModelSpec, load_model_config
+
+    for name in ("gpus", "seq_len", "global_batch_size", "top"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
+                          "multiple of --gpus-per-node")
+    hw = hardware_from_args(args.gpu, memory_gb=args.gpu_memory_gb, tflops=args.gpu_tflops,
+                            intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                            gpus_per_node=args.gpus_per_node)
+    mc = load_model_config(args.model)
+    spec = ModelSpec.of(mc, name=str(args.model))
+    work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
+                    "bf16" if args.precision == "bf16" else "no")
+    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k not in (
+        "transformers_version", "architectures", "torch_dtype", "dtype")}
+    fields["model_type"] = mc.model_type
+    return CostModel(spec, hw, work), fields
+
+
+def run_plan(args) -> int:
+    from . import render
+    from .cost import layout_from_string
+    from .search import search
+
+    cost, fields = build(args)
+    hw = cost.hw
+    header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
+              "gpus": args.gpus, "hardware": dataclasses.asdict(hw), "seq_len": args.seq_len,
+              "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer}
+    if args.layout:
+        lay = dataclasses.replace(layout_from_string(args.layout, args.gpus), mixed_precision=cost.work.precision)
+        results = [cost.evaluate(lay)]
+    else:
+        results = search(cost, args.gpus, include_unrunnable=args.all)
+    if not results:
+        raise ConfigError(f"no layout of {args.gpus} GPUs is possible for this model and batch. Fix: check that the "
+                          "global batch divides over the GPUs")
+    best = results[0]
+    if args.plot:
+        from .plot import plot_plan
+
+        plot_plan(results, best, args.plot, hw.memory_gb, top=min(args.top, 8))
+    if args.json:
+        print(render.as_json(results, args.top, header))
+        return 0
+    print(f"ultrascale plan: {args.model} ({cost.spec.total_params / 1e9:.2f}B parameters"
+          + (f", {cost.spec.active_params / 1e9:.2f}B active" if cost.spec.active_params != cost.spec.total_params
+             else "") + f") on {args.gpus} x {hw.describe()}")
+    print(f"sequence {args.seq_len}, global batch {args.global_batch_size} sequences, {args.optimizer}, "
+          f"{args.precision}, memory profile '{args.profile}'\n")
+    print(render.table(results, hw.memory_gb, args.top))
+    print()
+    if not best.fits:
+        print(f"No layout fits {hw.memory_gb:g} GB per GPU. The closest is shown first.", file=sys.stderr)
+    if not best.runnable:
+        print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
+    print(f"Chosen: {best.layout.label()}\n  {render.breakdown(best)}\n")
+    print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
+    print("Accelerate config (ultrascale accelerate-launch FILE train.py):\n"
+          + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node)) + "\n")
+    print("Recipe (ultrascale train FILE):\n"
+          + _indent(render.recipe(best, args.gpus, fields, args.seq_len, args.global_batch_size)))
+    if args.plot:
+        print(f"\nultrascale: wrote {args.plot}")
+    return 0
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())

@@ -1,0 +1,306 @@
+"""Cost of one layout: per-GPU memory, step time, tokens/s/GPU and MFU, from the dimensions' estimate hooks.
+
+The plugins say what each rank holds and moves (``ultrascale_estimate``); this module turns that into time with the
+hardware's figures and a few global constants (``CONSTANTS``, stated in docs/planner.md with how they were chosen):
+
+    micro-batch time = compute / (peak x efficiency) + exposed per-micro-batch communication
+    step time        = micro-batch time x micro-batches x (1 + pipeline bubble) + exposed per-step communication
+
+A collective costs its traffic over the bus bandwidth of the links it spans (inside a node or across how many
+nodes, from the mesh axis's position: ``ultrascale_mesh_axes``) plus a latency per ring hop and call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..config import ConfigError, ParallelConfig
+
+# Global constants (not per row, not per model): see docs/planner.md.
+CONSTANTS = {
+    "matmul_efficiency": 0.40,  # fraction of the dense bf16 peak a training step's kernels reach at large sizes
+    "half_efficiency_gflop": 2.0,  # a matmul of this many GFLOP per rank runs at half of that (small shapes)
+    "collective_latency_s": 100e-6,  # per call and tree level (log2 of the group size)
+    "p2p_latency_s": 1e-3,  # per pipeline send/receive inside a node
+    "p2p_latency_inter_node_s": 20e-3,  # per pipeline send/receive between nodes
+    "dp_overlap": 0.0,  # share of gradient reduction hidden behind backward
+    "gather_overlap": 0.8,  # share of ZeRO-3 weight gathers hidden behind compute (prefetch)
+    "pipeline_activation_growth": 0.05,  # activations held per pipeline rank grow by this x pp
+    "memory_overhead_gb": 1.0,  # CUDA/NCCL context and workspaces per GPU
+    "fragmentation": 1.05,  # allocator slack on activations
+}
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: degrees, ZeRO stage, batch split, recomputation and schedule. ``zero_stage`` 0 is plain data
+    parallel; ``grad_accum`` is the micro-batches per step (the pipeline's, with pp > 1)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    activation_checkpointing: str = "none"
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    sequence_parallel: bool | None = None  # None: on whenever tp > 1
+    cp_method: str = "ring"
+    mixed_precision: str = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def fields(self) -> dict:
+        """The ``ParallelConfig`` fields of this layout (only the ones that differ from a single process)."""
+        out = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero_stage": self.zero_stage,
+               "tp": self.tp, "pp": self.pp, "cp": self.cp, "mixed_precision": self.mixed_precision,
+               "activation_checkpointing": self.activation_checkpointing}
+        if self.tp > 1:
+            out["sequence_parallel"] = self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+        if self.pp > 1:
+            out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.grad_accum)
+            if self.pp_virtual_stages > 1:
+                out["pp_virtual_stages"] = self.pp_virtual_stages
+        if self.cp > 1:
+            out["cp_method"] = self.cp_method
+        return out
+
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(**self.fields())
+
+    def label(self) -> str:
+        parts = [f"dp={self.dp}" + (f"({self.dp_replicate}x{self.dp_shard})" if self.dp_replicate > 1 else ""),
+                 f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}", f"zero={self.zero_stage}",
+                 f"mbs={self.micro_batch_size}", f"ga={self.grad_accum}",
+                 f"recompute={self.activation_checkpointing}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.pp_schedule}" + (f"x{self.pp_virtual_stages}"
+                                                             if self.pp_virtual_stages > 1 else ""))
+        return ",".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    profile: str = "ultrascale"
+    optimizer: str = "adamw"
+    precision: str = "bf16"  # ParallelConfig.mixed_precision: "bf16" or "no" (fp32)
+
+
+@dataclasses.dataclass
+class Result:
+    layout: Layout
+    fits: bool
+    memory_gb: dict
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    dominant: str
+    runnable: bool
+    not_runnable_because: str = ""
+    times_s: dict = dataclasses.field(default_factory=dict)
+    exact: bool = True
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                "cp": lay.cp, "zero_stage": lay.zero_stage, "micro_batch_size": lay.micro_batch_size,
+                "grad_accum": lay.grad_accum, "activation_checkpointing": lay.activation_checkpointing,
+                "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,
+                "pp_virtual_stages": lay.pp_virtual_stages if lay.pp > 1 else None,
+                "sequence_parallel": bool(lay.fields().get("sequence_parallel", False)),
+                "fits": self.fits, "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
+                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "mfu": round(self.mfu, 4),
+                "step_s": round(self.step_s, 4), "dominant": self.dominant, "runnable": self.runnable,
+                **({"not_runnable_because": self.not_runnable_because} if not self.runnable else {}),
+                "times_s": {k: round(v, 5) for k, v in self.times_s.items()}}
+
+
+class CostModel:
+    """Costs layouts of one model on one machine for one workload (caches what layouts share)."""
+
+    def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
+        from ..plugins import get_plugin_manager
+
+        self.spec, self.hw, self.work = spec, hardware, workload
+        self.c = {**CONSTANTS, **(constants or {})}
+        self.pm = pm or get_plugin_manager()
+        self._memory: dict = {}
+        self._runnable: dict = {}
+        self._plans: dict = {}
+
+    # ---- checks -----------------------------------------------------------------------------------------
+    def check_batch(self, lay: Layout) -> None:
+        rows = lay.dp * lay.micro_batch_size * lay.grad_accum
+        if rows != self.work.global_batch:
+            raise ConfigError(f"layout {lay.label()}: dp x mbs x ga = {lay.dp} x {lay.micro_batch_size} x "
+                              f"{lay.grad_accum} = {rows}, but the global batch is {self.work.global_batch} "
+                              "sequences. Fix: choose mbs and ga so that their product with dp is the global batch")
+
+    def runnable(self, lay: Layout) -> tuple[bool, str]:
+        """Whether this engine runs the layout (every plugin's checks that need no process group)."""
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.pp_schedule,
+               lay.pp_virtual_stages, lay.grad_accum if lay.pp > 1 else 0, lay.activation_checkpointing, lay.cp_method)
+        if key not in self._runnable:
+            from ..engine import validate
+
+            try:
+                validate(lay.config(), self.spec.config, lay.world, self.pm)
+                self._runnable[key] = (True, "")
+            except ConfigError as exc:
+                self._runnable[key] = (False, str(exc).split(". Fix")[0])
+        return self._runnable[key]
+
+    # ---- the estimate hooks ---------------------------------------------------------------------------------
+    def estimates(self, lay: Layout):
+        """An ``Estimate`` per pipeline rank that can be the most loaded: the first two (the embedding, the most
+        micro-batches in flight; the second may hold one layer more) and the ones holding the last stage (head,
+        logits) — the ranks between hold fewer micro-batches of as many layers."""
+        from ..engine import estimate
+        from .model_spec import meta_model
+
+        model = meta_model(self.spec.config)
+        config = lay.config()
+        if lay.tp not in self._plans:
+            self._plans[lay.tp] = self.pm.hook.ultrascale_model_plan(model=model, config=config)
+        out = []
+        from ..dims.pipeline_split import pp_rank_of_stage, stages_per_rank
+
+        last = pp_rank_of_stage(config, lay.pp * stages_per_rank(config) - 1) if lay.pp > 1 else 0
+        for rank in sorted({0, min(1, lay.pp - 1), lay.pp - 1, last}):
+            out.append(estimate(config, self.spec.config, world_size=lay.world, seq_len=self.work.seq_len,
+                                micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
+                                coords={"pp": rank}, model=model, profile=self.work.profile,
+                                optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[lay.tp],
+                                dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"],
+                                pipeline_activation_growth=self.c["pipeline_activation_growth"]))
+        return out
+
+    def memory(self, ests) -> dict:
+        worst = max(ests, key=lambda e: e.total_memory)
+        mem = {k: v / GB for k, v in worst.memory.items()}
+        mem["activations"] *= self.c["fragmentation"]
+        mem["other"] += self.c["memory_overhead_gb"]
+        mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+        return mem
+
+    # ---- time ----------------------------------------------------------------------------------------------
+    def axis_nodes(self, lay: Layout) -> dict:
+        """Nodes spanned by one group of each mesh axis (axes inner in the mesh have consecutive ranks)."""
+        from ..parallel_dims import declared_axes, resolve
+
+        axes = declared_axes(resolve(lay.config(), lay.world, self.pm, check=False), self.pm)
+        g = self.hw.gpus_per_node
+        out, stride = {}, 1
+        for axis in reversed(axes):  # innermost first
+            span = stride * axis.degree
+            out[axis.name] = (axis.degree, 1 if span <= g else min(axis.degree, math.ceil(span / g)))
+            stride = span
+        return out
+
+    def term_time(self, term, nodes: dict) -> float:
+        degree, n_nodes = nodes.get(term.axis, (2, 1))
+        if degree <= 1:
+            return 0.0
+        factor = {"all_reduce": 2 * (degree - 1) / degree, "all_gather": (degree - 1) / degree,
+                  "reduce_scatter": (degree - 1) / degree}.get(term.collective, 1.0)
+        bw = self.hw.bus_bandwidth(term.collective, n_nodes)
+        if term.collective == "p2p":
+            latency = self.c["p2p_latency_s" if n_nodes <= 1 else "p2p_latency_inter_node_s"]
+        else:
+            latency = self.c["collective_latency_s"] * math.ceil(math.log2(degree))
+        return term.nbytes * factor / bw + term.calls * latency
+
+    def evaluate(self, lay: Layout) -> Result:
+        self.check_batch(lay)
+        ests = self.estimates(lay)
+        mem = self.memory(ests)
+        spec, work, hw = self.spec, self.work, self.hw
+        mc = spec.config
+        nodes = self.axis_nodes(lay)
+        flops_token = spec.flops_per_token(work.seq_len)
+        recompute = max(e.factors.get("recompute_flops", 1.0) for e in ests)
+        tokens_mb = lay.micro_batch_size * work.seq_len
+        # one micro-batch's work on one rank: its share of tp x cp x pp
+        mb_flops = flops_token * tokens_mb * recompute / (lay.tp * lay.cp * lay.pp)
+        ffn = getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size
+        kernel = 2 * tokens_mb / lay.cp * mc.hidden_size * ffn / lay.tp / 1e9  # GFLOP of one MLP matmul
+        eff = self.c["matmul_efficiency"] * kernel / (kernel + self.c["half_efficiency_gflop"])
+        t_compute = mb_flops / (hw.tflops * 1e12 * eff)
+        times = {"compute": 0.0, "bubble": 0.0}
+        slowest = 0.0
+        for est in ests:  # the pipeline runs at the pace of its slowest rank
+            per_mb = {t.axis: 0.0 for t in est.terms}
+            per_step = dict(per_mb)
+            for t in est.terms:
+                exposed = self.term_time(t, nodes) * (1 - t.overlap)
+                (per_mb if t.per == "micro_batch" else per_step)[t.axis] += exposed
+            t_mb = t_compute + sum(per_mb.values())
+            bubble = est.factors.get("bubble", 0.0)
+            step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values())
+            if step > slowest:
+                slowest = step
+                times = {"compute": t_compute * lay.grad_accum, "bubble": t_mb * lay.grad_accum * bubble}
+                for axis in per_mb:
+                    times[f"comm_{axis}"] = per_mb[axis] * lay.grad_accum + per_step[axis]
+        tokens_step = work.global_batch * work.seq_len
+        tps = tokens_step / (slowest * lay.world)
+        mfu = tps * flops_token / (hw.tflops * 1e12)
+        dominant = max(times, key=times.get)
+        ok, why = self.runnable(lay)
+        return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
+                      all(e.exact for e in ests))
+
+
+def layout_from_string(text: str, world: int | None = None) -> Layout:
+    """``"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none"`` (also dp_replicate=, dp_shard=, schedule=,
+    virtual=, sp=, cp_method=, precision=) as a Layout. ``dp`` alone is sharded (ZeRO-2/3) or replicated
+    (ZeRO-0/1) the way this engine runs it."""
+    keys = {"dp": int, "dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "cp": int, "zero": int,
+            "mbs": int, "ga": int, "recompute": str, "schedule": str, "virtual": int, "sp": str, "cp_method": str,
+            "precision": str}
+    values: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in keys:
+            raise ConfigError(f"--layout {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(keys)}. Fix: "
+                              "e.g. --layout \"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none\"")
+        try:
+            values[key] = keys[key](value.strip())
+        except ValueError:
+            raise ConfigError(f"--layout: {key}={value!r} must be {keys[key].__name__}") from None
+    dp = values.pop("dp", None)
+    rep, shard = values.pop("dp_replicate", None), values.pop("dp_shard", None)
+    if dp is not None and (rep or shard) and dp != (rep or 1) * (shard or 1):
+        raise ConfigError(f"--layout: dp={dp} but dp_replicate x dp_shard = {(rep or 1) * (shard or 1)}")
+    rep = rep or 1
+    shard = shard or (dp // rep if dp else 1)
+    sp = values.pop("sp", None)
+    lay = Layout(dp_replicate=rep, dp_shard=shard, tp=values.get("tp", 1), pp=values.get("pp", 1),
+                 cp=values.get("cp", 1), zero_stage=values.get("zero", 0), micro_batch_size=values.get("mbs", 1),
+                 grad_accum=values.get("ga", 1), activation_checkpointing=values.get("recompute", "none"),
+                 pp_schedule=values.get("schedule", "1f1b"), pp_virtual_stages=values.get("virtual", 1),
+                 sequence_parallel=None if sp is None else sp.lower() in ("1", "true", "yes", "on"),
+                 cp_method=values.get("cp_method", "ring"), mixed_precision=values.get("precision", "bf16"))
+    if lay.activation_checkpointing not in ("none", "full", "selective"):
+        raise ConfigError(f"--layout: recompute={lay.activation_checkpointing!r}: one of none, full, selective")
+    if lay.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--layout: zero={lay.zero_stage}: one of 0, 1, 2, 3")
+    if world is not None and lay.world != world:
+        raise ConfigError(f"--layout {text!r}: dp x tp x pp x cp = {lay.world}, but --gpus is {world}. Fix: make "
+                          "the degrees multiply to the GPU count")
+    return lay
+
+

@@ -1,0 +1,100 @@
+"""The machine a plan is for: memory and dense bf16 peak of one GPU, link bandwidths inside and between nodes.
+
+Figures are the vendors' data sheets (per GPU, one direction). How collective bandwidth falls as a collective
+spans more nodes is taken from the one published measurement at hand: the bus bandwidth of NCCL collectives on
+the Ultra-Scale Playbook's H100 cluster (8 GPUs and 8 x 400 Gb/s per node, 256 MB messages, 1 to 64 nodes; the
+reference notes' README). That curve is scaled to each preset's own figures: inside a node by its NVLink bandwidth
+(450 GB/s on that cluster), between nodes by its per-node network bandwidth (400 GB/s there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..config import ConfigError
+
+# The Playbook cluster's measured bus bandwidth (GB/s) by node count: the shape of multi-node scaling.
+MEASURED_NODES = (1, 2, 4, 8, 16, 32, 64)
+MEASURED_BUSBW = {
+    "all_reduce": (436, 362, 160, 100, 85, 65, 33),
+    "all_gather": (250, 185, 119, 69, 55, 28, 11),
+    "reduce_scatter": (250, 182, 116, 69, 55, 28, 11),
+}
+_MEASURED_INTRA, _MEASURED_NODE_NET = 450.0, 400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_gb: float
+    tflops: float  # dense bf16 peak per GPU
+    intra_node_gbps: float  # per GPU, one direction (NVLink / xGMI / PCIe)
+    inter_node_gbps: float  # per GPU, one direction (the GPU's share of the node's network)
+    gpus_per_node: int = 8
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.memory_gb:g} GB, {self.tflops:g} TFLOP/s bf16, {self.intra_node_gbps:g} GB/s "
+                f"intra-node, {self.inter_node_gbps:g} GB/s inter-node per GPU, {self.gpus_per_node} GPUs/node")
+
+    def bus_bandwidth(self, collective: str, nodes: int) -> float:
+        """Bus bandwidth in bytes/s of a collective (or point-to-point transfer) whose ranks span ``nodes``."""
+        if collective == "p2p":
+            return 1e9 * (self.intra_node_gbps if nodes <= 1 else self.inter_node_gbps)
+        curve = MEASURED_BUSBW["all_gather" if collective == "all_to_all" else collective]
+        measured = _interpolate(curve, nodes)
+        if nodes <= 1:
+            return 1e9 * measured * self.intra_node_gbps / _MEASURED_INTRA
+        net = self.inter_node_gbps * self.gpus_per_node
+        return 1e9 * min(measured * net / _MEASURED_NODE_NET, curve[0] * self.intra_node_gbps / _MEASURED_INTRA)
+
+
+def _interpolate(curve, nodes: float) -> float:
+    """Log-linear in the node count between measured points; beyond 64 nodes the last halving's slope goes on."""
+    xs = [math.log2(n) for n in MEASURED_NODES]
+    x = math.log2(max(1.0, nodes))
+    if x >= xs[-1]:
+        slope = math.log(curve[-1] / curve[-2])
+        return curve[-1] * math.exp(slope * (x - xs[-1]))
+    i = max(k for k in range(len(xs)) if xs[k] <= x)
+    t = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return math.exp(math.log(curve[i]) * (1 - t) + math.log(curve[i + 1]) * t)
+
+
+PRESETS = {
+    "h100-sxm-80gb": Hardware("h100-sxm-80gb", 80, 989, 450, 50),
+    "h100-pcie-80gb": Hardware("h100-pcie-80gb", 80, 756, 64, 50),
+    "h200-141gb": Hardware("h200-141gb", 141, 989, 450, 50),
+    "b200-180gb": Hardware("b200-180gb", 180, 2250, 900, 50),
+    "a100-80gb": Hardware("a100-80gb", 80, 312, 300, 25),
+    "a100-40gb": Hardware("a100-40gb", 40, 312, 300, 25),
+    "l40s-48gb": Hardware("l40s-48gb", 48, 362, 32, 25),
+    # one MI250X die (graphics compute die) as the software sees it: Frontier's nodes hold 8 of them
+    "mi250x-gcd-64gb": Hardware("mi250x-gcd-64gb", 64, 191.5, 50, 12.5),
+}
+
+
+def hardware_from_args(gpu: str | None = None, *, memory_gb=None, tflops=None, intra_node_gbps=None,
+                       inter_node_gbps=None, gpus_per_node: int = 8) -> Hardware:
+    """A preset (``gpu``) with any figure overridden, or custom figures (all four then required)."""
+    custom = {"memory_gb": memory_gb, "tflops": tflops, "intra_node_gbps": intra_node_gbps,
+              "inter_node_gbps": inter_node_gbps}
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    if gpu is None:
+        missing = [k for k, v in custom.items() if v is None]
+        if missing:
+            flags = ", ".join("--" + k.replace("_", "-").replace("tflops", "gpu-tflops").replace(
+                "memory-gb", "gpu-memory-gb") for k in missing)
+            raise ConfigError(f"no --gpu preset and no {flags}. Fix: pass --gpu with one of {', '.join(PRESETS)}, "
+                              "or all four custom figures")
+        for k, v in custom.items():
+            if v <= 0:
+                raise ConfigError(f"{k}={v}: must be positive")
+        return Hardware("custom", gpus_per_node=gpus_per_node, **custom)
+    key = gpu.lower()
+    if key not in PRESETS:
+        raise ConfigError(f"--gpu {gpu!r}: unknown preset. Fix: one of {', '.join(PRESETS)}, or give "
+                          "--gpu-memory-gb --gpu-tflops --intra-node-gbps --inter-node-gbps instead")
+    base = PRESETS[key]
+    overrides = {k: v for k, v in custom.items() if v is not None}
+    return dataclasses.replace(base, gpus_per_node=gpus_per_node, **overrides)

@@ -1,0 +1,112 @@
+"""The model a plan is for: a Hugging Face ``config.json`` or a preset name, its parameters counted exactly on the
+meta device (no weights, no download), and its training FLOPs per token."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import ConfigError
+
+# Architectures people plan for most often, as their published config.json fields (the ones that size the model).
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+               max_position_embeddings=131072)
+PRESETS = {
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+    "llama-3.1-405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
+                       tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+                       tie_word_embeddings=False, sliding_window=None),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, hidden_act="silu", tie_word_embeddings=False),
+}
+
+_META_CACHE: dict = {}
+
+
+def load_model_config(spec):
+    """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        return spec
+    if isinstance(spec, dict):
+        fields = dict(spec)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    key = str(spec).lower()
+    if key in PRESETS:
+        return load_model_config(PRESETS[key])
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--model {spec!r}: neither a preset nor a config.json. Fix: give a path to a Hugging Face "
+                          f"config.json, or one of: {', '.join(PRESETS)}")
+    fields = json.loads(path.read_text())
+    if "model_type" not in fields:
+        raise ConfigError(f"--model {spec}: config.json has no model_type. Fix: use a transformers config.json")
+    try:
+        return load_model_config(fields)
+    except ValueError as exc:
+        raise ConfigError(f"--model {spec}: {exc}") from None
+
+
+def meta_model(model_config):
+    """The causal LM of ``model_config`` on the meta device (cached by the config's content)."""
+    key = model_config.to_json_string(use_diff=False)
+    if key not in _META_CACHE:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            try:
+                _META_CACHE[key] = AutoModelForCausalLM.from_config(model_config)
+            except ValueError as exc:
+                raise ConfigError(f"model type '{model_config.model_type}' has no causal-LM class in transformers "
+                                  f"({exc}). Fix: plan a decoder-only causal LM") from None
+    return _META_CACHE[key]
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What the planner needs to know of a model beyond its config: parameter counts (total, what one token uses,
+    the embedding lookup's) and the training FLOPs per token at a sequence length."""
+
+    config: object
+    total_params: int
+    active_params: int  # per token: experts at top-k / experts
+    embedding_params: int  # a lookup, not a matmul (unless the head ties it)
+    name: str = ""
+
+    @classmethod
+    def of(cls, model_config, name: str = "") -> "ModelSpec":
+        from ..estimates import inventory
+
+        model = meta_model(model_config)
+        records = inventory(model)
+        total = sum(r.numel for r in records)
+        active = sum(r.numel * r.active for r in records)
+        embed = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        lookup = 0 if embed is None or (head is not None and head.weight is embed.weight) else embed.weight.numel()
+        return cls(model_config, total, int(active), lookup, name or model_config.model_type)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter (forward + backward) plus attention, 12 * L * d_attn
+        * s (PaLM appendix B, no causal discount)."""
+        mc = self.config
+        heads = mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+        return 6 * (self.active_params - self.embedding_params) + 12 * mc.num_hidden_layers * heads * head_dim * seq_len

@@ -1,0 +1,110 @@
+"""The search: every layout of the GPUs worth costing, ranked.
+
+Degrees are divisors of the GPU count (TP inside a node, PP at most one stage per layer, CP only where each rank
+keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global batch, and for pipelines the
+1F1B, interleaved and zero-bubble V schedules. Recomputation is tried only when a layout does not fit without it,
+and larger micro-batches only while the smaller ones fit: both only add time otherwise.
+"""
+from __future__ import annotations
+
+import math
+
+from .cost import CostModel, Layout, Result
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pp_schedules(pp: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    if layers >= 2 * pp:
+        out += [("interleaved_1f1b", 2), ("zbv", 1)]
+    return out
+
+
+def degree_combinations(world: int, model, hw, seq_len: int, global_batch: int):
+    """(tp, cp, pp, dp) tuples of ``world``."""
+    layers = model.config.num_hidden_layers
+    for tp in divisors(world):
+        if tp > hw.gpus_per_node:
+            continue
+        for cp in divisors(world // tp):
+            if cp > 1 and seq_len // cp < 4096:
+                continue
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > layers or global_batch % dp:
+                    continue
+                yield tp, cp, pp, dp
+
+
+def layouts(world: int, cost: CostModel):
+    """Every candidate layout, grouped so that the search can stop growing one that stops fitting."""
+    spec, hw, work = cost.spec, cost.hw, cost.work
+    layers = spec.config.num_hidden_layers
+    for tp, cp, pp, dp in degree_combinations(world, spec, hw, work.seq_len, work.global_batch):
+        for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+            replicas = [1]
+            per_node = max(1, hw.gpus_per_node // (tp * cp))
+            if zero >= 2 and dp > per_node and dp % per_node == 0:
+                replicas.append(dp // per_node)  # HSDP: shard inside a node, replicate across nodes
+            for rep in replicas:
+                for schedule, v in _pp_schedules(pp, layers):
+                    group = []
+                    mbs = 1
+                    while global_rows(work, dp) % mbs == 0 and mbs <= global_rows(work, dp):
+                        ga = global_rows(work, dp) // mbs
+                        if pp == 1 or ga >= pp:
+                            group.append([Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp,
+                                                 zero_stage=zero, micro_batch_size=mbs, grad_accum=ga,
+                                                 activation_checkpointing=ac, pp_schedule=schedule,
+                                                 pp_virtual_stages=v, mixed_precision=work.precision)
+                                          for ac in RECOMPUTE])
+                        mbs *= 2
+                    yield group
+
+
+def global_rows(work, dp: int) -> int:
+    return work.global_batch // dp
+
+
+def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None) -> list[Result]:
+    """Costed layouts, best first: those that fit before those that don't, then by predicted tokens/s/GPU.
+    Layouts this engine cannot run are left out unless ``include_unrunnable``."""
+    results: list[Result] = []
+    for group in layouts(world, cost):
+        for variants in group:  # one micro-batch size, each recomputation mode
+            first = variants[0]
+            ok, _ = cost.runnable(first)
+            if not ok and not include_unrunnable:
+                continue
+            fitted = None
+            for lay in variants:
+                result = cost.evaluate(lay)
+                if not result.runnable and not include_unrunnable:
+                    continue
+                results.append(result)
+                if result.fits:
+                    fitted = result
+                    break
+            if fitted is None:
+                break  # a larger micro-batch needs more memory still
+    results.sort(key=lambda r: (not r.fits, not r.runnable, -r.tokens_per_s_per_gpu))
+    return results[:limit] if limit else results
+
+
+def best_layout(cost: CostModel, world: int) -> Result:
+    """The best runnable layout that fits; raises when none does."""
+    from ..config import ConfigError
+
+    results = search(cost, world)
+    if not results or not results[0].fits:
+        need = min((r.memory_gb["total"] for r in results), default=math.inf)
+        raise ConfigError(f"no layout of {world} GPUs fits {cost.hw.memory_gb:g} GB per GPU (the smallest needs "
+                          f"{need:.1f} GB). Fix: use more GPUs, a shorter sequence or a smaller global batch")
+    return results[0]
