@@ -74,8 +74,13 @@ def run_case(name: str, spec: dict) -> dict | None:
         loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
         norms.append(float(pmodel.clip_grad_norm_(CLIP)))
         opt.step()
+        if len(losses) == len(batches) - 1:  # gradients and optimizer states all exist now
+            held = holdings(pmodel, opt)
         opt.zero_grad()
         losses.append(loss.item())
+    # what this rank holds vs what the planner's estimate says it holds, exactly, for every rank
+    bytes_held = [None] * dist.get_world_size()
+    dist.all_gather_object(bytes_held, (held, predicted_holdings(pmodel, len(batches[0]["input_ids"]))))
     # every rank must report the same loss
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, losses)
@@ -98,7 +103,38 @@ def run_case(name: str, spec: dict) -> dict | None:
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
-            "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip}
+            "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip,
+            "bytes_held": bytes_held}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def holdings(pmodel, opt) -> dict:
+    """Bytes of this rank's parameters, gradients and optimizer state tensors (each tensor once)."""
+    params = {id(p): p for p in pmodel.parameters()}.values()
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its partition's states in .optim
+    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+
+    def size(tensors):
+        return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+    return {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(states)}
+
+
+def predicted_holdings(pmodel, global_rows: int) -> dict:
+    """The planner's per-rank prediction (``ultrascale_estimate``) for this rank's mesh coordinates."""
+    from ultrascale_plugins.planner.model_spec import meta_model
+
+    mesh = pmodel.dims.mesh
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())) if mesh is not None else {}
+    model_config = pmodel.modules[0].config
+    est = us.estimate(pmodel.config, model_config, world_size=dist.get_world_size(), coords=coords,
+                      model=meta_model(model_config), optimizer="sgd_momentum", check=False,
+                      micro_batches=max(1, pmodel.config.pp_microbatches))
+    return {k: int(est.memory[k]) for k in ("params", "grads", "optimizer")}
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ def test_layout_matches_single_process(name, parity_results):
     assert r["norm_rel_diff"] <= CASES[name].get("tol", NORM_TOL), "global gradient norm differs"
     assert r["weight_diff"] <= CASES[name].get("tol", WEIGHT_TOL)
     assert r["eval_diff"] <= tol, "eval_step differs from the reference model's loss in eval mode"
+    for rank, (held, predicted) in enumerate(r["bytes_held"]):  # the planner's per-rank bytes are exact
+        assert held == predicted, f"rank {rank}: parameter/gradient/optimizer bytes held {held}, planner {predicted}"
     if CASES[name].get("roundtrip"):
         assert r["roundtrip"], "state_dict() -> load_state_dict() in the same layout did not restore the weights"
     if "tol" in CASES[name]:  # reduced precision must really have run: not bit-identical to fp32

@@ -55,7 +55,7 @@ def pipeline_terms(config, shape, est) -> None:
         if r.part == "layer" and r.layer in layers or r.part == "pre" and 0 in stages \
                 or r.part == "post" and last in stages:
             kept.append(r)
-        if r.tied_head and last in stages and 0 not in stages:  # the last stage's copy of a tied head
+        if r.tied_head and last in stages:  # the last stage has its own copy of a tied head (V schedules too)
             copy = r.clone()
             copy.part, copy.tied_head = "post", False
             kept.append(copy)
