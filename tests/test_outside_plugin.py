@@ -28,6 +28,8 @@ def test_python_api_parity_with_the_outside_axis(tmp_path):
         assert r["ranks_agree"] and r["clipped"] and not r["missing_keys"], (name, r)
         assert r["loss_diff"] <= TOL and r["weight_diff"] <= TOL and r["norm_rel_diff"] <= TOL, (name, r)
         assert r["eval_diff"] <= TOL, (name, r)
+        for held, predicted in r["bytes_held"]:  # the planner's per-rank bytes, with the outside axis in the mesh
+            assert held == predicted, (name, held, predicted)
         if spec.get("roundtrip"):
             assert r["roundtrip"], name
 

@@ -25,6 +25,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.step",
+    "ultrascale_plugins.planner.auto",
 )
 
 _manager: pluggy.PluginManager | None = None

@@ -21,8 +21,8 @@ class Preset:
     layout: Callable[[int, int, Any], dict]
 
 
-DEFAULT = Preset("default", "every device in one ZeRO-3 group, or the layout in $ULTRASCALE_CONFIG",
-                 lambda world, per_node, model_config: {"dp_shard": world, "zero_stage": 3})
+DEFAULT = Preset("default", "the planner's best layout for the devices, model and hardware (layout: auto), or "
+                 "the layout in $ULTRASCALE_CONFIG", lambda world, per_node, model_config: {"layout": "auto"})
 
 
 def presets(pm=None) -> dict[str, Preset]:

@@ -179,6 +179,26 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
     return dataclasses.replace(train, micro_batch_size=mbs, grad_accum=ga), parallel
 
 
+def _auto_layout(parallel, train, data_spec, model: dict, world: int):
+    """``parallel: {layout: auto}``: the planner's best layout for this recipe's model, sequence and batch (and its
+    micro-batch split, unless the recipe sets one)."""
+    from .planner.auto import announce, choose_layout
+
+    fields = dict(model)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
+    from transformers import AutoConfig
+
+    auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
+    chosen, best, why = choose_layout(auto, AutoConfig.for_model(model_type, **fields), world)
+    announce(why)
+    if not train.micro_batch_size and not train.grad_accum:
+        train = dataclasses.replace(train, micro_batch_size=best.layout.micro_batch_size,
+                                    grad_accum=best.layout.grad_accum)
+    return chosen, train
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
                 world_size: int | None = None) -> Recipe:
     """The recipe at ``path`` (the embedded default when None) with ``overrides``, checked and with its derived
@@ -196,6 +216,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(model, dict):
         raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}")
     data_spec = _typed("data", DataSpec, data.get("data"))
-    train, parallel = resolve_batching(_typed("train", TrainSpec, data.get("train")),
-                                       ParallelConfig.from_dict(data.get("parallel")), world_size or nproc)
+    train = _typed("train", TrainSpec, data.get("train"))
+    parallel = ParallelConfig.from_dict(data.get("parallel"))
+    if getattr(parallel, "layout", "manual") == "auto":
+        parallel, train = _auto_layout(parallel, train, data_spec, model, world_size or nproc)
+    train, parallel = resolve_batching(train, parallel, world_size or nproc)
     return Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel)

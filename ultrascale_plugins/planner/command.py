@@ -43,7 +43,8 @@ def build(args):
 
     for name in ("gpus", "seq_len", "global_batch_size", "top"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1. Fix: give a "
+                              "positive number")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
                           "multiple of --gpus-per-node")

@@ -280,11 +280,12 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
         try:
             values[key] = keys[key](value.strip())
         except ValueError:
-            raise ConfigError(f"--layout: {key}={value!r} must be {keys[key].__name__}") from None
+            raise ConfigError(f"--layout: {key}={value!r} must be {keys[key].__name__}. Fix: e.g. {key}=1") from None
     dp = values.pop("dp", None)
     rep, shard = values.pop("dp_replicate", None), values.pop("dp_shard", None)
     if dp is not None and (rep or shard) and dp != (rep or 1) * (shard or 1):
-        raise ConfigError(f"--layout: dp={dp} but dp_replicate x dp_shard = {(rep or 1) * (shard or 1)}")
+        raise ConfigError(f"--layout: dp={dp} but dp_replicate x dp_shard = {(rep or 1) * (shard or 1)}. Fix: give "
+                          "dp alone, or make it their product")
     rep = rep or 1
     shard = shard or (dp // rep if dp else 1)
     sp = values.pop("sp", None)
@@ -295,9 +296,9 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
                  sequence_parallel=None if sp is None else sp.lower() in ("1", "true", "yes", "on"),
                  cp_method=values.get("cp_method", "ring"), mixed_precision=values.get("precision", "bf16"))
     if lay.activation_checkpointing not in ("none", "full", "selective"):
-        raise ConfigError(f"--layout: recompute={lay.activation_checkpointing!r}: one of none, full, selective")
+        raise ConfigError(f"--layout: recompute={lay.activation_checkpointing!r}. Fix: one of none, full, selective")
     if lay.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--layout: zero={lay.zero_stage}: one of 0, 1, 2, 3")
+        raise ConfigError(f"--layout: zero={lay.zero_stage}. Fix: one of 0 (plain data parallel), 1, 2, 3")
     if world is not None and lay.world != world:
         raise ConfigError(f"--layout {text!r}: dp x tp x pp x cp = {lay.world}, but --gpus is {world}. Fix: make "
                           "the degrees multiply to the GPU count")

@@ -79,7 +79,7 @@ def hardware_from_args(gpu: str | None = None, *, memory_gb=None, tflops=None, i
     custom = {"memory_gb": memory_gb, "tflops": tflops, "intra_node_gbps": intra_node_gbps,
               "inter_node_gbps": inter_node_gbps}
     if gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+        raise ConfigError(f"--gpus-per-node {gpus_per_node}: must be at least 1. Fix: e.g. --gpus-per-node 8")
     if gpu is None:
         missing = [k for k, v in custom.items() if v is None]
         if missing:
@@ -89,7 +89,7 @@ def hardware_from_args(gpu: str | None = None, *, memory_gb=None, tflops=None, i
                               "or all four custom figures")
         for k, v in custom.items():
             if v <= 0:
-                raise ConfigError(f"{k}={v}: must be positive")
+                raise ConfigError(f"--{k.replace('_', '-')} {v}: must be positive. Fix: give the data-sheet figure")
         return Hardware("custom", gpus_per_node=gpus_per_node, **custom)
     key = gpu.lower()
     if key not in PRESETS:

@@ -1,0 +1,91 @@
+"""``layout: auto``: the planner's best layout for the actual world size, model and hardware.
+
+A built-in plugin: it declares the ``layout`` field (``manual`` | ``auto``) and the two workload figures the
+planner needs that a layout does not otherwise hold (``auto_seq_len``, ``auto_global_batch``; recipes fill them
+from their ``data``/``train`` sections). ``engine.validate`` — which every front end passes through before any
+process group — replaces an ``auto`` layout by the chosen one and logs why (rank 0).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ..hookspecs import hookimpl
+
+_ANNOUNCED: set = set()
+_ENV = "ULTRASCALE_AUTO_LAYOUT"
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("layout", str, "manual", "auto: the planner picks every degree, ZeRO stage, recomputation and "
+               "schedule for the world size, model and hardware (the other layout fields are ignored, "
+               "mixed_precision excepted)", choices=("manual", "auto"))
+    fields.add("auto_seq_len", int, 0, "layout: auto plans for this sequence length (0: the model's maximum, "
+               "at most 4096)", minimum=0)
+    fields.add("auto_global_batch", int, 0, "layout: auto plans for this many sequences per step (0: one per "
+               "process)", minimum=0)
+
+
+def detect_hardware(world_size: int):
+    """The GPUs of this machine as a planner ``Hardware`` (a preset when the name matches one), or the CPU."""
+    from .hardware import PRESETS, Hardware
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            name, memory = props.name.lower(), props.total_memory / 1e9
+            per_node = per_node or torch.cuda.device_count()
+            for key, preset in PRESETS.items():
+                chip = key.split("-")[0]
+                if chip in name.replace(" ", "") and abs(preset.memory_gb - memory) / preset.memory_gb < 0.2:
+                    return Hardware(preset.name, memory, preset.tflops, preset.intra_node_gbps,
+                                    preset.inter_node_gbps, per_node)
+            return Hardware(props.name, memory, 312.0, 100.0, 12.5, per_node)  # an unknown GPU: A100-class guess
+    except ImportError:
+        pass
+    per_node = per_node or world_size
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        ram = 16.0
+    # CPU processes: a share of the RAM each, ~50 GFLOP/s, memory-copy links (gloo over loopback)
+    return Hardware("cpu", ram / max(1, per_node), 0.05, 5.0, 1.0, per_node)
+
+
+def choose_layout(config, model_config, world_size: int, hardware=None):
+    """(the concrete ``ParallelConfig``, the chosen planner ``Result``, a one-line reason) for an auto layout."""
+    from ..config import ParallelConfig
+    from .cost import CostModel, Workload
+    from .model_spec import ModelSpec
+    from .search import best_layout, search
+
+    hw = hardware or detect_hardware(world_size)
+    seq = config.auto_seq_len or min(getattr(model_config, "max_position_embeddings", 4096) or 4096, 4096)
+    batch = config.auto_global_batch or world_size
+    precision = "bf16" if config.mixed_precision == "bf16" else "no"
+    cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision))
+    best = best_layout(cost, world_size)
+    ranked = search(cost, world_size)
+    runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
+    fields = {**best.layout.fields(), "auto_seq_len": config.auto_seq_len,
+              "auto_global_batch": config.auto_global_batch}
+    why = (f"layout: auto chose {best.layout.label()} for {world_size} x {hw.name}, sequence {seq}, "
+           f"global batch {batch}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device, "
+           f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/device, mostly {best.dominant}; best of {len(ranked)} "
+           "costed layouts" + (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s)"
+                               if runner else ""))
+    return ParallelConfig(**fields), best, why
+
+
+def announce(why: str) -> None:
+    """Log the choice once: on rank 0 only (every rank makes the same choice), and not again in workers whose
+    launcher already said it (the environment carries it to them)."""
+    if why in _ANNOUNCED or os.environ.get("RANK", "0") != "0" or os.environ.get(_ENV) == why:
+        return
+    _ANNOUNCED.add(why)
+    os.environ[_ENV] = why
+    print(f"ultrascale: {why}", file=sys.stderr, flush=True)
