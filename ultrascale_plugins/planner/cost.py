@@ -25,9 +25,9 @@ CONSTANTS = {
     "p2p_latency_inter_node_s": 20e-3,  # per pipeline send/receive between nodes
     "dp_overlap": 0.0,  # share of gradient reduction hidden behind backward
     "gather_overlap": 0.8,  # share of ZeRO-3 weight gathers hidden behind compute (prefetch)
-    "pipeline_activation_growth": 0.05,  # activations held per pipeline rank grow by this x pp
-    "memory_overhead_gb": 1.0,  # CUDA/NCCL context and workspaces per GPU
-    "fragmentation": 1.05,  # allocator slack on activations
+    "pipeline_activation_growth": 0.10,  # activations held per pipeline rank grow by this x pp
+    "memory_overhead_gb": 0.25,  # allocator workspaces per GPU outside the categories
+    "fragmentation": 1.10,  # allocator slack on activations
 }
 GB = 1e9
 
