@@ -110,14 +110,12 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     on the meta device) gives the exact parameter inventory; without it the model is built from ``model_config``
     on the meta device (``plan``: its model plan, when the caller has it). ``check=False`` costs layouts this
     engine cannot run (the planner's "runnable: false")."""
-    from .estimates import Estimate, Shape, inventory
+    from .estimates import Estimate, Shape, inventory, meta_model
 
     pm = pm or get_plugin_manager()
     resolved = validate(config, model_config, world_size, pm) if check else resolve(as_config(config), world_size,
                                                                                       pm, check=False)
     if model is None:
-        from .planner.model_spec import meta_model
-
         model = meta_model(model_config)
     if plan is None:
         plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)

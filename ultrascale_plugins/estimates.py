@@ -122,6 +122,25 @@ def chunk_size(n: int, parts: int, index: int) -> int:
 
 
 _INVENTORIES: dict = {}
+_META_MODELS: dict = {}
+
+
+def meta_model(model_config):
+    """The causal LM of ``model_config`` on the meta device (no storage), cached by the config's content."""
+    from .fields import ConfigError
+
+    key = model_config.to_json_string(use_diff=False)
+    if key not in _META_MODELS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            try:
+                _META_MODELS[key] = AutoModelForCausalLM.from_config(model_config)
+            except ValueError as exc:
+                raise ConfigError(f"model type '{model_config.model_type}' has no causal-LM class in transformers "
+                                  f"({exc}). Fix: use a decoder-only causal LM") from None
+    return _META_MODELS[key]
 
 
 def inventory(model, plan=None) -> list[ParamRecord]:

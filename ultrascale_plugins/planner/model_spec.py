@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
+from ..estimates import meta_model  # noqa: F401 - the planner's models are built there, once per config
 
 # Architectures people plan for most often, as their published config.json fields (the ones that size the model).
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
@@ -33,9 +34,6 @@ PRESETS = {
                          num_experts_per_tok=2, hidden_act="silu", tie_word_embeddings=False),
 }
 
-_META_CACHE: dict = {}
-
-
 def load_model_config(spec):
     """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config."""
     from transformers import AutoConfig, PretrainedConfig
@@ -61,22 +59,6 @@ def load_model_config(spec):
         return load_model_config(fields)
     except ValueError as exc:
         raise ConfigError(f"--model {spec}: {exc}") from None
-
-
-def meta_model(model_config):
-    """The causal LM of ``model_config`` on the meta device (cached by the config's content)."""
-    key = model_config.to_json_string(use_diff=False)
-    if key not in _META_CACHE:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            try:
-                _META_CACHE[key] = AutoModelForCausalLM.from_config(model_config)
-            except ValueError as exc:
-                raise ConfigError(f"model type '{model_config.model_type}' has no causal-LM class in transformers "
-                                  f"({exc}). Fix: plan a decoder-only causal LM") from None
-    return _META_CACHE[key]
 
 
 @dataclasses.dataclass
