@@ -276,6 +276,8 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     if dp <= 1:
         return
     full_local = sum(r.local_numel for r in records if r.trainable)
+    if profile == "ultrascale" and zero <= 1 and config.pp == 1:
+        est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
     grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
     weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
     axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
