@@ -410,7 +410,6 @@ class Shape:
     plan: object = None  # the model plan (``models.plan.ModelPlan``) the layout runs with, if any
     dp_overlap: float = 0.0  # fraction of gradient reduction hidden behind backward (planner constant)
     gather_overlap: float = 0.0  # fraction of ZeRO-3 weight gathers hidden behind compute (planner constant)
-    pipeline_activation_growth: float = 0.0  # extra activations per pipeline rank held (planner constant)
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -42,8 +42,12 @@ def pipeline_terms(config, shape, est) -> None:
     m = shape.micro_batches
     rank = shape.coords.get("pp", 0)
     n_stages = p * v
-    counts = stage_layer_counts(config, n_layers) if n_stages <= n_layers else [1] * n_layers + [0] * (
-        n_stages - n_layers)  # more stages than layers (this engine refuses it; the planner still costs it)
+    if n_stages > n_layers:  # more stages than layers: this engine refuses it, the planner still costs it
+        counts = [1] * n_layers + [0] * (n_stages - n_layers)
+    elif shape.profile == "nanotron" and not config.pp_split:  # layers in equal parts, the rest to the first
+        counts = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
+    else:  # this engine's split: the embedding and the head count as a layer of work each
+        counts = stage_layer_counts(config, n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     stages = stage_ids_for_rank(config, rank)
     last = len(counts) - 1
@@ -61,9 +65,7 @@ def pipeline_terms(config, shape, est) -> None:
             kept.append(copy)
     shape.inventory[:] = kept
     shape.layers_here = len(layers)
-    # measured pipelines hold more than their schedule's micro-batches (buffers of the sends and receives in
-    # flight, allocator slack): a global growth per pipeline rank, see docs/planner.md
-    shape.in_flight = in_flight(config.pp_schedule, p, v, m, rank) * (1 + shape.pipeline_activation_growth * p)
+    shape.in_flight = in_flight(config.pp_schedule, p, v, m, rank)
     shape.holds_head = last in stages
     est.factors["bubble"] = bubble(config.pp_schedule, p, v, m)
     element = shape.activation_bytes(config)

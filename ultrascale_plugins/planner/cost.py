@@ -25,9 +25,8 @@ CONSTANTS = {
     "p2p_latency_inter_node_s": 20e-3,  # per pipeline send/receive between nodes
     "dp_overlap": 0.0,  # share of gradient reduction hidden behind backward
     "gather_overlap": 0.8,  # share of ZeRO-3 weight gathers hidden behind compute (prefetch)
-    "pipeline_activation_growth": 0.10,  # activations held per pipeline rank grow by this x pp
     "memory_overhead_gb": 0.25,  # allocator workspaces per GPU outside the categories
-    "fragmentation": 1.10,  # allocator slack on activations
+    "fragmentation": 1.15,  # allocator slack on activations
 }
 GB = 1e9
 
@@ -183,8 +182,7 @@ class CostModel:
                                 micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
                                 coords={"pp": rank}, model=model, profile=self.work.profile,
                                 optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[lay.tp],
-                                dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"],
-                                pipeline_activation_growth=self.c["pipeline_activation_growth"]))
+                                dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"]))
         return out
 
     def memory(self, ests) -> dict:
