@@ -196,9 +196,10 @@ def cmd_accelerate_launch(args) -> int:
 
 def cmd_plan(args) -> int:
     """Cost layouts of a model on a cluster and print the best (``planner``)."""
+    from .integrations.layout import accelerate_yaml
     from .planner.command import run_plan
 
-    return run_plan(args)
+    return run_plan(args, accelerate_yaml)
 
 
 def build_parser() -> argparse.ArgumentParser:

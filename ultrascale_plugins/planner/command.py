@@ -61,7 +61,8 @@ def build(args):
     return CostModel(spec, hw, work), fields
 
 
-def run_plan(args) -> int:
+def run_plan(args, accelerate_yaml) -> int:
+    """``accelerate_yaml``: ``integrations.layout.accelerate_yaml`` (the CLI hands it in)."""
     from . import render
     from .cost import layout_from_string
     from .search import search
@@ -101,7 +102,7 @@ def run_plan(args) -> int:
     print(f"Chosen: {best.layout.label()}\n  {render.breakdown(best)}\n")
     print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
     print("Accelerate config (ultrascale accelerate-launch FILE train.py):\n"
-          + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node)) + "\n")
+          + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node, accelerate_yaml)) + "\n")
     print("Recipe (ultrascale train FILE):\n"
           + _indent(render.recipe(best, args.gpus, fields, args.seq_len, args.global_batch_size)))
     if args.plot:
