@@ -267,12 +267,16 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     est.add_memory("grads", gbytes * sum(n for _, n in trainable))
     step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
-    if config.mixed_precision == "bf16" and profile == "ultrascale":
-        # Unsharded bf16 copies for compute: FSDP2 gathers one layer (plus the next, prefetched) under ZeRO-3,
-        # all layers under ZeRO-2; DDP's autocast caches a bf16 copy of every weight during the forward.
+    if profile == "ultrascale":
         full = sum(r.local_numel for r in records)
-        layers = max(1, len({r.layer for r in records if r.layer is not None}))
-        est.add_memory("other", 2 * (full * 2 / layers if zero == 3 else full))
+        per_layer = full / max(1, len({r.layer for r in records if r.layer is not None}))
+        compute = 2 if config.mixed_precision == "bf16" else 4
+        if zero >= 2 and dp_shard > 1:
+            # FSDP2 gathers whole weights in the compute dtype for one layer plus the next (prefetched) under
+            # ZeRO-3, all of them under ZeRO-2; a layer's whole fp32 gradient waits for its reduce-scatter
+            est.add_memory("other", compute * (2 * per_layer if zero == 3 else full) + 4 * per_layer)
+        elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
+            est.add_memory("other", 2 * full)
     if dp <= 1:
         return
     full_local = sum(r.local_numel for r in records if r.trainable)
