@@ -50,6 +50,7 @@ class Estimate:
     terms: list = dataclasses.field(default_factory=list)
     factors: dict = dataclasses.field(default_factory=dict)
     exact: bool = True  # False when some parameter's share could only be approximated
+    micro_batches: int = 1  # per optimizer step on this rank (engine.estimate sets it from the shape)
 
     def add_memory(self, category: str, nbytes: float) -> None:
         if category not in self.memory:
@@ -72,8 +73,6 @@ class Estimate:
             n = t.nbytes * (self.micro_batches if t.per == "micro_batch" else 1)
             out[t.axis] = out.get(t.axis, 0.0) + n
         return out
-
-    micro_batches: int = 1  # set by engine.estimate from the shape
 
     @property
     def total_memory(self) -> float:
