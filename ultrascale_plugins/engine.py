@@ -83,15 +83,8 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     Returns the resolved config (the ``-1`` degree filled in)."""
     pm = pm or get_plugin_manager()
     config = as_config(config)
-    if getattr(config, "layout", "manual") == "auto":
-        if model_config is None:
-            raise ConfigError("layout: auto needs the model to plan for. Fix: give the model (or its config), or "
-                              "a manual layout")
-        from .planner.auto import announce, choose_layout
-
-        config, _, why = choose_layout(config, model_config, world_size)
-        announce(why)
-    resolved = resolve(config, world_size, pm)
+    chosen = pm.hook.ultrascale_resolve_layout(config=config, model_config=model_config, world_size=world_size)
+    resolved = resolve(chosen if chosen is not None else config, world_size, pm)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
     if model is not None:
         plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)

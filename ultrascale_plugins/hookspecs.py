@@ -7,8 +7,9 @@ implementation whose name matches no specification is rejected when plugins load
 
 A dimension, in the order the engine asks (``engine.parallelize`` reads top to bottom):
 
-1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), checked before any
-   process group exists (``ultrascale_validate_config``, ``ultrascale_validate_model``);
+1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), chosen when asked
+   (``ultrascale_resolve_layout``: ``layout: auto``) and checked before any process group exists
+   (``ultrascale_validate_config``, ``ultrascale_validate_model``);
 2. its model transform, in one of the composition's places: pipeline split (``ultrascale_split_model``), sharding
    inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
    activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
@@ -40,6 +41,12 @@ def ultrascale_add_fields(fields):
 def ultrascale_mesh_axes(config):
     """Return the ``parallel_dims.MeshAxis`` values this dimension needs for ``config`` (degree 1 allowed; one axis
     in the whole layout may have degree -1, the rest of the world). Their product is the world size."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_resolve_layout(config, model_config, world_size):
+    """Return the concrete ``ParallelConfig`` to run for a layout that asks to be chosen (the planner's
+    ``layout: auto``), or None to keep ``config``. Asked first, before any check and any process group."""
 
 
 @hookspec

@@ -2,8 +2,9 @@
 
 A built-in plugin: it declares the ``layout`` field (``manual`` | ``auto``) and the two workload figures the
 planner needs that a layout does not otherwise hold (``auto_seq_len``, ``auto_global_batch``; recipes fill them
-from their ``data``/``train`` sections). ``engine.validate`` — which every front end passes through before any
-process group — replaces an ``auto`` layout by the chosen one and logs why (rank 0).
+from their ``data``/``train`` sections), and answers ``ultrascale_resolve_layout``, which ``engine.validate`` — the
+path of every front end before any process group — asks first: an ``auto`` layout becomes the chosen one, and
+the reason is logged (rank 0).
 """
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ def ultrascale_add_fields(fields):
                "at most 4096)", minimum=0)
     fields.add("auto_global_batch", int, 0, "layout: auto plans for this many sequences per step (0: one per "
                "process)", minimum=0)
+
+
+@hookimpl
+def ultrascale_resolve_layout(config, model_config, world_size):
+    if getattr(config, "layout", "manual") != "auto":
+        return None
+    if model_config is None:
+        from ..config import ConfigError
+
+        raise ConfigError("layout: auto needs the model to plan for. Fix: give the model (or its config), or a "
+                          "manual layout")
+    chosen, _, why = choose_layout(config, model_config, world_size)
+    announce(why)
+    return chosen
 
 
 def detect_hardware(world_size: int):
