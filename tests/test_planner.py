@@ -62,6 +62,7 @@ def test_one_given_layout_even_one_this_engine_cannot_run(capsys):
     (only,) = json.loads(out)["candidates"]
     assert only["runnable"] is False and "tp" in only["not_runnable_because"]  # TP x ZeRO-1: measured, not run here
     assert only["tp"] == 2 and only["zero_stage"] == 1 and only["memory_gb"]["total"] > 0
+    assert only["comm_gb_per_step"]["tp"] > 0 and only["comm_gb_per_step"]["dp_shard"] > 0  # volume per axis
     code, out, _ = _plan(capsys, "--model", "llama-3.2-3b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
                          "--layout", "dp=8,zero=3,mbs=1,ga=32,recompute=full", "--json")
     (full,) = json.loads(out)["candidates"]

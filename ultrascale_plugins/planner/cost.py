@@ -110,6 +110,7 @@ class Result:
     not_runnable_because: str = ""
     times_s: dict = dataclasses.field(default_factory=dict)
     exact: bool = True
+    comm_gb: dict = dataclasses.field(default_factory=dict)  # per optimizer step, by mesh axis (slowest rank)
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -123,7 +124,8 @@ class Result:
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "mfu": round(self.mfu, 4),
                 "step_s": round(self.step_s, 4), "dominant": self.dominant, "runnable": self.runnable,
                 **({"not_runnable_because": self.not_runnable_because} if not self.runnable else {}),
-                "times_s": {k: round(v, 5) for k, v in self.times_s.items()}}
+                "times_s": {k: round(v, 5) for k, v in self.times_s.items()},
+                "comm_gb_per_step": {k: round(v, 4) for k, v in self.comm_gb.items()}}
 
 
 class CostModel:
@@ -237,7 +239,7 @@ class CostModel:
         eff = self.c["matmul_efficiency"] * kernel / (kernel + self.c["half_efficiency_gflop"])
         t_compute = mb_flops / (hw.tflops * 1e12 * eff)
         times = {"compute": 0.0, "bubble": 0.0}
-        slowest = 0.0
+        slowest, slowest_est = 0.0, ests[0]
         for est in ests:  # the pipeline runs at the pace of its slowest rank
             per_mb = {t.axis: 0.0 for t in est.terms}
             per_step = dict(per_mb)
@@ -248,7 +250,7 @@ class CostModel:
             bubble = est.factors.get("bubble", 0.0)
             step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values())
             if step > slowest:
-                slowest = step
+                slowest, slowest_est = step, est
                 times = {"compute": t_compute * lay.grad_accum, "bubble": t_mb * lay.grad_accum * bubble}
                 for axis in per_mb:
                     times[f"comm_{axis}"] = per_mb[axis] * lay.grad_accum + per_step[axis]
@@ -258,7 +260,7 @@ class CostModel:
         dominant = max(times, key=times.get)
         ok, why = self.runnable(lay)
         return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
-                      all(e.exact for e in ests))
+                      all(e.exact for e in ests), {k: v / GB for k, v in slowest_est.comm.items()})
 
 
 def layout_from_string(text: str, world: int | None = None) -> Layout:
