@@ -10,10 +10,10 @@ PACKAGE = ROOT / "ultrascale_plugins"
 
 # each dimension's modules; a family may import its own modules, never another family's
 FAMILIES = {
-    "data_parallel": {"dims.data_parallel"},
+    "data_parallel": {"dims.data_parallel", "dims.data_parallel_costs"},
     "tensor": {"dims.tensor", "dims.tp_styles", "dims.tp_dry_run", "dims.sequence_parallel", "dims.tp_costs"},
     "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime", "dims.pipeline_costs"},
-    "checkpointing": {"dims.checkpointing"},
+    "checkpointing": {"dims.checkpointing", "dims.activation_costs"},
     "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention"},
 }
 FRONT = {"engine", "cli", "train", "recipe", "hf_module", "checkpoint", "export", "pretrained", "initialize",

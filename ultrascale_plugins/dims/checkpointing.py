@@ -61,6 +61,6 @@ def ultrascale_wrap_layers(model, ctx):
 
 @hookimpl
 def ultrascale_estimate(config, model_config, shape, estimate):
-    from ..estimates import activation_terms
+    from .activation_costs import activation_terms
 
     activation_terms(config, shape, estimate)

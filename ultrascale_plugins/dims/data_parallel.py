@@ -110,7 +110,7 @@ def ultrascale_prepare_optimizer(pmodel, optimizer):
 @hookimpl(trylast=True)
 def ultrascale_estimate(config, model_config, shape, estimate):
     """Last: shards what the pipeline and tensor parallel left this rank."""
-    from ..estimates import data_parallel_terms
+    from .data_parallel_costs import data_parallel_terms
 
     data_parallel_terms(config, shape, estimate)
 

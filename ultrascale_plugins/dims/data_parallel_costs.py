@@ -1,0 +1,110 @@
+"""Data parallel's part of a layout's cost: the parameter, gradient and optimizer bytes of this rank's
+parameters (what the pipeline and tensor parallel left it) sharded as its ZeRO stage says — FSDP2's dim-0 chunks,
+or ``ZeroRedundancyOptimizer``'s partition of whole tensors — and the data-parallel collectives of a step."""
+from __future__ import annotations
+
+import math
+
+from ..estimates import OPTIMIZERS, Estimate, chunk_size
+
+
+def precision_bytes(config, profile: str) -> tuple[int, int, int]:
+    """(bytes per parameter element, per gradient element, per optimizer-state element beyond Adam's moments:
+    the fp32 master copy) for this layout's precision and profile."""
+    if profile == "nanotron":
+        return 2, 2 + 4, 4  # bf16 weights; bf16 grads + fp32 accumulation buffer; fp32 master weights
+    return 4, 4, 0  # this package keeps fp32 weights and gradients (bf16 is the compute dtype only)
+
+
+def data_parallel_terms(config, shape, est: Estimate) -> None:
+    """Parameter, gradient and optimizer bytes of this rank's (already pipeline- and TP-cut) parameters, sharded
+    as ZeRO says; the data-parallel collectives per step."""
+    dp_shard, dp_rep = config.dp_shard, config.dp_replicate
+    dp = dp_shard * dp_rep
+    zero = config.zero_stage
+    profile = shape.profile
+    pbytes, gbytes, master = precision_bytes(config, profile)
+    states = OPTIMIZERS[shape.optimizer]
+    records = [r for r in shape.inventory if r.local_numel or r.numel]
+    coords = shape.coords
+    if zero >= 2:
+        # FSDP2 shards dim 0 of every (TP-local) parameter over dp_shard, torch.chunk-style; HSDP replicates over
+        # dp_replicate. The most loaded rank is shard 0.
+        s = coords.get("dp_shard", 0)
+        local = []
+        for r in records:
+            rows = chunk_size(r.local[0], dp_shard, s) if r.local else 0
+            local.append((r, rows * math.prod(r.local[1:])))
+    else:
+        local = [(r, r.local_numel) for r in records]
+    held = sum(n for _, n in local)
+    trainable = [(r, n) for r, n in local if r.trainable]
+    # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
+    if zero == 1 and dp > 1 and profile == "ultrascale":
+        opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
+    elif zero == 1 and dp > 1:
+        opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
+    else:
+        opt_numel, opt_tensors = sum(n for _, n in trainable), len(trainable)
+    est.add_memory("params", pbytes * held)
+    est.add_memory("grads", gbytes * sum(n for _, n in trainable))
+    step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
+    est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
+    if profile == "ultrascale":
+        full = sum(r.local_numel for r in records)
+        per_layer = full / max(1, len({r.layer for r in records if r.layer is not None}))
+        compute = 2 if config.mixed_precision == "bf16" else 4
+        if zero >= 2 and dp_shard > 1:
+            # FSDP2 gathers whole weights in the compute dtype for one layer plus the next (prefetched) under
+            # ZeRO-3, all of them under ZeRO-2; a layer's whole fp32 gradient waits for its reduce-scatter
+            est.add_memory("other", compute * (2 * per_layer if zero == 3 else full) + 4 * per_layer)
+        elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
+            est.add_memory("other", 2 * full)
+    if dp <= 1:
+        return
+    full_local = sum(r.local_numel for r in records if r.trainable)
+    if profile == "ultrascale" and zero <= 1 and config.pp == 1:
+        est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
+    grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
+    weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
+    axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
+    if zero >= 2:
+        # reduce-scatter of the gradients once per step (accumulated without sync); all-gathers of the weights
+        # before each forward and (ZeRO-3) each backward of every micro-batch, prefetched behind compute
+        gathers = 2 if zero == 3 and config.pp == 1 else 1
+        est.add_comm("dp_shard", grad_wire * full_local, "reduce_scatter", calls=_n_layers(records) + 1,
+                     overlap=shape.dp_overlap)
+        per = "micro_batch" if config.pp == 1 else "step"
+        est.add_comm("dp_shard", gathers * weight_wire * full_local, "all_gather",
+                     calls=gathers * (_n_layers(records) + 1), per=per, overlap=shape.gather_overlap)
+        if dp_rep > 1:
+            est.add_comm("dp_replicate", grad_wire * full_local / dp_shard, "all_reduce", overlap=shape.dp_overlap)
+        return
+    for axis in axes:  # DDP's all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume)
+        share = (dp_rep if axis == "dp_replicate" else dp_shard) / dp
+        if zero == 1:
+            est.add_comm(axis, grad_wire * full_local * share, "reduce_scatter", overlap=shape.dp_overlap)
+            est.add_comm(axis, weight_wire * full_local * share, "all_gather")
+        else:
+            est.add_comm(axis, grad_wire * full_local * share, "all_reduce", calls=max(1, _n_layers(records)),
+                         overlap=shape.dp_overlap)
+
+
+def _n_layers(records) -> int:
+    return len({r.layer for r in records if r.layer is not None})
+
+
+def _zero1_share(trainable, dp: int, coords, dp_shard: int) -> tuple[float, float]:
+    """ZeRO-1 as ``torch.distributed.optim.ZeroRedundancyOptimizer`` partitions: parameters by size, largest
+    first, each to the rank holding the fewest elements so far. (elements, tensors) of one rank: ``coords``'
+    data-parallel rank, else the most loaded."""
+    sizes, counts = [0] * dp, [0] * dp
+    for n in sorted((n for _, n in trainable), reverse=True):
+        k = sizes.index(min(sizes))
+        sizes[k] += n
+        counts[k] += 1
+    if "dp_shard" in coords or "dp_replicate" in coords:  # the flattened (dp_replicate, dp_shard) group rank
+        k = coords.get("dp_replicate", 0) * dp_shard + coords.get("dp_shard", 0)
+        return sizes[k], counts[k]
+    k = sizes.index(max(sizes))
+    return sizes[k], counts[k]
