@@ -217,3 +217,11 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
         from ultrascale_plugins import plugins
 
         plugins.unregister(name="counter")
+
+
+def test_a_hugging_face_directory_is_not_taken_for_a_broken_checkpoint(tmp_path):
+    from ultrascale_plugins.checkpoint import CheckpointError, read_meta
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="Hugging Face model directory.*--init-from"):
+        read_meta(tmp_path)

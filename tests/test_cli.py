@@ -75,11 +75,18 @@ def test_pipeline_schedule_from_the_command_line(tmp_path):
     proc = ultrascale("train", "--nproc", "2", "--set", "pp=2", "--set", "tp=1", "--set", "dp_shard=1",
                       "--set", "sequence_parallel=false", "--set", "pp_schedule=interleaved_1f1b",
                       "--set", "pp_virtual_stages=2", "--set", "train.steps=6", "--set", "train.log_every=3",
-                      "--metrics", str(metrics), timeout=300)
+                      "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "pp=2 (interleaved_1f1b, 2 stages/rank)" in proc.stdout
     assert "pipeline idle" in proc.stdout
-    assert len(json.loads(metrics.read_text())["losses"]) == 6
+    assert "0.85M params" in proc.stdout  # the whole model's size, not the first stage's
+    losses = json.loads(metrics.read_text())["losses"]
+    assert len(losses) == 6
+    # --log-dir: a JSON line per logged step, with what a user watches
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 6] and [r["loss"] for r in lines] == [losses[2], losses[5]]
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0 for r in lines)
+    assert all(len(r["peak_mb_per_rank"]) == 2 for r in lines)
 
 
 @pytest.mark.slow

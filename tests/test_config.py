@@ -141,3 +141,9 @@ def test_parallelize_rejects_bad_layout_before_creating_a_group(monkeypatch):
     with pytest.raises(ConfigError, match="world size is 4"):
         parallelize(make_model("llama"), ParallelConfig(dp_shard=2, tp=1))
     assert not dist.is_initialized()
+
+
+def test_the_names_people_know_the_dimensions_by_are_suggested():
+    for wrong, right in (("tensor_parallel", "tp"), ("pipeline_parallel_size", "pp"), ("zero", "zero_stage")):
+        with pytest.raises(ConfigError, match=f"did you mean '{right}'"):
+            ParallelConfig(**{wrong: 2})

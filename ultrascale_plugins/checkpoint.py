@@ -203,6 +203,10 @@ def read_meta(path: str | Path) -> dict:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist. Fix: pass a step-XXXXXXXX directory")
     if not meta_file.is_file():
+        if (path / "config.json").is_file():
+            raise CheckpointError(f"'{path}' is a Hugging Face model directory, not a sharded checkpoint. Fix: start "
+                                  f"from it with --init-from {path}; export and resume take a step-XXXXXXXX "
+                                  "directory that `ultrascale train` saved")
         raise CheckpointError(f"checkpoint '{path}' is incomplete (no {META}: the save did not finish). Fix: "
                               "resume from an earlier checkpoint")
     meta = json.loads(meta_file.read_text())

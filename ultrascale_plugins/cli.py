@@ -58,6 +58,8 @@ def cmd_train(args) -> int:
         worker += ["--set", item]
     if args.metrics:
         worker += ["--metrics", os.path.abspath(args.metrics)]
+    if args.log_dir:
+        worker += ["--log-dir", os.path.abspath(args.log_dir)]
     if args.resume:
         from .checkpoint import list_checkpoints, read_meta
 
@@ -211,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: tp=2, train.steps=20, model.hidden_size=64")
     train.add_argument("--metrics", help="write losses and throughput as JSON to this file")
+    train.add_argument("--log-dir", help="append a JSON line per logged step (loss, learning rate, gradient norm, "
+                       "tokens/s, peak memory per rank) to DIR/metrics.jsonl")
     train.add_argument("--resume", metavar="PATH",
                        help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
                             "the layout may differ from the one it was saved in")

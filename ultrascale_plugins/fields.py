@@ -25,8 +25,19 @@ def field_error(field: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{field}={value!r}: {problem}. Fix: {fix}")
 
 
+# The names people know the dimensions by (Accelerate's, Megatron's, the papers'), for suggestions.
+ALIASES = {"tensor_parallel": "tp", "tensor_parallel_size": "tp", "tp_size": "tp", "pipeline_parallel": "pp",
+           "pipeline_parallel_size": "pp", "pp_size": "pp", "context_parallel": "cp", "cp_size": "cp",
+           "data_parallel": "dp_shard", "dp": "dp_shard", "zero": "zero_stage", "fsdp": "zero_stage",
+           "recompute": "activation_checkpointing", "gradient_checkpointing": "activation_checkpointing",
+           "sp": "sequence_parallel"}
+
+
 def suggest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    choices = list(choices)
+    if ALIASES.get(name) in choices:
+        return f"did you mean '{ALIASES[name]}'?"
+    close = difflib.get_close_matches(name, choices, n=1)
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(choices))}"
 
 

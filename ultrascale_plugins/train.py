@@ -47,7 +47,7 @@ def quiet_known_warnings() -> None:
 
 
 def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
-        init_from: str | None = None) -> dict:
+        init_from: str | None = None, log_dir: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()
@@ -88,10 +88,12 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     if rank == 0:
         from tqdm import tqdm
 
-        n_params = sum(p.numel() for p in model.parameters())
+        from .estimates import meta_model
+
+        n_params = sum(p.numel() for p in meta_model(model.config).parameters())  # the whole model, not this rank's
         source = f" from {init_from}" if init_from else ""
-        print(f"ultrascale: {world} processes, layout {describe(recipe.parallel, pmodel)}, "
-              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params (per-rank shards), "
+        print(f"ultrascale: {world} processes, layout {describe(pmodel.config, pmodel)}, "
+              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params (sharded over the ranks), "
               f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
               f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
               flush=True)
@@ -107,8 +109,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             group["lr"] = lr_at(step, recipe)
         batch = data.local(data.global_batch_at(step), dp_rank, dp_size)
         loss = accumulate_step(pmodel, batch, recipe)
+        grad_norm = None
         if recipe.train.max_grad_norm > 0:
-            pmodel.clip_grad_norm_(recipe.train.max_grad_norm)
+            grad_norm = float(pmodel.clip_grad_norm_(recipe.train.max_grad_norm))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
@@ -119,6 +122,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             now = time.perf_counter()
             tok_s = window_steps * tokens_per_step / (now - window_start)
             window_start, window_steps = now, 0
+            if log_dir and rank == 0:
+                write_log_line(log_dir, {"step": step + 1, "loss": losses[-1], "lr": lr_at(step, recipe),
+                                         "grad_norm": grad_norm, "tokens_per_s": tok_s, "peak_mb_per_rank": peaks})
             if bar is not None:
                 idle = pmodel.pipeline_stats
                 bubble = f" | pipeline idle {idle['idle_fraction']:.0%}" if idle else ""
@@ -184,6 +190,14 @@ def eval_batch(pmodel, batch: dict, recipe: Recipe) -> float:
     return sum(float(pmodel.eval_step(chunk)) for chunk in chunks) / len(chunks)
 
 
+def write_log_line(log_dir: str, record: dict) -> None:
+    """One JSON line per logged step in ``LOG_DIR/metrics.jsonl`` (rank 0), appended and flushed as it comes, so a
+    run can be watched (``tail -f``) or read back while it trains."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(log_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def describe(cfg, pmodel) -> str:
     parts = []
     if cfg.pp > 1:
@@ -223,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", default=os.environ.get("ULTRASCALE_METRICS"))
     parser.add_argument("--resume")
     parser.add_argument("--init-from")
+    parser.add_argument("--log-dir", default=os.environ.get("ULTRASCALE_LOG_DIR"))
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size())
-        run(recipe, args.metrics, args.resume, args.init_from)
+        run(recipe, args.metrics, args.resume, args.init_from, args.log_dir)
     except ConfigError as exc:
         print(f"ultrascale: error: {exc}", file=sys.stderr)
         return 2
