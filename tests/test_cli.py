@@ -133,3 +133,48 @@ def test_init_from_an_exported_checkpoint_in_another_layout(tmp_path):
 def test_init_from_a_directory_without_weights_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256}))
     assert_clean_error(ultrascale("train", "--init-from", str(tmp_path)), "no *.safetensors")
+
+
+@pytest.mark.slow
+def test_two_nodes_sharing_a_rendezvous_equal_one_four_process_run(tmp_path):
+    """--nnodes / --node-rank / --rdzv-endpoint: two `ultrascale train` invocations on this machine (2 processes
+    each, the recipe's nproc is per node) make one 4-process job whose losses equal a 4-process run's."""
+    import socket
+
+    common = ["--set", "pp=1", "--set", "tp=1", "--set", "sequence_parallel=false", "--set", "dp_shard=4",
+              "--set", "train.steps=3", "--set", "train.log_every=1", "--set", "train.eval_batches=1"]
+    single = tmp_path / "single.json"
+    proc = ultrascale("train", "--nproc", "4", *common, "--metrics", str(single))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = tmp_path / "nodes.json"
+    node = [sys.executable, "-m", "ultrascale_plugins.cli", "train", "--nproc", "2", "--nnodes", "2",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", *common]
+    second = subprocess.Popen([*node, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.run([*node, "--node-rank", "0", "--metrics", str(nodes)], capture_output=True, text=True,
+                           timeout=300)
+    out, err = second.communicate(timeout=300)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + err[-3000:]
+    assert json.loads(nodes.read_text())["world_size"] == 4
+    assert json.loads(nodes.read_text())["losses"] == pytest.approx(json.loads(single.read_text())["losses"],
+                                                                    abs=1e-6)
+    for flags, words in ((["--nnodes", "2"], ("--rdzv-endpoint",)),
+                         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], ("--node-rank 2",))):
+        assert_clean_error(ultrascale("train", *flags), *words)
+
+
+def test_the_slurm_example_is_valid_shell_with_flags_the_command_takes():
+    from pathlib import Path
+
+    from ultrascale_plugins.cli import build_parser
+
+    script = Path(__file__).resolve().parent.parent / "recipes" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint"):
+        assert flag in text
+    args = build_parser().parse_args(["train", "r.yaml", "--nproc", "8", "--nnodes", "4", "--node-rank", "3",
+                                      "--rdzv-endpoint", "node001:29500"])
+    assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (4, 3, "node001:29500")

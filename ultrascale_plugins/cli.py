@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_recipe(recipe, init_from: str | None = None) -> None:
+def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1) -> None:
     """Every check that can run before a worker starts: recipe keys and types, pretrained weights, layout vs
     world size and model, batch vs data-parallel degree."""
     from .engine import validate
@@ -37,7 +37,7 @@ def check_recipe(recipe, init_from: str | None = None) -> None:
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config)
-    resolved = validate(recipe.parallel, model_config, recipe.nproc, model=model)
+    resolved = validate(recipe.parallel, model_config, recipe.nproc * nnodes, model=model)
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
@@ -49,8 +49,15 @@ def cmd_train(args) -> int:
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"nproc={args.nproc}")
-    recipe = load_recipe(args.recipe, overrides)
-    check_recipe(recipe, args.init_from)
+    nodes = _check_nodes(args)
+    world = None
+    if nodes > 1:  # the recipe's nproc is per node: its layout is for nnodes x nproc processes
+        from .recipe import apply_overrides, default_recipe_dict, load_yaml
+
+        data = apply_overrides(default_recipe_dict() if args.recipe is None else load_yaml(args.recipe), overrides)
+        world = int(data.get("nproc", 1)) * nodes
+    recipe = load_recipe(args.recipe, overrides, world_size=world)
+    check_recipe(recipe, args.init_from, nodes)
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
     if args.recipe:
         worker.append(os.path.abspath(args.recipe))
@@ -76,14 +83,35 @@ def cmd_train(args) -> int:
         worker += ["--init-from", os.path.abspath(args.init_from)]
     if "RANK" in os.environ or recipe.nproc == 1:  # already under torchrun / SLURM, or one process
         return subprocess.call(worker)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(recipe.nproc),
-                "--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+    if nodes == 1:
+        rendezvous = ["--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}"]
+    else:  # torchrun's static rendezvous: this node's ranks are node_rank x nproc + local rank, as given
+        rendezvous = ["--nnodes", str(nodes), "--node_rank", str(args.node_rank), "--rdzv_backend", "static",
+                      "--rdzv_endpoint", args.rdzv_endpoint]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(recipe.nproc), *rendezvous,
                 "--max_restarts", "0", "--module", "ultrascale_plugins.train", *worker[3:]]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return subprocess.call(launcher, env=env)
+
+
+def _check_nodes(args) -> int:
+    """The node count, after checking the multi-node flags together (before any worker starts)."""
+    nodes = args.nnodes
+    if nodes < 1:
+        raise ConfigError(f"--nnodes {nodes}: must be at least 1. Fix: e.g. --nnodes 2")
+    if nodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT (the first node's address, the same on "
+                          "every node). Fix: add e.g. --rdzv-endpoint node001:29500")
+    if not 0 <= args.node_rank < nodes:
+        raise ConfigError(f"--node-rank {args.node_rank}: must be 0 to {nodes - 1} for --nnodes {nodes}. Fix: number "
+                          "the nodes from 0")
+    if nodes > 1 and "RANK" in os.environ:
+        raise ConfigError("--nnodes with a launcher that already started the workers (RANK is set). Fix: leave the "
+                          "node flags to that launcher")
+    return nodes
 
 
 def cmd_plugins(args) -> int:
@@ -212,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, help="processes on this machine (overrides the recipe's nproc)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: tp=2, train.steps=20, model.hidden_size=64")
+    train.add_argument("--nnodes", type=int, default=1, help="machines in the job (the recipe's nproc is per node)")
+    train.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes - 1")
+    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the first node's address, the same everywhere")
     train.add_argument("--metrics", help="write losses and throughput as JSON to this file")
     train.add_argument("--log-dir", help="append a JSON line per logged step (loss, learning rate, gradient norm, "
                        "tokens/s, peak memory per rank) to DIR/metrics.jsonl")
