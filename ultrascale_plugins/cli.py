@@ -50,13 +50,7 @@ def cmd_train(args) -> int:
     if args.nproc is not None:
         overrides.append(f"nproc={args.nproc}")
     nodes = _check_nodes(args)
-    world = None
-    if nodes > 1:  # the recipe's nproc is per node: its layout is for nnodes x nproc processes
-        from .recipe import apply_overrides, default_recipe_dict, load_yaml
-
-        data = apply_overrides(default_recipe_dict() if args.recipe is None else load_yaml(args.recipe), overrides)
-        world = int(data.get("nproc", 1)) * nodes
-    recipe = load_recipe(args.recipe, overrides, world_size=world)
+    recipe = load_recipe(args.recipe, overrides, nnodes=nodes)  # nproc is per node
     check_recipe(recipe, args.init_from, nodes)
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
     if args.recipe:

@@ -53,7 +53,6 @@ class Estimate:
     memory: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(MEMORY_CATEGORIES, 0.0))
     terms: list = dataclasses.field(default_factory=list)
     factors: dict = dataclasses.field(default_factory=dict)
-    exact: bool = True  # False when some parameter's share could only be approximated
     micro_batches: int = 1  # per optimizer step on this rank (engine.estimate sets it from the shape)
 
     def add_memory(self, category: str, nbytes: float) -> None:

@@ -52,17 +52,22 @@ class Recipe:
                 "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict()}
 
     def model_config(self):
-        from transformers import AutoConfig
+        return model_config_of(self.model)
 
-        spec = dict(self.model)
-        model_type = spec.pop("model_type", None)
-        if not model_type:
-            raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
-        try:
-            return AutoConfig.for_model(model_type, **spec)
-        except ValueError as exc:
-            raise ConfigError(f"model.model_type={model_type!r}: {exc}. Fix: use a transformers model type such "
-                              "as llama, qwen2, mistral or gpt2") from None
+
+def model_config_of(model: dict):
+    """The transformers config of a recipe's ``model`` section."""
+    from transformers import AutoConfig
+
+    spec = dict(model)
+    model_type = spec.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
+    try:
+        return AutoConfig.for_model(model_type, **spec)
+    except ValueError as exc:
+        raise ConfigError(f"model.model_type={model_type!r}: {exc}. Fix: use a transformers model type such "
+                          "as llama, qwen2, mistral or gpt2") from None
 
 
 def _typed(section: str, cls, data: dict[str, Any]):
@@ -184,14 +189,8 @@ def _auto_layout(parallel, train, data_spec, model: dict, world: int):
     micro-batch split, unless the recipe sets one)."""
     from .planner.auto import announce, choose_layout
 
-    fields = dict(model)
-    model_type = fields.pop("model_type", None)
-    if not model_type:
-        raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
-    from transformers import AutoConfig
-
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
-    chosen, best, why = choose_layout(auto, AutoConfig.for_model(model_type, **fields), world)
+    chosen, best, why = choose_layout(auto, model_config_of(model), world)
     announce(why)
     if not train.micro_batch_size and not train.grad_accum:
         train = dataclasses.replace(train, micro_batch_size=best.layout.micro_batch_size,
@@ -200,10 +199,10 @@ def _auto_layout(parallel, train, data_spec, model: dict, world: int):
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
-                world_size: int | None = None) -> Recipe:
+                world_size: int | None = None, nnodes: int = 1) -> Recipe:
     """The recipe at ``path`` (the embedded default when None) with ``overrides``, checked and with its derived
-    values filled in. ``world_size`` (default: the recipe's ``nproc``) is the number of processes the layout is
-    resolved against: a worker started by torchrun or SLURM on several nodes passes the real one."""
+    values filled in. ``world_size`` (default: the recipe's ``nproc`` per node x ``nnodes``) is the number of
+    processes the layout is resolved against: a worker started by torchrun or SLURM passes the real one."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
     for key in data:
@@ -218,7 +217,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     data_spec = _typed("data", DataSpec, data.get("data"))
     train = _typed("train", TrainSpec, data.get("train"))
     parallel = ParallelConfig.from_dict(data.get("parallel"))
+    world = world_size or nproc * nnodes
     if getattr(parallel, "layout", "manual") == "auto":
-        parallel, train = _auto_layout(parallel, train, data_spec, model, world_size or nproc)
-    train, parallel = resolve_batching(train, parallel, world_size or nproc)
+        parallel, train = _auto_layout(parallel, train, data_spec, model, world)
+    train, parallel = resolve_batching(train, parallel, world)
     return Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel)

@@ -7,7 +7,7 @@ from ..estimates import chunk_size
 from .tp_styles import param_placement
 
 # The dims the weight and the bias of a module are sharded on, by style name (transformers' and this package's;
-# GPT-2's Conv1D holds its weight transposed). Styles that keep parameters whole are in _WHOLE.
+# GPT-2's Conv1D holds its weight transposed). Every other style keeps its parameters whole.
 _MODULE_DIMS = {
     "colwise": (0, 0), "unit_colwise": (0, 0), "colwise_gather_output": (0, 0), "colwise_rep": (0, 0),
     "packed_colwise": (0, 0),
@@ -15,13 +15,11 @@ _MODULE_DIMS = {
     "embedding_rowwise": (0, None), "vocab_parallel_embedding": (0, None), "embedding_colwise": (1, None),
     "conv1d_colwise": (1, 0), "conv1d_rowwise": (0, None), "conv1d_packed_colwise": (1, None),
 }
-_WHOLE = {"replicate", "replicated_with_grad_allreduce", "local_params", "sequence_parallel", "all_reduce",
-          "moe_identity_expert", "mla_kv_a_proj", "moe_tp_experts"}
 _DIMS_CACHE: dict = {}
 
 
 def sharded_dims(model, plan) -> dict:
-    """{parameter FQN: (dim TP shards or None, whether the style is known here)} for the plan's parameters."""
+    """{parameter FQN: the dim TP shards} for the plan's sharded parameters (styles not known here: left whole)."""
     key = (id(model), tuple(sorted(plan.tp_plan.items())))
     if key in _DIMS_CACHE and _DIMS_CACHE[key][0] is model:
         return _DIMS_CACHE[key][1]
@@ -29,18 +27,12 @@ def sharded_dims(model, plan) -> dict:
     out = {}
     for name, param in model.named_parameters():
         if name in by_param:
-            placement = param_placement(by_param[name], param.ndim)
-            out[name] = (getattr(placement, "dim", None), placement is not None or by_param[name] in _WHOLE)
+            out[name] = getattr(param_placement(by_param[name], param.ndim), "dim", None)
             continue
         owner, _, leaf = name.rpartition(".")
-        style = by_module.get(owner)
-        if style is None or style in _WHOLE:
-            continue
-        if style not in _MODULE_DIMS:
-            out[name] = (None, False)
-            continue
-        weight, bias = _MODULE_DIMS[style]
-        out[name] = (weight if leaf == "weight" else bias, True)
+        if by_module.get(owner) in _MODULE_DIMS:
+            weight, bias = _MODULE_DIMS[by_module[owner]]
+            out[name] = weight if leaf == "weight" else bias
     _DIMS_CACHE[key] = (model, out)
     return out
 
@@ -52,10 +44,8 @@ def tensor_parallel_terms(config, shape, est) -> None:
     rank = shape.coords.get("tp", 0)
     dims = sharded_dims(shape.model, shape.plan)
     for r in shape.inventory:
-        dim, known = dims.get(r.name.removesuffix(" (head copy)"), (None, True))
-        if not known:
-            est.exact = False  # a plugin's own style: its placement is not known here, counted whole
-        if dim is None:
+        dim = dims.get(r.name.removesuffix(" (head copy)"))
+        if dim is None:  # whole on every TP rank (a plugin's own style, unknown here, is counted whole too)
             continue
         local = list(r.local)
         local[dim] = chunk_size(local[dim], tp, rank)

@@ -46,22 +46,19 @@ def detect_hardware(world_size: int):
     """The GPUs of this machine as a planner ``Hardware`` (a preset when the name matches one), or the CPU."""
     from .hardware import PRESETS, Hardware
 
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            name, memory = props.name.lower(), props.total_memory / 1e9
-            per_node = per_node or torch.cuda.device_count()
-            for key, preset in PRESETS.items():
-                chip = key.split("-")[0]
-                if chip in name.replace(" ", "") and abs(preset.memory_gb - memory) / preset.memory_gb < 0.2:
-                    return Hardware(preset.name, memory, preset.tflops, preset.intra_node_gbps,
-                                    preset.inter_node_gbps, per_node)
-            return Hardware(props.name, memory, 312.0, 100.0, 12.5, per_node)  # an unknown GPU: A100-class guess
-    except ImportError:
-        pass
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        name, memory = props.name.lower(), props.total_memory / 1e9
+        per_node = per_node or torch.cuda.device_count()
+        for key, preset in PRESETS.items():
+            chip = key.split("-")[0]
+            if chip in name.replace(" ", "") and abs(preset.memory_gb - memory) / preset.memory_gb < 0.2:
+                return Hardware(preset.name, memory, preset.tflops, preset.intra_node_gbps, preset.inter_node_gbps,
+                                per_node)
+        return Hardware(props.name, memory, 312.0, 100.0, 12.5, per_node)  # an unknown GPU: A100-class guess
     per_node = per_node or world_size
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -83,8 +80,8 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     batch = config.auto_global_batch or world_size
     precision = "bf16" if config.mixed_precision == "bf16" else "no"
     cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision))
-    best = best_layout(cost, world_size)
     ranked = search(cost, world_size)
+    best = best_layout(cost, world_size, ranked)
     runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
     fields = {**best.layout.fields(), "auto_seq_len": config.auto_seq_len,
               "auto_global_batch": config.auto_global_batch}

@@ -109,7 +109,6 @@ class Result:
     runnable: bool
     not_runnable_because: str = ""
     times_s: dict = dataclasses.field(default_factory=dict)
-    exact: bool = True
     comm_gb: dict = dataclasses.field(default_factory=dict)  # per optimizer step, by mesh axis (slowest rank)
 
     def to_json(self) -> dict:
@@ -169,7 +168,7 @@ class CostModel:
         micro-batches in flight; the second may hold one layer more) and the ones holding the last stage (head,
         logits) — the ranks between hold fewer micro-batches of as many layers."""
         from ..engine import estimate
-        from .model_spec import meta_model
+        from ..estimates import meta_model
 
         model = meta_model(self.spec.config)
         config = lay.config()
@@ -260,7 +259,7 @@ class CostModel:
         dominant = max(times, key=times.get)
         ok, why = self.runnable(lay)
         return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
-                      all(e.exact for e in ests), {k: v / GB for k, v in slowest_est.comm.items()})
+                      {k: v / GB for k, v in slowest_est.comm.items()})
 
 
 def layout_from_string(text: str, world: int | None = None) -> Layout:

@@ -78,18 +78,19 @@ def hardware_from_args(gpu: str | None = None, *, memory_gb=None, tflops=None, i
     """A preset (``gpu``) with any figure overridden, or custom figures (all four then required)."""
     custom = {"memory_gb": memory_gb, "tflops": tflops, "intra_node_gbps": intra_node_gbps,
               "inter_node_gbps": inter_node_gbps}
+    flag = {"memory_gb": "--gpu-memory-gb", "tflops": "--gpu-tflops", "intra_node_gbps": "--intra-node-gbps",
+            "inter_node_gbps": "--inter-node-gbps"}
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {gpus_per_node}: must be at least 1. Fix: e.g. --gpus-per-node 8")
     if gpu is None:
         missing = [k for k, v in custom.items() if v is None]
         if missing:
-            flags = ", ".join("--" + k.replace("_", "-").replace("tflops", "gpu-tflops").replace(
-                "memory-gb", "gpu-memory-gb") for k in missing)
+            flags = ", ".join(flag[k] for k in missing)
             raise ConfigError(f"no --gpu preset and no {flags}. Fix: pass --gpu with one of {', '.join(PRESETS)}, "
                               "or all four custom figures")
         for k, v in custom.items():
             if v <= 0:
-                raise ConfigError(f"--{k.replace('_', '-')} {v}: must be positive. Fix: give the data-sheet figure")
+                raise ConfigError(f"{flag[k]} {v}: must be positive. Fix: give the data-sheet figure")
         return Hardware("custom", gpus_per_node=gpus_per_node, **custom)
     key = gpu.lower()
     if key not in PRESETS:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
-from ..estimates import meta_model  # noqa: F401 - the planner's models are built there, once per config
+from ..estimates import meta_model
 
 # Architectures people plan for most often, as their published config.json fields (the ones that size the model).
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",

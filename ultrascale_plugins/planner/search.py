@@ -56,9 +56,9 @@ def layouts(world: int, cost: CostModel):
             for rep in replicas:
                 for schedule, v in _pp_schedules(pp, layers):
                     group = []
-                    mbs = 1
-                    while global_rows(work, dp) % mbs == 0 and mbs <= global_rows(work, dp):
-                        ga = global_rows(work, dp) // mbs
+                    rows, mbs = work.global_batch // dp, 1
+                    while rows % mbs == 0:
+                        ga = rows // mbs
                         if pp == 1 or ga >= pp:
                             group.append([Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp,
                                                  zero_stage=zero, micro_batch_size=mbs, grad_accum=ga,
@@ -67,10 +67,6 @@ def layouts(world: int, cost: CostModel):
                                           for ac in RECOMPUTE])
                         mbs *= 2
                     yield group
-
-
-def global_rows(work, dp: int) -> int:
-    return work.global_batch // dp
 
 
 def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None) -> list[Result]:
@@ -98,11 +94,12 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
     return results[:limit] if limit else results
 
 
-def best_layout(cost: CostModel, world: int) -> Result:
-    """The best runnable layout that fits; raises when none does."""
+def best_layout(cost: CostModel, world: int, results: list[Result] | None = None) -> Result:
+    """The best runnable layout that fits (of ``results`` when the search has run already); raises when none
+    does."""
     from ..config import ConfigError
 
-    results = search(cost, world)
+    results = search(cost, world) if results is None else results
     if not results or not results[0].fits:
         need = min((r.memory_gb["total"] for r in results), default=math.inf)
         raise ConfigError(f"no layout of {world} GPUs fits {cost.hw.memory_gb:g} GB per GPU (the smallest needs "
