@@ -17,13 +17,37 @@ SECTIONS = {"nproc", "model", "data", "train", "parallel"}
 
 @dataclasses.dataclass
 class DataSpec:
-    corpus: str = "builtin"
+    corpus: str = "builtin"  # the byte-level corpus (ids 0-255): "builtin" or a text file; used without dataset
+    dataset: str = ""  # a .jsonl/.json/.parquet/.txt file, a directory of them, or a datasets.save_to_disk dir
+    format: str = "text"  # text: plain documents; chat: conversations, loss on the assistant's tokens only
+    text_field: str = "text"
+    messages_field: str = "messages"
+    tokenizer: str = ""  # a tokenizer directory; default: the --init-from directory
     seq_len: int = 128
+    packing: bool = True  # concatenate samples into seq_len rows (position_ids restart at each sample)
+    eval_fraction: float = 0.0  # the share of samples held out for validation (0: a dataset has no validation)
+    cache_dir: str = ""  # where tokenized datasets are kept; default $ULTRASCALE_CACHE or ~/.cache/ultrascale
+    num_proc: int = 0  # tokenizing processes; 0: up to 8, one per core
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ConfigError(f"data.format={self.format!r}: {suggest(str(self.format), FORMATS)}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction!r}: must be at least 0 and below 1. Fix: "
+                              "e.g. eval_fraction: 0.05")
+        if not self.dataset and (self.format != "text" or self.tokenizer):
+            key = "format: chat" if self.format != "text" else f"tokenizer: {self.tokenizer}"
+            raise ConfigError(f"data.{key} needs data.dataset (the byte-level corpus has no tokenizer or "
+                              "conversations). Fix: add dataset: path/to/data.jsonl")
+
+
+FORMATS = ("text", "chat")
 
 
 @dataclasses.dataclass
 class TrainSpec:
     steps: int = 60
+    epochs: int = 0  # passes over a dataset; sets steps (epochs x steps per epoch); 0: train.steps decides
     global_batch: int = 16  # sequences per optimizer step = data-parallel size x micro_batch_size x grad_accum
     micro_batch_size: int = 0  # rows per forward/backward on each data-parallel rank; 0 = derived
     grad_accum: int = 0  # micro-batches per optimizer step (with pp > 1: the pipeline's); 0 = derived
@@ -46,13 +70,26 @@ class Recipe:
     data: DataSpec
     train: TrainSpec
     parallel: ParallelConfig
+    init_from: str = ""  # a pretrained directory: its config.json is the model (the model section is ignored)
 
     def to_dict(self) -> dict[str, Any]:
         return {"nproc": self.nproc, "model": dict(self.model), "data": dataclasses.asdict(self.data),
                 "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict()}
 
     def model_config(self):
+        if self.init_from:
+            return pretrained_config(self.init_from)
         return model_config_of(self.model)
+
+
+def pretrained_config(directory: str):
+    """The transformers config of a ``save_pretrained`` directory (``--init-from``)."""
+    from transformers import AutoConfig
+
+    if not (Path(directory) / "config.json").is_file():
+        raise ConfigError(f"--init-from {directory}: no config.json there. Fix: pass a directory written by "
+                          "save_pretrained (config.json + *.safetensors)")
+    return AutoConfig.from_pretrained(directory)
 
 
 def model_config_of(model: dict):
@@ -77,6 +114,10 @@ def _typed(section: str, cls, data: dict[str, Any]):
         if key not in names:
             raise ConfigError(f"unknown key '{section}.{key}': {suggest(key, names)}")
         default = names[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{section}.{key}={value!r}: must be true or false. Fix: e.g. {key}: {str(default).lower()}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{section}.{key}={value!r}: must be a string. Fix: quote it, e.g. {key}: \"{value}\"")
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{section}.{key}={value!r}: must be a number. Fix: e.g. {key}: {default}")
@@ -184,13 +225,13 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
     return dataclasses.replace(train, micro_batch_size=mbs, grad_accum=ga), parallel
 
 
-def _auto_layout(parallel, train, data_spec, model: dict, world: int):
+def _auto_layout(parallel, train, data_spec, model_config, world: int):
     """``parallel: {layout: auto}``: the planner's best layout for this recipe's model, sequence and batch (and its
     micro-batch split, unless the recipe sets one)."""
     from .planner.auto import announce, choose_layout
 
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
-    chosen, best, why = choose_layout(auto, model_config_of(model), world)
+    chosen, best, why = choose_layout(auto, model_config, world)
     announce(why)
     if not train.micro_batch_size and not train.grad_accum:
         train = dataclasses.replace(train, micro_batch_size=best.layout.micro_batch_size,
@@ -199,10 +240,11 @@ def _auto_layout(parallel, train, data_spec, model: dict, world: int):
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
-                world_size: int | None = None, nnodes: int = 1) -> Recipe:
+                world_size: int | None = None, nnodes: int = 1, init_from: str | None = None) -> Recipe:
     """The recipe at ``path`` (the embedded default when None) with ``overrides``, checked and with its derived
     values filled in. ``world_size`` (default: the recipe's ``nproc`` per node x ``nnodes``) is the number of
-    processes the layout is resolved against: a worker started by torchrun or SLURM passes the real one."""
+    processes the layout is resolved against: a worker started by torchrun or SLURM passes the real one.
+    ``init_from`` (a pretrained directory) stands for the model section, which may then be left out."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
     for key in data:
@@ -212,13 +254,25 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc={nproc!r}: must be a positive integer. Fix: e.g. nproc: 4")
     model = data.get("model")
-    if not isinstance(model, dict):
-        raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}")
+    if init_from:
+        model = model if isinstance(model, dict) else {}
+    elif not isinstance(model, dict):
+        raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}, or start "
+                          "from pretrained weights with --init-from HF_DIR")
     data_spec = _typed("data", DataSpec, data.get("data"))
-    train = _typed("train", TrainSpec, data.get("train"))
+    train_section = data.get("train") or {}
+    train = _typed("train", TrainSpec, train_section)
+    if train.epochs and "steps" in train_section:
+        raise ConfigError(f"train.epochs={train.epochs} and train.steps={train.steps} are both set. Fix: keep one "
+                          "(epochs sets the steps from the dataset's size)")
+    if train.epochs and not data_spec.dataset:
+        raise ConfigError(f"train.epochs={train.epochs} needs data.dataset (the byte-level corpus is sampled, not "
+                          "read in epochs). Fix: set train.steps instead, or add data.dataset")
     parallel = ParallelConfig.from_dict(data.get("parallel"))
     world = world_size or nproc * nnodes
+    recipe = Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel,
+                    init_from=str(init_from or ""))
     if getattr(parallel, "layout", "manual") == "auto":
-        parallel, train = _auto_layout(parallel, train, data_spec, model, world)
+        parallel, train = _auto_layout(parallel, train, data_spec, recipe.model_config(), world)
     train, parallel = resolve_batching(train, parallel, world)
-    return Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel)
+    return dataclasses.replace(recipe, train=train, parallel=parallel)
