@@ -134,11 +134,13 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extra: dict | None = None,
-                    keep_last_n: int | None = None) -> Path:
+                    keep_last_n: int | None = None, assets: dict[str, Any] | None = None) -> Path:
     """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)
-    as ``directory/step-XXXXXXXX``, keeping the newest ``keep_last_n``."""
+    as ``directory/step-XXXXXXXX``, keeping the newest ``keep_last_n``. ``assets``: name -> an object with
+    ``save_pretrained`` (the tokenizer), written by rank 0 into that subdirectory."""
     directory = Path(directory)
-    final = write_checkpoint(pmodel, optimizer, directory / f"{PREFIX}{step:08d}", step=step, extra=extra)
+    final = write_checkpoint(pmodel, optimizer, directory / f"{PREFIX}{step:08d}", step=step, extra=extra,
+                             assets=assets)
     if keep_last_n and dist.get_rank() == 0:
         for old in list_checkpoints(directory)[:-keep_last_n]:
             if old != final:
@@ -148,7 +150,7 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
 
 
 def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: dict | None = None,
-                     files: dict[str, Any] | None = None) -> Path:
+                     files: dict[str, Any] | None = None, assets: dict[str, Any] | None = None) -> Path:
     """Write a sharded checkpoint at exactly ``final`` (complete, or not there at all). ``files`` are more
     objects to store beside it (name -> tensors/containers/numbers), read back with ``torch.load(weights_only)``
     by ``read_file``."""
@@ -171,6 +173,8 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     if rank == 0:
         for name, obj in (files or {}).items():
             torch.save(obj, tmp / name)
+        for name, obj in (assets or {}).items():
+            obj.save_pretrained(str(tmp / name))
     dist.barrier()
     if rank == 0:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}

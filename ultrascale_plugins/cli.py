@@ -28,7 +28,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1) -> None:
 
         weights, model = prepare(init_from)
         model_config = model.config
-        if model_config.vocab_size < 256:
+        if model_config.vocab_size < 256 and not recipe.data.dataset:
             raise ConfigError(f"--init-from {init_from}: vocab_size={model_config.vocab_size}, but the byte-level "
                               "corpus uses token ids up to 255. Fix: use a model with a vocabulary of 256 or more")
     if model is None:  # the module tree on the meta device: what the plans and the structure rule out
@@ -50,8 +50,13 @@ def cmd_train(args) -> int:
     if args.nproc is not None:
         overrides.append(f"nproc={args.nproc}")
     nodes = _check_nodes(args)
-    recipe = load_recipe(args.recipe, overrides, nnodes=nodes)  # nproc is per node
+    recipe = load_recipe(args.recipe, overrides, nnodes=nodes, init_from=args.init_from)  # nproc is per node
     check_recipe(recipe, args.init_from, nodes)
+    from .recipe_data import prepare_before_launch
+
+    data_line = prepare_before_launch(recipe, args.init_from, recipe.model_config())  # tokenized once per node
+    if data_line:
+        print(data_line, flush=True)
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
     if args.recipe:
         worker.append(os.path.abspath(args.recipe))

@@ -332,6 +332,15 @@ class ParallelModel:
             dist.all_reduce(count, group=self._token_group)
         return count.clamp_min(1)
 
+    def sum_over_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a small CPU tensor) summed over the ranks that hold different rows (the data-parallel axes)."""
+        group = self.dims.group(self.dims.row_axes)
+        if group is None:
+            return values
+        out = values.to(self.device)
+        dist.all_reduce(out, group=group)
+        return out.cpu()
+
     def autocast(self):
         dtype = self.ctx.autocast_dtype
         if dtype is None:

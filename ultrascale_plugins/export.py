@@ -6,6 +6,7 @@ generation_config.json, streamed tensor by tensor so memory stays bounded by one
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -76,4 +77,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
                                                                       indent=1))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer = checkpoint / "tokenizer"  # the tokenizer (and chat template) the run trained with
+    if tokenizer.is_dir():
+        for f in tokenizer.iterdir():
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
     return out

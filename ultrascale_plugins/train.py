@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -52,7 +53,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
 
     quiet_known_warnings()
     from . import engine, launch
-    from .corpus import ByteBatches, load_tokens
+    from .recipe_data import TrainingData
 
     device = launch.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,8 +69,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     model = pmodel.module
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
                                        weight_decay=recipe.train.weight_decay)
-    data = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len, recipe.train.global_batch,
-                       recipe.train.seed)
+    data = TrainingData(recipe, init_from)
+    if recipe.train.epochs:  # the steps of train.epochs passes over the dataset
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, steps=data.steps))
     dp_rank, dp_size = pmodel.data_parallel_rank, pmodel.data_parallel_size
     t = recipe.train
     if dp_size * t.micro_batch_size * t.grad_accum != t.global_batch:  # load_recipe derived them for another world
@@ -84,6 +86,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         meta = load_checkpoint(pmodel, optimizer, p if (p / "ultrascale.json").exists() else None,
                                directory=p)
         first_step = int(meta["extra"].get("data_position", meta["step"]))
+        data.resume(meta["extra"], first_step, resume)
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -107,7 +110,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     for step in range(first_step, recipe.train.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
-        batch = data.local(data.global_batch_at(step), dp_rank, dp_size)
+        batch = data.train_rows(step, dp_rank, dp_size)
         loss = accumulate_step(pmodel, batch, recipe)
         grad_norm = None
         if recipe.train.max_grad_norm > 0:
@@ -135,18 +138,19 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps):
             from .checkpoint import save_checkpoint
 
-            save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra={"data_position": step + 1},
-                            keep_last_n=t.keep_last_n or None)
+            save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=data.position(step + 1),
+                            keep_last_n=t.keep_last_n or None,
+                            assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
     elapsed = time.perf_counter() - start
-    val = [eval_batch(pmodel, data.local(data.global_batch_at(i, "val"), dp_rank, dp_size), recipe)
-           for i in range(recipe.train.eval_batches)]
-    result = {"losses": losses, "val_loss": sum(val) / len(val), "seconds": elapsed,
+    val = [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe) for i in range(data.eval_batches)]
+    result = {"losses": losses, "val_loss": sum(val) / len(val) if val else None, "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
     if bar is not None and losses:
         bar.close()
         first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
-        print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), validation loss "
-              f"{result['val_loss']:.3f}, {result['tokens_per_s']:,.0f} tok/s, {elapsed:.1f}s", flush=True)
+        val_text = f"validation loss {result['val_loss']:.3f}" if val else "no validation data"
+        print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), {val_text}, "
+              f"{result['tokens_per_s']:,.0f} tok/s, {elapsed:.1f}s", flush=True)
         if metrics_path:
             with open(metrics_path, "w") as f:
                 json.dump(result, f)
@@ -168,26 +172,40 @@ def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
 
 def accumulate_step(pmodel, batch: dict, recipe: Recipe) -> float:
     """Forward and backward of one optimizer step over this rank's batch, micro-batch by micro-batch, with the
-    gradients synchronised once, after the last; returns the step's (global-batch) mean loss.
+    gradients synchronised once, after the last; returns the step's loss: the mean over every valid token of the
+    global batch.
 
-    Each micro-batch's loss is the mean over its own tokens (on every data-parallel rank). ByteBatches rows are all
-    full ``seq_len`` windows, so every micro-batch holds the same number of valid tokens and weighting each by
-    ``1 / grad_accum`` gives exactly the gradient (and the value) of the mean loss over the whole global batch."""
+    Each micro-batch's own loss is the mean over its valid tokens on all data-parallel ranks; weighting it by its
+    share of the step's valid tokens (``loss_scale``) makes the sum exactly the global-batch mean, in value and
+    gradient, however unevenly padding and prompt tokens (``-100``) fall across micro-batches."""
     chunks = micro_batches(batch, recipe)
+    shares = token_shares(pmodel, chunks)
     losses = []
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
         with (contextlib.nullcontext() if last else pmodel.no_sync()):
-            # 1/grad_accum: exact because every micro-batch has the same token count (full-length rows)
-            losses.append(float(pmodel.train_step(chunk, loss_scale=1.0 / len(chunks))))
-    return sum(losses) / len(losses)
+            losses.append(float(pmodel.train_step(chunk, loss_scale=shares[i])))
+    return sum(w * v for w, v in zip(shares, losses))
+
+
+def token_shares(pmodel, chunks: list[dict]) -> list[float]:
+    """Each micro-batch's share of the valid target tokens of the whole step (all data-parallel ranks): one small
+    all-reduce over the ranks that hold different rows. One micro-batch: 1."""
+    if len(chunks) == 1:
+        return [1.0]
+    from .recipe_data import local_counts
+
+    counts = pmodel.sum_over_rows(local_counts(chunks))
+    total = float(counts.sum())
+    return [float(c) / total if total else 1.0 / len(chunks) for c in counts]
 
 
 def eval_batch(pmodel, batch: dict, recipe: Recipe) -> float:
-    """Validation loss of a rank's batch in the training micro-batches (the memory the recipe sized), the mean of
-    their losses (equal token counts: the global-batch mean)."""
+    """Validation loss of a rank's batch in the training micro-batches (the memory the recipe sized): the mean over
+    the valid tokens of the global batch."""
     chunks = micro_batches(batch, recipe)
-    return sum(float(pmodel.eval_step(chunk)) for chunk in chunks) / len(chunks)
+    shares = token_shares(pmodel, chunks)
+    return sum(w * float(pmodel.eval_step(chunk)) for w, chunk in zip(shares, chunks))
 
 
 def write_log_line(log_dir: str, record: dict) -> None:
@@ -240,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=os.environ.get("ULTRASCALE_LOG_DIR"))
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size())
+        recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size(), init_from=args.init_from)
         run(recipe, args.metrics, args.resume, args.init_from, args.log_dir)
     except ConfigError as exc:
         print(f"ultrascale: error: {exc}", file=sys.stderr)
