@@ -262,3 +262,51 @@ def test_bad_data_refused_before_launch(tmp_path, pretrained):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "data.messages_field='conversation'" in proc.stderr and "chat.jsonl" in proc.stderr
     assert "processes, layout" not in proc.stdout  # no worker started
+
+
+# ---- the same data path in Lightning and Accelerate -------------------------------------------------------------
+def test_dataloaders_read_the_command_lines_rows(tmp_path, pretrained):
+    """The DataLoader builder (Lightning DataModule, Accelerate loop) uses the command line's cache entry and
+    rows: same tokens, same labels, same positions."""
+    from ultrascale_plugins.data_loaders import build_dataloaders
+    from ultrascale_plugins.packed_rows import Rows, split_indices
+    from ultrascale_plugins.tokenized_cache import prepare
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
+    s = spec(tmp_path, data, format="chat", seq_len=40, eval_fraction=0.2)
+    cli_side = prepare(s, str(pretrained))
+    section = {"dataset": str(data), "format": "chat", "seq_len": 40, "eval_fraction": 0.2,
+               "cache_dir": str(tmp_path / "cache")}
+    train, val = build_dataloaders(section, str(pretrained), batch_size=2)
+    assert train.dataset.rows.data.path == cli_side.path  # tokenized once, shared
+    rows = Rows(cli_side, split_indices(40, 0.2, 0)[0], 40, True, 0, shuffle=False)
+    for r in (0, 3, len(train.dataset) - 1):
+        for key, value in rows.row(r).items():
+            assert torch.equal(train.dataset[r][key], value)
+    batch = next(iter(train))
+    assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape == (2, 40)
+    assert val is not None and len(val.dataset) >= 2
+
+
+@pytest.mark.slow
+def test_lightning_and_accelerate_recipes_fine_tune_on_chat_data(tmp_path, pretrained):
+    import csv
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(96))
+    recipes = Path(__file__).parent.parent / "recipes"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRASCALE_CACHE": str(tmp_path / "cache")}
+    common = ["--model", str(pretrained), "--dataset", str(data), "--format", "chat", "--seq-len", "48",
+              "--batch-size", "2", "--lr", "0.01"]
+    lit = subprocess.run([sys.executable, str(recipes / "lightning" / "finetune.py"), *common, "--devices", "2",
+                          "--strategy", "ultrascale_zero3", "--max-steps", "12", "--val-check-interval", "6",
+                          "--out", str(tmp_path / "pl")], capture_output=True, text=True, timeout=600, env=env)
+    assert lit.returncode == 0, lit.stderr[-4000:]
+    logged = [float(r["train_loss"]) for f in tmp_path.glob("pl/logs/version_*/metrics.csv")
+              for r in csv.DictReader(f.open()) if r.get("train_loss")]
+    assert len(logged) == 12 and np.mean(logged[-3:]) < np.mean(logged[:3]) - 1, logged
+    acc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch",
+                          str(recipes / "accelerate" / "zero3.yaml"), str(recipes / "accelerate" / "finetune.py"),
+                          *common, "--steps", "12"], capture_output=True, text=True, timeout=600, env=env)
+    assert acc.returncode == 0, acc.stderr[-4000:]
+    printed = [float(line.split("loss")[1]) for line in acc.stdout.splitlines() if line.startswith("step ")]
+    assert len(printed) == 12 and np.mean(printed[-3:]) < np.mean(printed[:3]) - 1, printed

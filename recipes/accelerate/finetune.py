@@ -12,6 +12,11 @@
     ultrascale accelerate-launch recipes/accelerate/tp_zero3.yaml recipes/accelerate/finetune.py \
         --model path/to/hf_dir --save-model out/finetuned
 
+    # supervised fine-tuning on your conversations, loss on the assistant's tokens only (the same data path as
+    # `ultrascale train`: the model's tokenizer and chat template, packed rows, a tokenized cache per node)
+    ultrascale accelerate-launch recipes/accelerate/zero3.yaml recipes/accelerate/finetune.py \
+        --model path/to/hf_dir --dataset sft.jsonl --format chat --seq-len 2048
+
 Only the ``Accelerator`` line is ultrascale-specific; the loop is Accelerate's.
 """
 from __future__ import annotations
@@ -46,12 +51,24 @@ def main(argv=None):
     ap.add_argument("--save-state", help="write a sharded checkpoint here at the end")
     ap.add_argument("--resume", help="continue from a save_state directory")
     ap.add_argument("--save-model", help="write a Hugging Face directory here at the end")
+    ap.add_argument("--dataset", help="a .jsonl/.json/.parquet/.txt file or directory (default: the bundled corpus "
+                    "as bytes)")
+    ap.add_argument("--format", default="text", choices=["text", "chat"])
+    ap.add_argument("--tokenizer", help="a tokenizer directory (default: --model)")
+    ap.add_argument("--no-packing", dest="packing", action="store_false", help="one sample per row, padded")
     args = ap.parse_args(argv)
 
     accelerator = UltraScaleAccelerator(gradient_accumulation_steps=args.accumulate)
-    tokens = load_tokens("builtin")
-    loader = DataLoader(TokenWindows(tokens[: int(len(tokens) * 0.9)], args.seq_len), batch_size=args.batch_size,
-                        shuffle=True)
+    if args.dataset:  # the command line's data path; each node's first process tokenizes, the others wait
+        from ultrascale_plugins.data_loaders import build_dataloaders
+
+        data = {"dataset": args.dataset, "format": args.format, "seq_len": args.seq_len, "packing": args.packing}
+        with accelerator.local_main_process_first():
+            loader, _ = build_dataloaders(data, args.tokenizer or args.model, batch_size=args.batch_size)
+    else:
+        tokens = load_tokens("builtin")
+        loader = DataLoader(TokenWindows(tokens[: int(len(tokens) * 0.9)], args.seq_len),
+                            batch_size=args.batch_size, shuffle=True)
     model = build_model(args.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

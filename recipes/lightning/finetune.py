@@ -10,6 +10,10 @@
     # resume
     python recipes/lightning/finetune.py --strategy ultrascale_zero3 --devices 4 --resume runs/ckpt/last.ckpt
 
+    # supervised fine-tuning on your conversations, loss on the assistant's tokens only (the same data path as
+    # `ultrascale train`: the model's tokenizer and chat template, packed rows, a tokenized cache per node)
+    python recipes/lightning/finetune.py --model path/to/hf_dir --dataset sft.jsonl --format chat --seq-len 2048
+
 ``--strategy`` takes a registered name (ultrascale, ultrascale_zero3, ultrascale_zero2, ultrascale_tp,
 ultrascale_tp_sp, ultrascale_pp); ``--set FIELD=VALUE`` builds an explicit ``UltraScaleStrategy`` instead. The
 LightningModule below is plain Lightning: the strategy is the only ultrascale-specific line.
@@ -77,6 +81,12 @@ def main(argv=None):
     ap.add_argument("--val-check-interval", type=int, default=10)
     ap.add_argument("--out", default="runs/lightning")
     ap.add_argument("--resume", help="a checkpoint written by this script (a directory ending in .ckpt)")
+    ap.add_argument("--dataset", help="a .jsonl/.json/.parquet/.txt file or directory (default: the bundled corpus "
+                    "as bytes)")
+    ap.add_argument("--format", default="text", choices=["text", "chat"])
+    ap.add_argument("--tokenizer", help="a tokenizer directory (default: --model)")
+    ap.add_argument("--no-packing", dest="packing", action="store_false", help="one sample per row, padded")
+    ap.add_argument("--eval-fraction", type=float, default=0.05)
     args = ap.parse_args(argv)
 
     if args.fields:
@@ -84,10 +94,19 @@ def main(argv=None):
         strategy = ul.UltraScaleStrategy(**fields)
     else:
         strategy = args.strategy
-    tokens = load_tokens("builtin")
-    split = int(len(tokens) * 0.9)
-    train = DataLoader(TokenWindows(tokens[:split], args.seq_len), batch_size=args.batch_size, shuffle=True)
-    val = DataLoader(TokenWindows(tokens[split:], args.seq_len), batch_size=args.batch_size)
+    if args.dataset:  # the command line's data path: tokenized on each node's local rank 0, rows memory-mapped
+        from ultrascale_plugins.integrations.lightning_data import UltraScaleDataModule
+
+        data = {"dataset": args.dataset, "format": args.format, "seq_len": args.seq_len, "packing": args.packing,
+                "eval_fraction": args.eval_fraction}
+        loaders = {"datamodule": UltraScaleDataModule(data, args.tokenizer or args.model, batch_size=args.batch_size)}
+    else:
+        tokens = load_tokens("builtin")
+        split = int(len(tokens) * 0.9)
+        loaders = {"train_dataloaders": DataLoader(TokenWindows(tokens[:split], args.seq_len),
+                                                   batch_size=args.batch_size, shuffle=True),
+                   "val_dataloaders": DataLoader(TokenWindows(tokens[split:], args.seq_len),
+                                                 batch_size=args.batch_size)}
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                         strategy=strategy, precision=args.precision, max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
@@ -95,7 +114,7 @@ def main(argv=None):
                         check_val_every_n_epoch=None, log_every_n_steps=1, logger=CSVLogger(args.out, name="logs"),
                         callbacks=[ModelCheckpoint(dirpath=f"{args.out}/ckpt", save_last=True,
                                                    every_n_train_steps=args.val_check_interval)])
-    trainer.fit(FineTune(args.model, args.lr), train, val, ckpt_path=args.resume)
+    trainer.fit(FineTune(args.model, args.lr), **loaders, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":
