@@ -143,7 +143,7 @@ def test_bad_data_is_named(tmp_path, pretrained):
         prepare(spec(tmp_path, text, text_field="body"), str(pretrained))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(ConfigError, match="empty|could not be read"):
+    with pytest.raises(ConfigError, match=r"empty.jsonl' is empty"):
         prepare(spec(tmp_path, empty), str(pretrained))
     holes = write_jsonl(tmp_path / "holes.jsonl", text_rows(3) + [{"text": None}])
     with pytest.raises(ConfigError, match=r"holes.jsonl, row 4 has no value"):
@@ -239,11 +239,12 @@ def test_chat_finetune_learns_the_reply_exactly_resumes_and_exports(tmp_path, pr
 
 @pytest.mark.slow
 def test_text_packing_across_ranks_equals_one_process(tmp_path, pretrained):
-    """Packed text rows (no attention mask, position_ids restarting) through two pipeline stages, whose
-    micro-batches hold different numbers of valid tokens, and the same recipe on one process: equal losses."""
+    """Packed text rows (no attention mask, position_ids restarting) on 4 processes — two data-parallel ranks
+    reading their own rows x two pipeline stages, whose micro-batches hold different numbers of valid tokens —
+    and the same recipe on one process: equal losses."""
     data = write_jsonl(tmp_path / "text.jsonl", text_rows(80, seed=3))
     out = {}
-    for nproc, layout in ((2, {"pp": 2}), (1, {})):
+    for nproc, layout in ((4, {"pp": 2, "dp_shard": 2}), (1, {})):
         recipe = {"nproc": nproc, "data": {"dataset": str(data), "seq_len": 32, "cache_dir": str(tmp_path / "c")},
                   "train": {"steps": 6, "global_batch": 4, "lr": 0.01, "log_every": 3, "eval_batches": 0},
                   "parallel": layout}
@@ -252,7 +253,7 @@ def test_text_packing_across_ranks_equals_one_process(tmp_path, pretrained):
         proc = run_cli(str(path), "--init-from", str(pretrained), "--metrics", str(tmp_path / f"t{nproc}.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[nproc] = metrics(tmp_path / f"t{nproc}.json")["losses"]
-    np.testing.assert_allclose(out[2], out[1], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(out[4], out[1], rtol=2e-5, atol=2e-6)
 
 
 def test_bad_data_refused_before_launch(tmp_path, pretrained):

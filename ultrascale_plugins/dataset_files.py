@@ -67,6 +67,9 @@ def load_source(path: str, cache_dir: Path) -> SourceFiles:
                                   f"{', '.join(loaded)}). Fix: save the training split, or name it 'train'")
             loaded = loaded["train"]
         return SourceFiles(loaded, [path], [len(loaded)])
+    files = [f for f in files if f.stat().st_size > 0]  # an empty file holds no rows (and no schema)
+    if not files:
+        raise ConfigError(f"data.dataset={path!r} is empty (no rows). Fix: point it at a dataset with samples")
     parts, ends = [], []
     for f in files:
         builder = BUILDERS[f.suffix]

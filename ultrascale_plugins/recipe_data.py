@@ -24,6 +24,22 @@ def check_vocabulary(tokenizer_size: int, model_config, where: str) -> None:
                           "directory's)")
 
 
+def check_packing(spec, model_config) -> None:
+    """Packed rows keep samples apart through ``position_ids`` (transformers' packed-sequence masks); a model that
+    takes none would let them attend to each other, silently: refused."""
+    if not spec.dataset or not spec.packing:
+        return
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    if cls is not None and "position_ids" not in inspect.signature(cls.forward).parameters:
+        raise ConfigError(f"data.packing=true: model type '{model_config.model_type}' takes no position_ids, so "
+                          "samples packed into one row would attend to each other. Fix: set data.packing: false "
+                          "(one sample per row, padded)")
+
+
 def prepare_before_launch(recipe, init_from: str | None, model_config) -> str | None:
     """Tokenize the dataset into the cache (once, on this node, before any worker starts) and check it makes
     the recipe's batches; the line to show the user, or None without a dataset."""
@@ -31,6 +47,7 @@ def prepare_before_launch(recipe, init_from: str | None, model_config) -> str | 
         return None
     from .tokenized_cache import load_tokenizer, tokenizer_dir
 
+    check_packing(recipe.data, model_config)
     tok_path = tokenizer_dir(recipe.data, init_from or recipe.init_from or None)
     check_vocabulary(len(load_tokenizer(tok_path)), model_config, tok_path)
     data = open_dataset(recipe, init_from)
