@@ -311,3 +311,23 @@ def test_lightning_and_accelerate_recipes_fine_tune_on_chat_data(tmp_path, pretr
     assert acc.returncode == 0, acc.stderr[-4000:]
     printed = [float(line.split("loss")[1]) for line in acc.stdout.splitlines() if line.startswith("step ")]
     assert len(printed) == 12 and np.mean(printed[-3:]) < np.mean(printed[:3]) - 1, printed
+
+
+@pytest.mark.slow
+def test_workers_under_torchrun_tokenize_once_per_node(tmp_path, pretrained):
+    """Started by torchrun (not ``ultrascale train``), the workers find no cache entry: local rank 0 writes it
+    once while the other rank waits, then both train on it."""
+    from conftest import torchrun
+
+    data = write_jsonl(tmp_path / "text.jsonl", text_rows(40, seed=5))
+    recipe = {"nproc": 2, "data": {"dataset": str(data), "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
+              "train": {"steps": 2, "global_batch": 4, "log_every": 1, "eval_batches": 0},
+              "parallel": {"dp_shard": 2}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = torchrun(2, "-m", "ultrascale_plugins.train", str(path), "--init-from", str(pretrained),
+                    "--metrics", str(tmp_path / "m.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ultrascale: tokenizing") == 1, proc.stdout
+    assert len(list((tmp_path / "cache" / "tokenized").iterdir())) == 1
+    assert len(metrics(tmp_path / "m.json")["losses"]) == 2

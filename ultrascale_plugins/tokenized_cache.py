@@ -133,6 +133,8 @@ def _build(spec, tok_path: str, final: Path) -> None:
         raise ConfigError(f"data.dataset={spec.dataset!r} is empty (no rows in {', '.join(source.files[:3])}). "
                           "Fix: point it at a dataset with samples")
     procs = spec.num_proc or (1 if len(ds) < 20_000 else min(8, os.cpu_count() or 1))
+    print(f"ultrascale: tokenizing {spec.dataset} ({len(ds):,} samples, {procs} process{'es' if procs > 1 else ''}; "
+          f"once for this node) into {final}", flush=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     try:
         mapped = ds.map(_tokenize_batch(tokenizer, spec, source), batched=True, with_indices=True,
