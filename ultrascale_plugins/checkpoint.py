@@ -225,6 +225,17 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def saved_model_config(meta: dict, path: str | Path = ""):
+    """The transformers config a checkpoint was saved with (``meta``: its ``read_meta``)."""
+    from transformers import AutoConfig
+
+    if "model_config" not in meta:
+        raise CheckpointError(f"checkpoint '{path}' carries no model config. Fix: save it with this version of "
+                              "ultrascale-plugins")
+    cfg_dict = dict(meta["model_config"])
+    return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+
+
 def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, directory: str | Path | None = None
                     ) -> dict:
     """Restore model, optimizer (and RNG when the world size is unchanged) in the current layout, whatever the

@@ -41,6 +41,52 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1) -> None:
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
+    check_memory(recipe, resolved, model_config, model, nnodes)
+
+
+def machine_memory_gb(nproc: int) -> tuple[float, str]:
+    """(GB each local process may use, how that was found): a GPU's memory when the workers get GPUs, else the
+    machine's RAM (or its cgroup limit, when lower) split over the ``nproc`` local processes."""
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("ULTRASCALE_DEVICE", "") != "cpu":
+        count = torch.cuda.device_count()
+        gb = min(torch.cuda.get_device_properties(i).total_memory for i in range(min(nproc, count))) / 1e9
+        return gb, f"{gb:.1f} GB per GPU ({torch.cuda.get_device_name(0)})"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    gb, plural = total / 1e9, "es" if nproc > 1 else ""
+    return gb / nproc, f"{gb:.1f} GB of memory for {nproc} process{plural} ({gb / nproc:.1f} GB each)"
+
+
+def check_memory(recipe, resolved, model_config, model, nnodes: int = 1) -> None:
+    """Refuse a model that cannot fit this machine: the planner's per-rank memory estimate of the recipe's layout
+    (the most loaded rank) against each local process's share of the memory. ``ULTRASCALE_SKIP_MEMORY_CHECK=1``
+    launches anyway."""
+    if os.environ.get("ULTRASCALE_SKIP_MEMORY_CHECK", "") not in ("", "0"):
+        return
+    from .engine import estimate
+    from .planner.cost import pp_ranks_to_cost, peak_memory_gb
+
+    t = recipe.train
+    ests = [estimate(resolved, model_config, world_size=recipe.nproc * nnodes, seq_len=recipe.data.seq_len,
+                     micro_batch=t.micro_batch_size or 1, micro_batches=t.grad_accum or 1, coords={"pp": rank},
+                     model=model, check=False) for rank in pp_ranks_to_cost(resolved)]
+    mem = peak_memory_gb(ests)
+    have, where = machine_memory_gb(recipe.nproc)
+    if mem["total"] <= have:
+        return
+    n_params = sum(p.numel() for p in model.parameters())
+    parts = ", ".join(f"{k} {mem[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "other"))
+    raise ConfigError(f"model {model_config.model_type} ({n_params / 1e9:.2f}B parameters) needs about "
+                      f"{mem['total']:.1f} GB per process in this layout ({parts} GB: the planner's estimate, "
+                      f"`ultrascale plan`), but this machine has {where}. Fix: set the model's sizes in the recipe "
+                      "(num_hidden_layers, hidden_size, vocab_size, ...), shard it over more processes or nodes "
+                      "(zero_stage: 3, tp, pp), or set ULTRASCALE_SKIP_MEMORY_CHECK=1 to launch anyway")
 
 
 def cmd_train(args) -> int:
@@ -50,7 +96,10 @@ def cmd_train(args) -> int:
     if args.nproc is not None:
         overrides.append(f"nproc={args.nproc}")
     nodes = _check_nodes(args)
-    recipe = load_recipe(args.recipe, overrides, nnodes=nodes, init_from=args.init_from)  # nproc is per node
+    resume = _resume_path(args.resume) if args.resume else None
+    recipe = load_recipe(args.recipe, overrides, nnodes=nodes, init_from=args.init_from,  # nproc is per node
+                         resume_from=resume)
+    _model_line(args, overrides, recipe)
     check_recipe(recipe, args.init_from, nodes)
     from .recipe_data import prepare_before_launch
 
@@ -66,22 +115,23 @@ def cmd_train(args) -> int:
         worker += ["--metrics", os.path.abspath(args.metrics)]
     if args.log_dir:
         worker += ["--log-dir", os.path.abspath(args.log_dir)]
-    if args.resume:
-        from .checkpoint import list_checkpoints, read_meta
-
-        resume = os.path.abspath(args.resume)
-        if not os.path.exists(os.path.join(resume, "ultrascale.json")):
-            found = list_checkpoints(resume)
-            if not found:
-                raise ConfigError(f"--resume {args.resume}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
-                                  "directory or a save_dir holding one")
-            resume = str(found[-1])
-        read_meta(resume)  # missing, incomplete or truncated: refused before any worker starts
+    if resume:
         worker += ["--resume", resume]
     if args.init_from:
         worker += ["--init-from", os.path.abspath(args.init_from)]
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ultrascale-") as tmp:
+        error_file = os.path.join(tmp, "error")  # a worker's ConfigError, said once here rather than once per rank
+        code = _launch(args, recipe, nodes, worker, {**os.environ, "ULTRASCALE_ERROR_FILE": error_file})
+        if code and os.path.isfile(error_file):
+            raise ConfigError(open(error_file).read().strip())
+    return code
+
+
+def _launch(args, recipe, nodes: int, worker: list[str], env: dict) -> int:
     if "RANK" in os.environ or recipe.nproc == 1:  # already under torchrun / SLURM, or one process
-        return subprocess.call(worker)
+        return subprocess.call(worker, env=env)
     if nodes == 1:
         rendezvous = ["--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}"]
     else:  # torchrun's static rendezvous: this node's ranks are node_rank x nproc + local rank, as given
@@ -89,11 +139,47 @@ def cmd_train(args) -> int:
                       "--rdzv_endpoint", args.rdzv_endpoint]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(recipe.nproc), *rendezvous,
                 "--max_restarts", "0", "--module", "ultrascale_plugins.train", *worker[3:]]
-    env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return subprocess.call(launcher, env=env)
+
+
+def _resume_path(path: str) -> str:
+    """The checkpoint ``--resume`` names (a step-XXXXXXXX directory, or a save_dir: its newest), checked: missing,
+    incomplete or truncated checkpoints are refused before any worker starts."""
+    from .checkpoint import list_checkpoints, read_meta
+
+    resume = os.path.abspath(path)
+    if not os.path.exists(os.path.join(resume, "ultrascale.json")):
+        found = list_checkpoints(resume)
+        if not found:
+            raise ConfigError(f"--resume {path}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
+                              "directory or a save_dir holding one")
+        resume = str(found[-1])
+    read_meta(resume)
+    return resume
+
+
+def _model_line(args, overrides: list[str], recipe) -> None:
+    """One line saying where the model's sizes come from, when the recipe does not give them all: the checkpoint
+    (--resume without --init-from), or transformers' defaults for what the model section leaves out."""
+    from .recipe import compare_with_checkpoint, defaulted_sizes, own_model_section
+
+    config = recipe.model_config()
+    if recipe.resume_from:
+        sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+                          if getattr(config, k, None) is not None)
+        other = compare_with_checkpoint(own_model_section(args.recipe, overrides, recipe.model), config,
+                                        f"--resume {args.resume}")
+        ignored = f"; the recipe's {'; '.join(other)} is not used" if other else ""
+        print(f"ultrascale: model: {config.model_type} ({sizes}) as saved in {recipe.resume_from} (--resume "
+              f"without --init-from: the checkpoint's config is the model){ignored}", flush=True)
+    elif not recipe.init_from:
+        left = defaulted_sizes(recipe.model, config)
+        if left:
+            print(f"ultrascale: the recipe's model section leaves {', '.join(f'{k}={v}' for k, v in left.items())} "
+                  f"at transformers' {config.model_type} defaults (set them in model: to change them)", flush=True)
 
 
 def _check_nodes(args) -> int:
@@ -244,10 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the first node's address, the same everywhere")
     train.add_argument("--metrics", help="write losses and throughput as JSON to this file")
     train.add_argument("--log-dir", help="append a JSON line per logged step (loss, learning rate, gradient norm, "
-                       "tokens/s, peak memory per rank) to DIR/metrics.jsonl")
+                       "tokens/s, peak memory per rank) to DIR/metrics.jsonl, and TensorBoard event files to DIR "
+                       "(with pip install ultrascale-plugins[tensorboard])")
     train.add_argument("--resume", metavar="PATH",
                        help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
-                            "the layout may differ from the one it was saved in")
+                            "the layout may differ from the one it was saved in; without --init-from the model is "
+                            "the one the checkpoint holds")
     train.add_argument("--init-from", metavar="HF_DIR",
                        help="start from pretrained weights (a save_pretrained directory, safetensors); the model "
                             "section of the recipe is replaced by its config.json; each rank reads only its shards")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import CheckpointError, read_meta
+from .checkpoint import CheckpointError, read_meta, saved_model_config
 
 MODEL_PREFIX = "model."
 
@@ -24,18 +25,14 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
     """Write ``out_dir`` so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model.
     Runs in one process, no process group needed."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = read_meta(checkpoint)
-    if "model_config" not in meta:
-        raise CheckpointError(f"checkpoint '{checkpoint}' carries no model config. Fix: save it with this version "
-                              "of ultrascale-plugins")
+    config = saved_model_config(meta, checkpoint)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
                               "overwritten)")
-    cfg_dict = dict(meta["model_config"])
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     md = FileSystemReader(str(checkpoint)).read_metadata()
     names = sorted(k[len(MODEL_PREFIX):] for k, v in md.state_dict_metadata.items()
@@ -57,7 +54,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
     for name in names:
         tmd = md.state_dict_metadata[MODEL_PREFIX + name]
         tensor = torch.empty(tmd.size, dtype=tmd.properties.dtype)
-        dcp.load({MODEL_PREFIX + name: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # no_dist=True is the intent here; DCP warns about it on every call
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({MODEL_PREFIX + name: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()

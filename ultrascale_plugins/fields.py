@@ -41,13 +41,15 @@ def suggest(name: str, choices) -> str:
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(choices))}"
 
 
+AUTO = "auto"  # the value a field with ``auto`` takes to be derived from the rest of the layout
 TYPES = {int: "an integer", bool: "true or false", str: "a string", float: "a number", list: "a list"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One layout field. ``check(value)`` returns None or ``(problem, fix)`` for values the type and ``choices``
-    / ``minimum`` do not rule out; ``optional`` allows None."""
+    / ``minimum`` do not rule out; ``optional`` allows None. ``auto`` (a function of the layout) lets the field
+    also take the value ``"auto"``, which ``ParallelConfig.resolve`` replaces by ``auto(resolved_config)``."""
 
     name: str
     type: type
@@ -58,16 +60,20 @@ class Field:
     minimum: int | float | None = None
     optional: bool = False
     check: Callable[[Any], tuple[str, str] | None] | None = None
+    auto: Callable[[Any], Any] | None = None
 
     def validate(self, value: Any) -> Any:
         """The value, checked (lists are copied); a ConfigError naming the field, the value and the fix."""
         if value is None and self.optional:
             return None
+        if self.auto is not None and value == AUTO:
+            return value
         example = f"e.g. {self.name}: {self.default!r}" if self.default is not None else f"set {self.name}"
         wrong_type = (isinstance(value, bool) and self.type is not bool) or not isinstance(
             value, (int, float) if self.type is float else self.type)
         if wrong_type:
-            raise field_error(self.name, value, f"must be {TYPES.get(self.type, self.type.__name__)}", example)
+            kind = TYPES.get(self.type, self.type.__name__) + (f" or {AUTO}" if self.auto is not None else "")
+            raise field_error(self.name, value, f"must be {kind}", example)
         if self.choices is not None and value not in self.choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
@@ -90,12 +96,12 @@ class Fields:
         self.plugin = ""  # set by the caller while one plugin's hook runs
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
-            optional: bool = False, check=None) -> None:
+            optional: bool = False, check=None, auto=None) -> None:
         if name in self.by_name:
             raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
                               f"'{self.plugin}'. Fix: rename one of them")
         field = Field(name, type, default, help, self.plugin, tuple(choices) if choices is not None else None,
-                      minimum, optional, check)
+                      minimum, optional, check, auto)
         if default is not None or not optional:
             field.validate(default)  # a plugin's own default must be valid
         self.by_name[name] = field

@@ -80,9 +80,21 @@ def resolve(config, world_size: int, pm=None, check: bool = True):
     elif product != world_size:
         raise ConfigError(f"{formula} = {values} = {product} but the world size is {world_size}. Fix: make the "
                           f"product {world_size}, or set dp_shard: -1 to use the rest")
+    config = fill_auto(config)
     if check:
         pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
     return config
+
+
+def fill_auto(config):
+    """``config`` with every field set to ``"auto"`` replaced by what its plugin derives from the (resolved)
+    degrees, e.g. ``sequence_parallel: auto`` -> on whenever ``tp > 1``."""
+    from .fields import AUTO
+    from .plugins import layout_fields
+
+    derived = {f.name: f.auto(config) for f in layout_fields() if f.auto is not None
+               and getattr(config, f.name, None) == AUTO}
+    return config.replace(**derived) if derived else config
 
 
 class ParallelDims:

@@ -71,6 +71,7 @@ class Recipe:
     train: TrainSpec
     parallel: ParallelConfig
     init_from: str = ""  # a pretrained directory: its config.json is the model (the model section is ignored)
+    resume_from: str = ""  # a checkpoint (without init_from): the config it was saved with is the model
 
     def to_dict(self) -> dict[str, Any]:
         return {"nproc": self.nproc, "model": dict(self.model), "data": dataclasses.asdict(self.data),
@@ -79,7 +80,92 @@ class Recipe:
     def model_config(self):
         if self.init_from:
             return pretrained_config(self.init_from)
+        if self.resume_from:
+            return checkpoint_config(self.resume_from)
         return model_config_of(self.model)
+
+
+def checkpoint_config(path: str):
+    """The transformers config a checkpoint was saved with (its ``ultrascale.json``); ``path`` is a
+    step-XXXXXXXX directory or a save_dir (its newest)."""
+    from .checkpoint import list_checkpoints, read_meta, saved_model_config
+
+    p = Path(path)
+    if not (p / "ultrascale.json").is_file() and list_checkpoints(p):
+        p = list_checkpoints(p)[-1]
+    return saved_model_config(read_meta(p), p)
+
+
+# the fields that size a model's parameters, named in a line when a recipe leaves them to transformers' defaults
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "num_local_experts", "num_experts",
+               "moe_intermediate_size")
+
+
+def defaulted_sizes(model: dict, config) -> dict:
+    """The size fields ``config`` has that the recipe's ``model`` section does not set (under any of their
+    names), with the values transformers' defaults gave them; fields derived from others (default None) are left
+    out."""
+    import inspect
+
+    aliases = getattr(config, "attribute_map", {}) or {}
+    given = set(model) | {name for name, target in aliases.items() if target in model}
+    try:
+        params = inspect.signature(type(config).__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    out = {}
+    for name in SIZE_FIELDS:
+        if name in given or getattr(config, name, None) is None:
+            continue
+        if name in params and params[name].default is None:
+            continue
+        out[name] = getattr(config, name)
+    return out
+
+
+def own_model_section(path, overrides: list[str] | None, model: dict) -> dict:
+    """What the user wrote of the model section: the recipe file's, or (embedded default) the --set model.X."""
+    if path is not None:
+        return dict(model or {})
+    return dict(apply_overrides({}, overrides or []).get("model") or {})
+
+
+def compare_with_checkpoint(own: dict, config, where: str) -> list[str]:
+    """Refuse (ConfigError) a model section that disagrees with the checkpoint's model ``config`` in its type or
+    a field that sizes a parameter; return the other disagreements as ``"key: recipe V, checkpoint W"``."""
+    from .estimates import meta_model
+
+    own = dict(own)
+    model_type = own.pop("model_type", None) or config.model_type
+    if model_type != config.model_type:
+        raise ConfigError(f"{where}: the checkpoint holds a '{config.model_type}' model but the recipe's "
+                          f"model.model_type is '{model_type}'. Fix: resume with the recipe the run used, or drop "
+                          "the model section (the checkpoint's config is the model)")
+    if not own:
+        return []
+    mine = model_config_of({"model_type": model_type, **own})
+    differ = {k: (getattr(mine, k, v), getattr(config, k, None)) for k, v in own.items()
+              if getattr(mine, k, v) != getattr(config, k, None)}
+
+    def shapes(cfg):
+        return {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
+
+    theirs = shapes(config)
+    sizes = []
+    for key, (value, saved) in differ.items():
+        try:
+            trial = model_config_of({**config.to_dict(), "model_type": model_type, key: value})
+            if shapes(trial) != theirs:
+                sizes.append(key)
+        except Exception:  # noqa: BLE001 - a value that does not even build a model is a size disagreement
+            sizes.append(key)
+    if sizes:
+        what = ", ".join(f"model.{k}={differ[k][0]!r} (checkpoint: {differ[k][1]!r})" for k in sizes)
+        raise ConfigError(f"{where}: the recipe's {what} does not match the model the checkpoint holds, whose "
+                          "config is used on resume. Fix: drop those keys from the model section (or set the "
+                          "checkpoint's values), or pass the --init-from directory the run started from")
+    return [f"{k}: recipe {v!r}, checkpoint {w!r}" for k, (v, w) in differ.items()]
 
 
 def pretrained_config(directory: str):
@@ -240,11 +326,14 @@ def _auto_layout(parallel, train, data_spec, model_config, world: int):
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None,
-                world_size: int | None = None, nnodes: int = 1, init_from: str | None = None) -> Recipe:
+                world_size: int | None = None, nnodes: int = 1, init_from: str | None = None,
+                resume_from: str | None = None) -> Recipe:
     """The recipe at ``path`` (the embedded default when None) with ``overrides``, checked and with its derived
     values filled in. ``world_size`` (default: the recipe's ``nproc`` per node x ``nnodes``) is the number of
     processes the layout is resolved against: a worker started by torchrun or SLURM passes the real one.
-    ``init_from`` (a pretrained directory) stands for the model section, which may then be left out."""
+    ``init_from`` (a pretrained directory) stands for the model section, which may then be left out; so does
+    ``resume_from`` (a checkpoint) without ``init_from``: the model is the one the checkpoint holds, and a model
+    section that disagrees with it in a size is refused."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
     for key in data:
@@ -254,7 +343,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc={nproc!r}: must be a positive integer. Fix: e.g. nproc: 4")
     model = data.get("model")
-    if init_from:
+    if init_from or resume_from:
         model = model if isinstance(model, dict) else {}
     elif not isinstance(model, dict):
         raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}, or start "
@@ -271,7 +360,10 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     parallel = ParallelConfig.from_dict(data.get("parallel"))
     world = world_size or nproc * nnodes
     recipe = Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel,
-                    init_from=str(init_from or ""))
+                    init_from=str(init_from or ""), resume_from="" if init_from else str(resume_from or ""))
+    if recipe.resume_from:
+        compare_with_checkpoint(own_model_section(path, overrides, model), recipe.model_config(),
+                                f"--resume {resume_from}")
     if getattr(parallel, "layout", "manual") == "auto":
         parallel, train = _auto_layout(parallel, train, data_spec, recipe.model_config(), world)
     train, parallel = resolve_batching(train, parallel, world)

@@ -100,11 +100,12 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
               f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
               f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
               flush=True)
+        if first_step:  # before the bar: a line printed under it would break it
+            print(f"ultrascale: resumed from {resume} at step {first_step}", flush=True)
         bar = tqdm(total=recipe.train.steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0 if not sys.stdout.isatty() else 0.1)
-        if first_step:
-            print(f"ultrascale: resumed from {resume} at step {first_step}", flush=True)
     losses, tokens_per_step = [], recipe.train.global_batch * recipe.data.seq_len
+    events = None  # TensorBoard event files in --log-dir (rank 0), made at the first logged step
     start = time.perf_counter()
     window_start, window_steps = start, 0
     for step in range(first_step, recipe.train.steps):
@@ -126,8 +127,11 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             tok_s = window_steps * tokens_per_step / (now - window_start)
             window_start, window_steps = now, 0
             if log_dir and rank == 0:
-                write_log_line(log_dir, {"step": step + 1, "loss": losses[-1], "lr": lr_at(step, recipe),
-                                         "grad_norm": grad_norm, "tokens_per_s": tok_s, "peak_mb_per_rank": peaks})
+                record = {"step": step + 1, "loss": losses[-1], "lr": lr_at(step, recipe), "grad_norm": grad_norm,
+                          "tokens_per_s": tok_s, "peak_mb_per_rank": peaks}
+                write_log_line(log_dir, record)
+                events = events or EventLog(log_dir, bar)
+                events.write(record)
             if bar is not None:
                 idle = pmodel.pipeline_stats
                 bubble = f" | pipeline idle {idle['idle_fraction']:.0%}" if idle else ""
@@ -145,6 +149,8 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     val = [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe) for i in range(data.eval_batches)]
     result = {"losses": losses, "val_loss": sum(val) / len(val) if val else None, "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
+    if events is not None:
+        events.close()
     if bar is not None and losses:
         bar.close()
         first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
@@ -216,6 +222,58 @@ def write_log_line(log_dir: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+class EventLog:
+    """TensorBoard event files in ``LOG_DIR`` beside ``metrics.jsonl``: the same values per logged step, with peak
+    memory as one scalar per rank (``memory/peak_mb_rank{r}``). Without the ``tensorboard`` package (the
+    ``ultrascale-plugins[tensorboard]`` extra) only the JSON lines are written, and that is said once."""
+
+    def __init__(self, log_dir: str, bar=None):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's writer needs the tensorboard package
+            note = ("ultrascale: --log-dir writes metrics.jsonl only; pip install ultrascale-plugins[tensorboard] "
+                    "adds TensorBoard event files")
+            (bar.write if bar is not None else print)(note)
+            return
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            if record.get(key) is not None:
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+        for r, mb in enumerate(record.get("peak_mb_per_rank") or []):
+            self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def report_error(exc: Exception) -> None:
+    """A worker's ConfigError, said once for the whole job rather than once per rank: into the file ``ultrascale
+    train`` named (the first rank to fail writes it; the command prints it after the launch), else by rank 0."""
+    message = f"{exc}"
+    path = os.environ.get("ULTRASCALE_ERROR_FILE")
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        except OSError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(message)
+            return
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        print(f"ultrascale: error: {message}", file=sys.stderr)
+
+
 def describe(cfg, pmodel) -> str:
     parts = []
     if cfg.pp > 1:
@@ -258,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=os.environ.get("ULTRASCALE_LOG_DIR"))
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size(), init_from=args.init_from)
+        recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size(), init_from=args.init_from,
+                             resume_from=args.resume)
         run(recipe, args.metrics, args.resume, args.init_from, args.log_dir)
     except ConfigError as exc:
-        print(f"ultrascale: error: {exc}", file=sys.stderr)
+        report_error(exc)
         return 2
     return 0
 

@@ -98,6 +98,7 @@ def ultrascale_validate_model(model, plan, config):
                 f"output_router_logits=True with pp={config.pp}: the router auxiliary loss takes means over the "
                 "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
                 "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
+        _dry_split(model, config)
         extra = _layer_state(model)
         if extra:
             raise ConfigError(
@@ -137,12 +138,38 @@ def ultrascale_split_model(model, ctx):
     cfg = ctx.config
     _, layers_name, _ = pp_parts(model)
     pp_rank = ctx.sub_mesh("pp").get_local_rank()
-    n_layers = len(getattr(_base(model), layers_name))
-    counts = stage_layer_counts(cfg, n_layers)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
+    ranges = stage_ranges(cfg, len(getattr(_base(model), layers_name)))
     ids = stage_ids_for_rank(cfg, pp_rank)
-    stages = [build_stage(model, s, len(counts), range(starts[s], starts[s] + counts[s])) for s in ids]
-    return stages, Pipeline(ctx, stages, ids, len(counts))
+    stages = [build_stage(model, s, len(ranges), ranges[s]) for s in ids]
+    return stages, Pipeline(ctx, stages, ids, len(ranges))
+
+
+def stage_ranges(config, n_layers: int) -> list[range]:
+    """The decoder layers of each pipeline stage, in stage order."""
+    counts = stage_layer_counts(config, n_layers)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(starts[s], starts[s] + counts[s]) for s in range(len(counts))]
+
+
+def _dry_split(model, config) -> None:
+    """Build every stage as ``ultrascale_split_model`` does, from a meta-device twin, so a model that cannot be
+    split is refused before launch rather than in every worker."""
+    from ..models.dataflow import meta_twin
+
+    twin = meta_twin(model)
+    _, layers_name, _ = pp_parts(twin)
+    ranges = stage_ranges(config, len(getattr(_base(twin), layers_name)))
+    for s, layers in enumerate(ranges):
+        try:
+            build_stage(twin, s, len(ranges), layers)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's module tree does not split the way the plan says
+            raise ConfigError(
+                f"pp={config.pp}: model type '{model.config.model_type}' could not be split into {len(ranges)} "
+                f"pipeline stages (stage {s}, layers {layers.start}-{layers.stop - 1}, tried on the meta device: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: use pp: 1 "
+                "for this model") from exc
 
 
 def _pp_layout(world, per_node, model_config):

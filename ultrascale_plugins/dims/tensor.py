@@ -35,7 +35,8 @@ from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_
 @hookimpl
 def ultrascale_add_fields(fields):
     fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1)
-    fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions")
+    fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions (auto: "
+               "on whenever tp > 1)", auto=lambda config: config.tp > 1)
     fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
 
 
@@ -94,6 +95,7 @@ def ultrascale_validate_model(model, plan, config):
     if unknown:
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
                           "version cannot apply. Fix: use tp: 1 for this model")
+    _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
     _, mixed = rank_local_params(model, plan)
     if mixed:
         raise ConfigError(
@@ -123,6 +125,29 @@ def ultrascale_validate_model(model, plan, config):
                 f"tensor-parallel regions of its plan (tried on the meta device: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: set sequence_parallel: false for "
                 "this model") from exc
+
+
+def _build_styles(model, plan, config) -> None:
+    """Make the ParallelStyle of every module the plan matches and the placement of every parameter it names, as
+    ``ultrascale_shard_model`` does (construction needs no mesh), so a style this version cannot build is refused
+    before launch rather than in every worker."""
+    for fqn, name in plan.matches(model).items():
+        try:
+            make_style(name, sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel,
+                       is_head=(fqn == plan.lm_head), extra=plan.styles)
+        except ConfigError as exc:
+            raise ConfigError(f"tp={config.tp}: model type '{_model_type(model)}', module '{fqn}': {exc}") from None
+    for fqn, style in plan.param_matches(model).items():
+        owner, _, name = fqn.rpartition(".")
+        _placement(style, fqn, getattr(model.get_submodule(owner), name).ndim)
+
+
+def _placement(style: str, fqn: str, ndim: int):
+    placement = param_placement(style, ndim)
+    if placement is None:
+        raise ConfigError(f"tp plan style '{style}' on parameter '{fqn}' is not supported. Fix: use tp: 1 "
+                          "for this model")
+    return placement
 
 
 def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
@@ -219,10 +244,7 @@ def _shard_named_params(model, plan, mesh, present) -> None:
         param = getattr(module, name)
         if isinstance(param, DTensor):
             continue
-        placement = param_placement(style, param.ndim)
-        if placement is None:
-            raise ConfigError(f"tp plan style '{style}' on parameter '{fqn}' is not supported. Fix: use tp: 1 "
-                              "for this model")
+        placement = _placement(style, fqn, param.ndim)
         module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
                                                      requires_grad=param.requires_grad))
 

@@ -263,10 +263,12 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
         return ForwardHookStyle(_mla_rope_grad)
     if name == "sequence_parallel":
         return LocalParams(replicate_plain=True)
-    raise ConfigError(f"tp plan style '{name}' is not supported. Fix: use one of {', '.join(sorted(KNOWN_STYLES))}, "
+    usable = sorted(KNOWN_STYLES - PARAM_ONLY_STYLES)
+    raise ConfigError(f"tp plan style '{name}' is not supported on a module. Fix: use one of {', '.join(usable)}, "
                       "or register a plugin whose ultrascale_model_plan supplies a style of that name")
 
 
+PARAM_ONLY_STYLES = {"packed_rowwise"}  # placements of parameters the plan names (param_placement), no module style
 KNOWN_STYLES = {"colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
                 "embedding_rowwise", "vocab_parallel_embedding", "embedding_colwise", "replicated_with_grad_allreduce",
                 "local_params", "replicate", "moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj",

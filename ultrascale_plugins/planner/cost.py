@@ -175,10 +175,7 @@ class CostModel:
         if lay.tp not in self._plans:
             self._plans[lay.tp] = self.pm.hook.ultrascale_model_plan(model=model, config=config)
         out = []
-        from ..dims.pipeline_split import pp_rank_of_stage, stages_per_rank
-
-        last = pp_rank_of_stage(config, lay.pp * stages_per_rank(config) - 1) if lay.pp > 1 else 0
-        for rank in sorted({0, min(1, lay.pp - 1), lay.pp - 1, last}):
+        for rank in pp_ranks_to_cost(config):
             out.append(estimate(config, self.spec.config, world_size=lay.world, seq_len=self.work.seq_len,
                                 micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
                                 coords={"pp": rank}, model=model, profile=self.work.profile,
@@ -187,12 +184,7 @@ class CostModel:
         return out
 
     def memory(self, ests) -> dict:
-        worst = max(ests, key=lambda e: e.total_memory)
-        mem = {k: v / GB for k, v in worst.memory.items()}
-        mem["activations"] *= self.c["fragmentation"]
-        mem["other"] += self.c["memory_overhead_gb"]
-        mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
-        return mem
+        return peak_memory_gb(ests, self.c)
 
     # ---- time ----------------------------------------------------------------------------------------------
     def axis_nodes(self, lay: Layout) -> dict:
@@ -260,6 +252,28 @@ class CostModel:
         ok, why = self.runnable(lay)
         return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
                       {k: v / GB for k, v in slowest_est.comm.items()})
+
+
+def pp_ranks_to_cost(config) -> list[int]:
+    """The pipeline ranks that can be the most loaded: the first two (the embedding, the most micro-batches in
+    flight; the second may hold one layer more) and the ones holding the last stage (head, logits)."""
+    from ..dims.pipeline_split import pp_rank_of_stage, stages_per_rank
+
+    pp = getattr(config, "pp", 1)
+    last = pp_rank_of_stage(config, pp * stages_per_rank(config) - 1) if pp > 1 else 0
+    return sorted({0, min(1, pp - 1), pp - 1, last})
+
+
+def peak_memory_gb(ests, constants: dict | None = None) -> dict:
+    """GB per category of the most loaded of ``ests`` (one ``Estimate`` per rank), with the allocator's slack on
+    activations and its workspaces (``CONSTANTS``), and their ``total``."""
+    c = {**CONSTANTS, **(constants or {})}
+    worst = max(ests, key=lambda e: e.total_memory)
+    mem = {k: v / GB for k, v in worst.memory.items()}
+    mem["activations"] *= c["fragmentation"]
+    mem["other"] += c["memory_overhead_gb"]
+    mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+    return mem
 
 
 def layout_from_string(text: str, world: int | None = None) -> Layout:

@@ -1,0 +1,213 @@
+"""Rough edges of the ``ultrascale`` command (issue 14): resume without repeating --init-from, models left at
+transformers' defaults and too big for the machine, sequence_parallel following tp, plan refusals before launch,
+the resume line and the progress bar, TensorBoard event files in --log-dir."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from ultrascale_plugins import cli
+from ultrascale_plugins.config import ConfigError
+
+TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def ultrascale(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def refused_before_launch(monkeypatch, capsys, argv, *words):
+    """``ultrascale ARGV`` in this process: exit 2 with one error line naming ``words``; no worker started."""
+    def no_launch(*a, **k):
+        raise AssertionError(f"a worker was started: {a}")
+
+    monkeypatch.setattr(cli.subprocess, "call", no_launch)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.strip().splitlines() if line.startswith("ultrascale")]
+    assert code == 2, out + err
+    assert len(lines) == 1 and lines[0].startswith("ultrascale: error:"), err
+    for word in words:
+        assert word in lines[0], lines[0]
+    return out, lines[0]
+
+
+def write_recipe(path, model, parallel, nproc=2, **train):
+    import yaml
+
+    path.write_text(yaml.safe_dump({"nproc": nproc, "model": model, "data": {"seq_len": 32},
+                                    "train": {"steps": 2, "global_batch": 4, **train}, "parallel": parallel}))
+    return str(path)
+
+
+# ---- c. sequence_parallel follows tp ----------------------------------------------------------------------------
+def test_sequence_parallel_auto_is_on_exactly_with_tp():
+    from ultrascale_plugins import ParallelConfig
+    from ultrascale_plugins.integrations.layout import accelerate_yaml, from_accelerate_file
+    from ultrascale_plugins.recipe import load_recipe
+
+    default = load_recipe(None)
+    assert default.parallel.sequence_parallel == "auto"
+    assert default.parallel.resolve(8).sequence_parallel is True  # the embedded default: tp=2 + SP, as before
+    changed = load_recipe(None, ["nproc=4", "tp=1"])  # refused before: sequence_parallel stayed on without TP
+    cli.check_recipe(changed)
+    assert changed.parallel.resolve(4).sequence_parallel is False
+    # an explicit true still needs TP; the field's default is still false (plain TP stays plain TP)
+    with pytest.raises(ConfigError, match="sequence_parallel=True: needs tensor parallel"):
+        ParallelConfig(sequence_parallel=True).resolve(1)
+    assert ParallelConfig(tp=2).resolve(2).sequence_parallel is False
+    with pytest.raises(ConfigError, match="true or false or auto"):
+        ParallelConfig(sequence_parallel="on")
+    # through an Accelerate config file and back
+    data = accelerate_yaml(ParallelConfig(tp=2, dp_shard=2, sequence_parallel="auto"), 4, True)
+    assert from_accelerate_file(data, "f.yaml").resolve(4).sequence_parallel is True
+
+
+# ---- d. plan refusals before launch ----------------------------------------------------------------------------
+def test_gpt2_pipeline_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    gpt2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+            "bos_token_id": 0, "eos_token_id": 0}
+    recipe = write_recipe(tmp_path / "gpt2.yaml", gpt2, {"pp": 2, "dp_shard": 1})
+    refused_before_launch(monkeypatch, capsys, ["train", recipe], "pp>1", "gpt2", "Fix:")
+
+
+def test_a_tp_style_that_cannot_be_applied_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    """packed_rowwise is a placement of parameters the plan names, not a module style: shard_model raised it in
+    every worker (once per rank, exit 1); the dry construction of the styles refuses it before launch."""
+    plan = {f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    plan.update({"layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp.gate_proj": "colwise",
+                 "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "packed_rowwise"})
+    recipe = write_recipe(tmp_path / "style.yaml", {**TINY, "base_model_tp_plan": plan}, {"tp": 2, "dp_shard": 1})
+    refused_before_launch(monkeypatch, capsys, ["train", recipe], "packed_rowwise", "mlp.down_proj", "Fix:")
+
+
+def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
+    from ultrascale_plugins.train import report_error
+
+    error_file = tmp_path / "error"
+    monkeypatch.setenv("ULTRASCALE_ERROR_FILE", str(error_file))
+    for rank in ("1", "0"):  # the first rank to fail writes it; the command prints it after the launch
+        monkeypatch.setenv("RANK", rank)
+        report_error(ConfigError("tp=3: bad"))
+    assert error_file.read_text() == "tp=3: bad" and capsys.readouterr().err == ""
+    monkeypatch.delenv("ULTRASCALE_ERROR_FILE")  # started by torchrun directly: rank 0 says it
+    for rank in ("1", "0", "2"):
+        monkeypatch.setenv("RANK", rank)
+        report_error(ConfigError("tp=3: bad"))
+    assert capsys.readouterr().err == "ultrascale: error: tp=3: bad\n"
+
+
+@pytest.mark.slow
+def test_a_config_error_in_torchrun_workers_is_printed_once():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{cli._free_port()}",
+                           "--module", "ultrascale_plugins.train", "--set", "tp=3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert proc.stderr.count("ultrascale: error:") == 1, proc.stderr[-3000:]
+
+
+# ---- b. sizes left at transformers' defaults, and a model too big for the machine ------------------------------
+def test_defaulted_sizes_are_named_and_a_model_too_big_is_refused(tmp_path, monkeypatch, capsys):
+    # hidden_size alone: transformers' llama defaults give 32 layers, a 32000 vocabulary, ~53 B parameters
+    recipe = write_recipe(tmp_path / "big.yaml", {"model_type": "llama", "hidden_size": 16384}, {"dp_shard": 2})
+    out, line = refused_before_launch(monkeypatch, capsys, ["train", recipe], "GB per process", "this machine has",
+                                      "Fix:", "ULTRASCALE_SKIP_MEMORY_CHECK")
+    defaults = [x for x in out.splitlines() if "transformers' llama defaults" in x]
+    assert len(defaults) == 1 and "num_hidden_layers=32" in defaults[0] and "vocab_size=32000" in defaults[0]
+    assert "hidden_size" not in defaults[0]
+    # the embedded default sets every size: no such line
+    from ultrascale_plugins.recipe import defaulted_sizes, load_recipe
+
+    default = load_recipe(None)
+    assert defaulted_sizes(default.model, default.model_config()) == {}
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}  # aliases count as set
+    from ultrascale_plugins.recipe import model_config_of
+
+    assert set(defaulted_sizes(gpt2, model_config_of(gpt2))) == {"vocab_size", "max_position_embeddings"}
+
+
+# ---- a, e, f. resume without --init-from; the resume line and the bar; TensorBoard ----------------------------
+def _hf_dir(path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_resume_without_init_from_log_dir_events_and_clean_output(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    hf = _hf_dir(tmp_path / "hf")  # hidden_size 64: not the embedded default's 128
+    common = ["--nproc", "2", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=2", "--set", "train.steps=4",
+              "--set", "train.log_every=1", "--set", f"train.save_dir={tmp_path / 'ckpt'}",
+              "--set", "train.save_every=2"]  # sequence_parallel: auto (the embedded default's) is off with tp=1
+    full, logs = tmp_path / "full.json", tmp_path / "logs"
+    first = ultrascale("train", *common, "--init-from", hf, "--metrics", str(full), "--log-dir", str(logs))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+
+    # f. the event file holds what metrics.jsonl holds
+    lines = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(logs))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in lines], rel=1e-6)
+    for key in ("lr", "grad_norm", "tokens_per_s"):
+        assert [e.value for e in acc.Scalars(f"train/{key}")] == pytest.approx([r[key] for r in lines], rel=1e-5)
+    for rank in (0, 1):
+        assert [e.value for e in acc.Scalars(f"memory/peak_mb_rank{rank}")] == [r["peak_mb_per_rank"][rank]
+                                                                                  for r in lines]
+
+    # a. resume without repeating --init-from: the checkpoint's config is the model (it was a DCP size mismatch)
+    resumed = tmp_path / "resumed.json"
+    second = ultrascale("train", *common, "--resume", str(tmp_path / "ckpt" / "step-00000002"), "--metrics",
+                        str(resumed))
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
+    assert "hidden_size=64" in second.stdout and "the checkpoint's config is the model" in second.stdout
+    assert json.loads(resumed.read_text())["losses"] == pytest.approx(json.loads(full.read_text())["losses"][2:],
+                                                                      abs=1e-6)
+    # e. the resume line comes before the bar, on a line of its own; no DCP warning on save or load
+    out = second.stdout
+    resume_at = out.index("ultrascale: resumed from")
+    assert "%|" not in out[:resume_at] and "%|" in out[resume_at:]
+    assert out[resume_at:].splitlines()[0].endswith("at step 2")
+    for proc in (first, second):
+        assert "torch.distributed is disabled" not in proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+
+    # a. a model section of the user's own that disagrees in a size: one line before launch
+    mine = write_recipe(tmp_path / "mine.yaml", {**TINY, "hidden_size": 128}, {"dp_shard": 2}, global_batch=16)
+    refused_before_launch(monkeypatch, capsys, ["train", mine, "--resume", str(tmp_path / "ckpt")],
+                          "model.hidden_size=128", "checkpoint: 64", "Fix:", "--init-from")
+
+    # e. export (one process, DCP without a group) says nothing about torch.distributed
+    from ultrascale_plugins.export import export_hf
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        export_hf(tmp_path / "ckpt" / "step-00000004", tmp_path / "exported")
+    assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_log_dir_without_tensorboard_says_so_once(tmp_path, monkeypatch, capsys):
+    from ultrascale_plugins.train import EventLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    log = EventLog(str(tmp_path))
+    log.write({"step": 1, "loss": 1.0})
+    log.close()
+    out = capsys.readouterr().out
+    assert out.count("pip install ultrascale-plugins[tensorboard]") == 1
+    assert not list(tmp_path.iterdir())
