@@ -1,0 +1,234 @@
+"""The real-size fine-tuning recipes in ``recipes/sft/``: each one's full layout checked statically against its real
+model config and world size (the command line's own pre-launch checks, on the meta device) and costed by the
+planner within 80 GB per GPU; then a fully shrunk model of the same type (every size field small, vocabulary
+included) trains a few steps through ``ultrascale train --init-from`` with the recipe's layout scaled down to a
+few CPU processes. A recipe that no longer parses, validates or fits fails here."""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ultrascale_plugins.checkpoint import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT = ROOT / "recipes" / "sft"
+RECIPES = sorted(SFT.glob("*.yaml"))
+GPU = "h100-sxm-80gb"
+
+# The data the shrunk runs train on instead of the recipe's (placeholder) chat dataset: the byte-level corpus, which
+# a vocabulary of 512 covers. To train on chat data instead, change only this list.
+SHRUNK_DATA = ["data.dataset=", "data.format=text", "data.packing=true", "data.eval_fraction=0"]
+# The shrunk run's loop: a few steps of short rows (train.epochs needs a dataset, so steps decide).
+SHRUNK_TRAIN = ["train.epochs=0", "train.steps=3", "train.log_every=1", "data.seq_len=64", "train.lr=0.001",
+                "train.warmup_steps=1", "train.save_every=0", "train.keep_last_n=0"]
+MAX_SHRUNK_PROCESSES = 4  # 2 CPU cores: the shrunk layouts keep every kind of dimension at 2, data parallel first to go
+
+# Size fields of the real configs and their shrunk values (the ones present in a config are replaced).
+SHRUNK_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32, "num_experts": 8, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "vocab_size": 512, "max_position_embeddings": 512}
+MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+FUSED_EXPERTS_WORKAROUND = True  # False once --init-from reads transformers' per-expert checkpoint format
+
+
+def test_the_four_recipes_are_there():
+    assert {p.stem for p in RECIPES} >= {"llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b"}, RECIPES
+
+
+def header(path: Path) -> str:
+    return "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+
+
+def nnodes_of(path: Path) -> int:
+    """The node count the recipe's header declares (``# nnodes: N``), checked against its launch command."""
+    text = header(path)
+    found = re.findall(r"^#\s*nnodes:\s*(\d+)\s*$", text, re.M)
+    assert len(found) == 1, f"{path.name}: the header needs one '# nnodes: N' line"
+    nodes = int(found[0])
+    launch = re.findall(r"--nnodes (\d+)", text)
+    if nodes > 1:
+        assert launch and all(int(n) == nodes for n in launch), f"{path.name}: the launch command's --nnodes"
+    assert f"ultrascale train recipes/sft/{path.name}" in text and "--init-from" in text, path.name
+    return nodes
+
+
+def config_json(path: Path) -> Path:
+    config = SFT / "configs" / f"{path.stem}.json"
+    assert config.is_file(), f"{path.name}: its model's config.json belongs in {config}"
+    return config
+
+
+def pretrained_dir(path: Path, tmp_path: Path) -> Path:
+    """A directory holding the recipe's real config.json (no weights), as --init-from would name."""
+    d = tmp_path / "real"
+    d.mkdir()
+    shutil.copy(config_json(path), d / "config.json")
+    return d
+
+
+def planner_layout(recipe, world: int):
+    """The planner's ``Layout`` for a recipe's resolved layout and batch split."""
+    from ultrascale_plugins.planner.cost import Layout
+
+    p = recipe.parallel.resolve(world)
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
+                  zero_stage=p.zero_stage, micro_batch_size=recipe.train.micro_batch_size,
+                  grad_accum=recipe.train.grad_accum, activation_checkpointing=p.activation_checkpointing,
+                  pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages,
+                  sequence_parallel=p.sequence_parallel if p.tp > 1 else None, cp_method=p.cp_method,
+                  mixed_precision="bf16" if p.mixed_precision == "bf16" else "no")
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
+    from ultrascale_plugins.cli import check_recipe
+    from ultrascale_plugins.planner.cost import CostModel, Workload, layout_from_string
+    from ultrascale_plugins.planner.hardware import hardware_from_args
+    from ultrascale_plugins.planner.model_spec import ModelSpec
+    from ultrascale_plugins.recipe import load_recipe
+
+    nodes = nnodes_of(path)
+    real = pretrained_dir(path, tmp_path)
+    fields = json.loads((real / "config.json").read_text())
+    assert fields.get("model_type") and fields.get("architectures"), path.name
+    assert "model" not in yaml.safe_load(path.read_text()), f"{path.name}: --init-from is the model section"
+    recipe = load_recipe(path, nnodes=nodes, init_from=str(real))
+    world = recipe.nproc * nodes
+    config = recipe.model_config()
+    assert config.model_type == fields["model_type"], path.name  # the --init-from directory's config is the model
+    assert (config.hidden_size, config.num_hidden_layers) == (fields["hidden_size"], fields["num_hidden_layers"])
+    assert recipe.data.dataset and recipe.data.format == "chat" and recipe.data.packing, path.name
+    assert recipe.parallel.mixed_precision == "bf16", path.name
+    # What `ultrascale train` checks before launch (meta model, TP plan, mesh, batch), but its memory check against
+    # this machine: the recipe is for 80 GB GPUs, costed below.
+    monkeypatch.setenv("ULTRASCALE_SKIP_MEMORY_CHECK", "1")
+    check_recipe(recipe, nnodes=nodes)
+    assert math.prod(getattr(recipe.parallel.resolve(world), d) for d in MESH_DEGREES) == world
+
+    # The planner's estimate for exactly this layout (what `ultrascale plan --layout` prints) fits the GPU ...
+    lay = planner_layout(recipe, world)
+    cost = CostModel(ModelSpec.of(config), hardware_from_args(GPU),
+                     Workload(recipe.data.seq_len, recipe.train.global_batch, "ultrascale", "adamw", "bf16"))
+    result = cost.evaluate(lay)
+    assert result.runnable, f"{path.name}: {result.not_runnable_because}"
+    assert result.fits and result.memory_gb["total"] <= 80, f"{path.name}: {result.memory_gb}"
+    # ... and the header's `ultrascale plan` command costs that same layout, quoting that total (within 10 %).
+    text = header(path)
+    quoted_layout = re.findall(r'--layout "([^"]+)"', text)
+    assert len(quoted_layout) == 1, f"{path.name}: the header quotes one `ultrascale plan --layout` command"
+    theirs = layout_from_string(quoted_layout[0], world)
+    assert (theirs.fields(), theirs.micro_batch_size, theirs.grad_accum) == \
+        (lay.fields(), lay.micro_batch_size, lay.grad_accum), f"{path.name}: the quoted --layout is not the recipe's"
+    assert f"--gpus {world} " in text and f"--seq-len {recipe.data.seq_len} " in text, path.name
+    assert f"--global-batch-size {recipe.train.global_batch} " in text, path.name
+    quoted = re.findall(r"= ([\d.]+) GB per GPU", text)
+    assert quoted, f"{path.name}: the header quotes the planner's total ('= N GB per GPU')"
+    assert abs(float(quoted[0]) - result.memory_gb["total"]) <= 0.1 * result.memory_gb["total"], \
+        f"{path.name}: the header says {quoted[0]} GB, the planner now {result.memory_gb['total']:.1f} GB"
+
+
+def shrunk_layout(parallel) -> dict:
+    """The recipe's layout at small scale: every mesh degree above 1 becomes 2 (the same kinds of dimensions), then
+    data-parallel degrees go back to 1 while the world exceeds ``MAX_SHRUNK_PROCESSES``; fp32 on CPU."""
+    degrees = {d: (2 if getattr(parallel, d) != 1 else 1) for d in MESH_DEGREES}
+    for d in ("dp_replicate", "dp_shard"):
+        if math.prod(degrees.values()) > MAX_SHRUNK_PROCESSES:
+            degrees[d] = 1
+    return {**degrees, "mixed_precision": "'no'"}  # quoted: --set values are YAML, where a bare no is false
+
+
+def shrunk_model(real_config: Path, out: Path, layers: int, workaround: bool = FUSED_EXPERTS_WORKAROUND) -> None:
+    """A model of the same type as ``real_config`` with every size field small, saved as safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(real_config.read_text())
+    model_type = fields.pop("model_type")
+    for key, value in SHRUNK_SIZES.items():
+        if key in fields:
+            fields[key] = value
+    fields["num_hidden_layers"] = layers
+    if "max_window_layers" in fields:
+        fields["max_window_layers"] = layers
+    rope = fields.get("rope_scaling")
+    if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
+        rope["original_max_position_embeddings"] = fields["max_position_embeddings"] // 4
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # token ids inside the small vocabulary
+        if isinstance(fields.get(key), list):
+            fields[key] = [1 + i for i in range(len(fields[key]))]
+        elif fields.get(key) is not None:
+            fields[key] = 1
+    fields.pop("torch_dtype", None)
+    fields["dtype"] = "float32"
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    model.save_pretrained(out, safe_serialization=True)
+    if workaround and any(".experts." in k for k in model.state_dict()):
+        # KNOWN BUG (see test_moe_checkpoint_in_transformers_format_loads): transformers writes fused experts per
+        # expert (experts.<e>.gate_proj.weight ...), the format of the published checkpoints, and --init-from
+        # does not read that format. Until it does, the shrunk MoE run reads the model's own state-dict names.
+        from safetensors.torch import save_file
+
+        for old in out.glob("*.safetensors*"):
+            old.unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
+
+
+def ultrascale_train(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
+    from ultrascale_plugins.recipe import load_recipe
+
+    real = pretrained_dir(path, tmp_path)
+    recipe = load_recipe(path, nnodes=nnodes_of(path), init_from=str(real))
+    layout = shrunk_layout(recipe.parallel)
+    world = math.prod(layout[d] for d in MESH_DEGREES)
+    tiny = tmp_path / "tiny"
+    shrunk_model(config_json(path), tiny, layers=4 if layout["pp"] > 1 else 2)
+    dp = layout["dp_replicate"] * layout["dp_shard"]
+    batch = ["train.global_batch=%d" % (2 * dp), "train.micro_batch_size=1", "train.grad_accum=2"]
+    sets = [*SHRUNK_DATA, *SHRUNK_TRAIN, *batch, f"train.save_dir={tmp_path / 'ckpt'}",
+            *(f"{k}={v}" for k, v in layout.items())]
+    metrics = tmp_path / "metrics.json"
+    proc = ultrascale_train(str(path), "--init-from", str(tiny), "--nproc", str(world), "--metrics", str(metrics),
+                            *(a for s in sets for a in ("--set", s)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(metrics.read_text())
+    assert result["world_size"] == world
+    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"]), result
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(f"ultrascale: {world} processes, layout "))
+    assert f"model {json.loads(config_json(path).read_text())['model_type']} from {tiny}" in line, line
+    assert all(f"{d}=2" in line for d in MESH_DEGREES if layout[d] == 2), line  # the scaled-down layout ran
+    assert any((tmp_path / "ckpt").glob("step-*")), "the recipe's save_dir (overridden) got no checkpoint"
+
+
+@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
+    "KNOWN BUG: --init-from (pretrained.match_weights) maps checkpoint names 1:1, but transformers >= 5 fuses MoE "
+    "experts (experts.gate_up_proj, experts.down_proj) and save_pretrained and the published Qwen3-30B-A3B "
+    "checkpoint store them per expert (experts.<e>.gate_proj.weight, ...). When this passes, set "
+    "FUSED_EXPERTS_WORKAROUND = False."))
+def test_moe_checkpoint_in_transformers_format_loads(tmp_path):
+    """What the MoE recipe's launch command reads: a directory save_pretrained wrote (the hub's format)."""
+    from ultrascale_plugins.pretrained import prepare
+
+    moe = [p for p in RECIPES if "num_experts" in json.loads(config_json(p).read_text())]
+    assert moe, "no mixture-of-experts recipe"
+    shrunk_model(config_json(moe[0]), tmp_path / "tiny", layers=2, workaround=False)
+    prepare(tmp_path / "tiny")
