@@ -331,3 +331,17 @@ def test_workers_under_torchrun_tokenize_once_per_node(tmp_path, pretrained):
     assert proc.stdout.count("ultrascale: tokenizing") == 1, proc.stdout
     assert len(list((tmp_path / "cache" / "tokenized").iterdir())) == 1
     assert len(metrics(tmp_path / "m.json")["losses"]) == 2
+
+
+def test_packing_refused_for_a_model_type_that_lets_samples_meet(tmp_path):
+    """OPT builds its masks without position_ids (measured by benchmarks/packing_sweep.py): packed rows would
+    attend to each other, so packing is refused before launch; packing: false is the fix and passes."""
+    from transformers import OPTConfig
+
+    from ultrascale_plugins.recipe_data import check_packing
+
+    data = write_jsonl(tmp_path / "text.jsonl", text_rows(4))
+    with pytest.raises(ConfigError, match=r"data.packing=true: model type 'opt' lets packed samples attend.*"
+                                          r"packing: false"):
+        check_packing(spec(tmp_path, data), OPTConfig())
+    check_packing(spec(tmp_path, data, packing=False), OPTConfig())

@@ -9,6 +9,7 @@ any dataset; the rows themselves (which samples share a row) are those of the co
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -48,6 +49,12 @@ def build_datasets(data, tokenizer: str, *, seed: int = 0):
     from .tokenized_cache import prepare
 
     spec = dataclasses.replace(data_spec(data), tokenizer=tokenizer)
+    if (Path(tokenizer) / "config.json").is_file():  # the model's own directory: packing must suit its type
+        from transformers import AutoConfig
+
+        from .recipe_data import check_packing
+
+        check_packing(spec, AutoConfig.from_pretrained(tokenizer))
     tokenized = prepare(spec, None)
     train_idx, eval_idx = split_indices(len(tokenized.lengths), spec.eval_fraction, seed)
     # shuffle=False: the framework's sampler orders the rows (and reshuffles them each epoch)

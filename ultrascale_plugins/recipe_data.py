@@ -25,19 +25,15 @@ def check_vocabulary(tokenizer_size: int, model_config, where: str) -> None:
 
 
 def check_packing(spec, model_config) -> None:
-    """Packed rows keep samples apart through ``position_ids`` (transformers' packed-sequence masks); a model that
-    takes none would let them attend to each other, silently: refused."""
+    """Packed rows keep samples apart only through ``position_ids``; a model type not measured to honour them
+    (``packing_support``, from benchmarks/packing_sweep.py) would train silently wrong: refused."""
     if not spec.dataset or not spec.packing:
         return
-    import inspect
+    import transformers
 
-    from transformers import AutoModelForCausalLM
+    from .packing_support import check_packing_model
 
-    cls = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
-    if cls is not None and "position_ids" not in inspect.signature(cls.forward).parameters:
-        raise ConfigError(f"data.packing=true: model type '{model_config.model_type}' takes no position_ids, so "
-                          "samples packed into one row would attend to each other. Fix: set data.packing: false "
-                          "(one sample per row, padded)")
+    check_packing_model(model_config.model_type, transformers.__version__)
 
 
 def prepare_before_launch(recipe, init_from: str | None, model_config) -> str | None:
@@ -80,6 +76,7 @@ class TrainingData:
         if recipe.data.dataset:
             from .tokenized_cache import load_tokenizer, tokenizer_dir
 
+            check_packing(recipe.data, recipe.model_config())  # also when started without the command line
             self.source = open_dataset(recipe, init_from, in_worker=in_worker)
             self.tokenizer = load_tokenizer(tokenizer_dir(recipe.data, init_from or recipe.init_from or None))
             self.eval_batches = min(recipe.train.eval_batches, self.source.eval_batches)
