@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import ConfigError
 
-FORMAT_VERSION = 1  # bump when the tokenization below changes what it writes
+FORMAT_VERSION = 2  # bump when the tokenization below changes what it writes
 
 
 def cache_root(spec) -> Path:
@@ -137,10 +137,11 @@ def _build(spec, tok_path: str, final: Path) -> None:
           f"once for this node) into {final}", flush=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     try:
-        mapped = ds.map(_tokenize_batch(tokenizer, spec, source), batched=True, with_indices=True,
-                        remove_columns=ds.column_names, num_proc=procs if procs > 1 else None,
-                        desc="ultrascale: tokenizing")
-        mapped.save_to_disk(str(tmp))
+        tmp.mkdir()
+        # map writes its Arrow files (one per process) straight into the entry: no second copy of the tokens
+        ds.map(_tokenize_batch(tokenizer, spec, source), batched=True, with_indices=True,
+               remove_columns=ds.column_names, num_proc=procs if procs > 1 else None,
+               cache_file_name=str(tmp / "tokens.arrow"), desc="ultrascale: tokenizing")
         (tmp / "sources.json").write_text(json.dumps({"files": source.files, "ends": source.ends}))
         os.replace(tmp, final)
     finally:
@@ -162,7 +163,8 @@ def prepare(spec, init_from: str | None = None, *, build: bool = True) -> Tokeni
             raise FileNotFoundError(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         _build(spec, tok_path, final)
-    ds = datasets.load_from_disk(str(final))
+    shards = sorted(final.glob("tokens*.arrow"))  # tokens.arrow, or tokens_00000_of_0000N.arrow, ... in order
+    ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in shards])
     lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
     tokenizer = load_tokenizer(tok_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
