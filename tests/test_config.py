@@ -147,3 +147,11 @@ def test_the_names_people_know_the_dimensions_by_are_suggested():
     for wrong, right in (("tensor_parallel", "tp"), ("pipeline_parallel_size", "pp"), ("zero", "zero_stage")):
         with pytest.raises(ConfigError, match=f"did you mean '{right}'"):
             ParallelConfig(**{wrong: 2})
+
+
+def test_a_bare_yaml_no_reads_as_the_choice_no():
+    """`--set mixed_precision=no` (YAML reads a bare no as false) means the choice "no", not a type error."""
+    from ultrascale_plugins.recipe import load_recipe
+
+    assert load_recipe(None, ["mixed_precision=no"]).parallel.mixed_precision == "no"
+    assert ParallelConfig.from_dict({"mixed_precision": False}).mixed_precision == "no"

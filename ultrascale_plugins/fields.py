@@ -68,6 +68,11 @@ class Field:
             return None
         if self.auto is not None and value == AUTO:
             return value
+        if isinstance(value, bool) and self.type is str and self.choices and str(value).lower() not in self.choices:
+            # YAML 1.1 reads an unquoted no/off as false and yes/on as true: `mixed_precision: no` means "no"
+            spelled = [c for c in self.choices if c in (("no", "off", "false") if not value else ("yes", "on", "true"))]
+            if spelled:
+                value = spelled[0]
         example = f"e.g. {self.name}: {self.default!r}" if self.default is not None else f"set {self.name}"
         wrong_type = (isinstance(value, bool) and self.type is not bool) or not isinstance(
             value, (int, float) if self.type is float else self.type)
