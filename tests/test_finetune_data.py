@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_tokenizer import CHATML_TAGGED, chat_rows, make_pretrained, make_tokenizer, text_rows, write_jsonl
+from tiny_tokenizer import CHATML_TAGGED, HEADERS, REASONING_LAST, chat_rows, make_pretrained, make_tokenizer, text_rows, write_jsonl
 from ultrascale_plugins.config import ConfigError
 from ultrascale_plugins.loss import IGNORE_INDEX
 from ultrascale_plugins.recipe import DataSpec
@@ -38,14 +38,16 @@ def batches(s, model_dir, global_batch=4, seed=0):
 
 
 # ---- chat: loss on the assistant's tokens only ----------------------------------------------------------------
-@pytest.mark.parametrize("template", ["prefixes", "generation_tags"])
+@pytest.mark.parametrize("template", ["prefixes", "generation_tags", "reasoning_last", "headers"])
 def test_chat_labels_are_the_assistant_tokens(pretrained, template):
+    """ChatML found from prefixes, ChatML with {% generation %}, a template that renders the last reply unlike
+    past ones (as Qwen3's does) and one with role headers and an injected system block (as Llama-3.1's)."""
     from ultrascale_plugins.chat_tokens import chat_sample
     from ultrascale_plugins.tokenized_cache import load_tokenizer
 
     tok = load_tokenizer(str(pretrained))
-    if template == "generation_tags":
-        tok.chat_template = CHATML_TAGGED
+    tok.chat_template = {"generation_tags": CHATML_TAGGED, "reasoning_last": REASONING_LAST,
+                         "headers": HEADERS}.get(template, tok.chat_template)
     messages = [{"role": "system", "content": "one two"}, {"role": "user", "content": "hello world"},
                 {"role": "assistant", "content": "red five"}, {"role": "user", "content": "question"},
                 {"role": "assistant", "content": REPLY}]
@@ -53,8 +55,10 @@ def test_chat_labels_are_the_assistant_tokens(pretrained, template):
     assert len(ids) == len(labels)
     kept = [t for t in labels if t != IGNORE_INDEX]
     text = tok.decode(kept)
-    # both replies and their end-of-turn tokens; nothing of the system or user turns
-    assert text.replace("\n", "") == "red five<|im_end|>" + REPLY + "<|im_end|>"
+    # both replies and their end-of-turn tokens (the last one's empty reasoning block too, as it is generated);
+    # nothing of the system or user turns
+    think = "<think></think>" if template == "reasoning_last" else ""
+    assert text.replace("\n", "") == "red five<|im_end|>" + think + REPLY + "<|im_end|>", text
     assert "hello" not in text and "question" not in text and "user" not in text
     # the kept tokens are contiguous runs that end each assistant turn
     runs = np.flatnonzero(np.diff(np.r_[0, (np.array(labels) != IGNORE_INDEX).astype(int), 0]))

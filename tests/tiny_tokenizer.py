@@ -12,6 +12,17 @@ CHATML_TAGGED = ("{% for message in messages %}{% if message['role'] == 'assista
                  "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>"
                  "{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# In the manner of Qwen3's template (written here, not copied): the last assistant turn opens with an empty
+# reasoning block, past ones do not, so a prefix of the conversation renders its last reply unlike the full text.
+REASONING_LAST = ("{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+                  "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ message['content'] }}<|im_end|>\n"
+                  "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# In the manner of Llama-3.1's (written here): role headers, a system block with a date always first.
+HEADERS = ("<|im_start|>system\nToday: 4 Dec 2026\n{% for message in messages %}{% if message['role'] == 'system' %}"
+           "{{ message['content'] }}\n{% endif %}{% endfor %}<|im_end|>{% for message in messages %}"
+           "{% if message['role'] != 'system' %}<|im_start|>{{ message['role'] }}\n\n{{ message['content'] }}"
+           "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}")
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards box and fly past jovial quartz vex "
          "answer question hello world blue green red number one two three four five").split()
 

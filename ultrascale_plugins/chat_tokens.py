@@ -9,6 +9,8 @@ to stop). transformers has no public helper for templates without the tag, hence
 """
 from __future__ import annotations
 
+import os
+
 from .config import ConfigError
 from .loss import IGNORE_INDEX
 
@@ -43,17 +45,33 @@ def assistant_char_spans(tokenizer, messages: list[dict], where: str) -> tuple[s
         through = _render(tokenizer, messages[:i + 1])
         if through.startswith(before) and full.startswith(through):
             start, end = len(before), len(through)
-        else:  # the template rewrites earlier turns (e.g. drops their reasoning): find this turn's own text
-            piece = through[len(before):] if through.startswith(before) else None
-            at = full.find(piece, spans[-1][1] if spans else 0) if piece else -1
-            if at < 0:
+        else:  # the template renders a last turn unlike a past one (Qwen3: an empty reasoning block)
+            # searched after what the turns before it render to (their common prefix with the full text), so a
+            # user message quoting the reply is never taken for it
+            shared = len(os.path.commonprefix([before, full]))
+            start, end = _past_turn_span(full, through, message, max(shared, spans[-1][1] if spans else 0))
+            if start < 0:
                 raise ConfigError(f"data.format=chat: {where}: the chat template renders this conversation's "
                                   f"assistant turn {i} differently from its prefixes, so its tokens cannot be "
                                   "found. Fix: use a template that marks the assistant's text with "
                                   "{% generation %} ... {% endgeneration %}")
-            start, end = at, at + len(piece)
         spans.append((start, end))
     return full, spans
+
+
+def _past_turn_span(full: str, through: str, message: dict, after: int) -> tuple[int, int]:
+    """The span of an assistant turn in the full rendering when its prefix rendering differs: the turn's own
+    content, found after the previous span, through the end-of-turn text the template puts after it (as the
+    prefix rendering shows it). ``(-1, -1)`` when the content is not there as written."""
+    content = message.get("content")
+    if not isinstance(content, str) or not content:
+        return -1, -1
+    at = full.find(content, after)
+    if at < 0:
+        return -1, -1
+    end = at + len(content)
+    tail = through[through.rfind(content) + len(content):] if content in through else ""
+    return at, end + len(tail) if tail and full.startswith(tail, end) else end
 
 
 def chat_sample(tokenizer, messages, where: str) -> tuple[list[int], list[int]]:
