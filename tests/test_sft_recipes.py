@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ultrascale_plugins.checkpoint import CheckpointError
-
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "recipes" / "sft"
 RECIPES = sorted(SFT.glob("*.yaml"))
@@ -36,7 +34,6 @@ SHRUNK_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_s
                 "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                 "vocab_size": 512, "max_position_embeddings": 512}
 MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-FUSED_EXPERTS_WORKAROUND = True  # False once --init-from reads transformers' per-expert checkpoint format
 
 
 def test_the_four_recipes_are_there():
@@ -142,11 +139,12 @@ def shrunk_layout(parallel) -> dict:
     for d in ("dp_replicate", "dp_shard"):
         if math.prod(degrees.values()) > MAX_SHRUNK_PROCESSES:
             degrees[d] = 1
-    return {**degrees, "mixed_precision": "'no'"}  # quoted: --set values are YAML, where a bare no is false
+    return {**degrees, "mixed_precision": "no"}  # a bare no (YAML's false) reads as the choice "no"
 
 
-def shrunk_model(real_config: Path, out: Path, layers: int, workaround: bool = FUSED_EXPERTS_WORKAROUND) -> None:
-    """A model of the same type as ``real_config`` with every size field small, saved as safetensors."""
+def shrunk_model(real_config: Path, out: Path, layers: int) -> None:
+    """A model of the same type as ``real_config`` with every size field small, saved by ``save_pretrained`` (MoE
+    experts per expert, the published checkpoints' format)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -173,16 +171,6 @@ def shrunk_model(real_config: Path, out: Path, layers: int, workaround: bool = F
     model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
     model.save_pretrained(out, safe_serialization=True)
-    if workaround and any(".experts." in k for k in model.state_dict()):
-        # KNOWN BUG (see test_moe_checkpoint_in_transformers_format_loads): transformers writes fused experts per
-        # expert (experts.<e>.gate_proj.weight ...), the format of the published checkpoints, and --init-from
-        # does not read that format. Until it does, the shrunk MoE run reads the model's own state-dict names.
-        from safetensors.torch import save_file
-
-        for old in out.glob("*.safetensors*"):
-            old.unlink()
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
-                  metadata={"format": "pt"})
 
 
 def ultrascale_train(*args, timeout=300):
@@ -219,16 +207,12 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
     assert any((tmp_path / "ckpt").glob("step-*")), "the recipe's save_dir (overridden) got no checkpoint"
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "KNOWN BUG: --init-from (pretrained.match_weights) maps checkpoint names 1:1, but transformers >= 5 fuses MoE "
-    "experts (experts.gate_up_proj, experts.down_proj) and save_pretrained and the published Qwen3-30B-A3B "
-    "checkpoint store them per expert (experts.<e>.gate_proj.weight, ...). When this passes, set "
-    "FUSED_EXPERTS_WORKAROUND = False."))
 def test_moe_checkpoint_in_transformers_format_loads(tmp_path):
     """What the MoE recipe's launch command reads: a directory save_pretrained wrote (the hub's format)."""
     from ultrascale_plugins.pretrained import prepare
 
     moe = [p for p in RECIPES if "num_experts" in json.loads(config_json(p).read_text())]
     assert moe, "no mixture-of-experts recipe"
-    shrunk_model(config_json(moe[0]), tmp_path / "tiny", layers=2, workaround=False)
-    prepare(tmp_path / "tiny")
+    shrunk_model(config_json(moe[0]), tmp_path / "tiny", layers=2)
+    weights, _ = prepare(tmp_path / "tiny")
+    assert weights.fused and weights.unexpected == []  # the per-expert tensors assemble the fused experts

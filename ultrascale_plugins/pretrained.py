@@ -9,11 +9,20 @@ from each DTensor's local chunk and reads them with ``safe_open(...).get_slice``
 resolved and shapes checked before any process group exists, so a wrong directory fails fast with the offending
 key named.
 
+Checkpoint names are those of transformers' own loader: its conversion mapping (``transformers.conversion_mapping``)
+renames keys and assembles the parameters it fuses — transformers >= 5 holds a MoE layer's experts as 3-D
+parameters (``mlp.experts.gate_up_proj``) while the hub's checkpoints, and its own ``save_pretrained``, store
+them per expert (``mlp.experts.<e>.gate_proj.weight``) — so such a parameter is built from exactly the tensors
+its ``WeightConverter`` names, by the converter's own operations (``FusedSource``).
+
     pmodel = ultrascale_plugins.from_pretrained("my-model/", ParallelConfig(tp=2))   # engine.from_pretrained
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -24,17 +33,81 @@ SUFFIX = ".safetensors"
 
 
 @dataclasses.dataclass
+class FusedSource:
+    """A parameter that transformers' conversion mapping builds from several tensors of the files (e.g. a MoE
+    layer's ``experts.gate_up_proj`` from every expert's ``gate_proj``/``up_proj``): the ``WeightConverter``
+    transformers would use and the keys it collects, in transformers' order (expert 0, 1, ..., 10)."""
+
+    converter: object  # transformers.core_model_loading.WeightConverter, nothing collected
+    first: str  # the model key the checkpoint keys are renamed to (the converter's first target)
+    target: str  # the model key this entry fills (one of the converter's outputs)
+    parts: dict[str, list[tuple[str, str]]]  # converter source pattern -> [(file key, file name)]
+
+    def by_rows(self) -> bool:
+        """Whether row i of the parameter comes from the i-th key of each part only (experts stacked on dim 0,
+        then joined along another dim), so that a shard of rows needs only those keys."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        first, *rest = self.converter.operations
+        return (isinstance(first, MergeModulelist) and first.dim == 0
+                and all(isinstance(op, Concatenate) and op.dim != 0 for op in rest))
+
+    def assemble(self, read, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """The converter's outputs from ``read((key, file))`` of its keys (only the ``rows``-th of each part if
+        given: then the output holds those rows of the parameter, see ``by_rows``)."""
+        converter = copy.deepcopy(self.converter)
+        for pattern, items in self.parts.items():
+            for item in (items if rows is None else [items[i] for i in rows]):
+                converter.add_tensor(self.first, item[0], pattern, functools.partial(read, item))
+        return converter.convert(self.first)
+
+    @torch.no_grad()
+    def load_into(self, tensor: torch.Tensor, read) -> None:
+        """Fill this rank's shard of ``tensor`` (a DTensor or a whole tensor), reading only the keys of the rows
+        it holds where the converter allows (``by_rows``), else all of this one parameter's keys."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from .initialize import local_chunk
+
+        try:
+            from torch.distributed.tensor.placement_types import _StridedShard
+        except ImportError:  # pragma: no cover
+            _StridedShard = Shard
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel() == 0:
+            return
+        rows = None
+        if isinstance(tensor, DTensor):
+            placements = list(tensor.placements)
+            if self.by_rows():  # which rows (experts) this rank holds: its chunk of an index vector along dim 0
+                on_rows = [isinstance(p, (Shard, _StridedShard)) and p.dim % tensor.ndim == 0 for p in placements]
+                index = torch.arange(tensor.shape[0]).view(-1, *[1] * (tensor.ndim - 1))
+                rows = local_chunk(index, tensor.device_mesh,
+                                   [p if r else Replicate() for p, r in zip(placements, on_rows)]).flatten().tolist()
+                placements = [Replicate() if r else p for p, r in zip(placements, on_rows)]
+            value = local_chunk(self.assemble(read, rows)[self.target], tensor.device_mesh, placements)
+        else:
+            value = self.assemble(read)[self.target]
+        if tuple(value.shape) != tuple(local.shape):
+            raise RuntimeError(f"{self.target}: local shard {tuple(local.shape)} but the layout gives "
+                               f"{tuple(value.shape)}")
+        local.copy_(value)
+
+
+@dataclasses.dataclass
 class PretrainedWeights:
     """Where each of the model's state-dict entries comes from in an HF directory."""
 
     path: Path
     sources: dict[str, str]  # model key -> key in the safetensors files
     unexpected: list[str]  # keys in the files no model entry reads
+    fused: dict[str, FusedSource] = dataclasses.field(default_factory=dict)  # model key -> several file keys
 
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their pretrained values; restore the buffers
         computed at construction (``to_empty`` leaves them uninitialised)."""
         import torch.distributed.checkpoint as dcp
+        from safetensors import safe_open
         from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -52,16 +125,31 @@ class PretrainedWeights:
             # stages of this rank) is copied from the first after the read
             reads: dict[str, torch.Tensor] = {}
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            fused: list[tuple[FusedSource, torch.Tensor]] = []
             for key, tensor in state.items():
                 source = self.sources.get(key)
                 if source is None:
-                    continue  # a buffer the files do not hold (checked before the process group existed)
+                    if key in self.fused:
+                        fused.append((self.fused[key], tensor))
+                    continue  # else a buffer the files do not hold (checked before the process group existed)
                 if source in reads:
                     copies.append((tensor, reads[source]))
                 else:
                     reads[source] = tensor
             try:
-                dcp.load(reads, storage_reader=HuggingFaceStorageReader(str(self.path)))
+                if reads:
+                    dcp.load(reads, storage_reader=HuggingFaceStorageReader(str(self.path)))
+                with contextlib.ExitStack() as files:  # one parameter at a time, each file opened once
+                    opened = {}
+
+                    def read(item: tuple[str, str]) -> torch.Tensor:
+                        key, name = item
+                        if name not in opened:
+                            opened[name] = files.enter_context(safe_open(str(self.path / name), framework="pt"))
+                        return opened[name].get_tensor(key)
+
+                    for source, tensor in fused:
+                        source.load_into(tensor, read)
             except Exception as exc:
                 raise CheckpointError(f"pretrained weights in '{self.path}' could not be read: "
                                       f"{exc}".splitlines()[0]) from exc
@@ -100,29 +188,63 @@ def file_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def conversions(model, found: dict, state: dict) -> tuple[dict[str, str], dict[str, FusedSource]]:
+    """transformers' conversion mapping for ``model`` applied to the file keys ``found``, as its own loader does
+    (``core_model_loading.convert_and_load_state_dict_in_model``): ({model key: file key} of the renamed keys,
+    {model key: FusedSource} of the keys its converters collect)."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+    if not isinstance(model, PreTrainedModel):
+        return {}, {}
+    mapping = get_model_conversion_mapping(model)
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    renamed: dict[str, str] = {}
+    groups: dict[str, FusedSource] = {}
+    for key in sorted(found, key=dot_natural_key):  # the order the converter stacks them in
+        new, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if new not in state:
+            continue
+        if pattern is None:
+            renamed.setdefault(new, key)
+        else:
+            group = groups.setdefault(new, FusedSource(by_pattern[pattern], new, new, {}))
+            group.parts.setdefault(pattern, []).append((key, found[key][1]))
+    return renamed, groups
+
+
 def match_weights(model, path: str | Path) -> PretrainedWeights:
     """Map every entry of ``model``'s state dict to a key of the files: the same name, the name without the
-    base-model prefix (a checkpoint of the bare decoder), or, for a tied head/embedding, the other one's name.
-    Missing keys and shape mismatches are errors; keys nothing reads are reported as unexpected."""
+    base-model prefix (a checkpoint of the bare decoder), for a tied head/embedding the other one's name, or what
+    transformers' conversion mapping renames or assembles it from (``conversions``). Missing keys and shape
+    mismatches are errors; keys nothing reads are reported as unexpected."""
     path = Path(path)
     found = file_tensors(path)
+    state = model.state_dict()
+    renamed, groups = conversions(model, found, state)
     prefix = getattr(model, "base_model_prefix", "") + "."
     tied = {}
     for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
         if isinstance(target, str) and isinstance(source, str) and getattr(model.config, "tie_word_embeddings",
                                                                              True):
             tied[target], tied[source] = source, target
-    sources, missing, mismatched = {}, [], []
-    for key, tensor in model.state_dict().items():
+    sources, unresolved, mismatched = {}, [], []
+    for key, tensor in state.items():
         names = [key, tied.get(key)]
         candidates = [n for name in names if name for n in (name, name.removeprefix(prefix))]
-        source = next((c for c in candidates if c in found), None)
+        source = next((c for c in candidates if c in found), None) or next(
+            (renamed[n] for n in names if n in renamed), None)
         if source is None:
-            missing.append(key)
+            unresolved.append(key)
             continue
         if tuple(tensor.shape) != found[source][0]:
             mismatched.append(f"{key}: model {tuple(tensor.shape)}, file {found[source][0]} in {found[source][1]}")
         sources[key] = source
+    fused = assembled(groups, found, state, set(unresolved), mismatched)
+    missing = [key for key in unresolved if key not in fused]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"'{path}' lacks weights the model needs (missing keys: {shown}). Fix: check that "
@@ -130,8 +252,32 @@ def match_weights(model, path: str | Path) -> PretrainedWeights:
     if mismatched:
         raise CheckpointError(f"'{path}': shapes differ from the model's config ({'; '.join(mismatched[:4])}). "
                               "Fix: use the config.json saved with these weights")
-    read = set(sources.values())
-    return PretrainedWeights(path=path, sources=sources, unexpected=sorted(k for k in found if k not in read))
+    read = set(sources.values()) | {key for f in fused.values() for items in f.parts.values() for key, _ in items}
+    return PretrainedWeights(path=path, sources=sources, unexpected=sorted(k for k in found if k not in read),
+                             fused=fused)
+
+
+def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: set[str],
+              mismatched: list[str]) -> dict[str, FusedSource]:
+    """{model key: FusedSource} for the ``wanted`` keys the converters' outputs provide, their shapes checked
+    against the model's (the converters run on meta tensors of the files' shapes: nothing is read)."""
+    fused = {}
+    for group in groups.values():
+        example = f"assembled from {next(iter(group.parts.values()))[0][0]}, ..."
+        try:
+            outputs = group.assemble(lambda item: torch.empty(found[item[0]][0], device="meta"))
+        except Exception as exc:  # e.g. experts of different shapes
+            if group.first in wanted:
+                fused[group.first] = group
+                mismatched.append(f"{group.first}: {exc} ({example})".replace("\n", " "))
+            continue
+        for name, value in outputs.items():
+            if name in wanted:
+                fused[name] = dataclasses.replace(group, target=name)
+                if tuple(value.shape) != tuple(state[name].shape):
+                    mismatched.append(f"{name}: model {tuple(state[name].shape)}, files {tuple(value.shape)} "
+                                      f"({example})")
+    return fused
 
 
 def empty_model(model_config):
