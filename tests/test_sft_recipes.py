@@ -20,9 +20,17 @@ SFT = ROOT / "recipes" / "sft"
 RECIPES = sorted(SFT.glob("*.yaml"))
 GPU = "h100-sxm-80gb"
 
-# The data the shrunk runs train on instead of the recipe's (placeholder) chat dataset: the byte-level corpus, which
-# a vocabulary of 512 covers. To train on chat data instead, change only this list.
-SHRUNK_DATA = ["data.dataset=", "data.format=text", "data.packing=true", "data.eval_fraction=0"]
+def shrunk_data(tmp_path: Path, tiny: Path) -> list[str]:
+    """The shrunk run's data: the recipe's own data settings (chat, packing) on generated conversations, with the
+    tests' tiny tokenizer (a ChatML template without generation tags) saved beside the shrunk model."""
+    from tiny_tokenizer import chat_rows, make_tokenizer, write_jsonl
+
+    make_tokenizer(tiny)
+    data = write_jsonl(tmp_path / "sft.jsonl", chat_rows(64))
+    return [f"data.dataset={data}", "data.eval_fraction=0.25", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+
 # The shrunk run's loop: a few steps of short rows (train.epochs needs a dataset, so steps decide).
 SHRUNK_TRAIN = ["train.epochs=0", "train.steps=3", "train.log_every=1", "data.seq_len=64", "train.lr=0.001",
                 "train.warmup_steps=1", "train.save_every=0", "train.keep_last_n=0"]
@@ -192,7 +200,7 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
     shrunk_model(config_json(path), tiny, layers=4 if layout["pp"] > 1 else 2)
     dp = layout["dp_replicate"] * layout["dp_shard"]
     batch = ["train.global_batch=%d" % (2 * dp), "train.micro_batch_size=1", "train.grad_accum=2"]
-    sets = [*SHRUNK_DATA, *SHRUNK_TRAIN, *batch, f"train.save_dir={tmp_path / 'ckpt'}",
+    sets = [*shrunk_data(tmp_path, tiny), *SHRUNK_TRAIN, *batch, f"train.save_dir={tmp_path / 'ckpt'}",
             *(f"{k}={v}" for k, v in layout.items())]
     metrics = tmp_path / "metrics.json"
     proc = ultrascale_train(str(path), "--init-from", str(tiny), "--nproc", str(world), "--metrics", str(metrics),
