@@ -38,6 +38,16 @@ def _model_state(pmodel) -> dict[str, torch.Tensor]:
     return state
 
 
+def _dcp_view(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The state as DCP must see it: a packed tensor-parallel parameter (fused gate|up) and its optimizer
+    states hold pieces of the global tensor that are not adjacent there, which DCP's description of a DTensor
+    gets wrong; each such tensor is listed as its pieces (views: a load fills the tensor itself). See
+    ``dims.tp_styles.checkpoint_view``."""
+    from .dims.tp_styles import checkpoint_view
+
+    return {group: {k: checkpoint_view(v) for k, v in tensors.items()} for group, tensors in state.items()}
+
+
 def _param_names(pmodel) -> dict[int, list[str]]:
     """Every name of every parameter: a tied embedding/head weight is stored under both names, so a layout that
     holds only one of them (a pipeline's first or last stage) finds its state."""
@@ -168,7 +178,8 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     model_state = _model_state(pmodel)
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
     plugin_tensors, plugin_values, rank_local = _plugin_state(pmodel)
-    dcp.save({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, checkpoint_id=str(tmp))
+    dcp.save(_dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}),
+             checkpoint_id=str(tmp))
     torch.save(rank_local, _rank_file(tmp, rank))
     if rank == 0:
         for name, obj in (files or {}).items():
@@ -255,7 +266,7 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
         _init_optimizer_state(optimizer)
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(_dcp_view(state), checkpoint_id=str(path))  # in place: the views write into ``state``
     except Exception as exc:  # DCP reports the failing rank's error; say which checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
     for part in pmodel.modules:

@@ -7,6 +7,7 @@ written here.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -14,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..config import ConfigError
@@ -56,6 +59,54 @@ class PackedColwiseParallel(ParallelStyle):
         distribute_module(module, device_mesh, self._partition)
         module.forward = local_forward  # instance attribute: hooks on the module still run around it
         return module
+
+
+def checkpoint_view(tensor):
+    """``tensor`` as distributed checkpoint (DCP) must see it: a DTensor whose local shard holds several pieces
+    of the global tensor that are not adjacent there becomes a DTensor whose local tensor lists those pieces,
+    each a view of the local shard with its own global offset; any other tensor is returned as it is.
+
+    Why: a packed parameter (``packed_colwise``/``packed_rowwise``: a fused gate|up weight, GPT-2's q|k|v) is a
+    ``_StridedShard``: rank i holds ``[gate_i | up_i]``. DCP describes a DTensor's local shard as one block at
+    one offset (``compute_local_shape_and_global_offset``), which for that layout is wrong: the ranks' blocks
+    overlap (the save fails to validate its plan) and a load would fill ``up_i`` from the wrong rows. Listing the
+    pieces is DCP's own way to save and load several chunks per rank (``LocalShardsWrapper``), so the checkpoint
+    holds the plain global tensor, loadable into any layout, and a load writes into the views, that is into
+    the parameter (or optimizer state) itself. Which global indices this rank holds along each dim is found by
+    sharding an index vector with the tensor's own placements (``distribute_tensor`` with
+    ``src_data_rank=None`` splits locally, no communication)."""
+    if not isinstance(tensor, DTensor) or not any(isinstance(p, _StridedShard) for p in tensor.placements):
+        return tensor
+    local = tensor.to_local().detach()  # shares the parameter's storage
+    runs: list[list[list[int]]] = []  # per dim: [local start, global start, length] of each contiguous piece
+    for dim, size in enumerate(tensor.shape):
+        placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim % tensor.ndim == dim else Replicate()
+                      for p in tensor.placements]
+        index = torch.arange(size, device=local.device).view([size if d == dim else 1 for d in range(tensor.ndim)])
+        held = distribute_tensor(index, tensor.device_mesh, placements, src_data_rank=None).to_local().flatten()
+        if len(held) != local.shape[dim] or len(held) == 0:
+            return tensor  # an empty (or unexpected) shard: left to DCP's own description
+        pieces: list[list[int]] = []
+        for i, g in enumerate(held.tolist()):
+            if pieces and g == pieces[-1][1] + pieces[-1][2]:
+                pieces[-1][2] += 1
+            else:
+                pieces.append([i, g, 1])
+        runs.append(pieces)
+    if all(len(pieces) == 1 for pieces in runs):
+        return tensor  # one block: DCP's description of it is right
+    shards, offsets = [], []
+    for combo in itertools.product(*runs):
+        shard = local
+        for dim, (start, _, length) in enumerate(combo):
+            shard = shard.narrow(dim, start, length)
+        shards.append(shard)
+        offsets.append(tuple(g for _, g, _ in combo))
+    # built directly, as distribute_tensor does: DTensor.from_local would take a view of the wrapper, which it
+    # supports for 2-D shards only
+    spec = DTensorSpec(tensor.device_mesh, tuple(tensor.placements),
+                       tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
+    return DTensor(LocalShardsWrapper(shards, offsets), spec, requires_grad=False)
 
 
 def all_reduce_backward(x: torch.Tensor, mesh) -> torch.Tensor:
