@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_model, padded_batches, rows  # noqa: E402
+from models import make_model, padded_batches, rows, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
 from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -36,14 +36,7 @@ def build(layout: dict, seed: int = 0):
 
 
 def train(pmodel, opt, steps) -> list[float]:
-    losses = []
-    for i in steps:
-        loss = pmodel.train_step(rows(BATCHES[i], pmodel.data_parallel_rank, pmodel.data_parallel_size))
-        pmodel.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(pmodel, opt, steps, BATCHES)
 
 
 def resumed(layout: dict, path) -> list[float]:

@@ -93,3 +93,15 @@ def packed_batches(steps: int, global_batch: int = 8, seq_len: int = 256, seed: 
 def rows(batch: dict, rank: int, size: int) -> dict:
     per = next(iter(batch.values())).shape[0] // size
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def train_steps(pmodel, opt, steps, batches) -> list[float]:
+    """AdamW steps ``steps`` over ``batches`` (global batches; each rank takes its rows), clipping at 1.0."""
+    losses = []
+    for i in steps:
+        loss = pmodel.train_step(rows(batches[i], pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        pmodel.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import torchrun  # noqa: E402
-from models import VOCAB, padded_batches, rows  # noqa: E402
+from models import VOCAB, padded_batches, train_steps  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 
@@ -45,17 +45,6 @@ def _build(layout: dict, seed: int = 0):
     return pmodel, pmodel.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
 
 
-def _train(pmodel, opt, steps, batches) -> list[float]:
-    losses = []
-    for i in steps:
-        loss = pmodel.train_step(rows(batches[i], pmodel.data_parallel_rank, pmodel.data_parallel_size))
-        pmodel.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _weight_diff(pmodel, expected: dict) -> float:
     full = pmodel.full_state_dict()
     assert set(full) == set(expected), sorted(set(full) ^ set(expected))
@@ -69,7 +58,7 @@ def _resume(layout: dict, path, expected: dict, batches) -> dict:
     meta = load_checkpoint(pmodel, opt, path)
     assert meta["step"] == SAVE_AT
     diff = _weight_diff(pmodel, expected)
-    return {"weight_diff": diff, "losses": _train(pmodel, opt, range(SAVE_AT, STEPS), batches),
+    return {"weight_diff": diff, "losses": train_steps(pmodel, opt, range(SAVE_AT, STEPS), batches),
             "pmodel": pmodel, "opt": opt}
 
 
@@ -144,12 +133,12 @@ def main():
         tp2 = {"tp": 2, "dp_shard": 1}
         pmodel, opt = _build(tp2)
         result["packed"] = _packed_params(pmodel)
-        first = _train(pmodel, opt, range(SAVE_AT), batches)
+        first = train_steps(pmodel, opt, range(SAVE_AT), batches)
         ckpt = save_checkpoint(pmodel, opt, out / "tp2", step=SAVE_AT)
         saved = pmodel.full_state_dict()
         if dist.get_rank() == 0:
             torch.save(saved, out / "saved_full.pt")
-        result["uninterrupted"] = first + _train(pmodel, opt, range(SAVE_AT, STEPS), batches)
+        result["uninterrupted"] = first + train_steps(pmodel, opt, range(SAVE_AT, STEPS), batches)
         r = _resume(tp2, ckpt, saved, batches)
         result["tp2"] = {"weight_diff": r["weight_diff"], "losses": r["losses"]}
         # ZeRO-3 without TP, then from there back into tp=2: the read path of the packed shards

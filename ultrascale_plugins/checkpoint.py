@@ -143,6 +143,16 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` when it is a checkpoint, else the newest checkpoint in it (a save_dir); ``path`` itself when it
+    holds none (reading it then says what is wrong)."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else path
+
+
 def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extra: dict | None = None,
                     keep_last_n: int | None = None, assets: dict[str, Any] | None = None) -> Path:
     """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)

@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
     check_recipe(recipe, args.init_from, nodes)
     from .recipe_data import prepare_before_launch
 
-    data_line = prepare_before_launch(recipe, args.init_from, recipe.model_config())  # tokenized once per node
+    data_line = prepare_before_launch(recipe, recipe.model_config())  # tokenized once per node
     if data_line:
         print(data_line, flush=True)
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
@@ -148,17 +148,14 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict) -> int:
 def _resume_path(path: str) -> str:
     """The checkpoint ``--resume`` names (a step-XXXXXXXX directory, or a save_dir: its newest), checked: missing,
     incomplete or truncated checkpoints are refused before any worker starts."""
-    from .checkpoint import list_checkpoints, read_meta
+    from .checkpoint import META, read_meta, resolve_checkpoint
 
-    resume = os.path.abspath(path)
-    if not os.path.exists(os.path.join(resume, "ultrascale.json")):
-        found = list_checkpoints(resume)
-        if not found:
-            raise ConfigError(f"--resume {path}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
-                              "directory or a save_dir holding one")
-        resume = str(found[-1])
+    resume = resolve_checkpoint(os.path.abspath(path))
+    if not (resume / META).is_file():
+        raise ConfigError(f"--resume {path}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
+                          "directory or a save_dir holding one")
     read_meta(resume)
-    return resume
+    return str(resume)
 
 
 def _model_line(args, overrides: list[str], recipe) -> None:

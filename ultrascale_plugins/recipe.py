@@ -88,11 +88,9 @@ class Recipe:
 def checkpoint_config(path: str):
     """The transformers config a checkpoint was saved with (its ``ultrascale.json``); ``path`` is a
     step-XXXXXXXX directory or a save_dir (its newest)."""
-    from .checkpoint import list_checkpoints, read_meta, saved_model_config
+    from .checkpoint import read_meta, resolve_checkpoint, saved_model_config
 
-    p = Path(path)
-    if not (p / "ultrascale.json").is_file() and list_checkpoints(p):
-        p = list_checkpoints(p)[-1]
+    p = resolve_checkpoint(path)
     return saved_model_config(read_meta(p), p)
 
 

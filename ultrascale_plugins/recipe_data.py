@@ -6,12 +6,13 @@ from __future__ import annotations
 from .config import ConfigError
 
 
-def open_dataset(recipe, init_from: str | None = None, *, in_worker: bool = False):
-    """``DatasetBatches`` of the recipe's ``data.dataset`` (tokenized into the node's cache first if needed)."""
+def open_dataset(recipe, *, in_worker: bool = False):
+    """``DatasetBatches`` of the recipe's ``data.dataset`` (tokenized into the node's cache first if needed), with
+    the tokenizer of ``data.tokenizer`` or else the recipe's ``--init-from`` directory."""
     from .packed_rows import DatasetBatches
     from .tokenized_cache import prepare, prepare_on_node
 
-    source = init_from or recipe.init_from or None
+    source = recipe.init_from or None
     tokenized = prepare_on_node(recipe.data, source) if in_worker else prepare(recipe.data, source)
     return DatasetBatches(tokenized, recipe.data, recipe.train.global_batch, recipe.train.seed)
 
@@ -36,7 +37,7 @@ def check_packing(spec, model_config) -> None:
     check_packing_model(model_config.model_type, transformers.__version__)
 
 
-def prepare_before_launch(recipe, init_from: str | None, model_config) -> str | None:
+def prepare_before_launch(recipe, model_config) -> str | None:
     """Tokenize the dataset into the cache (once, on this node, before any worker starts) and check it makes
     the recipe's batches; the line to show the user, or None without a dataset."""
     if not recipe.data.dataset:
@@ -44,9 +45,9 @@ def prepare_before_launch(recipe, init_from: str | None, model_config) -> str | 
     from .tokenized_cache import load_tokenizer, tokenizer_dir
 
     check_packing(recipe.data, model_config)
-    tok_path = tokenizer_dir(recipe.data, init_from or recipe.init_from or None)
-    check_vocabulary(len(load_tokenizer(tok_path)), model_config, tok_path)
-    data = open_dataset(recipe, init_from)
+    tok_path = tokenizer_dir(recipe.data, recipe.init_from or None)
+    check_vocabulary(len(load_tokenizer(tok_path)), model_config, tok_path)  # before a long tokenization
+    data = open_dataset(recipe)
     d, t = recipe.data, recipe.train
     steps = t.epochs * data.steps_per_epoch if t.epochs else t.steps
     tokens = int(data.train.data.lengths[data.train.indices].sum())
@@ -69,16 +70,14 @@ class TrainingData:
     """What the training loop reads: this rank's rows of step ``s`` and of validation batch ``i``, the steps an
     epoch has, and the data position a checkpoint keeps (the global row the next step starts at)."""
 
-    def __init__(self, recipe, init_from: str | None = None, *, in_worker: bool = True):
+    def __init__(self, recipe):
         self.recipe = recipe
         self.tokenizer = None
         self.row_base = 0  # rows of step s: row_base + s x global_batch (moved by a resume)
         if recipe.data.dataset:
-            from .tokenized_cache import load_tokenizer, tokenizer_dir
-
             check_packing(recipe.data, recipe.model_config())  # also when started without the command line
-            self.source = open_dataset(recipe, init_from, in_worker=in_worker)
-            self.tokenizer = load_tokenizer(tokenizer_dir(recipe.data, init_from or recipe.init_from or None))
+            self.source = open_dataset(recipe, in_worker=True)
+            self.tokenizer = self.source.train.data.tokenizer
             self.eval_batches = min(recipe.train.eval_batches, self.source.eval_batches)
             self.steps_per_epoch = self.source.steps_per_epoch
         else:

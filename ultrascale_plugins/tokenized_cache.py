@@ -70,8 +70,13 @@ class Tokenized:
     key: str
     path: Path
     has_labels: bool
-    pad_id: int
+    tokenizer: object  # the tokenizer it was made with (saved into checkpoints)
     sources: dict  # {"files": [...], "ends": [...]}: which file a sample came from
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return int(tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0))
 
     def where(self, index: int) -> str:
         from .dataset_files import SourceFiles
@@ -166,10 +171,8 @@ def prepare(spec, init_from: str | None = None, *, build: bool = True) -> Tokeni
     shards = sorted(final.glob("tokens*.arrow"))  # tokens.arrow, or tokens_00000_of_0000N.arrow, ... in order
     ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in shards])
     lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
-    tokenizer = load_tokenizer(tok_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     sources = json.loads((final / "sources.json").read_text())
-    return Tokenized(ds, lengths, key, final, "labels" in ds.column_names, int(pad), sources)
+    return Tokenized(ds, lengths, key, final, "labels" in ds.column_names, load_tokenizer(tok_path), sources)
 
 
 def prepare_on_node(spec, init_from: str | None):
@@ -180,8 +183,7 @@ def prepare_on_node(spec, init_from: str | None):
         return prepare(spec, init_from, build=False)
     except FileNotFoundError:
         pass
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        prepare(spec, init_from)
+    built = prepare(spec, init_from) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     if dist.is_initialized():
         dist.barrier()  # every node's local rank 0 has written its node's entry
-    return prepare(spec, init_from, build=False)
+    return built if built is not None else prepare(spec, init_from, build=False)

@@ -69,7 +69,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     model = pmodel.module
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
                                        weight_decay=recipe.train.weight_decay)
-    data = TrainingData(recipe, init_from)
+    data = TrainingData(recipe)  # recipe.init_from: the tokenizer's default directory
     if recipe.train.epochs:  # the steps of train.epochs passes over the dataset
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, steps=data.steps))
     dp_rank, dp_size = pmodel.data_parallel_rank, pmodel.data_parallel_size
