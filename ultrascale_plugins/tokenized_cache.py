@@ -179,11 +179,9 @@ def prepare_on_node(spec, init_from: str | None):
     """In a worker: the cache entry, written by this node's local rank 0 when no launcher wrote it first."""
     import torch.distributed as dist
 
-    try:
-        return prepare(spec, init_from, build=False)
-    except FileNotFoundError:
-        pass
-    built = prepare(spec, init_from) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    # every rank reaches the barrier, found or not: a rank that skipped it because local rank 0 had just
+    # finished writing would meet the others' barrier with its next collective
+    built = prepare(spec, init_from) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None  # writes if missing
     if dist.is_initialized():
-        dist.barrier()  # every node's local rank 0 has written its node's entry
+        dist.barrier()  # every node's local rank 0 has its node's entry
     return built if built is not None else prepare(spec, init_from, build=False)
