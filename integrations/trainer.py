@@ -26,8 +26,10 @@ only (resuming from it restarts the optimizer, as with a plain Trainer).
 
 Once ``train()`` has prepared the model, evaluation and prediction run the parallelized model (``self.model``
 stays the Hugging Face module Trainer was given); an ``evaluate()`` before any ``train()`` runs that module
-unparallelized on every rank, as a plain Trainer would. Not supported: ``num_items_in_batch`` loss kwargs (the
-model's loss is already the exact global mean).
+unparallelized on every rank, as a plain Trainer would.
+
+Gradient accumulation is Trainer's: the window's loss is its summed token losses over its valid tokens (what a
+plain Trainer does with ``num_items_in_batch``), on every layout, pipelines included.
 """
 from __future__ import annotations
 
@@ -62,8 +64,10 @@ class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
         super().__init__(*args, **kwargs)
-        # the adapter's loss is the global mean over every valid token already: no num_items_in_batch scaling
+        # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
+        # num_items_in_batch; the accumulation window is weighted by tokens in training_step instead
         self.model_accepts_loss_kwargs = False
+        self._token_shares: list[float] = []
 
     # ---- the accelerator ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -116,10 +120,34 @@ class UltraScaleTrainer(Trainer):
             return adapter
         return super()._wrap_model(model, training, dataloader)
 
+    def get_batch_samples(self, *args, **kwargs):
+        """Trainer's accumulation window, plus each micro-batch's share of the window's valid tokens on all
+        data-parallel ranks (``ParallelModel.token_shares``, as the command line weights its micro-batches):
+        a plain Trainer divides the window's summed token losses by ``num_items_in_batch``, and so does this one,
+        whatever the layout. Trainer's own count cannot be used: it gathers over every process, and ranks of a
+        tensor-, context- or pipeline-parallel group hold the same rows."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(*args, **kwargs)
+        adapter = self._ultrascale_adapter()
+        self._token_shares = []
+        if adapter is not None and batch_samples and all(isinstance(b, dict) and "labels" in b
+                                                         for b in batch_samples):
+            self._token_shares = adapter.pmodel.token_shares(batch_samples)
+        return batch_samples, num_items_in_batch
+
     def training_step(self, model, inputs, num_items_in_batch=None):
-        for adapter in self.accelerator.ultrascale_models:  # a pipeline's backward runs inside the call
-            adapter.loss_scale = 1.0 / self.current_gradient_accumulation_steps
-        return super().training_step(model, inputs, num_items_in_batch)
+        """Trainer's step with the micro-batch weighted by its share of the window's valid tokens (without
+        labels in the batch: 1 / the micro-batches, as Trainer does). Trainer divides the loss by
+        ``current_gradient_accumulation_steps``, so that divisor is set to 1 / share for the call; a pipeline's
+        backward runs inside the call, so its ``loss_scale`` is the share."""
+        steps = self.current_gradient_accumulation_steps
+        share = self._token_shares.pop(0) if self._token_shares else 1.0 / steps
+        for adapter in self.accelerator.ultrascale_models:
+            adapter.loss_scale = share
+        self.current_gradient_accumulation_steps = 1.0 / share if share else float("inf")
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.current_gradient_accumulation_steps = steps
 
     # ---- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

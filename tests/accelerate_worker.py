@@ -1,7 +1,7 @@
 """A standard Accelerate training loop (see tests/test_accelerate.py), started by ``accelerate launch``.
 
     accelerate launch --config_file F.yaml accelerate_worker.py OUT.json [--save-at K DIR] [--resume DIR]
-        [--save-model DIR] [--accumulate N]
+        [--save-model DIR] [--accumulate N] [--adamw for_loop|foreach|fused]
     python accelerate_worker.py OUT.json --reference --replicas DP [--accumulate N]
                                               one process, no Accelerate: the loop the parallel runs must equal
 
@@ -27,6 +27,8 @@ ARCH = os.environ.get("TEST_ARCH", "llama8_tied")  # another architecture for on
 GLOBAL_BATCH, BATCHES, EPOCHS, CLIP = 8, 3, 2, 0.5
 ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(BATCHES, GLOBAL_BATCH) for i in range(GLOBAL_BATCH)]
 PROBE = padded_batches(1, 4, seed=5)[0]
+# torch's AdamW implementations: for_loop (the CPU default), foreach (the CUDA default), fused
+ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def schedule(step: int) -> float:
@@ -38,7 +40,7 @@ def reference(args) -> dict:
     step (Accelerate's convention: the global batch grows with the data-parallel replicas), an optimizer step
     every `accumulate` micro-batches and at the end of each epoch (Accelerate's sync_with_dataloader)."""
     model = make_model(ARCH, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     losses = []
     loader = DataLoader(ROWS, batch_size=GLOBAL_BATCH)
@@ -75,7 +77,7 @@ def train(args) -> dict:
 
     accelerator = UltraScaleAccelerator(gradient_accumulation_steps=args.accumulate)
     model = make_model(ARCH, seed=7 if args.resume else 0)  # a resumed run must take everything from the state
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     loader = DataLoader(ROWS, batch_size=GLOBAL_BATCH // accelerator.data_parallel_size)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
@@ -126,6 +128,7 @@ def main():
     ap.add_argument("--save-at", nargs=2, metavar=("STEP", "DIR"))
     ap.add_argument("--resume")
     ap.add_argument("--save-model")
+    ap.add_argument("--adamw", choices=list(ADAMW), default="for_loop")
     args = ap.parse_args()
     if args.save_at:
         args.save_at = (int(args.save_at[0]), args.save_at[1])

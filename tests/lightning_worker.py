@@ -60,11 +60,17 @@ RUNS = {
     # outside the Llama family: per-head norms replicated over TP under FSDP (compared with Qwen3 on one device)
     "qwen3_dp2_tp2": ({"dp_shard": 2, "tp": 2}, {"arch": "qwen3"}),
     "cp2_ulysses_dp2": ({"cp": 2, "cp_method": "ulysses", "dp_shard": 2}, {}),
+    # torch's other AdamW implementations under TP without FSDP (foreach: the CUDA default), against one device
+    # using the same implementation
+    "tp_fused": ("ultrascale_tp", {"adamw": "fused"}),
+    "tp_sp_foreach": ({"tp": 2, "sequence_parallel": True, "dp_shard": 1}, {"adamw": "foreach"}),
+    "pp2_tp2_fused": ({"pp": 2, "tp": 2, "dp_shard": 1}, {"adamw": "fused"}),
     # a field of the plugin outside the package (tests/outside_plugin; needs it on PYTHONPATH)
     "outside_acme_dp2_zero3_dp2": ({"acme_dp": 2, "dp_shard": 2}, {}),
 }
 # what each run is compared with: the single-device run with the same Trainer arguments
 MODULE_ARGS = ("hf_dir", "seed")  # how the LightningModule builds its model, not Trainer arguments
+ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def reference_key(kwargs: dict) -> str:
@@ -83,9 +89,9 @@ class Rows(Dataset):
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, hf_dir: str | None = None, seed: int = 0, arch: str = ARCH):
+    def __init__(self, hf_dir: str | None = None, seed: int = 0, arch: str = ARCH, adamw: str = "for_loop"):
         super().__init__()
-        self.hf_dir = hf_dir
+        self.hf_dir, self.adamw = hf_dir, adamw
         self.losses: list[float] = []
         if hf_dir is None:
             self.model = make_model(arch, seed=seed)
@@ -107,7 +113,7 @@ class CausalLM(L.LightningModule):
         self.log("val_loss", self.model(**batch).loss, sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[self.adamw])
 
     def _loader(self, rows, shuffle: bool):
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -144,7 +150,8 @@ def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
 
 def fit(strategy, devices, ckpt_path=None, **kwargs) -> dict:
     hf_dir = os.environ["HF_DIR"] if kwargs.pop("hf_dir", None) else None
-    module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0), arch=kwargs.pop("arch", ARCH))
+    module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0), arch=kwargs.pop("arch", ARCH),
+                      adamw=kwargs.pop("adamw", "for_loop"))
     t = trainer(strategy, devices, **kwargs)
     t.fit(module, ckpt_path=ckpt_path)
     return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan"))}

@@ -111,13 +111,19 @@ def test_resume_from_a_bad_path_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_init_from_an_exported_checkpoint_in_another_layout(tmp_path):
-    """train (ZeRO-3) -> export to an HF directory -> --init-from it under TP: with lr=0 the model is unchanged,
+    """train (plain data parallel) -> export to an HF directory -> --init-from it under TP: with lr=0 the model is unchanged,
     so the validation loss equals the first run's."""
     common = ["--nproc", "2", "--set", "pp=1", "--set", "sequence_parallel=false", "--set", "train.log_every=1"]
     first = tmp_path / "first.json"
-    proc = ultrascale("train", *common, "--set", "tp=1", "--set", "dp_shard=2", "--set", "train.steps=3",
-                      "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--metrics", str(first))
+    proc = ultrascale("train", *common, "--set", "tp=1", "--set", "dp_shard=2", "--set", "zero_stage=0",
+                      "--set", "train.steps=3", "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--metrics", str(first))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # ZeRO-0 is said as what it is
+    assert "dp_shard=2 (plain data parallel: DDP, a whole copy per rank)" in proc.stdout, proc.stdout
+    assert "(a whole copy on every rank)" in proc.stdout and "sharded" not in proc.stdout
+    # the command line's optimizer is torch's fused AdamW (it then runs under TP without FSDP, below)
+    saved = json.loads((tmp_path / "ckpt" / "step-00000003" / "ultrascale.json").read_text())
+    assert all(group["fused"] is True for group in saved["optimizer"]["param_groups"]), saved["optimizer"]
     proc = ultrascale("export", str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     second = tmp_path / "second.json"
@@ -178,3 +184,39 @@ def test_the_slurm_example_is_valid_shell_with_flags_the_command_takes():
     args = build_parser().parse_args(["train", "r.yaml", "--nproc", "8", "--nnodes", "4", "--node-rank", "3",
                                       "--rdzv-endpoint", "node001:29500"])
     assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (4, 3, "node001:29500")
+
+
+class _Payload:
+    """A pickle that would create a directory when loaded: what a forged checkpoint smuggles into .metadata."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.makedirs, (self.marker,)
+
+
+@pytest.mark.slow
+def test_a_forged_checkpoint_runs_no_code(tmp_path):
+    """A checkpoint whose DCP .metadata is replaced by a malicious pickle (its size in ultrascale.json edited to
+    match) is refused with one line by export and by --resume (the path every front end's load takes), and the
+    payload never runs."""
+    import pickle
+
+    one = ["--nproc", "1", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=1", "--set", "sequence_parallel=false",
+           "--set", "train.steps=1", "--set", f"train.save_dir={tmp_path / 'ckpt'}"]
+    proc = ultrascale("train", *one)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ckpt = tmp_path / "ckpt" / "step-00000001"
+    marker = tmp_path / "payload-ran"
+    forged = pickle.dumps(_Payload(str(marker)), protocol=4)
+    (ckpt / ".metadata").write_bytes(forged)
+    meta = json.loads((ckpt / "ultrascale.json").read_text())
+    meta["files"][".metadata"] = len(forged)
+    (ckpt / "ultrascale.json").write_text(json.dumps(meta))
+    assert_clean_error(ultrascale("export", str(ckpt), str(tmp_path / "hf")), "metadata", "nothing in it ran")
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+    assert_clean_error(ultrascale("train", *one, "--resume", str(ckpt)), "metadata")
+    assert not marker.exists()

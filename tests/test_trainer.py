@@ -1,6 +1,7 @@
-"""UltraScaleTrainer checkpoints: save_strategy="steps" writes the package's sharded checkpoint as Trainer's
-``checkpoint-N`` (rotated by save_total_limit), and ``resume_from_checkpoint`` continues with the uninterrupted
-run's losses. Two launches of 2 processes in all: every layout's runs share them (tests/trainer_worker.py)."""
+"""UltraScaleTrainer with TrainingArguments' defaults (its fused AdamW): Trainer's gradient accumulation in every
+layout against a plain Trainer on one process; checkpoints: save_strategy="steps" writes the package's sharded
+checkpoint as Trainer's ``checkpoint-N`` (rotated by save_total_limit), and ``resume_from_checkpoint`` continues
+with the uninterrupted run's losses. Every layout's runs share a launch (tests/trainer_worker.py)."""
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,45 @@ def _launch(cases):
 
 def _close(a, b, tol):
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+# Trainer's gradient accumulation: 2 micro-batches per step whose rows hold very different numbers of valid tokens
+# (the first is mostly padding), weighted by their tokens as a plain Trainer weights them (num_items_in_batch)
+ACCUMULATION_LAYOUTS = {"zero3": ["dp_shard=2"], "zero1": ["dp_shard=2", "zero_stage=1"], "tp": ["tp=2"],
+                        "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"]}
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
+    import subprocess
+    import sys
+
+    ref = tmp_path / "ref" / "out.json"
+    ref.parent.mkdir()
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--accumulate", "2"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = json.loads(ref.read_text())
+    assert all(n > 0.5 for n in want["grad_norms"]), want  # max_grad_norm=0.5 clips at every step
+    ref_weights = _weights(ref.parent / "hf")
+    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--accumulate", "2"]
+                    for name, layout in ACCUMULATION_LAYOUTS.items()])
+    for name, run in zip(ACCUMULATION_LAYOUTS, runs):
+        assert run["steps"] == [1, 2, 3, 4], (name, run)
+        assert _close(run["losses"], want["losses"], ACROSS), (name, run["losses"], want["losses"])
+        assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (name, run["grad_norms"], want["grad_norms"])
+        weights = _weights(tmp_path / name / "hf")
+        assert set(weights) == set(ref_weights), name
+        diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+        assert diff <= ACROSS, (name, diff)
 
 
 def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):

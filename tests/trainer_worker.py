@@ -6,6 +6,7 @@
 
 OPTIONS (checkpoints, tests/test_trainer.py):
     --max-steps N          optimizer steps (default 4: one epoch of the 4 global batches; more runs more epochs)
+    --accumulate N         gradient_accumulation_steps=N (the global batch of 8 rows stays: N micro-batches)
     --save-steps S         save_strategy="steps" every S steps (default: save_strategy="no")
     --save-limit L         save_total_limit
     --eval-steps E         evaluate every E steps on one batch; with --save-steps also load_best_model_at_end
@@ -16,7 +17,8 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
-OUT.json: {"losses": [...], "steps": [...] (the step of each logged loss), "eval": [[step, eval_loss], ...],
+Every run but one with --no-save-model ends with trainer.save_model(OUT.json's directory/hf).
+OUT.json: {"losses": [...], "grad_norms": [...], "steps": [...] (the step of each logged loss), "eval": [[step, eval_loss], ...],
 "best": the best checkpoint or null; with --fail-at-save also "failed" and "untouched"}.
 """
 import json
@@ -36,7 +38,7 @@ ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(STEPS, GLOBAL_BA
 EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_BATCH, seed=7)
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
-           "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1}
+           "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1}
 
 
 def parse(argv):
@@ -58,13 +60,14 @@ def run(argv):
 
     out, opts, fields = parse(argv)
     rank = int(os.environ.get("RANK", "0"))
-    losses, steps, evals = [], [], []
+    losses, steps, evals, norms = [], [], [], []
     keep = opts.get("--keep")
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
+                norms.append(float(logs.get("grad_norm", "nan")))
                 steps.append(state.global_step)
             if logs and "eval_loss" in logs:
                 evals.append([state.global_step, logs["eval_loss"]])
@@ -95,11 +98,14 @@ def run(argv):
         if checkpoints:
             evaluation.update(load_best_model_at_end=True, metric_for_best_model="eval_loss")
     output_dir = opts["--output-dir"][0] if "--output-dir" in opts else os.path.dirname(out) + "/trainer"
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // dp,
+    accumulate = int(opts.get("--accumulate", [1])[0])
+    # TrainingArguments' defaults otherwise (the optimizer: adamw_torch_fused)
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // dp // accumulate,
+                             gradient_accumulation_steps=accumulate,
                              max_steps=int(opts.get("--max-steps", [STEPS])[0]), learning_rate=1e-3,
                              weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
-                             disable_tqdm=True, optim="adamw_torch", seed=0,
+                             disable_tqdm=True, seed=0,
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
     trainer = cls(model=make_model("llama8_tied", seed=0), args=args, train_dataset=ROWS, callbacks=[Record()],
                   eval_dataset=EVAL_ROWS if evaluation else None, **extra)
@@ -122,10 +128,11 @@ def run(argv):
         if "--fail-at-save" not in opts or "injected" not in str(exc):
             raise
         result.update(failed=str(exc), untouched=before is not None and _snapshot(existing) == before)
-    if not reference and "--no-save-model" not in opts and "failed" not in result:
+    if "--no-save-model" not in opts and "failed" not in result:
         trainer.save_model(os.path.dirname(out) + "/hf")
     if rank == 0:
-        result.update(losses=losses, steps=steps, eval=evals, best=trainer.state.best_model_checkpoint)
+        result.update(losses=losses, grad_norms=norms, steps=steps, eval=evals,
+                      best=trainer.state.best_model_checkpoint)
         with open(out, "w") as f:
             json.dump(result, f)
 

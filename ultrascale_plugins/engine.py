@@ -341,6 +341,19 @@ class ParallelModel:
         dist.all_reduce(out, group=group)
         return out.cpu()
 
+    def token_shares(self, chunks: list[dict]) -> list[float]:
+        """Each micro-batch's share of the valid target tokens of a whole optimizer step on all data-parallel
+        ranks (one small all-reduce over the ranks that hold different rows); one micro-batch: 1. Weighting
+        each micro-batch's global-mean loss by its share (``train_step(..., loss_scale=share)``) makes the sum
+        exactly the step's global token mean, in value and gradient, however unevenly padding falls."""
+        if len(chunks) == 1:
+            return [1.0]
+        from .loss import valid_token_counts
+
+        counts = self.sum_over_rows(valid_token_counts(chunks))
+        total = float(counts.sum())
+        return [float(c) / total if total else 1.0 / len(chunks) for c in counts]
+
     def autocast(self):
         dtype = self.ctx.autocast_dtype
         if dtype is None:

@@ -23,6 +23,11 @@ def shifted_targets(batch: dict) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
 
 
+def valid_token_counts(chunks: list[dict]) -> torch.Tensor:
+    """Valid target tokens of each micro-batch (labels shifted as the loss shifts them), float64."""
+    return torch.tensor([float((shifted_targets(c) != IGNORE_INDEX).sum()) for c in chunks], dtype=torch.float64)
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of cross-entropy over valid tokens, in fp32. Works on vocab-sharded DTensor logits inside
     ``torch.distributed.tensor.parallel.loss_parallel()``."""

@@ -57,15 +57,6 @@ def prepare_before_launch(recipe, model_config) -> str | None:
             f"{data.steps_per_epoch} steps per epoch{held}; {steps} steps; tokenized once into {data.train.data.path}")
 
 
-def local_counts(chunks: list[dict]):
-    """Valid target tokens of each micro-batch (labels shifted as the loss shifts them)."""
-    import torch
-
-    from .loss import IGNORE_INDEX, shifted_targets
-
-    return torch.tensor([float((shifted_targets(c) != IGNORE_INDEX).sum()) for c in chunks], dtype=torch.float64)
-
-
 class TrainingData:
     """What the training loop reads: this rank's rows of step ``s`` and of validation batch ``i``, the steps an
     epoch has, and the data position a checkpoint keeps (the global row the next step starts at)."""
@@ -84,7 +75,7 @@ class TrainingData:
             from .corpus import ByteBatches, load_tokens
 
             self.source = ByteBatches(load_tokens(recipe.data.corpus), recipe.data.seq_len,
-                                      recipe.train.global_batch, recipe.train.seed)
+                                      recipe.train.global_batch, recipe.train.seed, corpus=recipe.data.corpus)
             self.eval_batches = recipe.train.eval_batches
             self.steps_per_epoch = None
 

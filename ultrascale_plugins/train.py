@@ -67,8 +67,9 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             model = AutoModelForCausalLM.from_config(recipe.model_config())
         pmodel = engine.parallelize(model, recipe.parallel, device=device)
     model = pmodel.module
+    # torch's fused AdamW: one kernel per parameter group (every parameter is a DTensor under TP, so it composes)
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
-                                       weight_decay=recipe.train.weight_decay)
+                                       weight_decay=recipe.train.weight_decay, fused=True)
     data = TrainingData(recipe)  # recipe.init_from: the tokenizer's default directory
     if recipe.train.epochs:  # the steps of train.epochs passes over the dataset
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, steps=data.steps))
@@ -94,9 +95,11 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         from .estimates import meta_model
 
         n_params = sum(p.numel() for p in meta_model(model.config).parameters())  # the whole model, not this rank's
+        here = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pmodel.parameters())
+        held = "sharded over the ranks" if here < n_params else "a whole copy on every rank"
         source = f" from {init_from}" if init_from else ""
         print(f"ultrascale: {world} processes, layout {describe(pmodel.config, pmodel)}, "
-              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params (sharded over the ranks), "
+              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params ({held}), "
               f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
               f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
               flush=True)
@@ -185,7 +188,7 @@ def accumulate_step(pmodel, batch: dict, recipe: Recipe) -> float:
     share of the step's valid tokens (``loss_scale``) makes the sum exactly the global-batch mean, in value and
     gradient, however unevenly padding and prompt tokens (``-100``) fall across micro-batches."""
     chunks = micro_batches(batch, recipe)
-    shares = token_shares(pmodel, chunks)
+    shares = pmodel.token_shares(chunks)
     losses = []
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
@@ -194,23 +197,11 @@ def accumulate_step(pmodel, batch: dict, recipe: Recipe) -> float:
     return sum(w * v for w, v in zip(shares, losses))
 
 
-def token_shares(pmodel, chunks: list[dict]) -> list[float]:
-    """Each micro-batch's share of the valid target tokens of the whole step (all data-parallel ranks): one small
-    all-reduce over the ranks that hold different rows. One micro-batch: 1."""
-    if len(chunks) == 1:
-        return [1.0]
-    from .recipe_data import local_counts
-
-    counts = pmodel.sum_over_rows(local_counts(chunks))
-    total = float(counts.sum())
-    return [float(c) / total if total else 1.0 / len(chunks) for c in counts]
-
-
 def eval_batch(pmodel, batch: dict, recipe: Recipe) -> float:
     """Validation loss of a rank's batch in the training micro-batches (the memory the recipe sized): the mean over
     the valid tokens of the global batch."""
     chunks = micro_batches(batch, recipe)
-    shares = token_shares(pmodel, chunks)
+    shares = pmodel.token_shares(chunks)
     return sum(w * float(pmodel.eval_step(chunk)) for w, chunk in zip(shares, chunks))
 
 
@@ -282,7 +273,8 @@ def describe(cfg, pmodel) -> str:
     if cfg.dp_replicate > 1:
         parts.append(f"dp_replicate={cfg.dp_replicate}")
     if cfg.dp_shard > 1:
-        parts.append(f"dp_shard={cfg.dp_shard} (ZeRO-{cfg.zero_stage})")
+        parts.append(f"dp_shard={cfg.dp_shard} " + ("(plain data parallel: DDP, a whole copy per rank)"
+                                                     if cfg.zero_stage == 0 else f"(ZeRO-{cfg.zero_stage})"))
     if cfg.tp > 1:
         parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
     for axis in pmodel.dims.live_axes:  # the other plugins' axes (context parallel, third parties')

@@ -121,13 +121,12 @@ def partitioned(optimizer, group):
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if len(optimizer.param_groups) != 1:
-        raise ConfigError("zero_stage=1: an optimizer with several parameter groups cannot be partitioned. Fix: use "
-                          "zero_stage: 2 or 3")
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # defaults may hold derived keys
-    return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
-                                   process_group=group, **settings)
+    # every group with its own settings (Trainer's default optimizer has two: with and without weight decay)
+    groups = [{"params": g["params"], **{k: v for k, v in g.items() if k in settings and v != settings[k]}}
+              for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **settings)
 
 
 @hookimpl

@@ -29,7 +29,7 @@ from ..parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
-                        run_on_local_params)
+                        replicate_the_rest, run_on_local_params)
 
 
 @hookimpl
@@ -225,12 +225,12 @@ def ultrascale_shard_model(model, ctx):
     if plan.tied and plan.embedding in present and plan.lm_head in present:
         # parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's.
         embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)
-        if head.weight is embed.weight:
-            return
-        if getattr(embed.weight, "placements", None) != getattr(head.weight, "placements", None):
-            raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
-                              "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
-        head.weight = embed.weight
+        if head.weight is not embed.weight:
+            if getattr(embed.weight, "placements", None) != getattr(head.weight, "placements", None):
+                raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
+                                  "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
+            head.weight = embed.weight
+    replicate_the_rest(model, mesh)
 
 
 def _shard_named_params(model, plan, mesh, present) -> None:

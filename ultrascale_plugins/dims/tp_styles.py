@@ -160,10 +160,11 @@ def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: se
 
     def forward(*args, **kwargs):
         saved = dict(module._parameters)
+        same = getattr(module, "_ultrascale_same_grads", ())
         try:
             for name, param in saved.items():
                 if isinstance(param, DTensor):
-                    summed = all(isinstance(p, Replicate) for p in param.placements)
+                    summed = name not in same and all(isinstance(p, Replicate) for p in param.placements)
                     module._parameters[name] = (_LocalWithSummedGrad.apply(param) if summed and param.requires_grad
                                                 else param.to_local())
             return inner(*args, **kwargs)
@@ -172,6 +173,28 @@ def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: se
 
     module.forward = forward
     module._ultrascale_local_params = True
+
+
+def replicate_the_rest(model: nn.Module, mesh) -> None:
+    """Every parameter the plan left plain (norms without sequence parallel, an embedding or head the plan does
+    not shard) becomes a replicated DTensor on the TP mesh, so that every parameter of a TP model is a DTensor:
+    torch's foreach and fused optimizers (AdamW's default on GPUs, the Trainer's ``adamw_torch_fused``) refuse a
+    mix of DTensors and plain tensors in one call. Its module runs on the local value and its gradient is kept
+    as each rank computed it: these parameters see the same data on every TP rank, so the gradients are equal
+    and summing them would be wrong. A parameter shared by several modules (tied weights) stays one object."""
+    converted: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        plain = [name for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        for name in plain:
+            param = module._parameters[name]
+            if id(param) not in converted:
+                converted[id(param)] = nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False),
+                                                    requires_grad=param.requires_grad)
+            module.register_parameter(name, converted[id(param)])
+        module._ultrascale_same_grads = set(getattr(module, "_ultrascale_same_grads", ())) | set(plain)
+        run_on_local_params(module, mesh, replicate_plain=False)
 
 
 # Placement of a parameter the plan names directly (fused expert weights, attention sinks), following
