@@ -80,6 +80,7 @@ def test_one_given_layout_even_one_this_engine_cannot_run(capsys):
     (["--gpu", "h100-sxm-80gb", "--layout", "dp=8,zero=7"], "zero=7"),
     (["--gpu", "h100-sxm-80gb", "--layout", "dp=8,mbs=3,ga=1"], "global batch"),
     (["--gpu", "h100-sxm-80gb", "--model", "no/such/config.json"], "neither a preset nor a config.json"),
+    (["--model", "llama-8b"], "--model 'llama-8b': neither a preset"),  # the model first, though --gpu is missing
 ])
 def test_bad_input_names_the_flag_and_the_fix(capsys, args, message):
     base = ["--model", "llama-3.2-1b", "--gpus", "8"]
@@ -173,3 +174,80 @@ def test_cost_model_against_the_playbook_measurements():
         assert value == pytest.approx(committed["figures"][key], abs=1e-6), key
     assert report["rows"] == 1649 and report["cells"] == 14
     assert report["met"]["spearman_median"] and report["met"]["top5_hit_rate"]
+
+
+def _snippets(out: str) -> tuple[str, str, str]:
+    """(Lightning call, Accelerate YAML, recipe) as `ultrascale plan` prints them, unindented."""
+    lightning = textwrap.dedent(out.split("Lightning:\n", 1)[1].split("\n\n", 1)[0])
+    accel = textwrap.dedent(out.split("Accelerate config (ultrascale accelerate-launch FILE train.py):\n", 1)[1]
+                            .split("\n\n", 1)[0])
+    recipe = textwrap.dedent(out.split("Recipe (ultrascale train FILE):\n", 1)[1])
+    return lightning, accel, recipe
+
+
+@pytest.mark.parametrize("model,gpus,nodes", [("llama-3.2-1b", 8, 1), ("llama-3.1-8b", 64, 8)])
+def test_every_printed_snippet_passes_the_prelaunch_checks_at_the_planned_size(capsys, tmp_path, model, gpus, nodes):
+    """The recipe (nproc per node, --nnodes for several), the Lightning call and the Accelerate file pass the
+    checks a launch makes before any worker starts, at the planned world size, with memory judged against the
+    planned GPU (80 GB), not this machine."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.cli import check_memory, check_recipe
+    from ultrascale_plugins.config import ParallelConfig
+    from ultrascale_plugins.integrations.layout import from_accelerate_file
+    from ultrascale_plugins.planner.model_spec import load_model_config
+    from ultrascale_plugins.planner.render import DATASET_PLACEHOLDER
+    from ultrascale_plugins.recipe import load_recipe
+
+    code, out, _ = _plan(capsys, "--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm-80gb", "--seq-len", "4096")
+    assert code == 0
+    lightning, accel, recipe_text = _snippets(out)
+    gpu_gb, seq, global_batch = 80, 4096, 256
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(recipe_text)
+    recipe = load_recipe(str(path), nnodes=nodes)
+    assert recipe.nproc == gpus // nodes and recipe.data.dataset == DATASET_PLACEHOLDER
+    assert (f"--nnodes {nodes} " in recipe_text) == (nodes > 1)
+    check_recipe(recipe, nnodes=nodes, memory_gb=gpu_gb)
+
+    model_config = load_model_config(model)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model_config)
+
+    def passes(config: ParallelConfig, world: int, micro_batch: int, accumulation: int) -> None:
+        resolved = us.validate(config, model_config, world, model=meta)
+        steps = resolved.pp_microbatches if resolved.pp > 1 else accumulation
+        if resolved.pp == 1:
+            assert micro_batch * accumulation * resolved.dp == global_batch
+        check_memory(resolved, model_config, meta, world, seq, micro_batch, steps, gpus // nodes, gpu_gb)
+
+    call = re.search(r"UltraScaleStrategy\((.*)\),\s*devices=(\d+), num_nodes=(\d+), .*accumulate_grad_batches=(\d+)\)"
+                     r"\s*# DataLoader\(\.\.\., batch_size=(\d+)\)", lightning, re.S)
+    assert call, lightning
+    fields = eval(f"dict({call[1]})")  # noqa: S307 - the planner's own printed keyword arguments
+    devices, num_nodes, accumulate, batch = (int(call[i]) for i in range(2, 6))
+    assert (devices, num_nodes) == (gpus // nodes, nodes)
+    passes(ParallelConfig(**fields), devices * num_nodes, batch, accumulate)
+
+    data = yaml.safe_load(accel)
+    assert data["num_processes"] == gpus and data["num_machines"] == nodes
+    config = from_accelerate_file(data, "plan")
+    passes(config, data["num_processes"], recipe.train.micro_batch_size, data.get("gradient_accumulation_steps", 1))
+
+
+def test_no_layout_fits_lists_the_closest_first_and_exits_1(capsys):
+    args = ("--model", "llama-3.1-70b", "--gpus", "8", "--gpu", "l40s-48gb", "--seq-len", "8192")
+    code, out, err = _plan(capsys, *args)
+    assert code == 1 and "no layout of 8 GPUs fits 48 GB" in err and "Fix:" in err
+    assert "Chosen" not in out and "UltraScaleStrategy" not in out and "Recipe" not in out
+    memory = [float(line.split()[3]) for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert memory and memory == sorted(memory), memory
+    code, out, _ = _plan(capsys, *args, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["fits"] is False and not any(c["fits"] for c in data["candidates"])
+    totals = [c["memory_gb"]["total"] for c in data["candidates"]]
+    assert totals == sorted(totals)

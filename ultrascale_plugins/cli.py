@@ -16,11 +16,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1) -> None:
+def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_gb: float | None = None) -> None:
     """Every check that can run before a worker starts: recipe keys and types, pretrained weights, layout vs
-    world size and model, batch vs data-parallel degree."""
+    world size and model, batch vs data-parallel degree, memory (against ``memory_gb`` per process when given,
+    e.g. a GPU the recipe is planned for; else this machine's)."""
     from .engine import validate
 
+    if not recipe.data.dataset:
+        from .corpus import check_corpus
+
+        check_corpus(recipe.data.corpus, recipe.data.seq_len)
     model_config = recipe.model_config()
     model = None
     if init_from:
@@ -41,7 +46,9 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1) -> None:
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
-    check_memory(recipe, resolved, model_config, model, nnodes)
+    t = recipe.train
+    check_memory(resolved, model_config, model, recipe.nproc * nnodes, recipe.data.seq_len, t.micro_batch_size or 1,
+                 t.grad_accum or 1, recipe.nproc, memory_gb)
 
 
 def machine_memory_gb(nproc: int) -> tuple[float, str]:
@@ -63,21 +70,22 @@ def machine_memory_gb(nproc: int) -> tuple[float, str]:
     return gb / nproc, f"{gb:.1f} GB of memory for {nproc} process{plural} ({gb / nproc:.1f} GB each)"
 
 
-def check_memory(recipe, resolved, model_config, model, nnodes: int = 1) -> None:
-    """Refuse a model that cannot fit this machine: the planner's per-rank memory estimate of the recipe's layout
-    (the most loaded rank) against each local process's share of the memory. ``ULTRASCALE_SKIP_MEMORY_CHECK=1``
-    launches anyway."""
+def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_batch: int, micro_batches: int,
+                 local_processes: int, memory_gb: float | None = None) -> None:
+    """Refuse a model that cannot fit: the planner's per-rank memory estimate of the layout (the most loaded
+    rank) against ``memory_gb`` per process, or else each local process's share of this machine's memory.
+    ``ULTRASCALE_SKIP_MEMORY_CHECK=1`` launches anyway."""
     if os.environ.get("ULTRASCALE_SKIP_MEMORY_CHECK", "") not in ("", "0"):
         return
     from .engine import estimate
     from .planner.cost import pp_ranks_to_cost, peak_memory_gb
 
-    t = recipe.train
-    ests = [estimate(resolved, model_config, world_size=recipe.nproc * nnodes, seq_len=recipe.data.seq_len,
-                     micro_batch=t.micro_batch_size or 1, micro_batches=t.grad_accum or 1, coords={"pp": rank},
-                     model=model, check=False) for rank in pp_ranks_to_cost(resolved)]
+    ests = [estimate(resolved, model_config, world_size=world, seq_len=seq_len, micro_batch=micro_batch,
+                     micro_batches=micro_batches, coords={"pp": rank}, model=model, check=False)
+            for rank in pp_ranks_to_cost(resolved)]
     mem = peak_memory_gb(ests)
-    have, where = machine_memory_gb(recipe.nproc)
+    have, where = ((memory_gb, f"{memory_gb:g} GB per GPU") if memory_gb is not None
+                   else machine_memory_gb(local_processes))
     if mem["total"] <= have:
         return
     n_params = sum(p.numel() for p in model.parameters())

@@ -85,18 +85,36 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
     fields = {**best.layout.fields(), "auto_seq_len": config.auto_seq_len,
               "auto_global_batch": config.auto_global_batch}
+    assumed = [f"{name}={value}" for name, value, given in (("auto_seq_len", seq, config.auto_seq_len),
+                                                             ("auto_global_batch", batch, config.auto_global_batch))
+               if not given]
+    note = (f" (assumed {' and '.join(assumed)}: set them to the run's sequence length and sequences per step, "
+            "e.g. UltraScaleStrategy(layout='auto', auto_seq_len=2048, auto_global_batch=64); recipes set them "
+            "from data.seq_len and train.global_batch)") if assumed else ""
     why = (f"layout: auto chose {best.layout.label()} for {world_size} x {hw.name}, sequence {seq}, "
-           f"global batch {batch}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device, "
+           f"global batch {batch}{note}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device, "
            f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/device, mostly {best.dominant}; best of {len(ranked)} "
            "costed layouts" + (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s)"
                                if runner else ""))
     return ParallelConfig(**fields), best, why
 
 
+def _rank() -> int:
+    """This process's global rank: the process group's once it exists (Lightning's workers have no RANK variable),
+    else the launcher's variables (torchrun: RANK; a node's first process: LOCAL_RANK and NODE_RANK 0)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ.get("LOCAL_RANK", 0)) + int(os.environ.get("NODE_RANK", 0))
+
+
 def announce(why: str) -> None:
     """Log the choice once: on rank 0 only (every rank makes the same choice), and not again in workers whose
     launcher already said it (the environment carries it to them)."""
-    if why in _ANNOUNCED or os.environ.get("RANK", "0") != "0" or os.environ.get(_ENV) == why:
+    if why in _ANNOUNCED or _rank() != 0 or os.environ.get(_ENV) == why:
         return
     _ANNOUNCED.add(why)
     os.environ[_ENV] = why

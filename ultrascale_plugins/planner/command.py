@@ -48,10 +48,10 @@ def build(args):
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
                           "multiple of --gpus-per-node")
+    mc = load_model_config(args.model)  # an unknown model is named first, whatever else is missing
     hw = hardware_from_args(args.gpu, memory_gb=args.gpu_memory_gb, tflops=args.gpu_tflops,
                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                             gpus_per_node=args.gpus_per_node)
-    mc = load_model_config(args.model)
     spec = ModelSpec.of(mc, name=str(args.model))
     work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
                     "bf16" if args.precision == "bf16" else "no")
@@ -86,8 +86,8 @@ def run_plan(args, accelerate_yaml) -> int:
 
         plot_plan(results, best, args.plot, hw.memory_gb, top=min(args.top, 8))
     if args.json:
-        print(render.as_json(results, args.top, header))
-        return 0
+        print(render.as_json(results, args.top, {**header, "fits": best.fits}))
+        return 0 if best.fits else 1
     print(f"ultrascale plan: {args.model} ({cost.spec.total_params / 1e9:.2f}B parameters"
           + (f", {cost.spec.active_params / 1e9:.2f}B active" if cost.spec.active_params != cost.spec.total_params
              else "") + f") on {args.gpus} x {hw.describe()}")
@@ -96,7 +96,10 @@ def run_plan(args, accelerate_yaml) -> int:
     print(render.table(results, hw.memory_gb, args.top))
     print()
     if not best.fits:
-        print(f"No layout fits {hw.memory_gb:g} GB per GPU. The closest is shown first.", file=sys.stderr)
+        print(f"ultrascale plan: no layout of {args.gpus} GPUs fits {hw.memory_gb:g} GB per GPU (the closest needs "
+              f"{best.memory_gb['total']:.1f} GB, listed first). Fix: more GPUs, a shorter --seq-len, a smaller "
+              "--global-batch-size, or a GPU with more memory", file=sys.stderr)
+        return 1
     if not best.runnable:
         print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
     print(f"Chosen: {best.layout.label()}\n  {render.breakdown(best)}\n")
@@ -104,7 +107,8 @@ def run_plan(args, accelerate_yaml) -> int:
     print("Accelerate config (ultrascale accelerate-launch FILE train.py):\n"
           + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node, accelerate_yaml)) + "\n")
     print("Recipe (ultrascale train FILE):\n"
-          + _indent(render.recipe(best, args.gpus, fields, args.seq_len, args.global_batch_size)))
+          + _indent(render.recipe(best, args.gpus, args.gpus_per_node, fields, args.seq_len,
+                                  args.global_batch_size)))
     if args.plot:
         print(f"\nultrascale: wrote {args.plot}")
     return 0

@@ -64,12 +64,27 @@ def accelerate_config(r: Result, gpus: int, per_node: int, accelerate_yaml) -> s
     return yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
-def recipe(r: Result, gpus: int, model_fields: dict, seq_len: int, global_batch: int) -> str:
-    data = {"nproc": gpus, "model": model_fields, "data": {"seq_len": seq_len},
+# The printed recipe's data: placeholders the user replaces (the built-in byte corpus is far too short for real
+# sequence lengths, so a recipe for a real run names its data)
+DATASET_PLACEHOLDER = "REPLACE/WITH/your-data.jsonl"
+TOKENIZER_PLACEHOLDER = "REPLACE/WITH/your-tokenizer-directory"
+
+
+def recipe(r: Result, gpus: int, per_node: int, model_fields: dict, seq_len: int, global_batch: int) -> str:
+    """An ``ultrascale train`` recipe: ``nproc`` is per node, the launch line for several nodes above it."""
+    nodes = max(1, gpus // per_node)
+    data = {"nproc": min(gpus, per_node), "model": model_fields,
+            "data": {"dataset": DATASET_PLACEHOLDER, "format": "text", "tokenizer": TOKENIZER_PLACEHOLDER,
+                     "seq_len": seq_len},
             "train": {"global_batch": global_batch, "micro_batch_size": r.layout.micro_batch_size,
                       "grad_accum": r.layout.grad_accum},
             "parallel": parallel_fields(r)}
-    return yaml.safe_dump(data, sort_keys=False).rstrip()
+    launch = (f"# on each of the {nodes} nodes: ultrascale train FILE --nnodes {nodes} --node-rank N "
+              "--rdzv-endpoint HOST:PORT" if nodes > 1 else "# ultrascale train FILE")
+    head = [launch,
+            f"# data.dataset: your .jsonl/.json/.parquet/.txt files or a save_to_disk directory (format: text or "
+            "chat); data.tokenizer: its tokenizer (leave it out with --init-from HF_DIR, whose tokenizer is used)"]
+    return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
 def as_json(results: list[Result], top: int, extra: dict) -> str:

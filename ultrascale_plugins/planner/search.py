@@ -90,8 +90,16 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
                     break
             if fitted is None:
                 break  # a larger micro-batch needs more memory still
-    results.sort(key=lambda r: (not r.fits, not r.runnable, -r.tokens_per_s_per_gpu))
+    results.sort(key=rank_key(results))
     return results[:limit] if limit else results
+
+
+def rank_key(results: list[Result]):
+    """Best first: those that fit, runnable ones, then by predicted tokens/s/GPU. When none fits, the closest
+    first: by predicted memory per GPU."""
+    if any(r.fits for r in results):
+        return lambda r: (not r.fits, not r.runnable, -r.tokens_per_s_per_gpu)
+    return lambda r: (not r.runnable, r.memory_gb["total"], -r.tokens_per_s_per_gpu)
 
 
 def best_layout(cost: CostModel, world: int, results: list[Result] | None = None) -> Result:
