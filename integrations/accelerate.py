@@ -44,6 +44,16 @@ from .layout import ACCELERATE_ENV_PREFIXES, layout_from_environment, make_confi
 STATE_FILE = "accelerate.pt"
 
 
+def _exit_once(exc: ConfigError) -> None:
+    """A layout error every launched worker finds alike: rank 0 says it in one line, and every rank exits with
+    status 2 (the launcher then reports the failed workers)."""
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ultrascale: error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 class UltraScalePlugin:
     """The layout for ``UltraScaleAccelerator``: a ``ParallelConfig`` / dict / YAML path, or ``None`` to read it
     from the launch (``$ULTRASCALE_CONFIG``, then Accelerate's own variables). ``init_from`` names a
@@ -73,11 +83,16 @@ class UltraScaleAccelerator(Accelerator):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         mixed = kwargs.pop("mixed_precision", None)
         config = plugin.config
-        if config is None:
-            config = layout_from_environment(os.environ, world)
-        if mixed is not None and str(mixed) != "no":
-            config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
-        self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
+        try:
+            if config is None:
+                config = layout_from_environment(os.environ, world)
+            if mixed is not None and str(mixed) != "no":
+                config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
+            self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
+        except ConfigError as exc:
+            if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank
+                _exit_once(exc)
+            raise
         for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
             os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast
         timeout = plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S

@@ -211,3 +211,8 @@ def test_log_dir_without_tensorboard_says_so_once(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert out.count("pip install ultrascale-plugins[tensorboard]") == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_corpus_shorter_than_the_sequence_is_refused_before_launch(monkeypatch, capsys):
+    refused_before_launch(monkeypatch, capsys, ["train", "--set", "data.seq_len=4096"], "data.seq_len=4096",
+                          "built-in corpus has only", "data.dataset")

@@ -60,7 +60,7 @@ def assert_parity(results, reference, names, tol=TOL):
 @pytest.mark.slow
 def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, reference, hf_dir):
     exact = NAMES + ["zero3_accumulate2", "pp_accumulate2", "pretrained_meta_tp_sp", "pretrained_init_from_zero3",
-                     "zero1"]
+                     "zero1", "tp_fused", "tp_sp_foreach"]
     results = run(2, tmp_path, hf_dir, *exact, "zero3_bf16_mixed", "tp_bf16_true")
     assert_parity(results, reference, exact)
     # bf16 against Lightning's own bf16 on one device: close, not equal
@@ -75,7 +75,7 @@ def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tm
     its presence changes no other run."""
     from conftest import outside_plugin_env
 
-    names = NAMES + ["pp2_tp2", "qwen3_dp2_tp2", "cp2_ulysses_dp2", "outside_acme_dp2_zero3_dp2"]
+    names = NAMES + ["pp2_tp2", "pp2_tp2_fused", "qwen3_dp2_tp2", "cp2_ulysses_dp2", "outside_acme_dp2_zero3_dp2"]
     env = {"PYTHONPATH": outside_plugin_env()["PYTHONPATH"]}
     assert_parity(run(4, tmp_path, hf_dir, *names, env=env), reference, names)
 
@@ -136,16 +136,19 @@ def test_invalid_layout_fails_when_the_trainer_is_built():
 
 @pytest.mark.slow
 def test_recipe_script_through_lightnings_own_launcher(tmp_path):
-    """`python finetune.py --devices 2`: Lightning starts the processes; logger, val_check_interval, max_steps,
+    """`python finetune.py --devices 2 --strategy ultrascale` (layout: auto): Lightning starts the processes; the
+    planner's choice is logged once, saying what it assumed; logger, val_check_interval, max_steps,
     ModelCheckpoint and resume behave as usual, and the checkpoint exports to an HF directory."""
     import csv
 
     script = Path(__file__).parent.parent / "recipes" / "lightning" / "finetune.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = [sys.executable, str(script), "--strategy", "ultrascale_tp_sp", "--devices", "2",
+    common = [sys.executable, str(script), "--strategy", "ultrascale", "--devices", "2",
               "--val-check-interval", "3", "--out", str(tmp_path)]
     proc = subprocess.run([*common, "--max-steps", "6"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    chose = [line for line in proc.stderr.splitlines() if "layout: auto chose" in line]
+    assert len(chose) == 1 and "assumed auto_seq_len=" in chose[0], proc.stderr[-4000:]
     last = tmp_path / "ckpt" / "last.ckpt"
     assert (last / "ultrascale.json").is_file()
     proc = subprocess.run([*common, "--max-steps", "9", "--resume", str(last)], capture_output=True, text=True,

@@ -6,12 +6,15 @@ A checkpoint directory ``step-00000042`` holds the DCP shards of the model, the 
 state, one file per rank of the plugins' rank-local state (the step's RNG) and ``ultrascale.json`` (step, layout, optimizer hyper-parameters, caller's extra state, file sizes). It is
 written under a temporary name and renamed when every rank has finished, so a crash during a save leaves the
 previous checkpoints untouched and no partial directory ever looks complete. Loading never unpickles objects:
-tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON.
+tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON, and DCP's own ``.metadata``
+(a pickle that torch's reader loads with plain ``pickle.load``) is read by ``SafeReader``, whose unpickler admits
+only DCP's metadata classes: a checkpoint from an untrusted source runs no code.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,63 @@ PREFIX = "step-"
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded: missing, incomplete, truncated, or from an incompatible run."""
+
+
+# What a DCP ``.metadata`` pickle may name (torch 2.11 to 2.13): DCP's metadata records, the filesystem storage's
+# index, torch sizes, dtypes and layouts, and the paths torch records. Nothing else is looked up, so a pickle that
+# names any other callable (os.system, builtins.eval, ...) fails before it is called.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "TensorProperties", "MetadataIndex", "StorageMeta",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "torch": {"Size"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict what a pickle may load (``find_class`` answers only the names above
+    and torch's dtypes). torch's weights-only unpickler would be the natural tool, but it rejects the protocol-4
+    opcodes DCP writes."""
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in checkpoint metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """torch's ``FileSystemReader`` whose ``read_metadata`` unpickles with ``_MetadataUnpickler``, allowing only
+    DCP's metadata classes; a checkpoint whose metadata names anything else (code to run) is refused. Every load of a
+    sharded checkpoint goes through it (resume, export, the front ends' loads). Bytes entries are refused too:
+    DCP reads them with ``torch.load(weights_only=False)``, and this package writes none."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError, IndexError,
+                KeyError) as exc:
+            raise CheckpointError(f"checkpoint '{self.path}': its DCP metadata holds more than tensor descriptions "
+                                  f"({str(exc).splitlines()[0][:160]}); it was not loaded, and nothing in it ran. "
+                                  "Fix: use a checkpoint from a source you trust, written by ultrascale-plugins"
+                                  ) from None
+        entries = getattr(metadata, "state_dict_metadata", None)
+        if not isinstance(entries, dict) or any(isinstance(v, BytesStorageMetadata) for v in entries.values()):
+            raise CheckpointError(f"checkpoint '{self.path}': its DCP metadata is not one this package writes "
+                                  "(pickled objects where tensors belong); it was not loaded. Fix: use a checkpoint "
+                                  "written by ultrascale-plugins")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _model_state(pmodel) -> dict[str, torch.Tensor]:
@@ -269,6 +329,7 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
         path = found[-1]
     path = Path(path)
     meta = read_meta(path)
+    SafeReader(str(path)).read_metadata()  # a forged .metadata is refused here, with its own message
     model_state = _model_state(pmodel)
     plugin_tensors, _, _ = _plugin_state(pmodel)  # this layout's tensors, filled in place by the load
     state: dict[str, Any] = {"model": model_state, "plugins": plugin_tensors}
@@ -276,7 +337,8 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
         _init_optimizer_state(optimizer)
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
     try:
-        dcp.load(_dcp_view(state), checkpoint_id=str(path))  # in place: the views write into ``state``
+        # in place: the views write into ``state``
+        dcp.load(_dcp_view(state), storage_reader=SafeReader(str(path)))
     except Exception as exc:  # DCP reports the failing rank's error; say which checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
     for part in pmodel.modules:

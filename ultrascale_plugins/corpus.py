@@ -9,25 +9,39 @@ import torch
 from .config import ConfigError
 
 
-def load_tokens(corpus: str = "builtin") -> torch.Tensor:
+def _corpus_file(corpus: str):
     if corpus == "builtin":
-        raw = resources.files("ultrascale_plugins").joinpath("data/corpus.txt").read_bytes()
-    else:
-        p = Path(corpus)
-        if not p.is_file():
-            raise ConfigError(f"data.corpus={corpus!r}: no such file. Fix: use builtin or a path to a text file")
-        raw = p.read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        return resources.files("ultrascale_plugins").joinpath("data/corpus.txt")
+    p = Path(corpus)
+    if not p.is_file():
+        raise ConfigError(f"data.corpus={corpus!r}: no such file. Fix: use builtin or a path to a text file")
+    return p
+
+
+def load_tokens(corpus: str = "builtin") -> torch.Tensor:
+    return torch.frombuffer(bytearray(_corpus_file(corpus).read_bytes()), dtype=torch.uint8).long()
+
+
+def check_corpus(corpus: str, seq_len: int, length: int | None = None) -> None:
+    """The byte corpus must hold training and held-out windows of ``seq_len`` (checked before launch from the
+    file's size, and again by the workers)."""
+    if length is None:
+        with _corpus_file(corpus).open("rb") as f:
+            length = f.seek(0, 2)
+    if length < 2 * (seq_len + 1):
+        name = "the built-in corpus" if corpus == "builtin" else f"data.corpus {corpus}"
+        raise ConfigError(f"data.seq_len={seq_len}: {name} has only {length:,} tokens (bytes), fewer than two "
+                          f"windows of {seq_len + 1}. Fix: set data.dataset to your data (and data.tokenizer), or "
+                          f"use data.seq_len of at most {max(1, length // 2 - 1)}")
 
 
 class ByteBatches:
     """Random windows of ``seq_len`` bytes; batch ``i`` is the same on every rank and every layout for a given
     seed, and each data-parallel rank takes its contiguous slice of the rows."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, holdout: float = 0.1):
-        if len(tokens) < 2 * (seq_len + 1):
-            raise ConfigError(f"data.seq_len={seq_len}: the corpus has only {len(tokens)} tokens. Fix: use a "
-                              "shorter seq_len or a larger corpus")
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, holdout: float = 0.1,
+                 corpus: str = "builtin"):
+        check_corpus(corpus, seq_len, len(tokens))
         split = int(len(tokens) * (1 - holdout))
         self.train, self.val = tokens[:split], tokens[split - seq_len:]
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import CheckpointError, read_meta, saved_model_config
+from .checkpoint import CheckpointError, SafeReader, read_meta, saved_model_config
 
 MODEL_PREFIX = "model."
 
@@ -34,7 +33,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
         raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
                               "overwritten)")
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    md = FileSystemReader(str(checkpoint)).read_metadata()
+    md = SafeReader(str(checkpoint)).read_metadata()  # refuses a forged .metadata before anything is written
     names = sorted(k[len(MODEL_PREFIX):] for k, v in md.state_dict_metadata.items()
                    if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata))
     if tied:  # transformers stores a tied head once, under the embedding's name
@@ -56,7 +55,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
         tensor = torch.empty(tmd.size, dtype=tmd.properties.dtype)
         with warnings.catch_warnings():  # no_dist=True is the intent here; DCP warns about it on every call
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({MODEL_PREFIX + name: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
+            dcp.load({MODEL_PREFIX + name: tensor}, storage_reader=SafeReader(str(checkpoint)), no_dist=True)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
