@@ -226,12 +226,27 @@ def test_chat_finetune_learns_the_reply_exactly_resumes_and_exports(tmp_path, pr
     np.testing.assert_allclose(m2["losses"], m1["losses"], rtol=2e-5, atol=2e-6)
     assert m2["losses"][0] > 3 and m2["losses"][-1] < 0.1, m2["losses"]
     assert m2["val_loss"] < 0.1
-    # resume from step 4 (mid-epoch: an epoch has 3 steps): the same losses, bit for bit
-    resumed = run_cli(str(chat_recipe(tmp_path, data, 2, save_dir=str(tmp_path / "ck2"))), "--init-from",
-                      str(pretrained), "--resume", str(tmp_path / "ck" / "step-00000004"),
+    # resume from step 4 (mid-epoch: an epoch has 3 steps) from the checkpoint alone (its model, tokenizer and data
+    # position; no --init-from): the same losses, bit for bit
+    ckpt = tmp_path / "ck" / "step-00000004"
+    resumed = run_cli(str(chat_recipe(tmp_path, data, 2, save_dir=str(tmp_path / "ck2"))), "--resume", str(ckpt),
                       "--metrics", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert metrics(tmp_path / "resumed.json")["losses"] == m2["losses"][4:]
+    # the checkpoint's copy of the tokenizer (saved again by transformers, other bytes) is the same tokenizer ...
+    from ultrascale_plugins.tokenized_cache import cache_key, load_tokenizer
+
+    s = spec(tmp_path, data, format="chat")
+    assert cache_key(s, load_tokenizer(str(ckpt / "tokenizer"))) == cache_key(s, load_tokenizer(str(pretrained)))
+    # ... and another tokenizer is refused before any worker starts, in one line
+    other = tmp_path / "other-tokenizer"
+    make_tokenizer(other, vocab_size=300)
+    refused = run_cli(str(chat_recipe(tmp_path, data, 2)), "--resume", str(ckpt), "--set",
+                      f"data.tokenizer={other}")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "tokenizer" in lines[0] and "Fix:" in lines[0], \
+        refused.stderr[-3000:]
+    assert "ultrascale: 2 processes" not in refused.stdout  # no worker started
     # the export is a model and a tokenizer with its chat template
     from ultrascale_plugins.export import export_hf
     from transformers import AutoTokenizer

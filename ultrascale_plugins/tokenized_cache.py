@@ -1,7 +1,7 @@
 """Tokenize a recipe's dataset once, into a cache every rank of a node memory-maps.
 
 The key of a cache entry is a hash of what decides the tokens: the data files (path, size, modification time),
-the tokenizer's files, the format and the field names. ``ultrascale train`` tokenizes before it starts the
+the tokenizer (by what it produces, not its files), the format and the field names. ``ultrascale train`` tokenizes before it starts the
 workers (once per node: the command runs once on each); a worker started some other way (torchrun, SLURM) finds
 the entry, or its node's local rank 0 writes it while the others wait. An entry appears complete or not at all
 (written beside, then renamed). Tokenization runs in ``datasets.map`` (parallel over ``num_proc`` processes)."""
@@ -47,7 +47,30 @@ def load_tokenizer(path: str):
                           "tokenizer_config.json") from None
 
 
-def cache_key(spec, tok_path: str) -> str:
+# Text a tokenizer's identity includes the ids of: its normalizer, pre-tokenizer and post-processor (added BOS/EOS)
+# show there, beyond what its vocabulary and merges say
+_PROBE = "Hello, World!  123\tÜnïcödé — 日本語 text\n  with  spaces."
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A tokenizer by what it produces: vocabulary, merges, special tokens, chat template and the ids of a probe
+    text. Not its files' bytes or its class: transformers saves the same tokenizer again under another class with
+    other bytes (a checkpoint's copy), and that copy must still be the same tokenizer."""
+    merges = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        merges = json.loads(backend.to_str()).get("model", {}).get("merges")
+    special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    added = sorted((int(i), str(t)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())
+    ident = {"vocab": sorted(tokenizer.get_vocab().items()), "merges": merges, "special": special, "added": added,
+             "chat_template": getattr(tokenizer, "chat_template", None),
+             "probe": tokenizer(_PROBE)["input_ids"]}
+    return hashlib.sha256(json.dumps(ident, default=str, sort_keys=True).encode()).hexdigest()
+
+
+def cache_key(spec, tokenizer) -> str:
+    """The cache entry of a dataset: its files (path, size, modification time), the format and fields, and the
+    tokenizer's identity (``tokenizer_identity``)."""
     from .dataset_files import dataset_files
 
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, spec.format, spec.text_field, spec.messages_field]).encode())
@@ -56,9 +79,7 @@ def cache_key(spec, tok_path: str) -> str:
     for f in [p for p in listing if p.is_file()]:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for f in sorted(Path(tok_path).iterdir()):
-        if f.is_file() and ("token" in f.name or "chat_template" in f.name or f.name == "special_tokens_map.json"):
-            h.update(f.name.encode() + f.read_bytes())
+    h.update(tokenizer_identity(tokenizer).encode())
     return h.hexdigest()[:20]
 
 
@@ -161,7 +182,8 @@ def prepare(spec, init_from: str | None = None, *, build: bool = True) -> Tokeni
 
     datasets.disable_progress_bars()
     tok_path = tokenizer_dir(spec, init_from)
-    key = cache_key(spec, tok_path)
+    tokenizer = load_tokenizer(tok_path)
+    key = cache_key(spec, tokenizer)
     final = cache_root(spec) / "tokenized" / key
     if not final.exists():
         if not build:
@@ -172,7 +194,7 @@ def prepare(spec, init_from: str | None = None, *, build: bool = True) -> Tokeni
     ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in shards])
     lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
     sources = json.loads((final / "sources.json").read_text())
-    return Tokenized(ds, lengths, key, final, "labels" in ds.column_names, load_tokenizer(tok_path), sources)
+    return Tokenized(ds, lengths, key, final, "labels" in ds.column_names, tokenizer, sources)
 
 
 def prepare_on_node(spec, init_from: str | None):
