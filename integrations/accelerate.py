@@ -299,9 +299,11 @@ class UltraScaleAccelerator(Accelerator):
                               "prepare one optimizer")
         return self._optimizers[0].optimizer if self._optimizers else None
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, _before_commit=None,
+                   **kwargs):
         """A sharded checkpoint (model, optimizer, schedulers, RNG, step, registered objects) written by every
-        rank in parallel and committed atomically at ``output_dir``."""
+        rank in parallel and committed atomically at ``output_dir``. (``_before_commit``: UltraScaleTrainer's
+        files, added before the commit.)"""
         adapter = self._adapter()
         if adapter is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
@@ -315,7 +317,7 @@ class UltraScaleAccelerator(Accelerator):
                  "dataloaders": [dl.state_dict() for dl in self._dataloaders if hasattr(dl, "state_dict")
                                  and self.use_stateful_dataloader]}
         write_checkpoint(adapter.pmodel, self._optimizer(), output_dir, step=int(self.step),
-                         files={STATE_FILE: extra})
+                         files={STATE_FILE: extra}, before_commit=_before_commit)
         return str(output_dir)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
@@ -338,9 +340,9 @@ class UltraScaleAccelerator(Accelerator):
         self.step = extra["step"]
 
     def _broadcast_path(self, path) -> str:
-        box = [str(path)]
-        torch.distributed.broadcast_object_list(box, 0)
-        return box[0]
+        from ..launch import broadcast_object
+
+        return broadcast_object(str(path))
 
 
 class _ReplicaScheduler(AcceleratedScheduler):

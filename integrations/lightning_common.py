@@ -257,11 +257,9 @@ class _UltraScaleStrategyMixin:
             torch.distributed.barrier()
 
     def broadcast(self, obj, src: int = 0):
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
+        from ..launch import broadcast_object
+
+        return broadcast_object(obj, src)
 
     def teardown(self) -> None:
         self.cluster_environment.teardown()

@@ -17,9 +17,9 @@ What works: training (loss, gradient accumulation, ``max_grad_norm``, ``bf16=Tru
 
 A checkpoint is Trainer's ``{output_dir}/checkpoint-{step}`` directory holding the package's sharded checkpoint
 (``UltraScaleAccelerator.save_state``: model and optimizer shards written by every rank, ``ultrascale.json``)
-plus Trainer's own ``trainer_state.json``, ``scheduler.pt`` and ``rng_state*.pth`` files. It is assembled in a
-hidden ``.staging-checkpoint-{step}`` directory and renamed into place once complete, so a run that fails while
-saving leaves every earlier checkpoint (one of the same name included) as it was. Resuming loads the shards into
+plus Trainer's own ``trainer_state.json``, ``scheduler.pt`` and ``rng_state*.pth`` files, written together and
+committed once (``checkpoint.commit``: the package's one commit), so a run that fails while saving leaves every
+earlier checkpoint (one of the same name included) as it was. Resuming loads the shards into
 the current layout (any layout: DCP reshards), the scheduler, the RNG and ``TrainerState``; Trainer then skips the
 batches already consumed. With ``save_only_model=True`` a checkpoint holds the model shards and Trainer's state
 only (resuming from it restarts the optimizer, as with a plain Trainer).
@@ -36,9 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import shutil
 import warnings
-from pathlib import Path
 
 import torch
 from transformers import Trainer
@@ -49,8 +47,6 @@ from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
 SCHEDULER_NAME = "scheduler.pt"
 CHECKPOINT_PREFIX = "checkpoint"
-STAGING = ".staging-"   # a checkpoint being assembled; never matched by Trainer's "checkpoint-*" look-ups
-REPLACED = ".replaced-"  # an earlier checkpoint of the same name, until the new one is in place
 
 
 def is_sharded_checkpoint(path) -> bool:
@@ -149,6 +145,15 @@ class UltraScaleTrainer(Trainer):
         finally:
             self.current_gradient_accumulation_steps = steps
 
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``, after finishing what a crash in the middle of a checkpoint's commit left in
+        ``output_dir`` (``checkpoint.recover``), so that ``resume_from_checkpoint=True`` finds the newest
+        complete one."""
+        from ..checkpoint import recover
+
+        recover(self.args.output_dir)
+        return super().train(*args, **kwargs)
+
     # ---- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         adapters = self.accelerator.ultrascale_models
@@ -176,39 +181,35 @@ class UltraScaleTrainer(Trainer):
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
-        staging = os.path.join(run_dir, STAGING + folder)
         main = self.accelerator.is_main_process
 
-        # the shards (model, optimizer unless save_only_model, each rank's own state): complete at `staging`, or
-        # absent; then Trainer's own files beside them
+        def trainer_files(directory) -> None:
+            """Trainer's own files beside the shards, in the directory being committed (every rank)."""
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(str(directory))
+                self._save_scaler(str(directory))
+                self._save_rng_state(str(directory))
+            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and \
+                    self.state.best_global_step:
+                best = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{self.state.best_global_step}")
+                if self.state.best_global_step == self.state.global_step or os.path.exists(best):
+                    self.state.best_model_checkpoint = best
+            if main:
+                for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
+                           if isinstance(cb, ExportableState)]:
+                    name, cb_state = cb.__class__.__name__, cb.state()
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(cb_state)
+                    else:
+                        self.state.stateful_callbacks[name] = cb_state
+                self.state.save_to_json(os.path.join(str(directory), TRAINER_STATE_NAME))
+
+        # one commit for the shards and Trainer's files: the checkpoint is complete at checkpoint-N, or absent
         if self.args.save_only_model:
-            write_checkpoint(adapter.pmodel, None, self.accelerator._broadcast_path(staging),
-                             step=int(self.state.global_step))
+            write_checkpoint(adapter.pmodel, None, self.accelerator._broadcast_path(output_dir),
+                             step=int(self.state.global_step), before_commit=trainer_files)
         else:
-            self.accelerator.save_state(staging)
-            self._save_optimizer_and_scheduler(staging)
-            self._save_scaler(staging)
-            self._save_rng_state(staging)
-
-        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and \
-                self.state.best_global_step:
-            best = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{self.state.best_global_step}")
-            if self.state.best_global_step == self.state.global_step or os.path.exists(best):
-                self.state.best_model_checkpoint = best
-
-        if main:
-            for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
-                       if isinstance(cb, ExportableState)]:
-                name, cb_state = cb.__class__.__name__, cb.state()
-                if isinstance(self.state.stateful_callbacks[name], list):
-                    self.state.stateful_callbacks[name].append(cb_state)
-                else:
-                    self.state.stateful_callbacks[name] = cb_state
-            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        self.accelerator.wait_for_everyone()
-        if main:
-            _commit(Path(staging), Path(output_dir))
-        self.accelerator.wait_for_everyone()
+            self.accelerator.save_state(output_dir, _before_commit=trainer_files)
 
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
@@ -276,20 +277,6 @@ class UltraScaleTrainer(Trainer):
         torch.set_rng_state(rng)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
-
-
-def _commit(staging: Path, final: Path) -> None:
-    """Rename a complete checkpoint into place; an earlier one of the same name is moved aside first and
-    deleted only once the new one is there."""
-    aside = None
-    if final.exists():
-        aside = final.parent / f"{REPLACED}{final.name}"
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.replace(final, aside)
-    os.replace(staging, final)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
 
 
 __all__ = ["UltraScaleTrainer", "is_sharded_checkpoint"]

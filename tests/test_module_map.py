@@ -12,7 +12,8 @@ PACKAGE = ROOT / "ultrascale_plugins"
 FAMILIES = {
     "data_parallel": {"dims.data_parallel", "dims.data_parallel_costs"},
     "tensor": {"dims.tensor", "dims.tp_styles", "dims.tp_dry_run", "dims.sequence_parallel", "dims.tp_costs"},
-    "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime", "dims.pipeline_costs"},
+    "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime", "dims.pipeline_costs",
+                 "dims.pipeline_timeline"},
     "checkpointing": {"dims.checkpointing", "dims.activation_costs"},
     "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention"},
 }

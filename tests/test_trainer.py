@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).parent / "trainer_worker.py"
 LAYOUTS = {"zero3": ["dp_shard=2"], "pp": ["pp=2"], "tp": ["tp=2"]}
 # 6 steps over 4 global batches (two epochs), a checkpoint every 2 steps, the newest 2 kept, evaluation every 2
@@ -119,18 +121,39 @@ def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-6")
 
 
-def test_checkpoint_commit_replaces_only_when_complete(tmp_path):
-    from ultrascale_plugins.integrations.trainer import REPLACED, _commit, is_sharded_checkpoint
+def test_a_crash_between_the_commits_steps_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """The one commit every checkpoint takes (checkpoint.commit): a crash after the old checkpoint was moved aside
+    and before the new one was moved in, or after that and before the old one was deleted, leaves a complete
+    checkpoint under the name once readers have run ``recover`` (every reader does, Trainer.train included)."""
+    import ultrascale_plugins.checkpoint as ckpt
+    from ultrascale_plugins.checkpoint import META, commit, list_checkpoints
 
-    final, staging = tmp_path / "checkpoint-4", tmp_path / ".staging-checkpoint-4"
-    for d, text in ((final, "old"), (staging, "new")):
-        d.mkdir()
-        (d / "trainer_state.json").write_text(text)
-    (staging / "ultrascale.json").write_text("{}")
-    _commit(staging, final)
-    assert (final / "trainer_state.json").read_text() == "new" and is_sharded_checkpoint(final)
-    assert os.listdir(tmp_path) == ["checkpoint-4"]  # neither the staging name nor the replaced one remain
-    staging.mkdir()
-    (tmp_path / f"{REPLACED}checkpoint-4").mkdir()  # left by an earlier crash between the two renames
-    _commit(staging, final)
-    assert os.listdir(tmp_path) == ["checkpoint-4"] and not is_sharded_checkpoint(final)
+    def make(path, text):
+        path.mkdir()
+        (path / META).write_text("{}")
+        (path / "state").write_text(text)
+
+    final = tmp_path / "step-00000004"
+    real_replace = os.replace
+    for crash_at, want in ((2, "old"), (3, "new")):  # os.replace calls: 1 aside, 2 new in; 3 = the deletion
+        for p in tmp_path.iterdir():
+            __import__("shutil").rmtree(p)
+        make(final, "old")
+        make(tmp_path / ".tmp-step-00000004", "new")
+        calls = []
+
+        def crashing_replace(a, b, crash_at=crash_at):
+            calls.append(1)
+            if len(calls) == crash_at:
+                raise KeyboardInterrupt("killed")
+            return real_replace(a, b)
+
+        monkeypatch.setattr(ckpt.os, "replace", crashing_replace)
+        if crash_at == 3:  # the crash comes while deleting the old one
+            monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            commit(tmp_path / ".tmp-step-00000004", final)
+        monkeypatch.undo()
+        assert list_checkpoints(tmp_path) == [final], os.listdir(tmp_path)  # recovered by the reader
+        assert (final / "state").read_text() == want
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]

@@ -98,14 +98,23 @@ def _model_state(pmodel) -> dict[str, torch.Tensor]:
     return state
 
 
-def _dcp_view(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The state as DCP must see it: a packed tensor-parallel parameter (fused gate|up) and its optimizer
-    states hold pieces of the global tensor that are not adjacent there, which DCP's description of a DTensor
-    gets wrong; each such tensor is listed as its pieces (views: a load fills the tensor itself). See
-    ``dims.tp_styles.checkpoint_view``."""
-    from .dims.tp_styles import checkpoint_view
+def dcp_view(tensor, pm=None):
+    """``tensor`` as DCP must see it: a dimension that placed it in pieces DCP cannot describe (a packed
+    tensor-parallel parameter such as a fused gate|up, and its optimizer states) lists them
+    (``ultrascale_checkpoint_view``: views, so a load fills the tensor itself); any other tensor as it is."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    if pm is None:
+        from .plugins import get_plugin_manager
 
-    return {group: {k: checkpoint_view(v) for k, v in tensors.items()} for group, tensors in state.items()}
+        pm = get_plugin_manager()
+    view = pm.hook.ultrascale_checkpoint_view(tensor=tensor)
+    return tensor if view is None else view
+
+
+def _dcp_view(state: dict[str, dict[str, Any]], pm) -> dict[str, dict[str, Any]]:
+    """The state as DCP must see it (``dcp_view`` of every tensor)."""
+    return {group: {k: dcp_view(v, pm) for k, v in tensors.items()} for group, tensors in state.items()}
 
 
 def _param_names(pmodel) -> dict[int, list[str]]:
@@ -199,6 +208,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         return []
+    recover(d)
     found = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / META).is_file()]
     return sorted(found, key=lambda p: p.name)
 
@@ -229,11 +239,48 @@ def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extr
     return final
 
 
+REPLACED = ".replaced-"  # an earlier checkpoint of the same name, moved aside until its replacement is in place
+
+
+def recover(directory: str | Path) -> None:
+    """Finish what a crash inside ``commit`` left in ``directory``: an earlier checkpoint moved aside whose
+    replacement never arrived goes back to its name; one whose replacement did arrive is deleted. Every reader
+    calls it first (ranks may race: whoever comes second finds it done)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return
+    for aside in d.glob(REPLACED + "*"):
+        final = d / aside.name[len(REPLACED):]
+        try:
+            if final.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, final)
+        except FileNotFoundError:
+            pass
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Put the complete directory ``tmp`` at ``final``: the one commit every checkpoint goes through (the command
+    line's, Accelerate's ``save_state``, Lightning's, the Trainer's ``checkpoint-N`` with its own files). A
+    directory cannot be replaced in one rename, so an earlier ``final`` is first renamed aside, the new one renamed
+    in, and the old one deleted; a crash between any two steps leaves either checkpoint complete under ``final``
+    or the old one aside, which ``recover`` puts back."""
+    recover(final.parent)
+    aside = final.parent / f"{REPLACED}{final.name}"
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: dict | None = None,
-                     files: dict[str, Any] | None = None, assets: dict[str, Any] | None = None) -> Path:
+                     files: dict[str, Any] | None = None, assets: dict[str, Any] | None = None,
+                     before_commit=None) -> Path:
     """Write a sharded checkpoint at exactly ``final`` (complete, or not there at all). ``files`` are more
     objects to store beside it (name -> tensors/containers/numbers), read back with ``torch.load(weights_only)``
-    by ``read_file``."""
+    by ``read_file``. ``before_commit(directory)`` runs on every rank once the shards are written, to add a front
+    end's own files (Trainer's state, scheduler, RNG), before the directory is committed (``commit``)."""
     rank = dist.get_rank()
     final = Path(final)
     directory = final.parent
@@ -248,7 +295,7 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     model_state = _model_state(pmodel)
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
     plugin_tensors, plugin_values, rank_local = _plugin_state(pmodel)
-    dcp.save(_dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}),
+    dcp.save(_dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, pmodel.pm),
              checkpoint_id=str(tmp))
     torch.save(rank_local, _rank_file(tmp, rank))
     if rank == 0:
@@ -265,9 +312,11 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
                 "extra": extra or {}, "files": files, "plugins": plugin_values,
                 "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        if final.exists():  # the same path saved again: keep the old one until the new one is complete
-            shutil.rmtree(final) if final.is_dir() else final.unlink()
-        os.replace(tmp, final)
+    if before_commit is not None:
+        before_commit(tmp)
+    dist.barrier()
+    if rank == 0:
+        commit(tmp, final)
     dist.barrier()
     return final
 
@@ -284,6 +333,7 @@ def read_file(path: str | Path, name: str) -> Any:
 
 def read_meta(path: str | Path) -> dict:
     path = Path(path)
+    recover(path.parent)
     meta_file = path / META
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist. Fix: pass a step-XXXXXXXX directory")
@@ -338,7 +388,7 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
     try:
         # in place: the views write into ``state``
-        dcp.load(_dcp_view(state), storage_reader=SafeReader(str(path)))
+        dcp.load(_dcp_view(state, pmodel.pm), storage_reader=SafeReader(str(path)))
     except Exception as exc:  # DCP reports the failing rank's error; say which checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
     for part in pmodel.modules:

@@ -144,10 +144,10 @@ class ParallelCausalLM(nn.Module):
         from .checkpoint import write_checkpoint
         from .export import export_hf
 
+        from .launch import broadcast_object
+
         target = Path(save_directory)
-        box = [str(target.parent / f".ultrascale-save-{target.name}")]
-        dist.broadcast_object_list(box, 0)
-        staging = Path(box[0])
+        staging = Path(broadcast_object(str(target.parent / f".ultrascale-save-{target.name}")))
         try:
             write_checkpoint(self.pmodel, None, staging / "ckpt", step=0)
             if dist.get_rank() == 0:

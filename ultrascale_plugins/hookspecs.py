@@ -16,8 +16,10 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
    (``ultrascale_prepare_optimizer``), the step itself (``ultrascale_train_step``: replace it, or wrap it with a
    ``@hookimpl(wrapper=True)`` generator);
-4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``) and its costs
-   (``ultrascale_estimate``);
+4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
+   DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
+   costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
+   timeline for the planner's plot: ``ultrascale_schedule_timeline``);
 5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
    Accelerate's ``parallelism_config`` sizes).
 """
@@ -125,6 +127,13 @@ def ultrascale_load_state_dict(pmodel, state):
     """Restore this dimension's entries from ``state`` (a ``checkpoint.PluginState``, as saved)."""
 
 
+@hookspec(firstresult=True)
+def ultrascale_checkpoint_view(tensor):
+    """Return ``tensor`` as a distributed checkpoint (DCP) must see it when this dimension placed it in pieces DCP
+    cannot describe (TP-packed parameters: a rank's pieces of q|k|v are not adjacent in the whole tensor), or
+    None to save and load it as it is. Every sharded save and load, and pretrained loading, ask it per tensor."""
+
+
 @hookspec
 def ultrascale_estimate(config, model_config, shape, estimate):
     """Add this dimension's per-rank costs to ``estimate`` (an ``estimates.Estimate``): memory in bytes per
@@ -139,6 +148,27 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     parallel last (``trylast``: shards what is left and adds parameter, gradient and optimizer bytes). A
     dimension that changes what the others see (context parallel: the tokens per rank) or needs their totals
     (a replica axis: the gradient bytes) is a ``wrapper=True`` implementation around them."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_microbatches(config):
+    """Return how many micro-batches one training step of ``config`` (resolved) runs inside this dimension (a
+    pipeline schedule's), or None when this dimension does not decide it. Recipes derive their batch split from
+    it."""
+
+
+@hookspec
+def ultrascale_cost_coordinates(config):
+    """Return ``{axis: [index, ...]}``, the positions along this dimension's mesh axes whose ranks can differ in
+    cost (a pipeline's first, second and last stages), or None when every rank costs the same along them. The
+    planner estimates the ranks of every combination and takes the most loaded."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages):
+    """Return, per rank of a schedule this dimension runs (a pipeline's), its actions as (start, end, kind,
+    micro-batch, chunk) in units of one forward of one micro-batch on one stage, or None for a schedule it does
+    not know. The planner's plot draws it."""
 
 
 # ---- names in the front ends --------------------------------------------------------------------------------

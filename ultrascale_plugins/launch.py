@@ -114,3 +114,13 @@ def global_rank() -> int:
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
+
+
+def broadcast_object(obj, src: int = 0):
+    """``obj`` as rank ``src`` has it, on every rank (a path every rank must agree on, a rank-0 decision); ``obj``
+    itself without a process group. The one helper the front ends and the engine use for this."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]

@@ -138,9 +138,9 @@ class PretrainedWeights:
                     reads[source] = tensor
             try:
                 if reads:  # a TP-packed parameter (GPT-2's c_attn) is read as its true pieces, as checkpoints do
-                    from .dims.tp_styles import checkpoint_view
+                    from .checkpoint import dcp_view
 
-                    dcp.load({k: checkpoint_view(v) for k, v in reads.items()},
+                    dcp.load({k: dcp_view(v) for k, v in reads.items()},
                              storage_reader=HuggingFaceStorageReader(str(self.path)))
                 with contextlib.ExitStack() as files:  # one parameter at a time, each file opened once
                     opened = {}

@@ -280,9 +280,9 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
         if ga:
             field = f"train.grad_accum={ga}"
         elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
-            from .dims.pipeline_split import microbatches
+            from .plugins import get_plugin_manager
 
-            ga = microbatches(resolved)
+            ga = get_plugin_manager().hook.ultrascale_microbatches(config=resolved) or 1
             if resolved.pp_microbatches:
                 field, knob = f"pp_microbatches={ga}", "pp_microbatches (or train.grad_accum)"
             else:
@@ -310,16 +310,17 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
 
 
 def _auto_layout(parallel, train, data_spec, model_config, world: int):
-    """``parallel: {layout: auto}``: the planner's best layout for this recipe's model, sequence and batch (and its
-    micro-batch split, unless the recipe sets one)."""
-    from .planner.auto import announce, choose_layout
+    """``parallel: {layout: auto}``: the layout chosen for this recipe's model, sequence and batch, through the same
+    hook every front end's layout goes through (``ultrascale_resolve_layout``: the planner), and its micro-batch
+    size (the chosen layout's ``auto_micro_batch_size``), unless the recipe sets its split."""
+    from .plugins import get_plugin_manager
 
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
-    chosen, best, why = choose_layout(auto, model_config, world)
-    announce(why)
-    if not train.micro_batch_size and not train.grad_accum:
-        train = dataclasses.replace(train, micro_batch_size=best.layout.micro_batch_size,
-                                    grad_accum=best.layout.grad_accum)
+    chosen = get_plugin_manager().hook.ultrascale_resolve_layout(config=auto, model_config=model_config,
+                                                                  world_size=world) or auto
+    mbs = getattr(chosen, "auto_micro_batch_size", 0)
+    if mbs and not train.micro_batch_size and not train.grad_accum:
+        train = dataclasses.replace(train, micro_batch_size=mbs)
     return chosen, train
 
 

@@ -21,7 +21,8 @@ from ..hookspecs import hookimpl
 from ..parallel_dims import PP_ORDER, MeshAxis
 from .pipeline_runtime import Pipeline
 from .pipeline_split import (LOOPED, SINGLE_STAGE, V_SHAPED, _base, build_stage, microbatches, pp_parts,
-                             split_layers, stage_ids_for_rank, stage_layer_counts, stages_per_rank)
+                             pp_rank_of_stage, split_layers, stage_ids_for_rank, stage_layer_counts,
+                             stages_per_rank)
 
 SCHEDULES = (*SINGLE_STAGE, *LOOPED, *V_SHAPED)
 
@@ -187,6 +188,31 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     from .pipeline_costs import pipeline_terms
 
     pipeline_terms(config, shape, estimate)
+
+
+@hookimpl
+def ultrascale_microbatches(config):
+    return microbatches(config) if config.pp > 1 else None
+
+
+@hookimpl
+def ultrascale_cost_coordinates(config):
+    """The pipeline ranks that can be the most loaded: the first two (the embedding, the most micro-batches in
+    flight; the second may hold one layer more) and the ones holding the last stage (head, logits)."""
+    pp = config.pp
+    if pp == 1:
+        return None
+    last = pp_rank_of_stage(config, pp * stages_per_rank(config) - 1)
+    return {"pp": sorted({0, min(1, pp - 1), pp - 1, last})}
+
+
+@hookimpl
+def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages):
+    if schedule not in SCHEDULES:
+        return None
+    from .pipeline_timeline import schedule_timeline
+
+    return schedule_timeline(schedule, stages, microbatches, virtual_stages)
 
 
 @hookimpl

@@ -28,8 +28,8 @@ from ..models.plan import EXPERTS, ROWWISE
 from ..parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
-from .tp_styles import (KNOWN_STYLES, make_style, param_placement, redistribute_first_input, redistribute_output,
-                        replicate_the_rest, run_on_local_params)
+from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
+                        redistribute_output, replicate_the_rest, run_on_local_params)
 
 
 @hookimpl
@@ -247,6 +247,12 @@ def _shard_named_params(model, plan, mesh, present) -> None:
         placement = _placement(style, fqn, param.ndim)
         module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
                                                      requires_grad=param.requires_grad))
+
+
+@hookimpl
+def ultrascale_checkpoint_view(tensor):
+    view = checkpoint_view(tensor)
+    return None if view is tensor else view
 
 
 @hookimpl

@@ -26,6 +26,8 @@ def ultrascale_add_fields(fields):
                "at most 4096)", minimum=0)
     fields.add("auto_global_batch", int, 0, "layout: auto plans for this many sequences per step (0: one per "
                "process)", minimum=0)
+    fields.add("auto_micro_batch_size", int, 0, "set by layout: auto: the rows per micro-batch it planned for "
+               "(recipes take it unless they set train.micro_batch_size or train.grad_accum)", minimum=0)
 
 
 @hookimpl
@@ -84,7 +86,7 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     best = best_layout(cost, world_size, ranked)
     runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
     fields = {**best.layout.fields(), "auto_seq_len": config.auto_seq_len,
-              "auto_global_batch": config.auto_global_batch}
+              "auto_global_batch": config.auto_global_batch, "auto_micro_batch_size": best.layout.micro_batch_size}
     assumed = [f"{name}={value}" for name, value, given in (("auto_seq_len", seq, config.auto_seq_len),
                                                              ("auto_global_batch", batch, config.auto_global_batch))
                if not given]

@@ -175,10 +175,10 @@ class CostModel:
         if lay.tp not in self._plans:
             self._plans[lay.tp] = self.pm.hook.ultrascale_model_plan(model=model, config=config)
         out = []
-        for rank in pp_ranks_to_cost(config):
+        for coords in coordinates_to_cost(config, self.pm):
             out.append(estimate(config, self.spec.config, world_size=lay.world, seq_len=self.work.seq_len,
                                 micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
-                                coords={"pp": rank}, model=model, profile=self.work.profile,
+                                coords=coords, model=model, profile=self.work.profile,
                                 optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[lay.tp],
                                 dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"]))
         return out
@@ -254,14 +254,19 @@ class CostModel:
                       {k: v / GB for k, v in slowest_est.comm.items()})
 
 
-def pp_ranks_to_cost(config) -> list[int]:
-    """The pipeline ranks that can be the most loaded: the first two (the embedding, the most micro-batches in
-    flight; the second may hold one layer more) and the ones holding the last stage (head, logits)."""
-    from ..dims.pipeline_split import pp_rank_of_stage, stages_per_rank
+def coordinates_to_cost(config, pm=None) -> list[dict]:
+    """The ranks (mesh coordinates) that can be the most loaded, from every dimension's
+    ``ultrascale_cost_coordinates`` (a pipeline's first, second and last stages); ``[{}]`` when all cost alike."""
+    import itertools
 
-    pp = getattr(config, "pp", 1)
-    last = pp_rank_of_stage(config, pp * stages_per_rank(config) - 1) if pp > 1 else 0
-    return sorted({0, min(1, pp - 1), pp - 1, last})
+    if pm is None:
+        from ..plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+    axes: dict[str, list[int]] = {}
+    for answer in pm.hook.ultrascale_cost_coordinates(config=config):
+        axes.update(answer or {})
+    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 
 def peak_memory_gb(ests, constants: dict | None = None) -> dict:
