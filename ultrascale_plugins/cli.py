@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+from . import _freeze_at_exit, _timing_mark
 from .config import ConfigError
 
 
@@ -16,11 +17,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_gb: float | None = None) -> None:
+def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_gb: float | None = None) -> str:
     """Every check that can run before a worker starts: recipe keys and types, pretrained weights, layout vs
     world size and model, batch vs data-parallel degree, memory (against ``memory_gb`` per process when given,
-    e.g. a GPU the recipe is planned for; else this machine's)."""
-    from .engine import validate
+    e.g. a GPU the recipe is planned for; else this machine's). Returns the fingerprint of the module-tree checks
+    that passed (``engine.validated_fingerprint``; empty when it cannot be taken), which the workers are handed
+    so they do not repeat them."""
+    from .engine import validate, validated_fingerprint
 
     if not recipe.data.dataset:
         from .corpus import check_corpus
@@ -49,6 +52,10 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     t = recipe.train
     check_memory(resolved, model_config, model, recipe.nproc * nnodes, recipe.data.seq_len, t.micro_batch_size or 1,
                  t.grad_accum or 1, recipe.nproc, memory_gb)
+    try:
+        return validated_fingerprint(resolved, recipe.nproc * nnodes, model)
+    except Exception:  # noqa: BLE001 - a config that does not serialize: the workers run the checks themselves
+        return ""
 
 
 def machine_memory_gb(nproc: int) -> tuple[float, str]:
@@ -78,11 +85,11 @@ def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_
     if os.environ.get("ULTRASCALE_SKIP_MEMORY_CHECK", "") not in ("", "0"):
         return
     from .engine import estimate
-    from .planner.cost import pp_ranks_to_cost, peak_memory_gb
+    from .planner.cost import coordinates_to_cost, peak_memory_gb
 
     ests = [estimate(resolved, model_config, world_size=world, seq_len=seq_len, micro_batch=micro_batch,
-                     micro_batches=micro_batches, coords={"pp": rank}, model=model, check=False)
-            for rank in pp_ranks_to_cost(resolved)]
+                     micro_batches=micro_batches, coords=coords, model=model, check=False)
+            for coords in coordinates_to_cost(resolved)]
     mem = peak_memory_gb(ests)
     have, where = ((memory_gb, f"{memory_gb:g} GB per GPU") if memory_gb is not None
                    else machine_memory_gb(local_processes))
@@ -107,13 +114,16 @@ def cmd_train(args) -> int:
     resume = _resume_path(args.resume) if args.resume else None
     recipe = load_recipe(args.recipe, overrides, nnodes=nodes, init_from=args.init_from,  # nproc is per node
                          resume_from=resume)
+    _timing_mark("recipe_loaded")
     _model_line(args, overrides, recipe)
-    check_recipe(recipe, args.init_from, nodes)
+    validated = check_recipe(recipe, args.init_from, nodes)
+    _timing_mark("checks_done")
     from .recipe_data import prepare_before_launch
 
-    data_line = prepare_before_launch(recipe, recipe.model_config())  # tokenized once per node
+    data_line = prepare_before_launch(recipe, recipe.model_config(), resume)  # tokenized once per node
     if data_line:
         print(data_line, flush=True)
+    _timing_mark("data_prepared")
     worker = [sys.executable, "-m", "ultrascale_plugins.train"]
     if args.recipe:
         worker.append(os.path.abspath(args.recipe))
@@ -129,9 +139,16 @@ def cmd_train(args) -> int:
         worker += ["--init-from", os.path.abspath(args.init_from)]
     import tempfile
 
+    from .engine import VALIDATED_ENV
+
     with tempfile.TemporaryDirectory(prefix="ultrascale-") as tmp:
         error_file = os.path.join(tmp, "error")  # a worker's ConfigError, said once here rather than once per rank
-        code = _launch(args, recipe, nodes, worker, {**os.environ, "ULTRASCALE_ERROR_FILE": error_file})
+        env = {**os.environ, "ULTRASCALE_ERROR_FILE": error_file}
+        env.pop(VALIDATED_ENV, None)
+        if validated:  # the module-tree checks passed here: the workers skip their meta-device dry runs
+            env[VALIDATED_ENV] = validated
+        code = _launch(args, recipe, nodes, worker, env)
+        _timing_mark("workers_exited")
         if code and os.path.isfile(error_file):
             raise ConfigError(open(error_file).read().strip())
     return code
@@ -150,6 +167,7 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _timing_mark("spawn")
     return subprocess.call(launcher, env=env)
 
 
@@ -376,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _timing_mark("cli_main")
+    _freeze_at_exit()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -80,16 +80,59 @@ def as_config(config: ParallelConfig | dict | None) -> ParallelConfig:
 def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None, model=None) -> ParallelConfig:
     """Every check that needs no process group: degrees vs world size, vs the model, and each plugin's own;
     with ``model`` (real or on the meta device) also the checks on its module tree and plan.
-    Returns the resolved config (the ``-1`` degree filled in)."""
+    Returns the resolved config (the ``-1`` degree filled in).
+
+    The module-tree checks (meta-device dry runs) are skipped only in a worker that ``ultrascale train`` started
+    after running them itself on the same layout, world size, model and plugins (``VALIDATED_ENV`` holds their
+    ``validated_fingerprint``); a process started any other way runs them all."""
     pm = pm or get_plugin_manager()
     config = as_config(config)
     chosen = pm.hook.ultrascale_resolve_layout(config=config, model_config=model_config, world_size=world_size)
     resolved = resolve(chosen if chosen is not None else config, world_size, pm)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
-    if model is not None:
+    if model is not None and not _validated_by_launcher(resolved, world_size, model, pm):
         plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
         pm.hook.ultrascale_validate_model(model=model, plan=plan, config=resolved)
     return resolved
+
+
+VALIDATED_ENV = "ULTRASCALE_VALIDATED"
+
+
+def validated_fingerprint(resolved: ParallelConfig, world_size: int, model, pm=None) -> str:
+    """A digest of everything the module-tree checks of ``validate`` depend on: the resolved layout, the world
+    size, the model's class and full config, the registered plugins and their versions, and the versions of this
+    package, torch and transformers. ``ultrascale train`` hands it to the workers it starts (``VALIDATED_ENV``)
+    after the same checks passed before launch, so each worker does not repeat them."""
+    import hashlib
+    import json
+
+    import transformers
+
+    from . import __version__
+
+    pm = pm or get_plugin_manager()
+    dists = {id(plugin): f"{dist.project_name}=={dist.version}" for plugin, dist in pm.list_plugin_distinfo()}
+    plugins = sorted(f"{name}:{dists.get(id(plugin), 'builtin')}" for name, plugin in pm.list_name_plugin()
+                     if plugin is not None)
+    cls = type(model)
+    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # where it was read from
+    what = {"layout": resolved.to_dict(), "world_size": world_size, "model": f"{cls.__module__}.{cls.__qualname__}",
+            "config": config, "plugins": plugins,
+            "versions": [__version__, torch.__version__, transformers.__version__]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def _validated_by_launcher(resolved: ParallelConfig, world_size: int, model, pm) -> bool:
+    import os
+
+    marker = os.environ.get(VALIDATED_ENV)
+    if not marker:
+        return False
+    try:
+        return marker == validated_fingerprint(resolved, world_size, model, pm)
+    except Exception:  # noqa: BLE001 - a model whose config does not serialize: run the checks
+        return False
 
 
 def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import _freeze_at_exit, _timing_mark
 from .config import ConfigError
 from .recipe import Recipe, load_recipe
 
@@ -55,9 +56,12 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     from . import engine, launch
     from .recipe_data import TrainingData
 
+    _timing_mark("worker_imports")
     device = launch.init_distributed()
+    _timing_mark("process_group")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(recipe.train.seed)
+    n_params = None  # the whole model's, not this rank's: counted before it is sharded
     if init_from:
         from .engine import from_pretrained
 
@@ -65,8 +69,10 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     else:
         with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
             model = AutoModelForCausalLM.from_config(recipe.model_config())
+        n_params = sum(p.numel() for p in model.parameters())
         pmodel = engine.parallelize(model, recipe.parallel, device=device)
     model = pmodel.module
+    _timing_mark("model_built")
     # torch's fused AdamW: one kernel per parameter group (every parameter is a DTensor under TP, so it composes)
     optimizer = pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr,
                                        weight_decay=recipe.train.weight_decay, fused=True)
@@ -92,9 +98,10 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     if rank == 0:
         from tqdm import tqdm
 
-        from .estimates import meta_model
+        if n_params is None:
+            from .estimates import meta_model
 
-        n_params = sum(p.numel() for p in meta_model(model.config).parameters())  # the whole model, not this rank's
+            n_params = sum(p.numel() for p in meta_model(model.config).parameters())
         here = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pmodel.parameters())
         held = "sharded over the ranks" if here < n_params else "a whole copy on every rank"
         source = f" from {init_from}" if init_from else ""
@@ -108,6 +115,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         bar = tqdm(total=recipe.train.steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0 if not sys.stdout.isatty() else 0.1)
     losses, tokens_per_step = [], recipe.train.global_batch * recipe.data.seq_len
+    _timing_mark("loop_start")
     events = None  # TensorBoard event files in --log-dir (rank 0), made at the first logged step
     start = time.perf_counter()
     window_start, window_steps = start, 0
@@ -122,6 +130,8 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
+        if step == first_step:
+            _timing_mark("first_step")
         window_steps += 1
         if (step + 1) % recipe.train.log_every == 0 or step + 1 == recipe.train.steps:
             peaks = [None] * world
@@ -149,6 +159,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                             keep_last_n=t.keep_last_n or None,
                             assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
     elapsed = time.perf_counter() - start
+    _timing_mark("loop_done")
     val = [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe) for i in range(data.eval_batches)]
     result = {"losses": losses, "val_loss": sum(val) / len(val) if val else None, "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
@@ -164,6 +175,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             with open(metrics_path, "w") as f:
                 json.dump(result, f)
     dist.destroy_process_group()
+    _timing_mark("run_done")
     return result
 
 
@@ -307,9 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from")
     parser.add_argument("--log-dir", default=os.environ.get("ULTRASCALE_LOG_DIR"))
     args = parser.parse_args(argv)
+    _timing_mark("worker_main")
+    _freeze_at_exit()
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size(), init_from=args.init_from,
                              resume_from=args.resume)
+        _timing_mark("worker_recipe")
         run(recipe, args.metrics, args.resume, args.init_from, args.log_dir)
     except ConfigError as exc:
         report_error(exc)
