@@ -20,7 +20,7 @@ and eager) and per type:
 A type is ``apart`` only when it is apart under every implementation it supports. Flash / flex attention are not
 measured (no GPU here); they take the same position_ids path in transformers.
 
-Writes benchmarks/results/packing_by_model_type.json (details) and ultrascale_plugins/data/packing_support.json
+Writes benchmarks/results/packing_by_model_type.json (details) and ultrascale_plugins/resources/packing_support.json
 (the verdicts shipped with the package, read by ``ultrascale_plugins.packing_support``). The script prints its
 own duration.
 """
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RESULTS = ROOT / "benchmarks" / "results" / "packing_by_model_type.json"
-SHIPPED = ROOT / "ultrascale_plugins" / "data" / "packing_support.json"
+SHIPPED = ROOT / "ultrascale_plugins" / "resources" / "packing_support.json"
 LENGTHS = (7, 5, 9)
 TOL = 1e-4  # relative to the scale of the logits (max |logit| of the samples alone, at least 1)
 VERDICTS = ("apart", "crosses", "error", "untinyable")

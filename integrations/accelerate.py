@@ -38,7 +38,7 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
-from ..config import ConfigError, ParallelConfig
+from ..interface.config import ConfigError, ParallelConfig
 from .layout import ACCELERATE_ENV_PREFIXES, layout_from_environment, make_config
 
 STATE_FILE = "accelerate.pt"
@@ -116,7 +116,7 @@ class UltraScaleAccelerator(Accelerator):
         layout's axis order (a data loader may be prepared first)."""
         if self.ultrascale_models:
             return self.ultrascale_models[0].pmodel.data_parallel_rank
-        from ..parallel_dims import ParallelDims
+        from ..interface.parallel_dims import ParallelDims
 
         dims = ParallelDims(self.ultrascale_config, self.num_processes)
         return dims.coordinate(self.process_index, dims.row_axes)
@@ -156,7 +156,7 @@ class UltraScaleAccelerator(Accelerator):
     def _parallelize(self, model):
         from .. import engine
         from ..hf_module import ParallelCausalLM
-        from ..pretrained import weights_for
+        from ..checkpoints.pretrained import weights_for
 
         if not hasattr(model, "lm_head"):
             raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "
@@ -307,7 +307,7 @@ class UltraScaleAccelerator(Accelerator):
         adapter = self._adapter()
         if adapter is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
-        from ..checkpoint import write_checkpoint
+        from ..checkpoints.sharded import write_checkpoint
 
         if output_dir is None:
             raise ConfigError("save_state(): pass output_dir (a directory for the sharded checkpoint)")
@@ -324,7 +324,7 @@ class UltraScaleAccelerator(Accelerator):
         adapter = self._adapter()
         if adapter is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        from ..checkpoint import load_checkpoint, read_file
+        from ..checkpoints.sharded import load_checkpoint, read_file
 
         if input_dir is None:
             raise ConfigError("load_state(): pass input_dir (a directory written by save_state)")

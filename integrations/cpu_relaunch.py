@@ -66,7 +66,7 @@ def relaunch_cpu_workers() -> None:
         parent = []
     split = launch_arguments(parent)
     if split is None:
-        from ..config import ConfigError
+        from ..interface.config import ConfigError
 
         raise ConfigError("ACCELERATE_USE_CPU and MASTER_PORT are set but this process was not started by "
                           "`accelerate launch`, so the number of CPU workers is unknown. Fix: launch with "

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..config import ConfigError, ParallelConfig
-from ..parallel_dims import declared_axes
+from ..interface.config import ConfigError, ParallelConfig
+from ..interface.parallel_dims import declared_axes
 
 ACCELERATE_ENV_PREFIXES = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
                            "FSDP_", "ACCELERATE_MIXED_PRECISION")
@@ -74,7 +74,7 @@ def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
 def accelerate_keys() -> dict[str, tuple[str, dict]]:
     """Accelerate's size keys the installed dimension plugins read (``ultrascale_accelerate_keys``):
     ``{"tp_size": ("tp", {}), ...}``."""
-    from ..plugins import get_plugin_manager
+    from ..interface.plugins import get_plugin_manager
 
     keys: dict[str, tuple[str, dict]] = {}
     for result in get_plugin_manager().hook.ultrascale_accelerate_keys():

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ParallelConfig
-from ..presets import config_for_preset, presets
+from ..interface.config import ConfigError, ParallelConfig
+from ..interface.presets import config_for_preset, presets
 from .layout import make_config
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
@@ -186,7 +186,7 @@ class _UltraScaleStrategyMixin:
     def setup(self, trainer) -> None:
         from .. import engine
         from ..hf_module import ParallelCausalLM
-        from ..pretrained import weights_for
+        from ..checkpoints.pretrained import weights_for
 
         self.accelerator.setup(trainer)
         lm = self.lightning_module
@@ -295,7 +295,7 @@ class _UltraScaleStrategyMixin:
         return opt._optimizer if isinstance(opt, self._lightning_optimizer_class) else opt
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        from ..checkpoint import write_checkpoint
+        from ..checkpoints.sharded import write_checkpoint
 
         if storage_options is not None:
             raise ConfigError("save_checkpoint(storage_options=...): sharded checkpoints are written by every "
@@ -307,7 +307,7 @@ class _UltraScaleStrategyMixin:
                          files={STATE_FILE: _plain(rest)})
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from ..checkpoint import load_checkpoint, read_file
+        from ..checkpoints.sharded import load_checkpoint, read_file
 
         path = Path(self.broadcast(str(checkpoint_path)))
         load_checkpoint(self.pmodel, self._optimizer(), path)

@@ -41,7 +41,7 @@ import warnings
 import torch
 from transformers import Trainer
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
@@ -51,7 +51,7 @@ CHECKPOINT_PREFIX = "checkpoint"
 
 def is_sharded_checkpoint(path) -> bool:
     """A directory written by the package's ``write_checkpoint`` (``UltraScaleAccelerator.save_state``)."""
-    from ..checkpoint import META
+    from ..checkpoints.sharded import META
 
     return path is not None and os.path.isfile(os.path.join(str(path), META))
 
@@ -149,7 +149,7 @@ class UltraScaleTrainer(Trainer):
         """Trainer's ``train``, after finishing what a crash in the middle of a checkpoint's commit left in
         ``output_dir`` (``checkpoint.recover``), so that ``resume_from_checkpoint=True`` finds the newest
         complete one."""
-        from ..checkpoint import recover
+        from ..checkpoints.sharded import recover
 
         recover(self.args.output_dir)
         return super().train(*args, **kwargs)
@@ -174,7 +174,7 @@ class UltraScaleTrainer(Trainer):
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
 
-        from ..checkpoint import write_checkpoint
+        from ..checkpoints.sharded import write_checkpoint
 
         folder = f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
@@ -248,7 +248,7 @@ class UltraScaleTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not is_sharded_checkpoint(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        from ..checkpoint import load_checkpoint, read_meta
+        from ..checkpoints.sharded import load_checkpoint, read_meta
 
         adapter = self._ultrascale_adapter()
         if adapter is None:
@@ -268,7 +268,7 @@ class UltraScaleTrainer(Trainer):
         adapter = self._ultrascale_adapter()
         if adapter is None or not is_sharded_checkpoint(path):
             return super()._load_best_model()
-        from ..checkpoint import load_checkpoint
+        from ..checkpoints.sharded import load_checkpoint
 
         # the weights only: the random state goes on from the end of training, not from the checkpoint's
         rng = torch.get_rng_state()

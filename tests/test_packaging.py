@@ -30,7 +30,7 @@ def test_console_script_and_data_are_installed():
     assert scripts.get("ultrascale") == "ultrascale_plugins.cli:main"
     from importlib import resources
 
-    data = resources.files("ultrascale_plugins").joinpath("data")
+    data = resources.files("ultrascale_plugins").joinpath("resources")
     assert data.joinpath("corpus.txt").read_bytes()
     assert "parallel:" in data.joinpath("default.yaml").read_text()
 

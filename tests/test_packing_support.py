@@ -1,5 +1,5 @@
 """Which model types keep packed samples apart (benchmarks/packing_sweep.py): a fixed subset of the sweep
-reproduces the verdicts shipped in ultrascale_plugins/data/packing_support.json, and data.packing is refused
+reproduces the verdicts shipped in ultrascale_plugins/resources/packing_support.json, and data.packing is refused
 for the types that were not measured apart."""
 import sys
 from pathlib import Path

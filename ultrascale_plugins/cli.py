@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from . import _freeze_at_exit, _timing_mark
-from .config import ConfigError
+from .interface.config import ConfigError
 
 
 def _free_port() -> int:
@@ -26,13 +26,13 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     from .engine import validate, validated_fingerprint
 
     if not recipe.data.dataset:
-        from .corpus import check_corpus
+        from .data.corpus import check_corpus
 
         check_corpus(recipe.data.corpus, recipe.data.seq_len)
     model_config = recipe.model_config()
     model = None
     if init_from:
-        from .pretrained import prepare
+        from .checkpoints.pretrained import prepare
 
         weights, model = prepare(init_from)
         model_config = model.config
@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
     _model_line(args, overrides, recipe)
     validated = check_recipe(recipe, args.init_from, nodes)
     _timing_mark("checks_done")
-    from .recipe_data import prepare_before_launch
+    from .data.recipe_data import prepare_before_launch
 
     data_line = prepare_before_launch(recipe, recipe.model_config(), resume)  # tokenized once per node
     if data_line:
@@ -174,7 +174,7 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict) -> int:
 def _resume_path(path: str) -> str:
     """The checkpoint ``--resume`` names (a step-XXXXXXXX directory, or a save_dir: its newest), checked: missing,
     incomplete or truncated checkpoints are refused before any worker starts."""
-    from .checkpoint import META, read_meta, resolve_checkpoint
+    from .checkpoints.sharded import META, read_meta, resolve_checkpoint
 
     resume = resolve_checkpoint(os.path.abspath(path))
     if not (resume / META).is_file():
@@ -223,7 +223,7 @@ def _check_nodes(args) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from .plugins import list_plugins
+    from .interface.plugins import list_plugins
 
     rows = list_plugins()
     width = max(len(r["name"]) for r in rows)
@@ -237,7 +237,7 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_hf
+    from .checkpoints.export import export_hf
 
     out = export_hf(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"ultrascale: wrote {out} (load it with AutoModelForCausalLM.from_pretrained)")
@@ -266,7 +266,7 @@ def cmd_accelerate_config(args) -> int:
     """Write an Accelerate config file that holds the whole layout."""
     import yaml
 
-    from .config import ParallelConfig
+    from .interface.config import ParallelConfig
     from .integrations.layout import accelerate_yaml
     from .recipe import apply_overrides
 

@@ -13,11 +13,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import launch
-from .config import ConfigError, ParallelConfig
+from .interface.config import ConfigError, ParallelConfig
 from .models.plan import ModelPlan
-from .parallel_dims import ParallelDims, resolve
-from .plugins import get_plugin_manager
-from .runtime import Runtime
+from .interface.parallel_dims import ParallelDims, resolve
+from .interface.plugins import get_plugin_manager
+from .interface.runtime import Runtime
 
 
 @dataclasses.dataclass
@@ -146,7 +146,7 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     on the meta device) gives the exact parameter inventory; without it the model is built from ``model_config``
     on the meta device (``plan``: its model plan, when the caller has it). ``check=False`` costs layouts this
     engine cannot run (the planner's "runnable: false")."""
-    from .estimates import Estimate, Shape, inventory, meta_model
+    from .interface.estimates import Estimate, Shape, inventory, meta_model
 
     pm = pm or get_plugin_manager()
     resolved = validate(config, model_config, world_size, pm) if check else resolve(as_config(config), world_size,
@@ -174,7 +174,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
     pm = get_plugin_manager()
     config = validate(as_config(config), model.config, launch.world_size(), pm, model=model)  # no group yet
     if init_weights is None and any(p.is_meta for p in model.parameters()):
-        from .pretrained import weights_for
+        from .checkpoints.pretrained import weights_for
 
         init_weights = weights_for(model, None)
     if device is None:
@@ -213,7 +213,7 @@ def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device
     group exists)."""
     import warnings
 
-    from .pretrained import prepare
+    from .checkpoints.pretrained import prepare
 
     weights, model = prepare(path, trust_remote_code=trust_remote_code)
     if weights.unexpected and launch.global_rank() == 0:
@@ -318,7 +318,7 @@ class ParallelModel:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state: ``{"model": ...}`` (DTensors where sharded, the unparallelized
         model's parameter names), the layout, and what each dimension adds through ``ultrascale_state_dict``."""
-        from .checkpoint import PluginState
+        from .checkpoints.sharded import PluginState
 
         model_state: dict[str, Any] = {}
         for module in self.modules:

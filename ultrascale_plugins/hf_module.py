@@ -18,7 +18,7 @@ import os
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .interface.config import ConfigError
 
 
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -141,8 +141,8 @@ class ParallelCausalLM(nn.Module):
 
         import torch.distributed as dist
 
-        from .checkpoint import write_checkpoint
-        from .export import export_hf
+        from .checkpoints.sharded import write_checkpoint
+        from .checkpoints.export import export_hf
 
         from .launch import broadcast_object
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, ParallelConfig, load_yaml, suggest
+from .interface.config import ConfigError, ParallelConfig, load_yaml, suggest
 
 SECTIONS = {"nproc", "model", "data", "train", "parallel"}
 
@@ -88,7 +88,7 @@ class Recipe:
 def checkpoint_config(path: str):
     """The transformers config a checkpoint was saved with (its ``ultrascale.json``); ``path`` is a
     step-XXXXXXXX directory or a save_dir (its newest)."""
-    from .checkpoint import read_meta, resolve_checkpoint, saved_model_config
+    from .checkpoints.sharded import read_meta, resolve_checkpoint, saved_model_config
 
     p = resolve_checkpoint(path)
     return saved_model_config(read_meta(p), p)
@@ -132,7 +132,7 @@ def own_model_section(path, overrides: list[str] | None, model: dict) -> dict:
 def compare_with_checkpoint(own: dict, config, where: str) -> list[str]:
     """Refuse (ConfigError) a model section that disagrees with the checkpoint's model ``config`` in its type or
     a field that sizes a parameter; return the other disagreements as ``"key: recipe V, checkpoint W"``."""
-    from .estimates import meta_model
+    from .interface.estimates import meta_model
 
     own = dict(own)
     model_type = own.pop("model_type", None) or config.model_type
@@ -215,7 +215,7 @@ def _typed(section: str, cls, data: dict[str, Any]):
 
 
 def default_recipe_dict() -> dict[str, Any]:
-    text = resources.files("ultrascale_plugins").joinpath("data/default.yaml").read_text()
+    text = resources.files("ultrascale_plugins").joinpath("resources/default.yaml").read_text()
     return yaml.safe_load(text)
 
 
@@ -252,7 +252,7 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
     Neither given: one micro-batch per step (with pp > 1: the pipeline's micro-batches, ``pp_microbatches`` or
     its default of one per stage); one given: the other is derived; both given: they must multiply out."""
     gb, mbs, ga = train.global_batch, train.micro_batch_size, train.grad_accum
-    from .parallel_dims import ParallelDims
+    from .interface.parallel_dims import ParallelDims
 
     resolved = parallel.resolve(world_size)  # a bad layout fails here, with the layout's own message
     dims = ParallelDims(resolved)
@@ -280,7 +280,7 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
         if ga:
             field = f"train.grad_accum={ga}"
         elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
-            from .plugins import get_plugin_manager
+            from .interface.plugins import get_plugin_manager
 
             ga = get_plugin_manager().hook.ultrascale_microbatches(config=resolved) or 1
             if resolved.pp_microbatches:
@@ -313,7 +313,7 @@ def _auto_layout(parallel, train, data_spec, model_config, world: int):
     """``parallel: {layout: auto}``: the layout chosen for this recipe's model, sequence and batch, through the same
     hook every front end's layout goes through (``ultrascale_resolve_layout``: the planner), and its micro-batch
     size (the chosen layout's ``auto_micro_batch_size``), unless the recipe sets its split."""
-    from .plugins import get_plugin_manager
+    from .interface.plugins import get_plugin_manager
 
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
     chosen = get_plugin_manager().hook.ultrascale_resolve_layout(config=auto, model_config=model_config,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .hookspecs import hookimpl
+from .interface.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)
@@ -35,7 +35,7 @@ def check_loss_convention(model) -> None:
     except (OSError, TypeError):  # no source (a compiled or dynamic class): nothing to judge by
         return
     if "loss_function" not in source and "labels" in inspect.signature(forward).parameters:
-        from .config import ConfigError
+        from .interface.config import ConfigError
 
         arch = getattr(model.config, "model_type", type(model).__name__)
         raise ConfigError(f"model type '{arch}': {type(model).__name__} computes its own loss on labels it does not "

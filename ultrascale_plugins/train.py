@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _freeze_at_exit, _timing_mark
-from .config import ConfigError
+from .interface.config import ConfigError
 from .recipe import Recipe, load_recipe
 
 
@@ -54,7 +54,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
 
     quiet_known_warnings()
     from . import engine, launch
-    from .recipe_data import TrainingData
+    from .data.recipe_data import TrainingData
 
     _timing_mark("worker_imports")
     device = launch.init_distributed()
@@ -87,7 +87,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                           "set nproc to the number of processes, or leave micro_batch_size and grad_accum at 0")
     first_step = 0
     if resume:
-        from .checkpoint import load_checkpoint
+        from .checkpoints.sharded import load_checkpoint
 
         p = Path(resume)
         meta = load_checkpoint(pmodel, optimizer, p if (p / "ultrascale.json").exists() else None,
@@ -99,7 +99,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         from tqdm import tqdm
 
         if n_params is None:
-            from .estimates import meta_model
+            from .interface.estimates import meta_model
 
             n_params = sum(p.numel() for p in meta_model(model.config).parameters())
         here = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pmodel.parameters())
@@ -153,7 +153,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                 bar.update((step + 1) - bar.n)
         t = recipe.train
         if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps):
-            from .checkpoint import save_checkpoint
+            from .checkpoints.sharded import save_checkpoint
 
             save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=data.position(step + 1),
                             keep_last_n=t.keep_last_n or None,

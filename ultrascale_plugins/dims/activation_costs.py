@@ -4,7 +4,7 @@ in flight, plus the loss's logits on the rank that holds the head (checked again
 tests/test_estimates.py)."""
 from __future__ import annotations
 
-from ..estimates import Estimate, expert_share
+from ..interface.estimates import Estimate, expert_share
 
 
 def activation_bytes_per_token(mc, config, mode: str, element: int) -> tuple[float, float, float, float]:

@@ -11,7 +11,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..hookspecs import hookimpl
+from ..interface.hookspecs import hookimpl
 
 MODES = ("none", "full", "selective")
 

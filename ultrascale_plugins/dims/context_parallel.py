@@ -21,9 +21,9 @@ import itertools
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..hookspecs import hookimpl
-from ..parallel_dims import CP_ORDER, MeshAxis
+from ..interface.config import ConfigError
+from ..interface.hookspecs import hookimpl
+from ..interface.parallel_dims import CP_ORDER, MeshAxis
 from . import cp_layout
 from .cp_attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
 
@@ -134,7 +134,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 def _cp_layout(world, per_node, model_config):
-    from ..presets import largest_divisor
+    from ..interface.presets import largest_divisor
 
     cp = largest_divisor(world, per_node)
     return {"cp": cp, "cp_method": "ring", "dp_shard": world // cp}
@@ -142,7 +142,7 @@ def _cp_layout(world, per_node, model_config):
 
 @hookimpl
 def ultrascale_presets():
-    from ..presets import Preset
+    from ..interface.presets import Preset
 
     return [Preset("cp", "context parallel (ring attention) within a node, ZeRO-3 across", _cp_layout)]
 

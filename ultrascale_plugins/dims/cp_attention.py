@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 from .cp_layout import chunk_ids, layout_index, local_index, segments, visible
 
 # kwargs the attention functions understand; any other tensor argument changes attention in a way they don't know

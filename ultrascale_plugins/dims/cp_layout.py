@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:

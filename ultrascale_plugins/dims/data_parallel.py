@@ -11,9 +11,9 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import ConfigError
-from ..hookspecs import hookimpl
-from ..parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
+from ..interface.config import ConfigError
+from ..interface.hookspecs import hookimpl
+from ..interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
 
 DTYPES = {"bf16": torch.bfloat16}
 
@@ -131,7 +131,7 @@ def partitioned(optimizer, group):
 
 @hookimpl
 def ultrascale_presets():
-    from ..presets import Preset
+    from ..interface.presets import Preset
 
     return [Preset("zero3", "ZeRO-3 (FSDP2) over every device",
                    lambda world, per_node, mc: {"dp_shard": world, "zero_stage": 3}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..estimates import OPTIMIZERS, Estimate, chunk_size
+from ..interface.estimates import OPTIMIZERS, Estimate, chunk_size
 
 
 def precision_bytes(config, profile: str) -> tuple[int, int, int]:

@@ -16,9 +16,9 @@ separate copies; after backward their gradients are summed, so they stay equal.
 """
 from __future__ import annotations
 
-from ..config import ConfigError
-from ..hookspecs import hookimpl
-from ..parallel_dims import PP_ORDER, MeshAxis
+from ..interface.config import ConfigError
+from ..interface.hookspecs import hookimpl
+from ..interface.parallel_dims import PP_ORDER, MeshAxis
 from .pipeline_runtime import Pipeline
 from .pipeline_split import (LOOPED, SINGLE_STAGE, V_SHAPED, _base, build_stage, microbatches, pp_parts,
                              pp_rank_of_stage, split_layers, stage_ids_for_rank, stage_layer_counts,
@@ -217,7 +217,7 @@ def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages)
 
 @hookimpl
 def ultrascale_presets():
-    from ..presets import Preset
+    from ..interface.presets import Preset
 
     return [Preset("pp", "pipeline parallel across nodes (2 stages on one node), 1F1B, ZeRO-3 over the rest",
                    _pp_layout)]

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 from ..models.placeholder import Absent
-from ..runtime import Runtime
+from ..interface.runtime import Runtime
 from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, microbatches, pp_rank_of_stage
 
 

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 
 SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}

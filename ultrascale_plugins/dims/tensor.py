@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ..config import ConfigError
-from ..hookspecs import hookimpl
+from ..interface.config import ConfigError
+from ..interface.hookspecs import hookimpl
 from ..models.placeholder import present_modules
 from ..models.plan import EXPERTS, ROWWISE
-from ..parallel_dims import TP_ORDER, MeshAxis, ParallelDims
+from ..interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
@@ -264,7 +264,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 def tp_degree(devices_per_node: int, model_config) -> int:
     """The largest divisor of the devices per node that divides the attention and key/value head counts."""
-    from ..presets import largest_divisor
+    from ..interface.presets import largest_divisor
 
     heads = getattr(model_config, "num_attention_heads", None) or 1
     kv = getattr(model_config, "num_key_value_heads", None) or heads
@@ -280,7 +280,7 @@ def _tp_layout(sequence_parallel: bool):
 
 @hookimpl
 def ultrascale_presets():
-    from ..presets import Preset
+    from ..interface.presets import Preset
 
     return [Preset("tp", "tensor parallel within a node, ZeRO-3 across", _tp_layout(False)),
             Preset("tp_sp", "tensor + sequence parallel within a node, ZeRO-3 across", _tp_layout(True))]

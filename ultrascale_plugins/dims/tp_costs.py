@@ -3,7 +3,7 @@ activation collectives of every layer (Korthikanti et al. 2022: two all-reduces 
 layer; with sequence parallel each becomes an all-gather plus a reduce-scatter of the same volume)."""
 from __future__ import annotations
 
-from ..estimates import chunk_size
+from ..interface.estimates import chunk_size
 from .tp_styles import param_placement
 
 # The dims the weight and the bias of a module are sharded on, by style name (transformers' and this package's;

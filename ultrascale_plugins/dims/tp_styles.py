@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 
 
 class PackedColwiseParallel(ParallelStyle):

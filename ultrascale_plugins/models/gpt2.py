@@ -13,7 +13,7 @@ from functools import partial
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from ..hookspecs import hookimpl
+from ..interface.hookspecs import hookimpl
 from ..dims.tp_styles import PackedColwiseParallel
 from .plan import hf_plan_from_model
 

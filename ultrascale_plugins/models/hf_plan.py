@@ -2,7 +2,7 @@
 (Llama, Qwen2, Mistral, Gemma, ...). Registered last, so an architecture-specific plugin can override it."""
 from __future__ import annotations
 
-from ..hookspecs import hookimpl
+from ..interface.hookspecs import hookimpl
 from .expert_plan import expert_tp_entries
 from .plan import hf_plan_from_model
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..hookspecs import hookimpl
+from ..interface.hookspecs import hookimpl
 
 _ANNOUNCED: set = set()
 _ENV = "ULTRASCALE_AUTO_LAYOUT"
@@ -35,7 +35,7 @@ def ultrascale_resolve_layout(config, model_config, world_size):
     if getattr(config, "layout", "manual") != "auto":
         return None
     if model_config is None:
-        from ..config import ConfigError
+        from ..interface.config import ConfigError
 
         raise ConfigError("layout: auto needs the model to plan for. Fix: give the model (or its config), or a "
                           "manual layout")
@@ -72,7 +72,7 @@ def detect_hardware(world_size: int):
 
 def choose_layout(config, model_config, world_size: int, hardware=None):
     """(the concrete ``ParallelConfig``, the chosen planner ``Result``, a one-line reason) for an auto layout."""
-    from ..config import ParallelConfig
+    from ..interface.config import ParallelConfig
     from .cost import CostModel, Workload
     from .model_spec import ModelSpec
     from .search import best_layout, search

@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 import sys
 
-from ..config import ConfigError
-from ..estimates import OPTIMIZERS, PROFILES
+from ..interface.config import ConfigError
+from ..interface.estimates import OPTIMIZERS, PROFILES
 from .hardware import PRESETS as GPU_PRESETS
 from .model_spec import PRESETS as MODEL_PRESETS
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import ConfigError, ParallelConfig
+from ..interface.config import ConfigError, ParallelConfig
 
 # Global constants (not per row, not per model): see docs/planner.md.
 CONSTANTS = {
@@ -131,7 +131,7 @@ class CostModel:
     """Costs layouts of one model on one machine for one workload (caches what layouts share)."""
 
     def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
-        from ..plugins import get_plugin_manager
+        from ..interface.plugins import get_plugin_manager
 
         self.spec, self.hw, self.work = spec, hardware, workload
         self.c = {**CONSTANTS, **(constants or {})}
@@ -168,7 +168,7 @@ class CostModel:
         micro-batches in flight; the second may hold one layer more) and the ones holding the last stage (head,
         logits) — the ranks between hold fewer micro-batches of as many layers."""
         from ..engine import estimate
-        from ..estimates import meta_model
+        from ..interface.estimates import meta_model
 
         model = meta_model(self.spec.config)
         config = lay.config()
@@ -189,7 +189,7 @@ class CostModel:
     # ---- time ----------------------------------------------------------------------------------------------
     def axis_nodes(self, lay: Layout) -> dict:
         """Nodes spanned by one group of each mesh axis (axes inner in the mesh have consecutive ranks)."""
-        from ..parallel_dims import declared_axes, resolve
+        from ..interface.parallel_dims import declared_axes, resolve
 
         axes = declared_axes(resolve(lay.config(), lay.world, self.pm, check=False), self.pm)
         g = self.hw.gpus_per_node
@@ -260,7 +260,7 @@ def coordinates_to_cost(config, pm=None) -> list[dict]:
     import itertools
 
     if pm is None:
-        from ..plugins import get_plugin_manager
+        from ..interface.plugins import get_plugin_manager
 
         pm = get_plugin_manager()
     axes: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 
 # The Playbook cluster's measured bus bandwidth (GB/s) by node count: the shape of multi-node scaling.
 MEASURED_NODES = (1, 2, 4, 8, 16, 32, 64)

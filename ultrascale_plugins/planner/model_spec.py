@@ -6,8 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..config import ConfigError
-from ..estimates import meta_model
+from ..interface.config import ConfigError
+from ..interface.estimates import meta_model
 
 # Architectures people plan for most often, as their published config.json fields (the ones that size the model).
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
@@ -74,7 +74,7 @@ class ModelSpec:
 
     @classmethod
     def of(cls, model_config, name: str = "") -> "ModelSpec":
-        from ..estimates import inventory
+        from ..interface.estimates import inventory
 
         model = meta_model(model_config)
         records = inventory(model)

@@ -9,7 +9,7 @@ its rank is free and what it waits for has finished.
 from __future__ import annotations
 
 
-from ..config import ConfigError
+from ..interface.config import ConfigError
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "other")
 MEMORY_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
@@ -22,7 +22,7 @@ def schedule_timeline(schedule: str, p: int, m: int, v: int = 1) -> list[list[tu
     of one forward of one micro-batch on one stage: the pipeline plugin's simulation of ``schedule`` with ``p``
     ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_schedule_timeline``).
     """
-    from ..plugins import get_plugin_manager
+    from ..interface.plugins import get_plugin_manager
 
     timeline = get_plugin_manager().hook.ultrascale_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
                                                                        virtual_stages=v)

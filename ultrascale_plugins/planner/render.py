@@ -55,7 +55,7 @@ def lightning_call(r: Result, gpus: int, per_node: int) -> str:
 def accelerate_config(r: Result, gpus: int, per_node: int, accelerate_yaml) -> str:
     """``accelerate_yaml``: the adapters' writer of Accelerate config files (handed in by the CLI, so the core
     never imports the front ends)."""
-    from ..config import ParallelConfig
+    from ..interface.config import ParallelConfig
 
     config = ParallelConfig(**r.layout.fields())
     data = accelerate_yaml(config, gpus, False, max(1, gpus // per_node))

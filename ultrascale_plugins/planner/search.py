@@ -105,7 +105,7 @@ def rank_key(results: list[Result]):
 def best_layout(cost: CostModel, world: int, results: list[Result] | None = None) -> Result:
     """The best runnable layout that fits (of ``results`` when the search has run already); raises when none
     does."""
-    from ..config import ConfigError
+    from ..interface.config import ConfigError
 
     results = search(cost, world) if results is None else results
     if not results or not results[0].fits:

@@ -1,5 +1,5 @@
 """The cost model against published measurements: the Ultra-Scale Playbook's 1,649 runs of a 1B and a 3B
-Llama-style model on 1-64 nodes of 8 H100 (``ultrascale_plugins/data/playbook_benchmarks_1B_3B.csv``, from the
+Llama-style model on 1-64 nodes of 8 H100 (``ultrascale_plugins/resources/playbook_benchmarks_1B_3B.csv``, from the
 public charts of ``nanotron/ultrascale-playbook``; its setup is in docs/planner.md).
 
 Four figures, each with the target the project set (issue 13):
@@ -26,7 +26,7 @@ from .cost import CostModel, Layout, Workload
 from .hardware import PRESETS
 from .model_spec import ModelSpec, load_model_config
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "playbook_benchmarks_1B_3B.csv"
+DATA = Path(__file__).resolve().parent.parent / "resources" / "playbook_benchmarks_1B_3B.csv"
 MODELS = {"1B": "llama-3.2-1b", "3B": "llama-3.2-3b"}
 TARGETS = {"memory_median_error": 0.10, "memory_p90_error": 0.25, "oom_accuracy": 0.90,
            "spearman_median": 0.70, "top5_hit_rate": 0.70}

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .loss import IGNORE_INDEX
+from ..interface.config import ConfigError
+from ..loss import IGNORE_INDEX
 
 
 class Rows:

@@ -3,7 +3,7 @@ corpus (the embedded default). One place the command line, the workers and the L
 take it from."""
 from __future__ import annotations
 
-from .config import ConfigError
+from ..interface.config import ConfigError
 
 
 def default_tokenizer(recipe) -> str | None:
@@ -57,7 +57,7 @@ def prepare_before_launch(recipe, model_config, resume: str | None = None) -> st
     None without a dataset."""
     extra = {}
     if resume:
-        from .checkpoint import read_meta
+        from ..checkpoints.sharded import read_meta
 
         extra = read_meta(resume).get("extra", {})
     if not recipe.data.dataset:

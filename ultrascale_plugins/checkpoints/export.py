@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import CheckpointError, SafeReader, read_meta, saved_model_config
+from .sharded import CheckpointError, SafeReader, read_meta, saved_model_config
 
 MODEL_PREFIX = "model."
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from .config import ConfigError
+from ..interface.config import ConfigError
 
 META = "ultrascale.json"
 PREFIX = "step-"
@@ -105,7 +105,7 @@ def dcp_view(tensor, pm=None):
     if not torch.is_tensor(tensor):
         return tensor
     if pm is None:
-        from .plugins import get_plugin_manager
+        from ..interface.plugins import get_plugin_manager
 
         pm = get_plugin_manager()
     view = pm.hook.ultrascale_checkpoint_view(tensor=tensor)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from .sharded import CheckpointError
 
 SUFFIX = ".safetensors"
 
@@ -67,7 +67,7 @@ class FusedSource:
         it holds where the converter allows (``by_rows``), else all of this one parameter's keys."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from .initialize import local_chunk
+        from ..initialize import local_chunk
 
         try:
             from torch.distributed.tensor.placement_types import _StridedShard
@@ -111,7 +111,7 @@ class PretrainedWeights:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        from .initialize import to_empty_tied
+        from ..initialize import to_empty_tied
 
         for module in ctx.modules:
             to_empty_tied(module, ctx.device)  # plain to_empty would untie a tied head from its embedding
@@ -138,7 +138,7 @@ class PretrainedWeights:
                     reads[source] = tensor
             try:
                 if reads:  # a TP-packed parameter (GPT-2's c_attn) is read as its true pieces, as checkpoints do
-                    from .checkpoint import dcp_view
+                    from .sharded import dcp_view
 
                     dcp.load({k: dcp_view(v) for k, v in reads.items()},
                              storage_reader=HuggingFaceStorageReader(str(self.path)))
@@ -287,7 +287,7 @@ def empty_model(model_config):
     """The causal LM on the meta device (tied weights stay tied), with its buffers computed."""
     from transformers import AutoModelForCausalLM
 
-    from .initialize import fill_buffers
+    from ..initialize import fill_buffers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
@@ -313,7 +313,7 @@ def weights_for(model, init_from: str | Path | None):
     read from (``AutoConfig.from_pretrained(DIR)`` records it), else a ``ModelInit`` that initializes it shard by
     shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
     build left empty are computed first."""
-    from .initialize import ModelInit, fill_buffers
+    from ..initialize import ModelInit, fill_buffers
 
     source = init_from
     meta = any(p.is_meta for p in model.parameters())

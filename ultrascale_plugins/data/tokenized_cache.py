@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ..interface.config import ConfigError
 
 FORMAT_VERSION = 2  # bump when the tokenization below changes what it writes
 
@@ -108,7 +108,7 @@ class Tokenized:
 def _tokenize_batch(tokenizer, spec, source):
     """The ``datasets.map`` function (batched, with indices)."""
     from .chat_tokens import chat_sample
-    from .loss import IGNORE_INDEX
+    from ..loss import IGNORE_INDEX
 
     eos = tokenizer.eos_token_id
 

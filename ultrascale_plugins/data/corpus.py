@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
+from ..interface.config import ConfigError
 
 
 def _corpus_file(corpus: str):
     if corpus == "builtin":
-        return resources.files("ultrascale_plugins").joinpath("data/corpus.txt")
+        return resources.files("ultrascale_plugins").joinpath("resources/corpus.txt")
     p = Path(corpus)
     if not p.is_file():
         raise ConfigError(f"data.corpus={corpus!r}: no such file. Fix: use builtin or a path to a text file")

@@ -101,7 +101,7 @@ def list_plugins() -> list[dict]:
         if dist is not None:
             source, version = dist.project_name, dist.version
         else:
-            from . import __version__
+            from .. import __version__
 
             source, version = "builtin", __version__
         fields = [f for f in layout_fields() if f.plugin == name]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .config import ConfigError
-from .loss import IGNORE_INDEX
+from ..interface.config import ConfigError
+from ..loss import IGNORE_INDEX
 
 
 def has_generation_tags(tokenizer) -> bool:

@@ -11,7 +11,7 @@ import functools
 import json
 from importlib import resources
 
-from .config import ConfigError
+from ..interface.config import ConfigError
 
 SWEEP = "python benchmarks/packing_sweep.py"
 
@@ -19,7 +19,7 @@ SWEEP = "python benchmarks/packing_sweep.py"
 @functools.lru_cache(maxsize=1)
 def _shipped() -> tuple[str, dict[str, str]]:
     """(transformers version of the sweep, {model_type: verdict})."""
-    data = json.loads(resources.files("ultrascale_plugins").joinpath("data/packing_support.json").read_text())
+    data = json.loads(resources.files("ultrascale_plugins").joinpath("resources/packing_support.json").read_text())
     verdicts = {}
     for verdict in ("apart", "crosses", "error", "untinyable"):
         for model_type in data.get(verdict, []):
