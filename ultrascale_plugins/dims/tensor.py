@@ -230,7 +230,8 @@ def ultrascale_shard_model(model, ctx):
                 raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
                                   "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
             head.weight = embed.weight
-    replicate_the_rest(model, mesh)
+    if not ctx.dims.fsdp:  # FSDP makes every parameter a DTensor itself
+        replicate_the_rest(model, mesh)
 
 
 def _shard_named_params(model, plan, mesh, present) -> None:

@@ -177,11 +177,14 @@ def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: se
 
 def replicate_the_rest(model: nn.Module, mesh) -> None:
     """Every parameter the plan left plain (norms without sequence parallel, an embedding or head the plan does
-    not shard) becomes a replicated DTensor on the TP mesh, so that every parameter of a TP model is a DTensor:
-    torch's foreach and fused optimizers (AdamW's default on GPUs, the Trainer's ``adamw_torch_fused``) refuse a
-    mix of DTensors and plain tensors in one call. Its module runs on the local value and its gradient is kept
-    as each rank computed it: these parameters see the same data on every TP rank, so the gradients are equal
-    and summing them would be wrong. A parameter shared by several modules (tied weights) stays one object."""
+    not shard, a Mamba mixer's convolution) becomes a replicated DTensor on the TP mesh, so that every parameter
+    of a TP model is a DTensor: torch's foreach and fused optimizers (AdamW's default on GPUs, the Trainer's
+    ``adamw_torch_fused``) refuse a mix of DTensors and plain tensors in one call. (With FSDP they are DTensors
+    already: not called.) The model still computes on plain tensors: while a module runs, its own and its
+    children's replicated parameters are seen as their local values (a module's code may use a child's parameter
+    directly, as Mamba mixers use ``self.conv1d.weight``), and their gradients are kept as each rank computed
+    them: these parameters see the same data on every TP rank, so the gradients are equal and summing them would
+    be wrong. A parameter shared by several modules (tied weights) stays one object."""
     converted: dict[int, nn.Parameter] = {}
     for module in model.modules():
         plain = [name for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
@@ -194,7 +197,35 @@ def replicate_the_rest(model: nn.Module, mesh) -> None:
                                                     requires_grad=param.requires_grad)
             module.register_parameter(name, converted[id(param)])
         module._ultrascale_same_grads = set(getattr(module, "_ultrascale_same_grads", ())) | set(plain)
-        run_on_local_params(module, mesh, replicate_plain=False)
+    for module in model.modules():
+        # its own and its children's: never deeper, so that no module outside an activation-checkpointed layer
+        # swaps parameters inside it (a recomputation must run the same operations as the forward did)
+        held = [(m, name) for m in (module, *module.children()) for name in getattr(m, "_ultrascale_same_grads", ())]
+        if held:
+            _run_with_local_values(module, held)
+
+
+def _run_with_local_values(module: nn.Module, held: list) -> None:
+    """Run ``module`` with the replicated parameters ``held`` ((owner, name): its own and its children's) swapped for
+    their local values (a view: the gradient reaches the DTensor parameter as a replicated DTensor, unsummed). An enclosing
+    module's swap already made them local: then nothing to do. Activation recomputation runs a layer's forward
+    again, and the swap with it."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        swapped = []
+        try:
+            for owner, name in held:
+                param = owner._parameters.get(name)
+                if isinstance(param, DTensor):
+                    owner._parameters[name] = param.to_local()
+                    swapped.append((owner, name, param))
+            return inner(*args, **kwargs)
+        finally:
+            for owner, name, param in swapped:
+                owner._parameters[name] = param
+
+    module.forward = forward
 
 
 # Placement of a parameter the plan names directly (fused expert weights, attention sinks), following
