@@ -160,11 +160,10 @@ def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: se
 
     def forward(*args, **kwargs):
         saved = dict(module._parameters)
-        same = getattr(module, "_ultrascale_same_grads", ())
         try:
             for name, param in saved.items():
                 if isinstance(param, DTensor):
-                    summed = name not in same and all(isinstance(p, Replicate) for p in param.placements)
+                    summed = all(isinstance(p, Replicate) for p in param.placements)
                     module._parameters[name] = (_LocalWithSummedGrad.apply(param) if summed and param.requires_grad
                                                 else param.to_local())
             return inner(*args, **kwargs)
@@ -186,21 +185,21 @@ def replicate_the_rest(model: nn.Module, mesh) -> None:
     them: these parameters see the same data on every TP rank, so the gradients are equal and summing them would
     be wrong. A parameter shared by several modules (tied weights) stays one object."""
     converted: dict[int, nn.Parameter] = {}
+    owned: dict[nn.Module, list[str]] = {}  # module -> the names of its parameters converted here
     for module in model.modules():
         plain = [name for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
-        if not plain:
-            continue
         for name in plain:
             param = module._parameters[name]
             if id(param) not in converted:
                 converted[id(param)] = nn.Parameter(DTensor.from_local(param, mesh, [Replicate()], run_check=False),
                                                     requires_grad=param.requires_grad)
             module.register_parameter(name, converted[id(param)])
-        module._ultrascale_same_grads = set(getattr(module, "_ultrascale_same_grads", ())) | set(plain)
+        if plain:
+            owned[module] = plain
     for module in model.modules():
         # its own and its children's: never deeper, so that no module outside an activation-checkpointed layer
         # swaps parameters inside it (a recomputation must run the same operations as the forward did)
-        held = [(m, name) for m in (module, *module.children()) for name in getattr(m, "_ultrascale_same_grads", ())]
+        held = [(m, name) for m in (module, *module.children()) for name in owned.get(m, ())]
         if held:
             _run_with_local_values(module, held)
 

@@ -164,9 +164,8 @@ class CostModel:
 
     # ---- the estimate hooks ---------------------------------------------------------------------------------
     def estimates(self, lay: Layout):
-        """An ``Estimate`` per pipeline rank that can be the most loaded: the first two (the embedding, the most
-        micro-batches in flight; the second may hold one layer more) and the ones holding the last stage (head,
-        logits) — the ranks between hold fewer micro-batches of as many layers."""
+        """An ``Estimate`` per rank that can be the most loaded (``coordinates_to_cost``: the dimensions say which,
+        e.g. a pipeline's first two stages and the ones holding the last)."""
         from ..engine import estimate
         from ..interface.estimates import meta_model
 
