@@ -39,7 +39,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
 from ..interface.config import ConfigError, ParallelConfig
-from .layout import ACCELERATE_ENV_PREFIXES, layout_from_environment, make_config
+from .layout import ACCELERATE_ENV_PREFIXES, compile_from_dynamo, layout_from_environment, make_config
 
 STATE_FILE = "accelerate.pt"
 
@@ -88,6 +88,9 @@ class UltraScaleAccelerator(Accelerator):
                 config = layout_from_environment(os.environ, world)
             if mixed is not None and str(mixed) != "no":
                 config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
+            compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)
+            if compiled is not None and config.compile == "none":
+                config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
             self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
         except ConfigError as exc:
             if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank

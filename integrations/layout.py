@@ -181,3 +181,24 @@ def accelerate_yaml(config: ParallelConfig, num_processes: int, use_cpu: bool, n
             "same_network": True, "mixed_precision": "bf16" if config.mixed_precision == "bf16" else "no",
             "downcast_bf16": "no", "enable_cpu_affinity": False, "tpu_env": [], "tpu_use_cluster": False,
             "tpu_use_sudo": False, "parallelism_config": sizes}
+
+
+def compile_from_dynamo(plugin: Any, backend: Any, env: Mapping[str, str]) -> str | None:
+    """Accelerate's torch.compile settings (``dynamo_plugin=`` / ``dynamo_backend=`` in code, ``dynamo_config`` in
+    its YAML, which the launcher exports as ``ACCELERATE_DYNAMO_*``; the Trainer's ``torch_compile`` arrives the
+    same way) as this package's ``compile`` field: "regional" when they ask for compilation, None when not.
+    Accelerate would compile the whole model; here each decoder layer is compiled once, inside the layout
+    (``dims/compiling.py``), so the model is never compiled twice. Settings regional compilation does not take are
+    refused, naming the setting."""
+    name = getattr(plugin, "backend", None) if plugin is not None else backend
+    name = getattr(name, "value", name) or env.get("ACCELERATE_DYNAMO_BACKEND")
+    if name is None or str(name).lower() == "no":
+        return None
+    if str(name).lower() != "inductor":
+        raise ConfigError(f"dynamo_backend={name!r}: ultrascale compiles each decoder layer with inductor only. "
+                          "Fix: use dynamo_backend: inductor (or no)")
+    mode = getattr(plugin, "mode", None) if plugin is not None else env.get("ACCELERATE_DYNAMO_MODE")
+    if mode not in (None, "", "default"):
+        raise ConfigError(f"dynamo_mode={mode!r}: regional compilation runs inductor's default mode (CUDA graphs "
+                          "would capture the layouts' collectives). Fix: use dynamo_mode: default")
+    return "regional"

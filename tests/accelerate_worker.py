@@ -106,7 +106,8 @@ def train(args) -> dict:
             if args.save_at and step == args.save_at[0]:
                 accelerator.save_state(args.save_at[1])
     result = {"losses": losses, "data_parallel_size": accelerator.data_parallel_size,
-              "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
+              "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+              "compile": accelerator.ultrascale_config.compile, "compiled_graphs": compiled_graphs()}
     if args.save_model:
         accelerator.save_model(model, args.save_model)
         model.eval()
@@ -117,6 +118,12 @@ def train(args) -> dict:
     accelerator.print("ultrascale accelerate worker done")
     accelerator.end_training()
     return result
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def main():

@@ -4,6 +4,9 @@ CASES = {
     # 2 ranks
     "zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 3}, "roundtrip": True},
     "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}},
+    # explicit FSDP2 prefetch: the targets each layer was given are counted (tests/test_parity.py)
+    "zero3_dp2_prefetch": {"world": 2, "arch": "llama8",
+                           "layout": {"dp_shard": 2, "fsdp_forward_prefetch": 2, "fsdp_backward_prefetch": 1}},
     "zero1_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 1}},
     "ddp_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 0}},
     "tp2": {"world": 2, "arch": "llama", "layout": {"tp": 2}},
@@ -127,3 +130,17 @@ CASES.update({
                                     "layout": {"cp": 2, "cp_method": "ulysses", "pp": 2,
                                                "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
 })
+
+# compile: regional (each decoder layer compiled by inductor) against the eager single-process run, composed
+# with FSDP2 and selective recomputation, TP without FSDP (local views) and full recomputation, TP + SP, a
+# pipeline and context parallel
+COMPILED = {
+    "compile_zero3_dp2_ac_selective": (2, "llama", {"dp_shard": 2, "activation_checkpointing": "selective"}, {}),
+    "compile_tp2_ac_full": (2, "llama", {"tp": 2, "activation_checkpointing": "full"}, {}),
+    "compile_dp2_tp2_sp": (4, "llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {}),
+    "compile_pp2_1f1b": (2, "llama8_tied", {"pp": 2, "pp_schedule": "1f1b"}, {}),
+    "compile_cp2_ring_packed": (2, "llama", {"cp": 2}, {"seq": 256, "data": "packed"}),
+}
+for _name, (_world, _arch, _layout, _extra) in COMPILED.items():
+    CASES[_name] = {"world": _world, "arch": _arch, "layout": {**_layout, "compile": "regional"}, "adamw": False,
+                    **_extra}

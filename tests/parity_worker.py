@@ -67,6 +67,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     arch, layout = spec["arch"], spec["layout"]
     positions = spec.get("positions", False)
     batches = make_batches(spec)
+    graphs_before = compiled_graphs()
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
@@ -92,7 +93,9 @@ def run_case(name: str, spec: dict) -> dict | None:
         fresh.load_state_dict(pmodel.state_dict())
         again = fresh.full_state_dict()
         roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
-    adamw = adamw_implementations_agree(arch, layout, batches)
+    graphs = compiled_graphs() - graphs_before  # compile: regional must really have compiled
+    # the optimizer implementations are independent of compilation: compiled cases skip them (compile time)
+    adamw = adamw_implementations_agree(arch, layout, batches) if spec.get("adamw", True) else {}
     if dist.get_rank() != 0:
         return None
     ref_losses, ref_norms, ref_weights, ref_eval = reference(
@@ -105,7 +108,22 @@ def run_case(name: str, spec: dict) -> dict | None:
             "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
-            "bytes_held": bytes_held}
+            "bytes_held": bytes_held, "compiled_graphs": graphs, "prefetch": prefetch_targets(pmodel)}
+
+
+def prefetch_targets(pmodel) -> list[int]:
+    """[forward, backward]: how many explicit FSDP2 prefetch targets this rank's layers were given."""
+    from torch.distributed.fsdp import FSDPModule
+
+    states = [m._get_fsdp_state() for part in pmodel.modules for m in part.modules() if isinstance(m, FSDPModule)]
+    return [sum(len(s._states_to_forward_prefetch) for s in states),
+            sum(len(s._states_to_backward_prefetch) for s in states)]
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

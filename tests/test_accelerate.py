@@ -93,6 +93,20 @@ def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_accelerates_dynamo_config_compiles_each_layer_once(tmp_path, reference):
+    """`dynamo_config: {dynamo_backend: INDUCTOR}` (what `accelerate config` writes for torch.compile) becomes
+    compile: regional: each decoder layer compiled, the model not compiled again as a whole, every step equal
+    to eager on one process."""
+    data = yaml.safe_load((RECIPES / "tp_sp.yaml").read_text())
+    data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    config = tmp_path / "tp_sp_compiled.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out.json"
+    r = check(launch(str(config), out, "--adamw", "fused"), out, reference, 1, adamw="fused")
+    assert r["compile"] == "regional" and r["compiled_graphs"] > 0, r
+
+
+@pytest.mark.slow
 def test_accumulation_save_state_resume_and_save_model(tmp_path, reference):
     """ZeRO-3, 2 micro-batches per step: save_state after 3 batches, a fresh process (other initial weights)
     load_state-s it and continues exactly; save_model gives an HF directory with equal logits."""

@@ -50,6 +50,8 @@ def test_config_error_is_a_value_error():
     ({"zero_stage": 4}, ["zero_stage=4", "0, 1, 2, 3"]),
     ({"activation_checkpointing": "all"}, ["activation_checkpointing='all'", "full"]),
     ({"mixed_precision": "bf32"}, ["mixed_precision='bf32'", "bf16"]),
+    ({"compile": "full"}, ["compile='full'", "regional"]),
+    ({"fsdp_backward_prefetch": -1}, ["fsdp_backward_prefetch=-1", "at least 0"]),
 ])
 def test_bad_fields(fields, words):
     with pytest.raises(ConfigError) as err:
@@ -124,6 +126,7 @@ def test_pp_larger_than_layers():
     ({"tp": 4}, ["num_key_value_heads=2"]),
     ({"sequence_parallel": True}, ["sequence_parallel", "tp > 1"]),
     ({"loss_parallel": True}, ["loss_parallel", "tp > 1"]),
+    ({"zero_stage": 1, "fsdp_forward_prefetch": 2}, ["fsdp_forward_prefetch=2", "zero_stage=1", "zero_stage: 2 or 3"]),
 ])
 def test_validate_before_any_process_group(fields, words):
     with pytest.raises(ConfigError) as err:
@@ -155,3 +158,22 @@ def test_a_bare_yaml_no_reads_as_the_choice_no():
 
     assert load_recipe(None, ["mixed_precision=no"]).parallel.mixed_precision == "no"
     assert ParallelConfig.from_dict({"mixed_precision": False}).mixed_precision == "no"
+
+
+def test_accelerate_and_trainer_compile_settings_map_onto_regional_compilation():
+    """Accelerate's dynamo settings (the Trainer's torch_compile arrives through them) become compile: regional,
+    or are refused naming the setting; "no" leaves compilation off."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    from ultrascale_plugins.integrations.layout import compile_from_dynamo
+
+    assert compile_from_dynamo(None, None, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}) == "regional"
+    assert compile_from_dynamo(None, "inductor", {}) == "regional"
+    assert compile_from_dynamo(TorchDynamoPlugin(backend="inductor", mode="default"), None, {}) == "regional"
+    assert compile_from_dynamo(None, None, {"ACCELERATE_DYNAMO_BACKEND": "NO"}) is None
+    assert compile_from_dynamo(None, None, {}) is None
+    with pytest.raises(ConfigError, match="dynamo_backend='aot_eager'.*inductor"):
+        compile_from_dynamo(None, "aot_eager", {})
+    with pytest.raises(ConfigError, match="dynamo_mode='reduce-overhead'.*default"):
+        compile_from_dynamo(None, None, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR",
+                                         "ACCELERATE_DYNAMO_MODE": "reduce-overhead"})

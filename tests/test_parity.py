@@ -27,6 +27,14 @@ def test_layout_matches_single_process(name, parity_results):
         assert held == predicted, f"rank {rank}: parameter/gradient/optimizer bytes held {held}, planner {predicted}"
     for kind, (loss_diff, weight_diff) in r["adamw"].items():  # foreach (CUDA's default), fused (the Trainer's)
         assert loss_diff <= ADAMW_TOL and weight_diff <= ADAMW_TOL, f"AdamW {kind} vs for-loop: {loss_diff}, {weight_diff}"
+    layout = CASES[name]["layout"]
+    if layout.get("fsdp_forward_prefetch") or layout.get("fsdp_backward_prefetch"):
+        # 8 layers: layer i prefetches min(n, layers left) in each direction
+        want = [sum(min(layout.get(f"fsdp_{way}_prefetch", 0), left) for left in range(8))
+                for way in ("forward", "backward")]
+        assert r["prefetch"] == want, (r["prefetch"], want)
+    if layout.get("compile", "none") != "none":
+        assert r["compiled_graphs"] > 0, "compile: regional compiled nothing"
     if CASES[name].get("roundtrip"):
         assert r["roundtrip"], "state_dict() -> load_state_dict() in the same layout did not restore the weights"
     if "tol" in CASES[name]:  # reduced precision must really have run: not bit-identical to fp32

@@ -36,7 +36,9 @@ def _close(a, b, tol):
 # Trainer's gradient accumulation: 2 micro-batches per step whose rows hold very different numbers of valid tokens
 # (the first is mostly padding), weighted by their tokens as a plain Trainer weights them (num_items_in_batch)
 ACCUMULATION_LAYOUTS = {"zero3": ["dp_shard=2"], "zero1": ["dp_shard=2", "zero_stage=1"], "tp": ["tp=2"],
-                        "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"]}
+                        "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"],
+                        # last: TrainingArguments(torch_compile=True) sets Accelerate's variables for the process
+                        "zero3_torch_compile": ["dp_shard=2", "--torch-compile"]}
 
 
 def _weights(directory):
@@ -64,6 +66,8 @@ def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
                     for name, layout in ACCUMULATION_LAYOUTS.items()])
     for name, run in zip(ACCUMULATION_LAYOUTS, runs):
         assert run["steps"] == [1, 2, 3, 4], (name, run)
+        if "--torch-compile" in ACCUMULATION_LAYOUTS[name]:  # mapped onto compile: regional, which compiled
+            assert run["compile"] == "regional" and run["compiled_graphs"] > 0, run
         assert _close(run["losses"], want["losses"], ACROSS), (name, run["losses"], want["losses"])
         assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (name, run["grad_norms"], want["grad_norms"])
         weights = _weights(tmp_path / name / "hf")

@@ -14,6 +14,7 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --resume PATH          trainer.train(resume_from_checkpoint=PATH)
     --output-dir DIR       TrainingArguments.output_dir (default: OUT.json's directory/trainer)
     --no-save-model        skip the final save_model
+    --torch-compile        TrainingArguments(torch_compile=True): ultrascale compiles each decoder layer
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
@@ -38,7 +39,8 @@ ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(STEPS, GLOBAL_BA
 EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_BATCH, seed=7)
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
-           "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1}
+           "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1,
+           "--torch-compile": 0}
 
 
 def parse(argv):
@@ -105,7 +107,7 @@ def run(argv):
                              max_steps=int(opts.get("--max-steps", [STEPS])[0]), learning_rate=1e-3,
                              weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
-                             disable_tqdm=True, seed=0,
+                             disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
     trainer = cls(model=make_model("llama8_tied", seed=0), args=args, train_dataset=ROWS, callbacks=[Record()],
                   eval_dataset=EVAL_ROWS if evaluation else None, **extra)
@@ -133,6 +135,11 @@ def run(argv):
     if rank == 0:
         result.update(losses=losses, grad_norms=norms, steps=steps, eval=evals,
                       best=trainer.state.best_model_checkpoint)
+        if hasattr(trainer.accelerator, "ultrascale_config"):
+            from torch._dynamo.utils import counters
+
+            result.update(compile=trainer.accelerator.ultrascale_config.compile,
+                          compiled_graphs=counters["stats"]["unique_graphs"])
         with open(out, "w") as f:
             json.dump(result, f)
 

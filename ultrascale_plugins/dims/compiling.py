@@ -1,0 +1,55 @@
+"""Regional compilation: ``torch.compile`` of each decoder layer (``compile: regional``), as torchtitan does.
+
+Why per layer and not the whole model: a whole-model graph breaks at every collective the layouts put between
+layers (FSDP2's all-gathers run in module hooks, a pipeline's sends between stages), while each decoder layer's
+compute is one graph; and the layers of one class share their compiled code, so compile time is that of one
+layer (plus a graph per layer variant: sliding versus full attention), not of the model.
+
+What is compiled is the layer's ``forward`` as the other transforms left it, last (``trylast``): inside it tensor
+parallel's sharded matmuls and activation checkpointing (compiled with the layer, so selective recomputation's
+policy is traced too); outside it FSDP2's hooks (they run on ``__call__``, around ``forward``), so parameter
+names and checkpoints are those of the eager model. Context parallel's attention runs eagerly inside the
+compiled layer (its ring sends cannot be traced; ``cp_attention`` is excluded from compilation).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..interface.hookspecs import hookimpl
+
+MODES = ("none", "regional")
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("compile", str, "none", "regional: torch.compile each decoder layer (inductor), composed with every "
+               "layout", choices=MODES)
+
+
+@hookimpl(trylast=True)
+def ultrascale_wrap_layers(model, ctx):
+    """Last among the per-layer wrappers: the compiled region holds activation checkpointing, not the reverse."""
+    if ctx.config.compile == "none":
+        return
+    for fqn in ctx.plan_layers(model):
+        compile_layer(model.get_submodule(fqn))
+
+
+def compile_layer(layer: torch.nn.Module) -> None:
+    """Replace ``layer.forward`` by its compiled self. Without an instance wrapper the compiled function is the
+    class's ``forward``, shared by every layer of the class, with the layer as an argument: layers of one class
+    then reuse one graph (a function bound to its layer is traced once per layer, each guarded on the layer's
+    identity). A wrapper another transform installed (activation checkpointing, tensor parallel's local views)
+    closes over its own layer's state, so it is compiled as it is, per layer."""
+    inner = layer.__dict__.get("forward")
+    if inner is not None:
+        layer.forward = torch.compile(inner)
+        return
+    layer.forward = functools.partial(_shared(type(layer).forward), layer)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared(function):
+    return torch.compile(function)
