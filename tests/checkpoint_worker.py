@@ -46,6 +46,23 @@ def resumed(layout: dict, path) -> list[float]:
     return train(pmodel, opt, range(meta["extra"]["data_position"], STEPS))
 
 
+def async_save(layout: dict, directory: Path) -> dict:
+    """A checkpoint written in the background while the next steps train (their optimizer updates the very
+    tensors being written): it appears only when committed, and resumes the uninterrupted run exactly."""
+    pmodel, opt = build(layout)
+    first = train(pmodel, opt, range(SAVE_AT))
+    pending = save_checkpoint(pmodel, opt, directory, step=SAVE_AT, extra={"data_position": SAVE_AT},
+                              asynchronous=True)
+    hidden = not pending.final.exists()
+    rest = []
+    for step in range(SAVE_AT, STEPS):
+        rest += train(pmodel, opt, [step])
+        pending.poll()
+    pending.wait()
+    return {"async_hidden_until_committed": hidden, "async_uninterrupted": first + rest,
+            "async_same_layout": resumed(layout, pending.final)}
+
+
 PRETRAINED_LAYOUTS = {
     "dp_shard4": {"dp_shard": 4},
     "tp2_dp2_sp": {"tp": 2, "dp_shard": 2, "sequence_parallel": True},
@@ -99,6 +116,7 @@ def main():
         result["uninterrupted"] = first + train(pmodel, opt, range(SAVE_AT, STEPS))
         result["same_layout"] = resumed(a, ckpt)
         result["tp2_dp2_sp"] = resumed({"dp_shard": 2, "tp": 2, "sequence_parallel": True}, ckpt)
+        result.update(async_save(a, out / "async"))
         pmodel, opt = build({"pp": 2, "tp": 2, "dp_shard": 1})
         train(pmodel, opt, range(SAVE_AT))
         ckpt_pp = save_checkpoint(pmodel, opt, out / "pp2tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})

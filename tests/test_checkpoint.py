@@ -35,6 +35,9 @@ def test_resume_is_exact_and_reshards_across_layouts_and_world_sizes(sharded_run
          **json.loads((tmp_path / "reshard_world.json").read_text())}
     expected = r["uninterrupted"][3:]
     assert r["same_layout"] == expected  # bit for bit
+    # written in the background while training went on: invisible until committed, then resumes bit for bit
+    assert r["async_hidden_until_committed"]
+    assert r["async_same_layout"] == r["async_uninterrupted"][3:]
     # ZeRO-1 (partitioned optimizer state) resumes within 1e-7, not bit for bit: DDP rebuilds its gradient
     # buckets after a process's first step, so the resumed run's first all-reduces sum in another order
     assert r["zero1_same_layout"] == pytest.approx(r["zero1_uninterrupted"][3:], abs=1e-6, rel=0)

@@ -95,7 +95,8 @@ def test_resume_from_the_command_line_continues_exactly(tmp_path):
               "--set", "sequence_parallel=false", "--set", "train.steps=6", "--set", "train.log_every=1",
               "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--set", "train.save_every=3"]
     full = tmp_path / "full.json"
-    proc = ultrascale("train", *common, "--metrics", str(full))
+    # the checkpoints are written in the background (train.async_save) while the steps after them run
+    proc = ultrascale("train", *common, "--set", "train.async_save=true", "--metrics", str(full))
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = tmp_path / "resumed.json"
     proc = ultrascale("train", *common, "--resume", str(tmp_path / "ckpt" / "step-00000003"), "--metrics",

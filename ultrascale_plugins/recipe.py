@@ -61,6 +61,7 @@ class TrainSpec:
     save_dir: str = ""  # sharded checkpoints go here (step-XXXXXXXX); empty = no checkpoints
     save_every: int = 0  # steps between checkpoints (0 = only at the end, when save_dir is set)
     keep_last_n: int = 0  # 0 = keep all
+    async_save: bool = False  # write checkpoints in the background while training goes on (committed when done)
 
 
 @dataclasses.dataclass

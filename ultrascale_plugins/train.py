@@ -119,7 +119,10 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     events = None  # TensorBoard event files in --log-dir (rank 0), made at the first logged step
     start = time.perf_counter()
     window_start, window_steps = start, 0
+    saving = None  # a checkpoint being written in the background (train.async_save)
     for step in range(first_step, recipe.train.steps):
+        if saving is not None and saving.poll():
+            saving = None
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
         batch = data.train_rows(step, dp_rank, dp_size)
@@ -155,9 +158,14 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps):
             from .checkpoints.sharded import save_checkpoint
 
-            save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=data.position(step + 1),
-                            keep_last_n=t.keep_last_n or None,
-                            assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
+            if saving is not None:  # one checkpoint in flight at a time
+                saving.wait()
+            written = save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=data.position(step + 1),
+                                      keep_last_n=t.keep_last_n or None, asynchronous=t.async_save,
+                                      assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
+            saving = written if t.async_save else None
+    if saving is not None:
+        saving.wait()
     elapsed = time.perf_counter() - start
     _timing_mark("loop_done")
     val = [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe) for i in range(data.eval_batches)]

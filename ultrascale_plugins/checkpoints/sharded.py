@@ -224,19 +224,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def save_checkpoint(pmodel, optimizer, directory: str | Path, *, step: int, extra: dict | None = None,
-                    keep_last_n: int | None = None, assets: dict[str, Any] | None = None) -> Path:
+                    keep_last_n: int | None = None, assets: dict[str, Any] | None = None,
+                    asynchronous: bool = False):
     """Write a sharded checkpoint of model, optimizer, RNG and ``extra`` (JSON: data position, scheduler, ...)
     as ``directory/step-XXXXXXXX``, keeping the newest ``keep_last_n``. ``assets``: name -> an object with
-    ``save_pretrained`` (the tokenizer), written by rank 0 into that subdirectory."""
+    ``save_pretrained`` (the tokenizer), written by rank 0 into that subdirectory. Returns the checkpoint's path,
+    or with ``asynchronous`` a ``PendingCheckpoint`` (see ``write_checkpoint``)."""
     directory = Path(directory)
-    final = write_checkpoint(pmodel, optimizer, directory / f"{PREFIX}{step:08d}", step=step, extra=extra,
-                             assets=assets)
-    if keep_last_n and dist.get_rank() == 0:
-        for old in list_checkpoints(directory)[:-keep_last_n]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+    def rotate(final: Path) -> None:
+        if keep_last_n and dist.get_rank() == 0:
+            for old in list_checkpoints(directory)[:-keep_last_n]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    return write_checkpoint(pmodel, optimizer, directory / f"{PREFIX}{step:08d}", step=step, extra=extra,
+                            assets=assets, asynchronous=asynchronous, after_commit=rotate)
 
 
 REPLACED = ".replaced-"  # an earlier checkpoint of the same name, moved aside until its replacement is in place
@@ -276,11 +280,17 @@ def commit(tmp: Path, final: Path) -> None:
 
 def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: dict | None = None,
                      files: dict[str, Any] | None = None, assets: dict[str, Any] | None = None,
-                     before_commit=None) -> Path:
+                     before_commit=None, asynchronous: bool = False, after_commit=None):
     """Write a sharded checkpoint at exactly ``final`` (complete, or not there at all). ``files`` are more
     objects to store beside it (name -> tensors/containers/numbers), read back with ``torch.load(weights_only)``
-    by ``read_file``. ``before_commit(directory)`` runs on every rank once the shards are written, to add a front
-    end's own files (Trainer's state, scheduler, RNG), before the directory is committed (``commit``)."""
+    by ``read_file``. ``before_commit(directory)`` runs on every rank once the state is captured, to add a front
+    end's own files (Trainer's state, scheduler, RNG), before the directory is committed (``commit``);
+    ``after_commit(final)`` runs on every rank after it.
+
+    ``asynchronous``: the tensors are copied to host memory now and written by a background thread (DCP's
+    ``async_save``) while training goes on; the call returns a ``PendingCheckpoint`` and the checkpoint appears
+    at ``final`` only when every rank's write has finished and ``PendingCheckpoint.poll()`` or ``.wait()``
+    commits it, through the same commit as a blocking save. Returns ``final`` otherwise."""
     rank = dist.get_rank()
     final = Path(final)
     directory = final.parent
@@ -295,30 +305,87 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     model_state = _model_state(pmodel)
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
     plugin_tensors, plugin_values, rank_local = _plugin_state(pmodel)
-    dcp.save(_dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, pmodel.pm),
-             checkpoint_id=str(tmp))
+    tensors = _dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, pmodel.pm)
+    writing = None
+    if asynchronous:
+        # the background thread's collectives (DCP's save plan) get a process group of their own: on the training
+        # group they would interleave with the step's collectives in a different order on each rank
+        writing = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_background_group())
+    else:
+        dcp.save(tensors, checkpoint_id=str(tmp))
     torch.save(rank_local, _rank_file(tmp, rank))
     if rank == 0:
         for name, obj in (files or {}).items():
             torch.save(obj, tmp / name)
         for name, obj in (assets or {}).items():
             obj.save_pretrained(str(tmp / name))
-    dist.barrier()
-    if rank == 0:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = {"format": 1, "step": step, "world_size": dist.get_world_size(),
-                "layout": pmodel.config.to_dict(),
-                "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
-                "extra": extra or {}, "files": files, "plugins": plugin_values,
-                "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
     if before_commit is not None:
         before_commit(tmp)
-    dist.barrier()
-    if rank == 0:
-        commit(tmp, final)
-    dist.barrier()
-    return final
+    meta = {"format": 1, "step": step, "world_size": dist.get_world_size(), "layout": pmodel.config.to_dict(),
+            "optimizer": {"class": type(optimizer).__name__ if optimizer else None, "param_groups": groups},
+            "extra": extra or {}, "plugins": plugin_values,
+            "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
+
+    def finish() -> Path:
+        dist.barrier()
+        if rank == 0:
+            meta["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*"))
+                             if p.is_file()}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+        dist.barrier()
+        if rank == 0:
+            commit(tmp, final)
+        dist.barrier()
+        if after_commit is not None:
+            after_commit(final)
+        return final
+
+    if writing is None:
+        return finish()
+    return PendingCheckpoint(final, getattr(writing, "upload_completion", writing), finish, pmodel.device)
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background (``write_checkpoint(asynchronous=True)``). Every rank calls
+    ``poll()`` at the same points (after each step): once every rank's write has finished it commits the
+    checkpoint and returns True. ``wait()`` blocks until then (before the next save, and at the end)."""
+
+    def __init__(self, final: Path, future, finish, device: torch.device):
+        self.final = final
+        self._device = device
+        self._future = future
+        self._finish = finish
+        self.committed = False
+
+    def poll(self) -> bool:
+        """Commit if every rank's write is done (one small all-reduce on the training group, where the ranks
+        call it in step; the background group is the writer's); True once committed."""
+        if self.committed:
+            return True
+        done = torch.tensor([1 if self._future.done() else 0], device=self._device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if int(done):
+            self.wait()
+        return self.committed
+
+    def wait(self) -> Path:
+        if not self.committed:
+            self._future.result()  # a failed write raises here, and the directory stays uncommitted
+            self._finish()
+            self.committed = True
+        return self.final
+
+
+_BACKGROUND: dict = {}
+
+
+def _background_group():
+    """A gloo process group over every rank for checkpoint writes in the background (made once, by every rank at
+    its first asynchronous save: making a group is itself collective)."""
+    world = dist.group.WORLD
+    if world not in _BACKGROUND:
+        _BACKGROUND[world] = dist.new_group(backend="gloo")
+    return _BACKGROUND[world]
 
 
 def read_file(path: str | Path, name: str) -> Any:
