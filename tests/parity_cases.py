@@ -132,11 +132,11 @@ CASES.update({
 })
 
 # compile: regional (each decoder layer compiled by inductor) against the eager single-process run, composed
-# with FSDP2 and selective recomputation, TP without FSDP (local views) and full recomputation, TP + SP, a
-# pipeline and context parallel
+# with FSDP2 and full recomputation, TP without FSDP (local views) and selective recomputation, TP + SP, a
+# pipeline and context parallel (TP with full recomputation is refused: tests/test_config.py)
 COMPILED = {
-    "compile_zero3_dp2_ac_selective": (2, "llama", {"dp_shard": 2, "activation_checkpointing": "selective"}, {}),
-    "compile_tp2_ac_full": (2, "llama", {"tp": 2, "activation_checkpointing": "full"}, {}),
+    "compile_zero3_dp2_ac_full": (2, "llama", {"dp_shard": 2, "activation_checkpointing": "full"}, {}),
+    "compile_tp2_ac_selective": (2, "llama", {"tp": 2, "activation_checkpointing": "selective"}, {}),
     "compile_dp2_tp2_sp": (4, "llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {}),
     "compile_pp2_1f1b": (2, "llama8_tied", {"pp": 2, "pp_schedule": "1f1b"}, {}),
     "compile_cp2_ring_packed": (2, "llama", {"cp": 2}, {"seq": 256, "data": "packed"}),

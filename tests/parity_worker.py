@@ -67,7 +67,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     arch, layout = spec["arch"], spec["layout"]
     positions = spec.get("positions", False)
     batches = make_batches(spec)
-    graphs_before = compiled_graphs()
+    graphs_before, breaks_before = compiled_graphs(), graph_breaks()
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
@@ -94,6 +94,7 @@ def run_case(name: str, spec: dict) -> dict | None:
         again = fresh.full_state_dict()
         roundtrip = all(torch.equal(again[k], weights[k]) for k in weights)
     graphs = compiled_graphs() - graphs_before  # compile: regional must really have compiled
+    breaks = graph_breaks() - breaks_before  # ... the whole layer, not pieces of it
     # the optimizer implementations are independent of compilation: compiled cases skip them (compile time)
     adamw = adamw_implementations_agree(arch, layout, batches) if spec.get("adamw", True) else {}
     if dist.get_rank() != 0:
@@ -108,7 +109,7 @@ def run_case(name: str, spec: dict) -> dict | None:
             "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
-            "bytes_held": bytes_held, "compiled_graphs": graphs, "prefetch": prefetch_targets(pmodel)}
+            "bytes_held": bytes_held, "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
 
 
 def prefetch_targets(pmodel) -> list[int]:
@@ -124,6 +125,12 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

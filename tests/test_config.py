@@ -126,6 +126,8 @@ def test_pp_larger_than_layers():
     ({"tp": 4}, ["num_key_value_heads=2"]),
     ({"sequence_parallel": True}, ["sequence_parallel", "tp > 1"]),
     ({"loss_parallel": True}, ["loss_parallel", "tp > 1"]),
+    ({"tp": 2, "dp_shard": 2, "activation_checkpointing": "full", "compile": "regional"},
+     ["compile='regional'", "activation_checkpointing=full, tp=2", "activation_checkpointing: selective"]),
     ({"zero_stage": 1, "fsdp_forward_prefetch": 2}, ["fsdp_forward_prefetch=2", "zero_stage=1", "zero_stage: 2 or 3"]),
 ])
 def test_validate_before_any_process_group(fields, words):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch._dynamo
 
+from ..interface.config import field_error
 from ..interface.hookspecs import hookimpl
 
 MODES = ("none", "regional")
@@ -28,11 +30,27 @@ def ultrascale_add_fields(fields):
                "layout", choices=MODES)
 
 
+@hookimpl
+def ultrascale_validate_config(config, model_config, world_size):
+    if config.compile != "none" and config.activation_checkpointing == "full" and config.tp > 1:
+        # torch 2.13 fails in the first backward: a compiled, fully recomputed region saves tensor parallel's
+        # device mesh among the tensors it keeps ("expected all tensors_saved_with_vc_check to be Tensors")
+        raise field_error("compile", config.compile, "torch cannot compile a fully recomputed layer that holds "
+                          f"tensor-parallel shards (activation_checkpointing=full, tp={config.tp})",
+                          "use activation_checkpointing: selective (it compiles with tp), or compile: none")
+
+
 @hookimpl(trylast=True)
 def ultrascale_wrap_layers(model, ctx):
     """Last among the per-layer wrappers: the compiled region holds activation checkpointing, not the reverse."""
     if ctx.config.compile == "none":
         return
+    if ctx.config.activation_checkpointing != "none":
+        # A forward that sets and resets state outside the layer (transformers' hub-kernel wrappers set a context
+        # variable around attention) is refused inside a compiled checkpoint, which would not replay it while
+        # recomputing, and the whole layer falls back to eager. The recomputation needs no such state: the
+        # forward sets it and restores it before returning.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for fqn in ctx.plan_layers(model):
         compile_layer(model.get_submodule(fqn))
 
