@@ -50,7 +50,8 @@ def ultrascale_wrap_layers(model, ctx):
         # variable around attention) is refused inside a compiled checkpoint, which would not replay it while
         # recomputing, and the whole layer falls back to eager. The recomputation needs no such state: the
         # forward sets it and restores it before returning.
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.12
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for fqn in ctx.plan_layers(model):
         compile_layer(model.get_submodule(fqn))
 
