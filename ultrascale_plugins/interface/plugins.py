@@ -23,6 +23,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.dims.context_parallel",
     "ultrascale_plugins.dims.checkpointing",
     "ultrascale_plugins.dims.compiling",
+    "ultrascale_plugins.dims.float8",
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.step",
