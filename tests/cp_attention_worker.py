@@ -1,6 +1,8 @@
 """Context-parallel attention functions against unsplit attention, forward and backward, on every rank of a
 torchrun launch (gloo): ring and Ulysses; multi-head, grouped-query and multi-query heads; plain causal, packed
-documents, a sliding window within documents, soft-capping, attention sinks (their gradient summed over ranks). Rank 0 writes the largest difference as JSON.
+documents, a sliding window within documents, soft-capping, attention sinks (their gradient summed over ranks);
+on the CPU SDPA kernel (the default) and on the portable path, and in bf16. Rank 0 writes the largest differences
+and how many blocks the SDPA kernel computed, as JSON.
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/cp_attention_worker.py OUT.json
 """
@@ -33,57 +35,86 @@ def unsplit(q, k, v, positions, documents, window, softcap, scale, sinks=None):
     return (p @ v).transpose(1, 2)
 
 
-def main():
-    from ultrascale_plugins.dims import cp_attention as kernels
-
-    kernels.TILE = 3  # several tiles per chunk, uneven ones too: the tiled ring must equal the untiled one
-    dist.init_process_group("gloo")
+def run_case(method, heads, kv_heads, documents, window, softcap, sink, seed, dtype=torch.float32):
+    """One case on this rank: (largest differences against unsplit fp32 attention of the same (rounded) inputs,
+    each divided by the largest reference value when ``dtype`` is not fp32)."""
     rank, cp = dist.get_rank(), dist.get_world_size()
-    worst, cases = 0.0, 0
     batch, seq, dim = 2, 32, 8
+    torch.manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim).to(dtype).float().requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim).to(dtype).float().requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, dim).to(dtype).float().requires_grad_()
+    positions = torch.arange(seq).expand(batch, seq).clone()
+    if documents:  # row 0: two documents, row 1: three
+        positions[0, 10:] -= 10
+        positions[1, 20:] -= 20
+        positions[1, 25:] -= 5
+    grad = torch.randn(batch, seq, heads, dim)
+    scale = dim ** -0.5
+    sinks = torch.randn(heads, requires_grad=True) if sink else None
+    want = unsplit(q, k, v, positions, documents, window, softcap, scale, sinks)
+    (want * grad).sum().backward()
+    index = local_index(seq, cp, rank)
+    mine = [t.detach()[:, :, index].to(dtype).clone().requires_grad_() for t in (q, k, v)]
+    state = CPState(dist.group.WORLD, cp, rank, method)
+    state.document_mask = documents
+    kwargs = {"position_ids": positions[:, index]}
+    if window:
+        kwargs["sliding_window"] = window
+    if softcap:
+        kwargs["softcap"] = softcap
+    if sink:
+        kwargs["s_aux"] = my_sinks = sinks.detach().clone().requires_grad_()
+    out, _ = cp_attention(state, Attention(), *mine, None, scaling=scale, **kwargs)
+    assert out.dtype == dtype, (out.dtype, dtype)
+    (out.float() * grad[:, index]).sum().backward()
+    pairs = [(out, want[:, index])] + [(m.grad, t.grad[:, :, index]) for m, t in zip(mine, (q, k, v))]
+    if sink:  # each rank's share of the sinks' gradient, summed over the ranks
+        total = my_sinks.grad.clone()
+        dist.all_reduce(total)
+        pairs.append((total, sinks.grad))
+    relative = dtype != torch.float32
+    return [float((a.detach().float() - b.detach()).abs().max() / (b.detach().abs().max() if relative else 1))
+            for a, b in pairs]
+
+
+def main():
+    from ultrascale_plugins.dims import cp_attention as attention
+    from ultrascale_plugins.dims import cp_kernels
+
+    attention.TILE = 3  # several tiles per chunk, uneven ones too: the tiled ring must equal the untiled one
+    calls = {"kernel": 0}
+    block_forward = cp_kernels.block_forward
+
+    def counted(*args, **kwargs):  # which path ran: the SDPA kernel's or the portable one
+        calls["kernel"] += 1
+        return block_forward(*args, **kwargs)
+
+    cp_kernels.block_forward = counted
+    dist.init_process_group("gloo")
+    result = {"max_diff": {}, "kernel_blocks": {}, "cases": 0}
+    for setting in ("auto", "portable"):  # the CPU SDPA kernel (the default), and the portable fp32 path
+        cp_kernels.KERNEL = setting
+        calls["kernel"] = worst = cases = 0
+        for method in ("ring", "ulysses"):
+            for heads, kv_heads in ((4, 2), (8, 8), (4, 1)):
+                for documents, window, softcap, sink in ((False, None, None, False), (True, None, None, False),
+                                                         (True, 5, None, False), (False, None, 30.0, False),
+                                                         (True, 7, None, True)):
+                    diffs = run_case(method, heads, kv_heads, documents, window, softcap, sink, cases)
+                    worst = max(worst, *diffs)
+                    cases += 1
+        result["max_diff"][setting], result["kernel_blocks"][setting] = worst, calls["kernel"]
+        result["cases"] += cases
+    cp_kernels.KERNEL = "auto"
+    worst = 0.0  # bf16 inputs run the kernels in bf16: differences relative to the largest reference value
     for method in ("ring", "ulysses"):
-        for heads, kv_heads in ((4, 2), (8, 8), (4, 1)):
-            for documents, window, softcap, sink in ((False, None, None, False), (True, None, None, False),
-                                                     (True, 5, None, False), (False, None, 30.0, False),
-                                                     (True, 7, None, True)):
-                torch.manual_seed(cases)
-                q = torch.randn(batch, heads, seq, dim, requires_grad=True)
-                k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
-                v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
-                positions = torch.arange(seq).expand(batch, seq).clone()
-                if documents:  # row 0: two documents, row 1: three
-                    positions[0, 10:] -= 10
-                    positions[1, 20:] -= 20
-                    positions[1, 25:] -= 5
-                grad = torch.randn(batch, seq, heads, dim)
-                scale = dim ** -0.5
-                sinks = torch.randn(heads, requires_grad=True) if sink else None
-                want = unsplit(q, k, v, positions, documents, window, softcap, scale, sinks)
-                (want * grad).sum().backward()
-                index = local_index(seq, cp, rank)
-                mine = [t.detach()[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-                state = CPState(dist.group.WORLD, cp, rank, method)
-                state.document_mask = documents
-                kwargs = {"position_ids": positions[:, index]}
-                if window:
-                    kwargs["sliding_window"] = window
-                if softcap:
-                    kwargs["softcap"] = softcap
-                if sink:
-                    kwargs["s_aux"] = my_sinks = sinks.detach().clone().requires_grad_()
-                out, _ = cp_attention(state, Attention(), *mine, None, scaling=scale, **kwargs)
-                (out * grad[:, index]).sum().backward()
-                diffs = [(out - want.detach()[:, index]).abs().max()] + [
-                    (m.grad - t.grad[:, :, index]).abs().max() for m, t in zip(mine, (q, k, v))]
-                if sink:  # each rank's share of the sinks' gradient, summed over the ranks
-                    total = my_sinks.grad.clone()
-                    dist.all_reduce(total)
-                    diffs.append((total - sinks.grad).abs().max())
-                worst = max(worst, *(float(d) for d in diffs))
-                cases += 1
-    if rank == 0:
+        for documents, window in ((False, None), (True, 5)):
+            worst = max(worst, *run_case(method, 4, 2, documents, window, None, False, 100, torch.bfloat16))
+    result["bf16_max_rel"] = worst
+    if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"max_diff": worst, "cases": cases}, f)
+            json.dump(result, f)
     dist.destroy_process_group()
 
 

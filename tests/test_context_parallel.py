@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 from conftest import torchrun
+from cp_attention_worker import unsplit
 from models import make_config, make_model
 
 from ultrascale_plugins import ConfigError, ParallelConfig
-from ultrascale_plugins.dims import cp_layout
-from ultrascale_plugins.dims.cp_attention import block_attention, merge
+from ultrascale_plugins.dims import cp_kernels, cp_layout
+from ultrascale_plugins.dims.cp_attention import block_attention, merge, whole_sequence_attention
 from ultrascale_plugins.engine import estimate, validate
 
 
@@ -34,6 +35,100 @@ def test_merging_partial_attention_by_log_sum_exp_equals_unsplit_attention():
             out, lse = merge(out, lse, *block_attention(q, k[:, :, lo:hi], v[:, :, lo:hi], mask[..., lo:hi],
                                                         8 ** -0.5, softcap))
         assert (out - want).abs().max() < 1e-5
+
+
+def test_cpu_kernel_blocks_merge_exactly_when_rows_see_nothing_of_a_block():
+    """The CPU SDPA kernel returns log-sum-exp 0, not -inf, for a row with no visible key; uncorrected, that row
+    would take weight exp(0 - lse) in the merge. Split keys (row 0 sees nothing of the later blocks; rows 1-3
+    nothing of any block but their own), merged by log-sum-exp and differentiated with the final output and
+    log-sum-exp, equal attention over all keys, forward and backward."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[1, :, 4:, :4] = False  # row 1 of the batch: a second document from token 4
+    scale = 8 ** -0.5
+    want = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1) @ v
+    grad = torch.randn_like(want)
+    (want * grad).sum().backward()
+    cuts = ((0, 1), (1, 5), (5, 12))
+    out, lse = torch.zeros(2, 4, 12, 8), torch.full((2, 4, 12), float("-inf"))
+    for lo, hi in cuts:
+        o, l_, _ = cp_kernels.block_forward("flash_cpu", q.detach(), k.detach()[:, :, lo:hi], v.detach()[:, :, lo:hi],
+                                            mask[..., lo:hi], False, scale)
+        if lo > 0:
+            assert torch.isneginf(l_[:, :, 0]).all() and (o[:, :, 0] == 0).all()  # row 0 sees nothing here
+        out, lse = merge(out, lse, o, l_)
+    assert (out - want).abs().max() < 1e-5
+    dq = torch.zeros_like(q)
+    for lo, hi in cuts:
+        gq, gk, gv = cp_kernels.block_backward("flash_cpu", grad, q.detach(), k.detach()[:, :, lo:hi],
+                                               v.detach()[:, :, lo:hi], out, lse, mask[..., lo:hi], False, scale)
+        dq += gq
+        assert (gk - k.grad[:, :, lo:hi]).abs().max() < 1e-5 and (gv - v.grad[:, :, lo:hi]).abs().max() < 1e-5
+    assert (dq - q.grad).abs().max() < 1e-5
+
+
+def _whole_sequence_case(dtype, window, softcap, monkeypatch):
+    """Ulysses' whole-sequence attention (the ring's blocks on one rank) with packed documents against unsplit
+    fp32 attention of the same rounded inputs: (output, largest relative differences, SDPA kernels called)."""
+    import ultrascale_plugins.dims.cp_attention as attention
+
+    monkeypatch.setattr(attention, "TILE", 16)  # several tiles, masked and unmasked
+    called = []
+    block_forward = cp_kernels.block_forward
+    monkeypatch.setattr(cp_kernels, "block_forward", lambda name, *a: called.append(name) or block_forward(name, *a))
+    torch.manual_seed(0)
+    positions = torch.arange(64).expand(2, 64).clone()
+    positions[0, 20:] -= 20
+    positions[1, 40:] -= 40
+    q, k, v = (torch.randn(2, 4, 64, 16).to(dtype).requires_grad_() for _ in range(3))
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = unsplit(*exact, positions, True, window, softcap, 0.25)
+    grad = torch.randn_like(want)
+    (want * grad).sum().backward()
+    out = whole_sequence_attention(q, k, v, cp_layout.segments(positions), window, 0.25, softcap)
+    (out.transpose(1, 2).float() * grad).sum().backward()
+    pairs = [(out.transpose(1, 2), want)] + [(a.grad, b.grad) for a, b in zip((q, k, v), exact)]
+    pairs = [(a.detach().float(), b.detach()) for a, b in pairs]
+    return out, [float((a - b).abs().max() / b.abs().max()) for a, b in pairs], called
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_documents_and_windows_run_on_the_cpu_sdpa_kernel_by_default(window, monkeypatch):
+    out, diffs, called = _whole_sequence_case(torch.float32, window, None, monkeypatch)
+    assert called and set(called) == {"flash_cpu"}  # not the portable path
+    assert max(diffs) < 1e-6, diffs
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_bf16_runs_the_kernel_in_bf16_within_bf16_rounding(window, monkeypatch):
+    out, diffs, called = _whole_sequence_case(torch.bfloat16, window, None, monkeypatch)
+    assert out.dtype == torch.bfloat16 and set(called) == {"flash_cpu"}
+    # a few bf16 roundings (2^-8 relative) of the output and gradients; measured 0.4-0.7%
+    assert max(diffs) < 2e-2, diffs
+
+
+def test_soft_capping_stays_on_the_portable_path(monkeypatch):
+    """No SDPA kernel applies tanh to the scores inside the softmax: soft-capped models compute portably."""
+    assert cp_kernels.ring_kernel(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), 30.0) == "portable"
+    out, diffs, called = _whole_sequence_case(torch.float32, 9, 30.0, monkeypatch)
+    assert called == [] and max(diffs) < 1e-6, diffs
+
+
+def test_the_attention_function_runs_eagerly_inside_torch_compile():
+    """The ring's sends and its autograd.Function loop cannot be traced: a compiled decoder layer breaks its graph
+    at the attention function transformers calls."""
+    from ultrascale_plugins.dims.cp_attention import cp_attention
+
+    assert getattr(cp_attention, "_torchdynamo_disable", False)
+
+
+def test_forcing_a_kernel_the_device_cannot_run_is_refused_with_the_fix():
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="KERNEL='flash' runs on cuda, but the attention runs on cpu. Fix"):
+        cp_kernels.ring_kernel(q, q, None, "flash")
+    with pytest.raises(ValueError, match="KERNEL='fast' is not a kernel setting. Fix: one of auto, portable"):
+        cp_kernels.ring_kernel(q, q, None, "fast")
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -144,6 +239,10 @@ def test_ring_and_ulysses_equal_unsplit_attention_forward_and_backward(cp, tmp_p
     proc = torchrun(cp, Path(__file__).parent / "cp_attention_worker.py", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["cases"] == 30  # every method x heads x masking case ran
-    assert result["max_diff"] < 1e-5, result
-    assert math.isfinite(result["max_diff"])
+    assert result["cases"] == 60  # every method x heads x masking case ran, on the SDPA kernel and portably
+    for setting in ("auto", "portable"):
+        assert result["max_diff"][setting] < 1e-5, result
+        assert math.isfinite(result["max_diff"][setting])
+    assert result["kernel_blocks"]["auto"] > 0 and result["kernel_blocks"]["portable"] == 0, result
+    # bf16 in, bf16 kernel: within 2% of the largest value, a few bf16 roundings (2^-8 each) of the inputs' scale
+    assert result["bf16_max_rel"] < 2e-2, result

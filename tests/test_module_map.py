@@ -18,7 +18,9 @@ FAMILIES = {
     "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime", "dims.pipeline_costs",
                  "dims.pipeline_timeline"},
     "checkpointing": {"dims.checkpointing", "dims.activation_costs"},
-    "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention"},
+    "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention", "dims.cp_kernels"},
+    "compiling": {"dims.compiling"},
+    "float8": {"dims.float8"},
 }
 LAYERS = ("front ends", "planner", "data", "engine", "dimensions", "ground")  # top to bottom, as in the diagram
 

@@ -14,9 +14,11 @@ ring is written here with point-to-point sends (``batch_isend_irecv``: works on 
 backward that sends the key/value gradients round the ring to their owners.
 
 - **ring**: keys and values travel round the cp ranks; each step attends this rank's queries to the visiting
-  block (only the chunk pairs causality allows) and merges the partial result by its log-sum-exp. Activation
-  memory per rank is that of ``S / cp`` tokens: only the local queries, keys, values, output and log-sum-exp
-  are kept for backward, which recomputes each block's probabilities.
+  block (only the chunk pairs causality allows) and merges the partial result by its log-sum-exp. Blocks run on
+  PyTorch's SDPA kernels in the input dtype (``cp_kernels``: flash for CPU; flash, memory-efficient or cuDNN on
+  CUDA), or on a portable fp32 matmul path where none applies (soft-capping). Activation memory per rank is that
+  of ``S / cp`` tokens: only the local queries, keys, values, output and log-sum-exp are kept for backward, which
+  recomputes each block's probabilities.
 - **ulysses**: an all-to-all turns (all heads, S/cp tokens) into (heads/cp, all S tokens), attention runs over the
   whole sequence for those heads (``F.scaled_dot_product_attention(is_causal=True)`` when plain causal: flash
   kernels on CUDA; the exact block kernel with documents, windows, soft-capping), and a second all-to-all turns it
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..interface.config import ConfigError
+from . import cp_kernels
 from .cp_layout import chunk_ids, layout_index, local_index, segments, visible
 
 # kwargs the attention functions understand; any other tensor argument changes attention in a way they don't know
@@ -119,13 +122,21 @@ class RingPlan:
     scale: float
     softcap: float | None
     n_rep: int
+    kernel: str = "portable"  # cp_kernels.ring_kernel's choice: "portable", "auto" or a forced SDPA kernel
+    sinks: bool = False  # attention sinks: the backward is portable (RingAttention.backward), so tile for it
 
     def blocks(self, src: int):
-        """(query rows, key rows of the visiting block, mask) for each tile of at most ``TILE`` x ``TILE`` tokens
-        of this rank's query chunks against the block's key chunks that causality (and the window) leave
-        visible. Tiles bound the transient scores (the saved activations are the shard's q, k, v, output and
-        log-sum-exp whatever the tile); tiles wholly above the diagonal or outside the window are skipped."""
-        c, cp, tile = self.chunk, self.state.size, TILE
+        """(query rows, key rows of the visiting block, mask, causal) for each tile of this rank's query chunks
+        against the block's key chunks that causality (and the window) leave visible; tiles wholly above the
+        diagonal or outside the window are skipped. The portable path gets every tile's bool mask and tiles of at
+        most ``TILE`` x ``TILE`` tokens, which bound its transient scores (the saved activations are the shard's
+        q, k, v, output and log-sum-exp whatever the tile). The SDPA kernels tile internally: they get mask None
+        for tiles wholly visible and ``causal`` True for square diagonal tiles of plain causal attention, and with
+        no documents and no window one tile per chunk pair (no mask at all)."""
+        c, cp = self.chunk, self.state.size
+        portable = self.kernel == "portable"
+        plain = self.seg is None
+        tile = c if plain and self.window is None and not portable and not self.sinks else TILE
         out = []
         for qi, q_chunk in enumerate(chunk_ids(cp, self.state.rank)):
             for ki, k_chunk in enumerate(chunk_ids(cp, src)):
@@ -138,13 +149,20 @@ class RingPlan:
                         k_first, k_last = k_chunk * c + ka, k_chunk * c + min(c, ka + tile) - 1
                         if k_first > q_last or (self.window is not None and q_first - k_last >= self.window):
                             continue
+                        k_rows = slice(ki * c + ka, ki * c + min(c, ka + tile))
+                        in_window = self.window is None or q_last - k_first < self.window
+                        if plain and in_window and not portable and k_last <= q_first:
+                            out.append((q_rows, k_rows, None, False))  # every query sees every key
+                            continue
+                        if plain and in_window and not portable and (q_first, q_last) == (k_first, k_last):
+                            out.append((q_rows, k_rows, None, True))  # plain causal, aligned on the diagonal
+                            continue
                         q_idx = self.q_index[q_rows]
                         k_idx = torch.arange(k_first, k_last + 1, device=q_idx.device)
                         q_seg = k_seg = None
                         if self.seg is not None:
                             q_seg, k_seg = self.seg[:, q_idx], self.seg[:, k_idx]
-                        out.append((q_rows, slice(ki * c + ka, ki * c + min(c, ka + tile)),
-                                    visible(q_idx, k_idx, q_seg, k_seg, self.window)))
+                        out.append((q_rows, k_rows, visible(q_idx, k_idx, q_seg, k_seg, self.window), False))
         return out
 
 
@@ -161,33 +179,61 @@ def _wait(works) -> None:
         work.wait()
 
 
+def _visiting(kv, dk: int, plan: RingPlan, portable: bool):
+    """The visiting block's keys and values, their heads repeated for grouped queries: fp32 for the portable
+    path, the input dtype (contiguous, as the CUDA kernels load aligned rows) for the SDPA kernels."""
+    k, v = repeat_heads(kv[..., :dk], plan.n_rep), repeat_heads(kv[..., dk:], plan.n_rep)
+    return (k.float(), v.float()) if portable else (k.contiguous(), v.contiguous())
+
+
+def _portable_block_backward(q, k, v, grad_out, mask, lse, delta, plan: RingPlan):
+    """(dq, dk, dv) in fp32 of one block by matmul: P recomputed from the final log-sum-exp."""
+    s, t = block_scores(q, k, plan.scale, plan.softcap)
+    p = torch.exp(s.masked_fill(~mask, float("-inf")) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), grad_out)
+    ds = p * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)
+    if t is not None:
+        ds = ds * (1 - t * t)
+    return torch.matmul(ds, k) * plan.scale, torch.matmul(ds.transpose(-1, -2), q) * plan.scale, dv
+
+
 class RingAttention(torch.autograd.Function):
     """Exact causal ring attention over the cp group: q (B, H, L, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) of
-    this rank's shard -> output (B, H, L, Dv) and its log-sum-exp (B, H, L), both differentiable (attention sinks
-    rescale the output by the log-sum-exp)."""
+    this rank's shard -> output (B, H, L, Dv) in q's dtype and its log-sum-exp (B, H, L) in fp32, both
+    differentiable (attention sinks rescale the output by the log-sum-exp). Blocks run on the SDPA kernel
+    ``plan.kernel`` chose (``cp_kernels``), in the input dtype, or on the portable fp32 matmul path."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
+        ctx.set_materialize_grads(False)  # grad_lse stays None unless the log-sum-exp is used (sinks)
         cp, rank = plan.state.size, plan.state.rank
-        qf = q.float()
+        portable = plan.kernel == "portable"
+        qc = q.float() if portable else q
+        # the merge accumulates in fp32 whatever the input dtype: a row's output is rescaled and summed over up to
+        # 2cp+1 blocks (more with tiles), and bf16 would round at each of them; only the result is kept
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=-1).contiguous()
-        dk = k.shape[-1]
+        aux = {}  # each kernel's RNG state from its forward, which its backward takes (unused without dropout)
         for step in range(cp):
             src = (rank - step) % cp
             nxt, works = _exchange(kv, plan.state) if step < cp - 1 else (None, [])
-            kf = repeat_heads(kv[..., :dk].float(), plan.n_rep)
-            vf = repeat_heads(kv[..., dk:].float(), plan.n_rep)
-            for q_rows, k_rows, mask in plan.blocks(src):
-                o, l_ = block_attention(qf[:, :, q_rows], kf[:, :, k_rows], vf[:, :, k_rows], mask, plan.scale,
-                                        plan.softcap)
+            kc, vc = _visiting(kv, k.shape[-1], plan, portable)
+            for q_rows, k_rows, mask, causal in plan.blocks(src):
+                if portable:
+                    o, l_ = block_attention(qc[:, :, q_rows], kc[:, :, k_rows], vc[:, :, k_rows], mask, plan.scale,
+                                            plan.softcap)
+                else:
+                    name = cp_kernels.block_kernel(plan.kernel, q, v, mask is not None)
+                    o, l_, aux[name] = cp_kernels.block_forward(name, q[:, :, q_rows], kc[:, :, k_rows],
+                                                                vc[:, :, k_rows], mask, causal, plan.scale)
                 out[:, :, q_rows], lse[:, :, q_rows] = merge(out[:, :, q_rows], lse[:, :, q_rows], o, l_)
             _wait(works)
             kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out.to(q.dtype), lse
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # out in the input dtype, lse in fp32
+        ctx.plan, ctx.aux = plan, aux
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -195,30 +241,42 @@ class RingAttention(torch.autograd.Function):
         plan = ctx.plan
         cp, rank = plan.state.size, plan.state.rank
         dk_dim = k.shape[-1]
-        qf, do = q.float(), grad_out.float()
-        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O); d lse / d s = P, so it enters as -grad_lse
-        if grad_lse is not None:
-            delta = delta - grad_lse.unsqueeze(-1)
-        dq = torch.zeros_like(qf)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        # The SDPA backward kernels compute delta = rowsum(dO * O) themselves and have no input for the
+        # log-sum-exp's own gradient (attention sinks: d lse / d s = P, so it enters as delta - grad_lse); those
+        # calls take the portable backward, which works from any forward's output and log-sum-exp.
+        portable = plan.kernel == "portable" or grad_lse is not None
+        if portable:
+            qc, do = q.float(), grad_out.float()
+            delta = (do * out.float()).sum(-1, keepdim=True)
+            if grad_lse is not None:
+                delta = delta - grad_lse.unsqueeze(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=-1).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
         for step in range(cp):
             src = (rank - step) % cp
             nxt, works = _exchange(kv, plan.state) if step < cp - 1 else (None, [])
-            kf = repeat_heads(kv[..., :dk_dim].float(), plan.n_rep)
-            vf = repeat_heads(kv[..., dk_dim:].float(), plan.n_rep)
-            dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
-            for q_rows, k_rows, mask in plan.blocks(src):
-                qb, kb, vb, dob = qf[:, :, q_rows], kf[:, :, k_rows], vf[:, :, k_rows], do[:, :, q_rows]
-                s, t = block_scores(qb, kb, plan.scale, plan.softcap)
-                p = torch.exp(s.masked_fill(~mask, float("-inf")) - lse[:, :, q_rows].unsqueeze(-1))
-                dvf[:, :, k_rows] += torch.matmul(p.transpose(-1, -2), dob)
-                ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[:, :, q_rows])
-                if t is not None:
-                    ds = ds * (1 - t * t)
-                dq[:, :, q_rows] += torch.matmul(ds, kb) * plan.scale
-                dkf[:, :, k_rows] += torch.matmul(ds.transpose(-1, -2), qb) * plan.scale
-            dkv += torch.cat([fold_heads(dkf, plan.n_rep), fold_heads(dvf, plan.n_rep)], dim=-1)
+            kc, vc = _visiting(kv, dk_dim, plan, portable)
+            dkc = torch.zeros(kc.shape, dtype=torch.float32, device=kc.device)
+            dvc = torch.zeros(vc.shape, dtype=torch.float32, device=vc.device)
+            for q_rows, k_rows, mask, causal in plan.blocks(src):
+                if portable:
+                    if mask is None:  # a kernel plan's tile (sinks): the portable path needs the bool mask
+                        mask = _tile_mask(plan, q_rows, k_rows, causal)
+                    grads = _portable_block_backward(qc[:, :, q_rows], kc[:, :, k_rows], vc[:, :, k_rows],
+                                                     do[:, :, q_rows], mask, lse[:, :, q_rows],
+                                                     delta[:, :, q_rows], plan)
+                else:
+                    name = cp_kernels.block_kernel(plan.kernel, q, v, mask is not None)
+                    grads = cp_kernels.block_backward(name, grad_out[:, :, q_rows], q[:, :, q_rows],
+                                                      kc[:, :, k_rows], vc[:, :, k_rows], out[:, :, q_rows],
+                                                      lse[:, :, q_rows], mask, causal, plan.scale, ctx.aux[name])
+                dq[:, :, q_rows] += grads[0]  # accumulated in fp32 over the blocks, whatever the kernel's dtype
+                dkc[:, :, k_rows] += grads[1]
+                dvc[:, :, k_rows] += grads[2]
+            dkv += torch.cat([fold_heads(dkc, plan.n_rep), fold_heads(dvc, plan.n_rep)], dim=-1)
             _wait(works)
             # the block and its gradient so far move on together; after the last step the gradient goes home
             if cp > 1:
@@ -227,6 +285,13 @@ class RingAttention(torch.autograd.Function):
                 dkv = received
             kv = nxt
         return dq.to(q.dtype), dkv[..., :dk_dim].to(k.dtype), dkv[..., dk_dim:].to(v.dtype), None
+
+
+def _tile_mask(plan: RingPlan, q_rows: slice, k_rows: slice, causal: bool):
+    """The bool mask of a tile the kernel plan left unmasked: all visible, or causal on the diagonal."""
+    lq, lk = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=plan.q_index.device)
+    return (mask.tril() if causal else mask)[None, None]
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------------------
@@ -292,7 +357,8 @@ def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float 
     if seg is None and window is None and not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     total = q.shape[2]
-    plan = RingPlan(_Whole(), total // 2, torch.arange(total, device=q.device), seg, window, scale, softcap, 1)
+    plan = RingPlan(_Whole(), total // 2, torch.arange(total, device=q.device), seg, window, scale, softcap, 1,
+                    cp_kernels.ring_kernel(q, v, softcap), sinks is not None)
     return with_sinks(*RingAttention.apply(q, k, v, plan), sinks)
 
 
@@ -341,6 +407,10 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
                           "function, so the shards' global positions are unknown. Fix: cp: 1 for this model")
 
 
+# Not traced by torch.compile: the ring's point-to-point sends, the all-to-alls and the autograd.Function's
+# Python loop over blocks (shapes and kernel choices decided in Python) run eagerly, as a graph break inside a
+# compiled decoder layer; the projections around attention still compile.
+@torch.compiler.disable
 def cp_attention(state: CPState, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered in transformers' AttentionInterface: (B, H, L, D) shards in, (B, L, H, Dv) out."""
     _check_call(module, attention_mask, dropout, kwargs)
@@ -359,7 +429,8 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         seg = None
     if state.method == "ring":
         plan = RingPlan(state, total // (2 * state.size), local_index(total, state.size, state.rank, query.device),
-                        seg, window, scale, softcap, heads // key.shape[1])
+                        seg, window, scale, softcap, heads // key.shape[1],
+                        cp_kernels.ring_kernel(query, value, softcap), sinks is not None)
         out = with_sinks(*RingAttention.apply(query, key, value, plan), sinks)
     else:
         rep = kv_replication(heads, key.shape[1], state.size)
