@@ -76,6 +76,19 @@ def _timing_mark(phase: str) -> None:
 _freezing_at_exit = False
 
 
+def quiet_known_warnings() -> None:
+    """Silence warnings that fire on every run and say nothing actionable to a user: FSDP2's note that the
+    root returns a view (our step does no in-place op on the logits), DTensor's note that a norm over a 2-D
+    mesh takes two all-reduces, and, where torchao is installed (transformers imports it with every model), its
+    note that a CUDA-only library did not load and torch's note on how it registers its enums."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    for name in ("torch.distributed.tensor._redistribute", "torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _freeze_at_exit() -> None:
     """Register ``gc.freeze`` to run at interpreter exit (once per process; the command line and the worker
     call it first, so the handlers registered after them, e.g. ``launch``'s process-group teardown, run before).

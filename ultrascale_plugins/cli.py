@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from . import _freeze_at_exit, _timing_mark
+from . import _freeze_at_exit, _timing_mark, quiet_known_warnings
 from .interface.config import ConfigError
 
 
@@ -396,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _timing_mark("cli_main")
     _freeze_at_exit()
+    quiet_known_warnings()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import _freeze_at_exit, _timing_mark
+from . import _freeze_at_exit, _timing_mark, quiet_known_warnings
 from .interface.config import ConfigError
 from .recipe import Recipe, load_recipe
 
@@ -35,17 +35,6 @@ def lr_at(step: int, recipe: Recipe) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def quiet_known_warnings() -> None:
-    """Silence two warnings that fire on every run and say nothing actionable to a user: FSDP2's note that the
-    root returns a view (our step does no in-place op on the logits) and DTensor's note that a norm over a 2-D
-    mesh takes two all-reduces."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
