@@ -162,12 +162,6 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def field_available(name: str) -> bool:
-    from ultrascale_plugins.interface.config import ParallelConfig
-
-    return name in ParallelConfig.field_names()
-
-
 def quiet() -> None:
     """The warnings every run prints that say nothing about the results (as the CLI silences them)."""
     import logging

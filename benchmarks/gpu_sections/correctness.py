@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .common import (TOL_ADAMW, TOL_BF16_REL, TOL_FP32, TOL_INIT_STD, Recorder, Sizes, device, field_available,
+from .common import (TOL_ADAMW, TOL_BF16_REL, TOL_FP32, TOL_INIT_STD, Recorder, Sizes, device,
                      free_memory, max_abs_diff, max_state_diff, random_batches, small_llama, small_llama_config,
                      train_losses)
 
@@ -150,9 +150,6 @@ def adamw(rec: Recorder, sizes: Sizes) -> None:
 
 # ---- torch.compile per decoder layer -----------------------------------------------------------------------
 def compile_regional(rec: Recorder, sizes: Sizes) -> None:
-    if not field_available("compile"):
-        rec.skipped("compile: regional vs eager", "not available: field 'compile' missing in ParallelConfig")
-        return
     batches = random_batches(sizes.steps, sizes.rows, sizes.seq, sizes.small["vocab_size"])
     # the dry run compiles fp32 only: inductor on 2 CPU cores takes about half a minute per model
     for precision in ("no",) if sizes.dry_run else ("no", "bf16"):
@@ -167,11 +164,8 @@ def compile_regional(rec: Recorder, sizes: Sizes) -> None:
 
 # ---- context-parallel attention kernels --------------------------------------------------------------------
 def cp_kernels(rec: Recorder, sizes: Sizes) -> None:
-    try:
-        from cp_kernels import check_kernels
-    except ImportError as exc:
-        rec.skipped("context-parallel kernels vs SDPA", f"not available: benchmarks/cp_kernels.py ({exc})")
-        return
+    from cp_kernels import check_kernels
+
     dev = device()
     for dtype in (torch.float32, torch.bfloat16):
         for row in check_kernels(str(dev), dtype):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .common import Recorder, Sizes, field_available, free_memory, random_batches, synchronize
+from .common import Recorder, Sizes, free_memory, random_batches, synchronize
 
 # (label, layout fields on top of bf16), most important first: a section cut short by its budget has these
 MODES = {
@@ -43,14 +43,6 @@ def model_config(name: str, sizes: Sizes):
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                            tie_word_embeddings=True)
     return load_model_config(name)
-
-
-def missing_feature(fields: dict) -> str | None:
-    """Why this build cannot run ``fields`` (a field nobody declares yet), or None."""
-    for name in ("compile", "float8", "activation_checkpointing"):
-        if name in fields and not field_available(name):
-            return f"not available: field '{name}' missing in ParallelConfig"
-    return None
 
 
 def predicted_memory_gb(fields: dict, cfg, seq: int, micro_batch: int) -> float:
@@ -120,11 +112,9 @@ def run_mode(rec: Recorder, sizes: Sizes, name: str, cfg, spec, label: str, peak
 
     fields = {"mixed_precision": "bf16", **MODES[label]}
     row_name = f"{name} {label}"
-    why = missing_feature(fields)
     if sizes.dry_run and label in DRY_RUN_SKIPS:
-        why = "dry run: compiling on the CPU takes minutes (section 'compile' checks the compiled model)"
-    if why:
-        rec.skipped(row_name, why)
+        rec.skipped(row_name, "dry run: compiling on the CPU takes minutes (section 'compile' checks the compiled "
+                    "model)")
         return
     micro_batch = sizes.micro_batch[name]
     while True:
