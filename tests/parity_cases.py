@@ -104,6 +104,9 @@ for _name, (_world, _arch, _layout) in CP_COMPOSITIONS.items():
         for _data in ("padded", "packed"):
             CASES[f"{_name}_{_method}_{_data}"] = {"world": _world, "arch": _arch, "seq": 256, "data": _data,
                                                    "layout": {**_layout, "cp_method": _method}}
+# the portable ring (matmul + softmax in fp32) chosen by the layout instead of the SDPA kernels
+CASES["cp2_ring_portable_packed"] = {"world": 2, "arch": "llama", "seq": 256, "data": "packed",
+                                     "layout": {"cp": 2, "cp_kernel": "portable"}}
 # packed documents inside pipeline stages (the stages pass no mask on, so transformers sees the packing)
 CASES["pp2_packed"] = {"world": 2, "arch": "llama8_tied", "seq": 256, "data": "packed", "layout": {"pp": 2}}
 # 4-D: every dimension at once on 16 processes

@@ -27,6 +27,7 @@ from ..interface.parallel_dims import CP_ORDER, MeshAxis
 from . import cp_layout
 from .cp_attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
 
+KERNELS = ("auto", "portable")
 METHODS = ("ring", "ulysses")
 _names = itertools.count(1)
 
@@ -36,6 +37,8 @@ def ultrascale_add_fields(fields):
     fields.add("cp", int, 1, "context-parallel degree: the sequence of every row is split over cp ranks", minimum=1)
     fields.add("cp_method", str, "ring", "ring: keys/values travel round the cp ranks (any head count); ulysses: "
                "all-to-all from sequence shards to head shards around attention", choices=METHODS)
+    fields.add("cp_kernel", str, "auto", "auto: each block of attention by PyTorch's SDPA kernels (flash on CPU; "
+               "flash, memory-efficient or cuDNN on CUDA); portable: matmul + softmax in fp32", choices=KERNELS)
 
 
 @hookimpl
@@ -87,7 +90,8 @@ def ultrascale_shard_model(model, ctx):
     state = ctx.plugin_state.get("cp")
     if state is None:
         group = ctx.dims.group("cp")
-        state = CPState(group, ctx.dims.degree("cp"), ctx.sub_mesh("cp").get_local_rank(), ctx.config.cp_method)
+        state = CPState(group, ctx.dims.degree("cp"), ctx.sub_mesh("cp").get_local_rank(), ctx.config.cp_method,
+                        kernel=ctx.config.cp_kernel)
         ctx.plugin_state["cp"] = state
         name = f"ultrascale_cp_{state.method}_{next(_names)}"  # one per model: its own group and batch flag
         AttentionInterface.register(name, lambda *args, **kwargs: cp_attention(state, *args, **kwargs))

@@ -55,6 +55,7 @@ class CPState:
     method: str
     document_mask: bool = True  # set per batch by shard_batch: packed documents count only without a mask
     name: str = ""  # its registered attention-function name
+    kernel: str = "auto"  # the layout's cp_kernel: "auto" (cp_kernels.KERNEL decides) or "portable"
 
     def __post_init__(self):
         self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
@@ -349,7 +350,8 @@ def with_sinks(out, lse, sinks):
     return (out.float() * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype)
 
 
-def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float | None, sinks=None):
+def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float | None, sinks=None,
+                             kernel: str | None = None):
     """Causal attention over a whole sequence in global order (B, H, S, D), k/v with H heads. Plain causal
     attention goes to ``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on CUDA, the flash CPU
     kernel here: no S x S mask or scores are kept); documents, windows, soft-capping and sinks go to the ring's
@@ -358,7 +360,7 @@ def whole_sequence_attention(q, k, v, seg, window, scale: float, softcap: float 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     total = q.shape[2]
     plan = RingPlan(_Whole(), total // 2, torch.arange(total, device=q.device), seg, window, scale, softcap, 1,
-                    cp_kernels.ring_kernel(q, v, softcap), sinks is not None)
+                    cp_kernels.ring_kernel(q, v, softcap, kernel), sinks is not None)
     return with_sinks(*RingAttention.apply(q, k, v, plan), sinks)
 
 
@@ -407,6 +409,11 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
                           "function, so the shards' global positions are unknown. Fix: cp: 1 for this model")
 
 
+def _setting(state: CPState) -> str | None:
+    """The layout's choice: ``portable``, or None for ``cp_kernels.KERNEL`` (``auto`` unless a check forces one)."""
+    return "portable" if state.kernel == "portable" else None
+
+
 # Not traced by torch.compile: the ring's point-to-point sends, the all-to-alls and the autograd.Function's
 # Python loop over blocks (shapes and kernel choices decided in Python) run eagerly, as a graph break inside a
 # compiled decoder layer; the projections around attention still compile.
@@ -430,7 +437,7 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
     if state.method == "ring":
         plan = RingPlan(state, total // (2 * state.size), local_index(total, state.size, state.rank, query.device),
                         seg, window, scale, softcap, heads // key.shape[1],
-                        cp_kernels.ring_kernel(query, value, softcap), sinks is not None)
+                        cp_kernels.ring_kernel(query, value, softcap, _setting(state)), sinks is not None)
         out = with_sinks(*RingAttention.apply(query, key, value, plan), sinks)
     else:
         rep = kv_replication(heads, key.shape[1], state.size)
@@ -442,6 +449,6 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
         q, k, v = (t.index_select(2, order) for t in (q, repeat_heads(k, n_rep), repeat_heads(v, n_rep)))
         if sinks is not None:  # this rank's heads after the all-to-all
             sinks = sinks[state.rank * q.shape[1]:(state.rank + 1) * q.shape[1]]
-        out = whole_sequence_attention(q, k, v, seg, window, scale, softcap, sinks)
+        out = whole_sequence_attention(q, k, v, seg, window, scale, softcap, sinks, _setting(state))
         out = heads_to_seq(out.index_select(2, index), state)
     return out.transpose(1, 2).contiguous(), None
