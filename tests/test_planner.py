@@ -126,6 +126,10 @@ def test_layout_auto_takes_the_planners_best():
     assert chosen.dp_replicate * chosen.dp_shard * chosen.tp * chosen.pp * chosen.cp == 2
     with pytest.raises(us.ConfigError, match="needs the model"):
         us.validate(us.ParallelConfig(layout="auto"), None, 2)
+    # the settings the planner does not choose are the user's (they were reset to their defaults)
+    kept = {"compile": "regional", "float8": "tensorwise", "cp_kernel": "portable"}
+    chosen = us.validate(us.ParallelConfig(layout="auto", auto_seq_len=64, auto_global_batch=8, **kept), mc, 2)
+    assert {k: getattr(chosen, k) for k in kept} == kept
     from ultrascale_plugins.presets import presets
 
     assert presets()["default"].layout(8, 8, mc) == {"layout": "auto"}  # strategy="ultrascale" with no sizes
