@@ -64,11 +64,23 @@ class ParallelContext:
 
     def plan_layers(self, model: nn.Module) -> list[str]:
         """The decoder layers present in ``model`` (a pipeline stage holds only some)."""
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        present = {fqn for fqn, m in model.named_modules() if type(m).__name__ in names}
         if self.plan is not None and self.plan.layers:
+            present = {fqn for fqn, _ in model.named_modules()}
             return [fqn for fqn in self.plan.layers if fqn in present]
-        return [fqn for fqn, _ in model.named_modules() if fqn in present]
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        return [fqn for fqn, m in model.named_modules() if type(m).__name__ in names]
+
+
+def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan | None:
+    """The plugins' ``ModelPlan`` for ``model``, found through a wrapper (``ultrascale_wrapped_model``) and named
+    from ``model``'s root. Every place that needs the plan asks here."""
+    pm = pm or get_plugin_manager()
+    wrapped = pm.hook.ultrascale_wrapped_model(model=model)
+    if wrapped is not None:
+        inner, prefix = wrapped
+        plan = pm.hook.ultrascale_model_plan(model=inner, config=config)
+        return plan.rerooted(prefix) if plan is not None else None
+    return pm.hook.ultrascale_model_plan(model=model, config=config)
 
 
 def as_config(config: ParallelConfig | dict | None) -> ParallelConfig:
@@ -91,7 +103,7 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     resolved = resolve(chosen if chosen is not None else config, world_size, pm)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
     if model is not None and not _validated_by_launcher(resolved, world_size, model, pm):
-        plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
+        plan = model_plan(model, resolved, pm)
         pm.hook.ultrascale_validate_model(model=model, plan=plan, config=resolved)
     return resolved
 
@@ -154,7 +166,7 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     if model is None:
         model = meta_model(model_config)
     if plan is None:
-        plan = pm.hook.ultrascale_model_plan(model=model, config=resolved)
+        plan = model_plan(model, resolved, pm)
     shape = Shape(model_config=model_config, seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                   profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=inventory(model, plan),
                   model=model, plan=plan, **constants)
@@ -183,7 +195,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         launch.init_distributed()
     dims = ParallelDims(config, launch.world_size(), pm)
     dims.build_mesh(device.type)
-    ctx = ParallelContext(dims=dims, plan=pm.hook.ultrascale_model_plan(model=model, config=config), device=device,
+    ctx = ParallelContext(dims=dims, plan=model_plan(model, config, pm), device=device,
                           modules=[model])
     if init_weights is not None:  # the weights replace whatever the parameters hold now
         buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}

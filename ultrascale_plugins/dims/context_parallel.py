@@ -78,7 +78,7 @@ def ultrascale_validate_config(config, model_config, world_size):
 def ultrascale_validate_model(model, plan, config):
     if config.cp == 1:
         return
-    probe_attention(model, config.cp)
+    probe_attention(plan.causal_lm(model) if plan is not None else model, config.cp)
 
 
 @hookimpl(trylast=True)  # after tensor parallel: attention then runs on this rank's heads

@@ -9,7 +9,8 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 
 1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), chosen when asked
    (``ultrascale_resolve_layout``: ``layout: auto``) and checked before any process group exists
-   (``ultrascale_validate_config``, ``ultrascale_validate_model``);
+   (``ultrascale_validate_config``, ``ultrascale_validate_model``); its model plan (``ultrascale_model_plan``,
+   through a wrapper such as PEFT's: ``ultrascale_wrapped_model``);
 2. its model transform, in one of the composition's places: pipeline split (``ultrascale_split_model``), sharding
    inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
    activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
@@ -67,6 +68,14 @@ def ultrascale_validate_model(model, plan, config):
 @hookspec(firstresult=True)
 def ultrascale_model_plan(model, config):
     """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_wrapped_model(model):
+    """When ``model`` wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``),
+    return ``(inner, prefix)``: the inner model and its name inside ``model``; else None. The engine then asks
+    ``ultrascale_model_plan`` for ``inner`` and names the plan's modules from ``model`` (``ModelPlan.rerooted``),
+    so every dimension finds the layers, the embedding and the head through the wrapper."""
 
 
 # ---- the model transform, in the order the engine composes it ------------------------------------------------

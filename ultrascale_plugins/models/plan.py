@@ -30,6 +30,22 @@ class ModelPlan:
     lm_head: str | None = None
     tied: bool = False
     styles: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    root: str = ""  # where the causal LM the plan was made for sits in the model (a wrapper's, e.g. PEFT's)
+
+    def rerooted(self, prefix: str) -> "ModelPlan":
+        """The same plan with every module name seen from a wrapper that holds the model at ``prefix``."""
+        def name(fqn):
+            return f"{prefix}.{fqn}" if fqn is not None else None
+
+        return dataclasses.replace(self, tp_plan={name(k): v for k, v in self.tp_plan.items()},
+                                   layers=[name(f) for f in self.layers], regions=[name(f) for f in self.regions],
+                                   embedding=name(self.embedding), lm_head=name(self.lm_head),
+                                   root=name(self.root) if self.root else prefix)
+
+    def causal_lm(self, model: nn.Module) -> nn.Module:
+        """The causal LM this plan was made for: ``model`` itself, or the one a wrapper holds (for the checks
+        that rebuild the architecture on the meta device)."""
+        return model.get_submodule(self.root) if self.root else model
 
     def matches(self, model: nn.Module) -> dict[str, str]:
         """Expand the wildcard plan against the model's modules: {module FQN: style name}."""

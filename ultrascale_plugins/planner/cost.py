@@ -166,13 +166,13 @@ class CostModel:
     def estimates(self, lay: Layout):
         """An ``Estimate`` per rank that can be the most loaded (``coordinates_to_cost``: the dimensions say which,
         e.g. a pipeline's first two stages and the ones holding the last)."""
-        from ..engine import estimate
+        from ..engine import estimate, model_plan
         from ..interface.estimates import meta_model
 
         model = meta_model(self.spec.config)
         config = lay.config()
         if lay.tp not in self._plans:
-            self._plans[lay.tp] = self.pm.hook.ultrascale_model_plan(model=model, config=config)
+            self._plans[lay.tp] = model_plan(model, config, self.pm)
         out = []
         for coords in coordinates_to_cost(config, self.pm):
             out.append(estimate(config, self.spec.config, world_size=lay.world, seq_len=self.work.seq_len,

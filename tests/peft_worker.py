@@ -1,0 +1,142 @@
+"""PEFT (LoRA) models under the package's layouts against the same PEFT model in one process (see tests/test_peft.py).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/peft_worker.py OUT.json CASE...
+
+Each case builds a tiny model, wraps it with ``peft.get_peft_model`` (LoRA on every linear layer,
+``lora_dropout=0``), trains it under the case's layout with SGD + momentum and clipping active, and compares on
+rank 0 with the same PEFT model trained in one process: losses, global gradient norms, the adapters' weights; and
+that the frozen base is bit-identical to where it started and holds no gradient or optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_config, packed_batches, padded_batches, rows  # noqa: E402
+
+import ultrascale_plugins as us  # noqa: E402
+
+warnings.filterwarnings("ignore")
+STEPS, LR, MOMENTUM, CLIP = 4, 0.1, 0.9, 0.05
+
+CASES = {
+    "zero3_llama": ("llama", {"dp_shard": 2, "zero_stage": 3}, {}),
+    "zero2_qwen2": ("qwen2", {"dp_shard": 2, "zero_stage": 2}, {}),
+    "zero1_llama_head": ("llama", {"dp_shard": 2, "zero_stage": 1}, {"modules_to_save": ["lm_head"]}),
+    "ddp_qwen3_moe": ("qwen3_moe", {"dp_shard": 2, "zero_stage": 0}, {}),
+    "zero3_qwen3_moe_ac": ("qwen3_moe", {"dp_shard": 2, "activation_checkpointing": "full"}, {}),
+    "cp2_ring_llama": ("llama", {"cp": 2}, {"data": "packed"}),
+    "cp2_ulysses_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses"}, {"data": "packed"}),
+    "zero3_dora_llama": ("llama", {"dp_shard": 2}, {"use_dora": True}),
+    "ddp_dora_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"use_dora": True}),
+    # a bf16 frozen base with fp32 adapters (PEFT's autocast_adapter_dtype) under FSDP2, against the fp32 run
+    "zero3_bf16_base_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 2e-2}),
+}
+
+
+def base_model(arch: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch == "qwen3_moe":
+        config = AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    else:
+        config = make_config(arch)
+        config.max_position_embeddings = 256
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def peft_model(arch: str, extra: dict):
+    from peft import LoraConfig, get_peft_model
+
+    model = base_model(arch)
+    if extra.get("base_dtype") == "bf16":
+        model = model.to(torch.bfloat16)
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                        modules_to_save=extra.get("modules_to_save"), use_dora=extra.get("use_dora", False))
+    return get_peft_model(model, config)
+
+
+def batches(extra: dict):
+    return packed_batches(STEPS, seq_len=64) if extra.get("data") == "packed" else padded_batches(STEPS)
+
+
+def trainable_names(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference(arch: str, extra: dict) -> dict:
+    model = peft_model(arch, {k: v for k, v in extra.items() if k != "base_dtype"})
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for batch in batches(extra):
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def run(name: str) -> dict | None:
+    arch, layout, extra = CASES[name]
+    model = peft_model(arch, extra)
+    trainable = trainable_names(model)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pmodel = us.parallelize(model, us.ParallelConfig(**layout))
+    opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for batch in batches(extra):
+        loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
+        opt.step()
+        if len(losses) == STEPS - 1:  # gradients and momentum exist now: none may belong to the frozen base
+            frozen_with_state = sorted(
+                n for n, p in pmodel.named_parameters() if n not in trainable
+                and (p.grad is not None or opt.state.get(p) or p.requires_grad))
+        opt.zero_grad()
+        losses.append(loss.item())
+    final = pmodel.full_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    ref = reference(arch, extra)
+    keys = set(final) & set(ref["state"])
+    adapters = [k for k in keys if "lora_" in k or "modules_to_save" in k]
+    base = [k for k in keys if k not in adapters]
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+            "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+            "clipped": all(n > CLIP for n in ref["norms"]),
+            "adapter_diff": max((final[k].float() - ref["state"][k].float()).abs().max().item() for k in adapters),
+            "adapters": len(adapters), "trainable": len(trainable),
+            "base_unchanged": all(torch.equal(final[k], start[k]) for k in base),
+            "keys_equal": set(final) == set(ref["state"]), "frozen_with_state": frozen_with_state,
+            "losses": losses, "ref_losses": ref["losses"]}
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2:]
+    us.init_distributed(timeout=120)
+    results = {}
+    for name in names:
+        print(f"[peft] case {name}", file=sys.stderr, flush=True)
+        results[name] = run(name)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""PEFT (LoRA) models handed to ``parallelize``: every supported layout against the same PEFT model in one
+process (tests/peft_worker.py: one 2-process launch), and the layouts not supported yet refused before any
+process group."""
+import json
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "peft_worker.py"
+TOL = 1e-5  # fp32, as tests/test_parity.py
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from conftest import torchrun
+    from peft_worker import CASES
+
+    out = tmp_path_factory.mktemp("peft") / "results.json"
+    proc = torchrun(2, WORKER, str(out), *CASES)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero3_llama", "zero2_qwen2", "zero1_llama_head", "ddp_qwen3_moe",
+                                  "zero3_qwen3_moe_ac", "cp2_ring_llama", "cp2_ulysses_qwen2", "zero3_dora_llama", "ddp_dora_llama",
+                                  "zero3_bf16_base_llama"])
+def test_lora_matches_one_process(results, name):
+    from peft_worker import CASES
+
+    r = results[name]
+    tol = CASES[name][2].get("tol", TOL)
+    assert r["keys_equal"], "state-dict keys differ from the one-process PEFT model"
+    assert r["clipped"], "clipping was not active at every step: the global norm was not compared"
+    assert r["loss_diff"] <= tol, (r["losses"], r["ref_losses"])
+    assert r["norm_rel_diff"] <= tol
+    assert r["adapter_diff"] <= tol and r["adapters"] == r["trainable"] > 0
+    assert r["base_unchanged"], "the frozen base changed"
+    assert not r["frozen_with_state"], f"frozen parameters with gradients or optimizer state: {r['frozen_with_state']}"
+    if "tol" in CASES[name][2]:  # the bf16 base really ran in bf16
+        assert r["loss_diff"] > 0
+
+
+@pytest.mark.parametrize("fields, words", [({"tp": 2, "dp_shard": 1}, ["tp=2", "PEFT", "tp: 1"]),
+                                           ({"pp": 2, "dp_shard": 1}, ["pp=2", "PEFT", "pp: 1"])])
+def test_layouts_not_supported_yet_are_refused_before_any_process_group(fields, words):
+    import torch.distributed as dist
+
+    import ultrascale_plugins as us
+    from peft_worker import peft_model
+
+    model = peft_model("llama", {})
+    with pytest.raises(us.ConfigError) as err:
+        us.validate(us.ParallelConfig(**fields), model.config, 2, model=model)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_the_plan_is_found_through_the_wrapper():
+    """ZeRO-3 gives each decoder layer its own group only if the layers are found inside the PEFT wrapper."""
+    import ultrascale_plugins as us
+    from peft_worker import peft_model
+    from ultrascale_plugins.engine import model_plan
+
+    model = peft_model("llama", {})
+    plan = model_plan(model, us.ParallelConfig())
+    assert plan.layers == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+    assert plan.lm_head == "base_model.model.lm_head" and plan.root == "base_model.model"
+    assert plan.causal_lm(model) is model.get_base_model()

@@ -1,0 +1,45 @@
+"""PEFT models (``peft.get_peft_model``: LoRA, DoRA, ...) handed to ``parallelize``.
+
+A PEFT model wraps the causal LM (``base_model.model``), so this plugin tells the engine where it is
+(``ultrascale_wrapped_model``): the plans of the wrapped model then apply through the wrapper, and ZeRO-3 shards
+each decoder layer on its own, adapters included, instead of gathering the whole model as one group. The frozen
+base has no gradients and no optimizer state: data parallel averages, and ZeRO shards, only what trains.
+
+Not supported yet, and refused before any process group: tensor and pipeline parallel (adapters must be sharded
+to follow their base layer's style, and a pipeline must split the wrapped model).
+"""
+from __future__ import annotations
+
+import sys
+
+from ..interface.fields import field_error
+from ..interface.hookspecs import hookimpl
+
+
+def is_peft_model(model) -> bool:
+    if "peft" not in sys.modules:  # a PEFT model cannot exist without peft imported
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@hookimpl
+def ultrascale_wrapped_model(model):
+    if not is_peft_model(model):
+        return None
+    inner = model.get_base_model()
+    prefix = next(fqn for fqn, module in model.named_modules() if module is inner)
+    return inner, prefix
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    if not is_peft_model(model):
+        return
+    for field, what in (("tp", "the adapters would have to be sharded like their base layers"),
+                        ("pp", "the pipeline split does not reach into the PEFT wrapper")):
+        value = getattr(config, field, 1)
+        if value > 1:
+            raise field_error(field, value, f"a PEFT model under {field} > 1 is not supported yet ({what})",
+                              f"use {field}: 1 with data parallel (ZeRO-1/2/3, HSDP, DDP) or context parallel")
