@@ -125,14 +125,14 @@ class UltraScaleAccelerator(Accelerator):
         return dims.coordinate(self.process_index, dims.row_axes)
 
     def prepare(self, *args, device_placement=None):
-        from transformers import PreTrainedModel
+        from ..engine import causal_lm_of
 
         # models first: the optimizer must be re-pointed at the sharded parameters
         originals: set[int] = set()
         names: dict[int, list[str]] = {}  # every name of every parameter (a tied weight has two)
         out = list(args)
         for i, obj in enumerate(args):
-            if isinstance(obj, PreTrainedModel):
+            if causal_lm_of(obj) is not None:  # a Hugging Face causal LM, or a PEFT model of one
                 originals.add(i)
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)

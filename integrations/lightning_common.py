@@ -22,11 +22,11 @@ STATE_FILE = "lightning.pt"
 
 
 def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
-    """(attribute name, model) of the LightningModule's Hugging Face causal LM (a direct child)."""
-    from transformers import PreTrainedModel
+    """(attribute name, model) of the LightningModule's Hugging Face causal LM, or a PEFT model of one (a direct
+    child)."""
+    from ..engine import causal_lm_of
 
-    found = [(name, child) for name, child in module.named_children()
-             if isinstance(child, PreTrainedModel) and hasattr(child, "lm_head")]
+    found = [(name, child) for name, child in module.named_children() if causal_lm_of(child) is not None]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
         raise ConfigError(f"the LightningModule holds {what} Hugging Face causal LM(s) as attributes. Fix: assign "

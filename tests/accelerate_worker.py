@@ -1,7 +1,7 @@
 """A standard Accelerate training loop (see tests/test_accelerate.py), started by ``accelerate launch``.
 
     accelerate launch --config_file F.yaml accelerate_worker.py OUT.json [--save-at K DIR] [--resume DIR]
-        [--save-model DIR] [--accumulate N] [--adamw for_loop|foreach|fused]
+        [--save-model DIR] [--accumulate N] [--adamw for_loop|foreach|fused] [--peft]
     python accelerate_worker.py OUT.json --reference --replicas DP [--accumulate N]
                                               one process, no Accelerate: the loop the parallel runs must equal
 
@@ -35,11 +35,22 @@ def schedule(step: int) -> float:
     return 1.0 / (1 + 0.1 * step)
 
 
+def build_model(args, seed: int):
+    """The test's model; with --peft wrapped by PEFT (LoRA on every linear layer, no dropout)."""
+    model = make_model(ARCH, seed=seed)
+    if not args.peft:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed + 1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+
+
 def reference(args) -> dict:
     """One process: global batches of 8 rows in order, the scheduler stepped once per replica per optimizer
     step (Accelerate's convention: the global batch grows with the data-parallel replicas), an optimizer step
     every `accumulate` micro-batches and at the end of each epoch (Accelerate's sync_with_dataloader)."""
-    model = make_model(ARCH, seed=0)
+    model = build_model(args, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     losses = []
@@ -76,7 +87,7 @@ def train(args) -> dict:
     from ultrascale_plugins.integrations.accelerate import UltraScaleAccelerator
 
     accelerator = UltraScaleAccelerator(gradient_accumulation_steps=args.accumulate)
-    model = make_model(ARCH, seed=7 if args.resume else 0)  # a resumed run must take everything from the state
+    model = build_model(args, seed=7 if args.resume else 0)  # a resumed run must take everything from the state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     loader = DataLoader(ROWS, batch_size=GLOBAL_BATCH // accelerator.data_parallel_size)
@@ -107,7 +118,8 @@ def train(args) -> dict:
                 accelerator.save_state(args.save_at[1])
     result = {"losses": losses, "data_parallel_size": accelerator.data_parallel_size,
               "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
-              "compile": accelerator.ultrascale_config.compile, "compiled_graphs": compiled_graphs()}
+              "compile": accelerator.ultrascale_config.compile, "compiled_graphs": compiled_graphs(),
+              "parallelized": len(accelerator.ultrascale_models)}
     if args.save_model:
         accelerator.save_model(model, args.save_model)
         model.eval()
@@ -136,6 +148,7 @@ def main():
     ap.add_argument("--resume")
     ap.add_argument("--save-model")
     ap.add_argument("--adamw", choices=list(ADAMW), default="for_loop")
+    ap.add_argument("--peft", action="store_true", help="a PEFT (LoRA) model")
     args = ap.parse_args()
     if args.save_at:
         args.save_at = (int(args.save_at[0]), args.save_at[1])

@@ -53,6 +53,7 @@ RUNS = {
     "zero3_bf16_mixed": ("ultrascale_zero3", {"precision": "bf16-mixed"}),
     "tp_bf16_true": ("ultrascale_tp", {"precision": "bf16-true"}),
     "pretrained_meta_tp_sp": ("ultrascale_tp_sp", {"hf_dir": True}),  # built empty in configure_model
+    "peft_zero3": ("ultrascale_zero3", {"peft": True}),  # a PEFT (LoRA) model made in configure_model
     "pretrained_init_from_zero3": ({"init_from": True}, {"seed": 5}),  # random init, replaced by the weights
     "zero1": ({"zero_stage": 1}, {}),  # the user's AdamW becomes a ZeroRedundancyOptimizer
     "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
@@ -89,9 +90,10 @@ class Rows(Dataset):
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, hf_dir: str | None = None, seed: int = 0, arch: str = ARCH, adamw: str = "for_loop"):
+    def __init__(self, hf_dir: str | None = None, seed: int = 0, arch: str = ARCH, adamw: str = "for_loop",
+                 peft: bool = False):
         super().__init__()
-        self.hf_dir, self.adamw = hf_dir, adamw
+        self.hf_dir, self.adamw, self.peft = hf_dir, adamw, peft
         self.losses: list[float] = []
         if hf_dir is None:
             self.model = make_model(arch, seed=seed)
@@ -102,6 +104,12 @@ class CausalLM(L.LightningModule):
 
             with self.trainer.init_module(empty_init=True):  # meta device: each rank loads its shards
                 self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hf_dir))
+        if self.peft and not hasattr(self.model, "peft_config"):
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(1)
+            self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                               target_modules="all-linear"))
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -151,7 +159,7 @@ def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
 def fit(strategy, devices, ckpt_path=None, **kwargs) -> dict:
     hf_dir = os.environ["HF_DIR"] if kwargs.pop("hf_dir", None) else None
     module = CausalLM(hf_dir, seed=kwargs.pop("seed", 0), arch=kwargs.pop("arch", ARCH),
-                      adamw=kwargs.pop("adamw", "for_loop"))
+                      adamw=kwargs.pop("adamw", "for_loop"), peft=kwargs.pop("peft", False))
     t = trainer(strategy, devices, **kwargs)
     t.fit(module, ckpt_path=ckpt_path)
     return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan"))}

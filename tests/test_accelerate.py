@@ -39,10 +39,11 @@ class References(dict):
         self.tmp = tmp
 
     def __missing__(self, key):
-        replicas, accumulate, adamw = key
-        path = self.tmp / f"ref{replicas}_{accumulate}_{adamw}.json"
+        replicas, accumulate, adamw, *peft = key
+        path = self.tmp / f"ref{replicas}_{accumulate}_{adamw}{'_peft' if peft else ''}.json"
         proc = subprocess.run([sys.executable, str(WORKER), str(path), "--reference", "--replicas", str(replicas),
-                               "--accumulate", str(accumulate), "--adamw", adamw], capture_output=True, text=True,
+                               "--accumulate", str(accumulate), "--adamw", adamw, *(["--peft"] if peft else [])],
+                              capture_output=True, text=True,
                               timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-4000:]
         self[key] = json.loads(path.read_text())["losses"]
@@ -54,11 +55,13 @@ def reference(tmp_path_factory):
     return References(tmp_path_factory.mktemp("accelerate"))
 
 
-def check(proc, out: Path, reference, replicas: int, accumulate: int = 1, adamw: str = "for_loop"):
+def check(proc, out: Path, reference, replicas: int, accumulate: int = 1, adamw: str = "for_loop",
+          peft: bool = False):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     r = json.loads(out.read_text())
     assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["data_parallel_size"] == replicas, r
-    want = reference[(replicas, accumulate, adamw)]
+    assert r["parallelized"] == 1, "the model did not go through the engine"
+    want = reference[(replicas, accumulate, adamw, True) if peft else (replicas, accumulate, adamw)]
     assert len(r["losses"]) == len(want) == 6
     assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= TOL, (r["losses"], want)
     return r
@@ -90,6 +93,14 @@ def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path):
     out = tmp_path / "out.json"
     proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra=env)
     check(proc, out, {(2, 1, "for_loop"): json.loads(ref_path.read_text())["losses"]}, replicas=2)
+
+
+@pytest.mark.slow
+def test_a_peft_model_is_prepared_by_the_engine(tmp_path, reference):
+    """prepare(peft_model, optimizer, ...) parallelizes the PEFT model (ZeRO-3 over 2 processes) rather than
+    handing it to Accelerate's own path; every step equals the same PEFT model on one process."""
+    out = tmp_path / "out.json"
+    check(launch(str(RECIPES / "zero3.yaml"), out, "--peft"), out, reference, 2, peft=True)
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def assert_parity(results, reference, names, tol=TOL):
 @pytest.mark.slow
 def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, reference, hf_dir):
     exact = NAMES + ["zero3_accumulate2", "pp_accumulate2", "pretrained_meta_tp_sp", "pretrained_init_from_zero3",
-                     "zero1", "tp_fused", "tp_sp_foreach"]
+                     "zero1", "tp_fused", "tp_sp_foreach", "peft_zero3"]
     results = run(2, tmp_path, hf_dir, *exact, "zero3_bf16_mixed", "tp_bf16_true")
     assert_parity(results, reference, exact)
     # bf16 against Lightning's own bf16 on one device: close, not equal

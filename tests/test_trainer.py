@@ -161,3 +161,23 @@ def test_a_crash_between_the_commits_steps_leaves_a_complete_checkpoint(tmp_path
         assert list_checkpoints(tmp_path) == [final], os.listdir(tmp_path)  # recovered by the reader
         assert (final / "state").read_text() == want
         assert not [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
+
+
+def test_a_peft_model_trains_as_in_a_plain_trainer(tmp_path):
+    """UltraScaleTrainer with a PEFT (LoRA) model under ZeRO-3 and context parallel: Trainer's accumulation,
+    logged losses and gradient norms equal a plain Trainer's with the same PEFT model on one process."""
+    import subprocess
+    import sys
+
+    ref = tmp_path / "ref" / "out.json"
+    ref.parent.mkdir()
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--peft", "--accumulate", "2",
+                           "--no-save-model"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = json.loads(ref.read_text())
+    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--peft", "--accumulate", "2", "--no-save-model"]
+                    for name, layout in {"zero3": ["dp_shard=2"], "cp": ["cp=2"]}.items()])
+    for run in runs:
+        assert _close(run["losses"], want["losses"], ACROSS), (run["losses"], want["losses"])
+        assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (run["grad_norms"], want["grad_norms"])

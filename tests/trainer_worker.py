@@ -15,6 +15,7 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --output-dir DIR       TrainingArguments.output_dir (default: OUT.json's directory/trainer)
     --no-save-model        skip the final save_model
     --torch-compile        TrainingArguments(torch_compile=True): ultrascale compiles each decoder layer
+    --peft                 the model is a PEFT (LoRA) model
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
@@ -28,6 +29,7 @@ import shutil
 import sys
 import warnings
 
+import torch
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +42,7 @@ EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_B
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
            "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1,
-           "--torch-compile": 0}
+           "--torch-compile": 0, "--peft": 0}
 
 
 def parse(argv):
@@ -109,7 +111,13 @@ def run(argv):
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
                              disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
-    trainer = cls(model=make_model("llama8_tied", seed=0), args=args, train_dataset=ROWS, callbacks=[Record()],
+    model = make_model("llama8_tied", seed=0)
+    if "--peft" in opts:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    trainer = cls(model=model, args=args, train_dataset=ROWS, callbacks=[Record()],
                   eval_dataset=EVAL_ROWS if evaluation else None, **extra)
     result = {}
     if "--fail-at-save" in opts:

@@ -83,6 +83,18 @@ def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan |
     return pm.hook.ultrascale_model_plan(model=model, config=config)
 
 
+def causal_lm_of(obj, pm=None):
+    """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_wrapped_model``: a PEFT model), or
+    None: what the front ends hand to ``parallelize``."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(obj, nn.Module):
+        return None
+    wrapped = (pm or get_plugin_manager()).hook.ultrascale_wrapped_model(model=obj)
+    inner = wrapped[0] if wrapped is not None else obj
+    return inner if isinstance(inner, PreTrainedModel) and hasattr(inner, "lm_head") else None
+
+
 def as_config(config: ParallelConfig | dict | None) -> ParallelConfig:
     if config is None:
         return ParallelConfig()
