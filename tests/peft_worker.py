@@ -26,12 +26,12 @@ warnings.filterwarnings("ignore")
 STEPS, LR, MOMENTUM, CLIP = 4, 0.1, 0.9, 0.05
 
 CASES = {
-    "zero3_llama": ("llama", {"dp_shard": 2, "zero_stage": 3}, {}),
+    "zero3_llama": ("llama", {"dp_shard": 2, "zero_stage": 3}, {"save": True}),
     "zero2_qwen2": ("qwen2", {"dp_shard": 2, "zero_stage": 2}, {}),
     "zero1_llama_head": ("llama", {"dp_shard": 2, "zero_stage": 1}, {"modules_to_save": ["lm_head"]}),
     "ddp_qwen3_moe": ("qwen3_moe", {"dp_shard": 2, "zero_stage": 0}, {}),
     "zero3_qwen3_moe_ac": ("qwen3_moe", {"dp_shard": 2, "activation_checkpointing": "full"}, {}),
-    "cp2_ring_llama": ("llama", {"cp": 2}, {"data": "packed"}),
+    "cp2_ring_llama": ("llama", {"cp": 2}, {"data": "packed", "save": True}),
     "cp2_ulysses_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses"}, {"data": "packed"}),
     "zero3_dora_llama": ("llama", {"dp_shard": 2}, {"use_dora": True}),
     "ddp_dora_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"use_dora": True}),
@@ -109,13 +109,20 @@ def run(name: str) -> dict | None:
         opt.zero_grad()
         losses.append(loss.item())
     final = pmodel.full_state_dict()
+    saved = None
+    if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
+        from ultrascale_plugins.hf_module import ParallelCausalLM
+
+        saved = extra["save"] + "/" + name
+        ParallelCausalLM(pmodel).save_pretrained(saved)
     if dist.get_rank() != 0:
         return None
     ref = reference(arch, extra)
     keys = set(final) & set(ref["state"])
     adapters = [k for k in keys if "lora_" in k or "modules_to_save" in k]
     base = [k for k in keys if k not in adapters]
-    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+    loaded = reloaded_adapter_diff(arch, extra, saved, final, adapters) if saved else None
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])), "reloaded": loaded,
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
             "clipped": all(n > CLIP for n in ref["norms"]),
             "adapter_diff": max((final[k].float() - ref["state"][k].float()).abs().max().item() for k in adapters),
@@ -125,8 +132,23 @@ def run(name: str) -> dict | None:
             "losses": losses, "ref_losses": ref["losses"]}
 
 
+def reloaded_adapter_diff(arch: str, extra: dict, saved: str, final: dict, adapters: list[str]) -> dict:
+    """``PeftModel.from_pretrained(base, saved)`` on a fresh base: its adapters against the run's, and the files."""
+    import os
+
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base_model(arch), saved)
+    state = model.state_dict()
+    return {"files": sorted(os.listdir(saved)),
+            "max_diff": max((state[k].float() - final[k].float()).abs().max().item() for k in adapters)}
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
+    for name in names:  # where the adapters are saved: beside the results
+        if CASES[name][2].get("save"):
+            CASES[name][2]["save"] = os.path.dirname(os.path.abspath(out))
     us.init_distributed(timeout=120)
     results = {}
     for name in names:

@@ -37,6 +37,9 @@ def test_lora_matches_one_process(results, name):
     assert r["adapter_diff"] <= tol and r["adapters"] == r["trainable"] > 0
     assert r["base_unchanged"], "the frozen base changed"
     assert not r["frozen_with_state"], f"frozen parameters with gradients or optimizer state: {r['frozen_with_state']}"
+    if r["reloaded"] is not None:  # save_pretrained wrote PEFT's files: they reload the run's adapters exactly
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["reloaded"]["files"]), r["reloaded"]
+        assert r["reloaded"]["max_diff"] == 0.0
     if "tol" in CASES[name][2]:  # the bf16 base really ran in bf16
         assert r["loss_diff"] > 0
 

@@ -165,19 +165,28 @@ def test_a_crash_between_the_commits_steps_leaves_a_complete_checkpoint(tmp_path
 
 def test_a_peft_model_trains_as_in_a_plain_trainer(tmp_path):
     """UltraScaleTrainer with a PEFT (LoRA) model under ZeRO-3 and context parallel: Trainer's accumulation,
-    logged losses and gradient norms equal a plain Trainer's with the same PEFT model on one process."""
+    logged losses and gradient norms equal a plain Trainer's with the same PEFT model on one process, and
+    save_model writes the adapters in PEFT's format, as Trainer does, equal to the plain Trainer's."""
     import subprocess
     import sys
 
     ref = tmp_path / "ref" / "out.json"
     ref.parent.mkdir()
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--peft", "--accumulate", "2",
-                           "--no-save-model"], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--peft", "--accumulate", "2"],
+                          capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     want = json.loads(ref.read_text())
-    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--peft", "--accumulate", "2", "--no-save-model"]
-                    for name, layout in {"zero3": ["dp_shard=2"], "cp": ["cp=2"]}.items()])
-    for run in runs:
+    layouts = {"zero3": ["dp_shard=2"], "cp": ["cp=2"]}
+    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--peft", "--accumulate", "2"]
+                    for name, layout in layouts.items()])
+    from safetensors.torch import load_file
+
+    ref_adapters = load_file(ref.parent / "hf" / "adapter_model.safetensors")
+    for name, run in zip(layouts, runs):
         assert _close(run["losses"], want["losses"], ACROSS), (run["losses"], want["losses"])
         assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (run["grad_norms"], want["grad_norms"])
+        assert not list((tmp_path / name / "hf").glob("model*.safetensors")), "save_model wrote the whole model"
+        adapters = load_file(tmp_path / name / "hf" / "adapter_model.safetensors")
+        assert set(adapters) == set(ref_adapters) and ref_adapters
+        assert max((adapters[k] - ref_adapters[k]).abs().max().item() for k in adapters) <= ACROSS, name

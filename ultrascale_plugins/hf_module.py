@@ -133,9 +133,12 @@ class ParallelCausalLM(nn.Module):
         return self.pmodel.no_sync() if not self.pipelined else contextlib.nullcontext()
 
     def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **ignored) -> None:
-        """Write a Hugging Face directory (safetensors, config, generation config) of the whole model. Every
+        """Write a Hugging Face directory (safetensors, config, generation config) of the whole model, or what a
+        plugin writes for its kind of model (a PEFT model: its adapters, ``ultrascale_save_pretrained``). Every
         rank must call it: each writes its shards to a temporary sharded checkpoint, which rank 0 then streams
         into safetensors tensor by tensor (memory bounded by one output shard)."""
+        if self.pmodel.pm.hook.ultrascale_save_pretrained(pmodel=self.pmodel, directory=str(save_directory)):
+            return
         import shutil
         from pathlib import Path
 

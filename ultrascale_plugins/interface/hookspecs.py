@@ -180,6 +180,13 @@ def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages)
     not know. The planner's plot draws it."""
 
 
+@hookspec(firstresult=True)
+def ultrascale_save_pretrained(pmodel, directory):
+    """Write ``pmodel``'s model to ``directory`` as its own library's ``save_pretrained`` would, when this plugin
+    owns that format (a PEFT model: its adapters, in PEFT's files), and return True; None leaves it to the
+    whole-model Hugging Face export. Every rank calls it (the front ends' ``save_model`` / ``save_pretrained``)."""
+
+
 # ---- names in the front ends --------------------------------------------------------------------------------
 @hookspec
 def ultrascale_presets():

@@ -34,6 +34,29 @@ def ultrascale_wrapped_model(model):
 
 
 @hookimpl
+def ultrascale_save_pretrained(pmodel, directory):
+    """The adapters in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``), as a PEFT model's
+    ``save_pretrained`` writes them: every rank gathers the trainable tensors (the adapters, a ``modules_to_save``
+    copy), which are small, never the frozen base; rank 0 hands them to PEFT to name and write."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model = pmodel.module
+    if not is_peft_model(model):
+        return None
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    state = {}
+    for part in pmodel.modules:
+        for name, tensor in part.state_dict().items():  # the same order on every rank: the gathers pair up
+            if name in trainable:
+                state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+    if dist.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=state)
+    dist.barrier()
+    return True
+
+
+@hookimpl
 def ultrascale_validate_model(model, plan, config):
     if not is_peft_model(model):
         return
