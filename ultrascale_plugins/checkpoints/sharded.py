@@ -154,9 +154,11 @@ def _optimizer_state(pmodel, optimizer) -> tuple[dict[str, torch.Tensor], list[d
 
 def _init_optimizer_state(optimizer) -> None:
     """Allocate the optimizer's state tensors (in this layout) with a zero-gradient, zero-lr step, so DCP can
-    load into them. The values are overwritten by the load."""
+    load into them. The values are overwritten by the load. Frozen parameters (a PEFT model's base) get none:
+    they never had a gradient, so the saved run holds no state for them either."""
     zero1 = _local_optimizer(optimizer) is not optimizer  # its step is collective: every rank takes it
-    if not zero1 and all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+    if not zero1 and all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
+                         if p.requires_grad):
         return
     saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -164,7 +166,7 @@ def _init_optimizer_state(optimizer) -> None:
         if "weight_decay" in g:
             g["weight_decay"] = 0.0
         for p in g["params"]:
-            if p.grad is None:
+            if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
