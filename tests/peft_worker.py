@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import make_config, packed_batches, padded_batches, rows  # noqa: E402
+from parity_worker import holdings  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
 
@@ -103,11 +104,14 @@ def run(name: str) -> dict | None:
         norms.append(float(pmodel.clip_grad_norm_(CLIP)))
         opt.step()
         if len(losses) == STEPS - 1:  # gradients and momentum exist now: none may belong to the frozen base
+            held = holdings(pmodel, opt)
             frozen_with_state = sorted(
                 n for n, p in pmodel.named_parameters() if n not in trainable
                 and (p.grad is not None or opt.state.get(p) or p.requires_grad))
         opt.zero_grad()
         losses.append(loss.item())
+    bytes_held = [None] * dist.get_world_size()  # each rank's holdings against the estimate for its coordinates
+    dist.all_gather_object(bytes_held, (held, predicted(pmodel, arch, extra)))
     final = pmodel.full_state_dict()
     saved = None
     if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
@@ -123,6 +127,7 @@ def run(name: str) -> dict | None:
     base = [k for k in keys if k not in adapters]
     loaded = reloaded_adapter_diff(arch, extra, saved, final, adapters) if saved else None
     return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])), "reloaded": loaded,
+            "bytes_held": bytes_held,
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
             "clipped": all(n > CLIP for n in ref["norms"]),
             "adapter_diff": max((final[k].float() - ref["state"][k].float()).abs().max().item() for k in adapters),
@@ -130,6 +135,18 @@ def run(name: str) -> dict | None:
             "base_unchanged": all(torch.equal(final[k], start[k]) for k in base),
             "keys_equal": set(final) == set(ref["state"]), "frozen_with_state": frozen_with_state,
             "losses": losses, "ref_losses": ref["losses"]}
+
+
+def predicted(pmodel, arch: str, extra: dict) -> dict:
+    """The estimate's parameter, gradient and optimizer bytes for this rank, from the PEFT model on the meta
+    device (its inventory knows which parameters train)."""
+    mesh = pmodel.dims.mesh
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())) if mesh is not None else {}
+    with torch.device("meta"):
+        model = peft_model(arch, extra)
+    est = us.estimate(pmodel.config, model.config, world_size=dist.get_world_size(), coords=coords, model=model,
+                      optimizer="sgd_momentum", check=False)
+    return {k: int(est.memory[k]) for k in ("params", "grads", "optimizer")}
 
 
 def reloaded_adapter_diff(arch: str, extra: dict, saved: str, final: dict, adapters: list[str]) -> dict:

@@ -37,6 +37,11 @@ def test_lora_matches_one_process(results, name):
     assert r["adapter_diff"] <= tol and r["adapters"] == r["trainable"] > 0
     assert r["base_unchanged"], "the frozen base changed"
     assert not r["frozen_with_state"], f"frozen parameters with gradients or optimizer state: {r['frozen_with_state']}"
+    # gradient and optimizer bytes are the estimate's for the trainable parameters only, exactly, on every rank;
+    # parameter bytes too, unless the base is bf16 (the estimate prices parameters by mixed_precision)
+    for rank, (held, predicted) in enumerate(r["bytes_held"]):
+        kinds = ("grads", "optimizer") if "base_dtype" in CASES[name][2] else ("params", "grads", "optimizer")
+        assert {k: held[k] for k in kinds} == {k: predicted[k] for k in kinds}, (rank, held, predicted)
     if r["reloaded"] is not None:  # save_pretrained wrote PEFT's files: they reload the run's adapters exactly
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["reloaded"]["files"]), r["reloaded"]
         assert r["reloaded"]["max_diff"] == 0.0

@@ -153,9 +153,13 @@ def partitioned(optimizer, group):
 
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # defaults may hold derived keys
-    # every group with its own settings (Trainer's default optimizer has two: with and without weight decay)
-    groups = [{"params": g["params"], **{k: v for k, v in g.items() if k in settings and v != settings[k]}}
+    # every group with its own settings (Trainer's default optimizer has two: with and without weight decay), of
+    # the parameters that train: a frozen one (a PEFT model's base) would be given an owner that broadcasts it
+    # after every step, and would skew the partition of the states
+    groups = [{"params": [p for p in g["params"] if p.requires_grad],
+               **{k: v for k, v in g.items() if k in settings and v != settings[k]}}
               for g in optimizer.param_groups]
+    groups = [g for g in groups if g["params"]]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **settings)
 
 
