@@ -6,13 +6,14 @@ each decoder layer on its own, adapters included, instead of gathering the whole
 base has no gradients and no optimizer state: data parallel averages, and ZeRO shards, only what trains.
 
 Not supported yet, and refused before any process group: tensor and pipeline parallel (adapters must be sharded
-to follow their base layer's style, and a pipeline must split the wrapped model).
+to follow their base layer's style, and a pipeline must split the wrapped model), and a PEFT model built on the
+meta device (its adapters need PEFT's initialization, and pretrained files do not name PEFT's modules).
 """
 from __future__ import annotations
 
 import sys
 
-from ..interface.fields import field_error
+from ..interface.fields import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
 
 
@@ -60,6 +61,12 @@ def ultrascale_save_pretrained(pmodel, directory):
 def ultrascale_validate_model(model, plan, config):
     if not is_peft_model(model):
         return
+    if any(p.is_meta for p in model.parameters()):
+        # the engine would give the adapters the base model's initialization (a non-zero LoRA B: the run would
+        # not start from the base model) and pretrained files do not name PEFT's modules
+        raise ConfigError("a PEFT model built on the meta device is not supported yet: its adapters would not get "
+                          "PEFT's initialization. Fix: load the base model with its weights (from_pretrained), "
+                          "then call get_peft_model")
     for field, what in (("tp", "the adapters would have to be sharded like their base layers"),
                         ("pp", "the pipeline split does not reach into the PEFT wrapper")):
         value = getattr(config, field, 1)
