@@ -18,7 +18,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("peft") / "results.json"
     proc = torchrun(2, WORKER, str(out), *CASES, "resume")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "dir": str(out.parent)}
 
 
 @pytest.mark.slow
@@ -54,6 +54,17 @@ def test_a_peft_models_checkpoint_resumes_bit_for_bit(results):
     """The frozen base has no optimizer state: the load must not expect any (it did: 'Missing key ... step')."""
     r = results["resume"]
     assert r["resumed"] == r["uninterrupted"][2:]
+
+
+@pytest.mark.slow
+def test_exporting_a_peft_models_checkpoint_is_refused(results, tmp_path):
+    """Its names are the wrapper's (base_model.model....) plus adapters: transformers would load random weights."""
+    from ultrascale_plugins.checkpoints.export import export_hf
+    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not parameters of a llama model.*save_pretrained"):
+        export_hf(Path(results["dir"]) / "ckpt" / "step-00000002", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fields, words", [({"tp": 2, "dp_shard": 1}, ["tp=2", "PEFT", "tp: 1"]),

@@ -19,6 +19,24 @@ from .sharded import CheckpointError, SafeReader, read_meta, saved_model_config
 MODEL_PREFIX = "model."
 
 
+def _check_names(names: list[str], config, checkpoint: Path) -> None:
+    """Refuse a checkpoint whose tensors are not the model's own (a PEFT model's: its wrapper's names and its
+    adapters): written out, transformers would skip them and load random weights in their place."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            expected = set(AutoModelForCausalLM.from_config(config).state_dict())
+    except Exception:  # noqa: BLE001 - a model transformers cannot build from the config alone: export as saved
+        return
+    unknown = [n for n in names if n not in expected]
+    if unknown:
+        raise CheckpointError(f"checkpoint '{checkpoint}': {len(unknown)} tensor(s) are not parameters of a "
+                              f"{config.model_type} model (e.g. '{unknown[0]}'): it was saved from a wrapped model "
+                              "(a PEFT model). Fix: write a PEFT model's adapters with the front end's save_model / "
+                              "save_pretrained (export --adapter is not available yet)")
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 2**30,
               dtype: torch.dtype | None = None) -> Path:
     """Write ``out_dir`` so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model.
@@ -36,6 +54,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
     md = SafeReader(str(checkpoint)).read_metadata()  # refuses a forged .metadata before anything is written
     names = sorted(k[len(MODEL_PREFIX):] for k, v in md.state_dict_metadata.items()
                    if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata))
+    _check_names(names, config, checkpoint)
     if tied:  # transformers stores a tied head once, under the embedding's name
         names = [n for n in names if n != "lm_head.weight"] if any("embed" in n or "wte" in n for n in names) \
             else names
