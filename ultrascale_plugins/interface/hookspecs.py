@@ -20,7 +20,8 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
    DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
    costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
-   timeline for the planner's plot: ``ultrascale_schedule_timeline``);
+   timeline for the planner's plot: ``ultrascale_schedule_timeline``); a model's own saved form
+   (``ultrascale_save_pretrained``: a PEFT model's adapters);
 5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
    Accelerate's ``parallelism_config`` sizes).
 """
