@@ -35,6 +35,9 @@ CASES = {
     "cp2_ring_llama": ("llama", {"cp": 2}, {"data": "packed", "save": True}),
     "cp2_ulysses_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses"}, {"data": "packed"}),
     "zero3_dora_llama": ("llama", {"dp_shard": 2}, {"use_dora": True}),
+    # LoRA on the embedding (PEFT's lora.Embedding), rank-stabilized scaling (rsLoRA)
+    "zero3_embedding_rslora_llama": ("llama", {"dp_shard": 2},
+                                     {"target_modules": ["embed_tokens", "q_proj", "v_proj"], "use_rslora": True}),
     "ddp_dora_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"use_dora": True}),
     # a bf16 frozen base with fp32 adapters (PEFT's autocast_adapter_dtype) under FSDP2, against the fp32 run
     "zero3_bf16_base_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 2e-2}),
@@ -63,8 +66,9 @@ def peft_model(arch: str, extra: dict):
     if extra.get("base_dtype") == "bf16":
         model = model.to(torch.bfloat16)
     torch.manual_seed(1)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
-                        modules_to_save=extra.get("modules_to_save"), use_dora=extra.get("use_dora", False))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=extra.get("target_modules", "all-linear"),
+                        modules_to_save=extra.get("modules_to_save"), use_dora=extra.get("use_dora", False),
+                        use_rslora=extra.get("use_rslora", False))
     return get_peft_model(model, config)
 
 
