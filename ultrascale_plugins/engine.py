@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from . import launch
 from .interface.config import ConfigError, ParallelConfig
-from .models.plan import ModelPlan
+from .models.plan import ModelPlan, layers_present
 from .interface.parallel_dims import ParallelDims, resolve
 from .interface.plugins import get_plugin_manager
 from .interface.runtime import Runtime
@@ -63,14 +63,8 @@ class ParallelContext:
             load()
 
     def plan_layers(self, model: nn.Module) -> list[str]:
-        """The decoder layers present in ``model`` (a pipeline stage holds only some: the others are placeholders
-        under the same names, so layers are recognized by their class, the causal LM's "no split" modules)."""
-        causal_lm = self.plan.causal_lm(model) if self.plan is not None else model  # through a wrapper (PEFT's)
-        names = set(getattr(causal_lm, "_no_split_modules", None) or [])
-        present = {fqn for fqn, m in model.named_modules() if type(m).__name__ in names}
-        if self.plan is not None and self.plan.layers:
-            return [fqn for fqn in self.plan.layers if fqn in present]
-        return [fqn for fqn, _ in model.named_modules() if fqn in present]
+        """The decoder layers present in ``model`` (a pipeline stage holds only some)."""
+        return layers_present(model, self.plan)
 
 
 def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan | None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..interface.fields import field_error
 from ..interface.hookspecs import hookimpl
+from ..models.plan import layers_present
 
 RECIPES = ("none", "tensorwise", "rowwise")
 EXTRA = 'pip install "ultrascale-plugins[float8]"'
@@ -119,22 +120,13 @@ def convertible(module: nn.Module, fqn: str = "") -> bool:
             and module.out_features % 16 == 0)
 
 
-def _layers(model: nn.Module, plan) -> list[str]:
-    # as ParallelContext.plan_layers, for the checks that run before there is a context
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    present = [fqn for fqn, m in model.named_modules() if type(m).__name__ in names]
-    if plan is not None and plan.layers:
-        return [fqn for fqn in plan.layers if fqn in present]
-    return present
-
-
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
     """A layout asking for float8 on a model where it would change nothing (no Linear of the right shape in its
     decoder layers, e.g. GPT-2's Conv1D projections) is refused rather than silently run in high precision."""
     if config.float8 == "none":
         return
-    if not any(convertible(m) for fqn in _layers(model, plan) for m in model.get_submodule(fqn).modules()):
+    if not any(convertible(m) for fqn in layers_present(model, plan) for m in model.get_submodule(fqn).modules()):
         raise field_error("float8", config.float8, f"{type(model).__name__}'s decoder layers have no nn.Linear "
                           "whose in and out features are multiples of 16, so nothing would run in float8",
                           "use float8: none")

@@ -56,6 +56,18 @@ class ModelPlan:
         return _expand(self.tp_plan, (fqn for fqn, _ in model.named_parameters(remove_duplicate=False)))
 
 
+def layers_present(model: nn.Module, plan: "ModelPlan | None") -> list[str]:
+    """The decoder layers present in ``model`` (a pipeline stage holds only some: the others are placeholders
+    under the same names, so layers are recognized by their class, the causal LM's "no split" modules, found
+    through a wrapper such as PEFT's), in the plan's order."""
+    causal_lm = plan.causal_lm(model) if plan is not None else model
+    names = set(getattr(causal_lm, "_no_split_modules", None) or [])
+    present = {fqn for fqn, m in model.named_modules() if type(m).__name__ in names}
+    if plan is not None and plan.layers:
+        return [fqn for fqn in plan.layers if fqn in present]
+    return [fqn for fqn, _ in model.named_modules() if fqn in present]
+
+
 def _expand(plan: dict[str, str], names) -> dict[str, str]:
     out: dict[str, str] = {}
     for fqn in names:
