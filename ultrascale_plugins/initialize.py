@@ -30,6 +30,8 @@ import hashlib
 import torch
 from torch import nn
 
+from .interface.meta_copy import meta_copy
+
 # wrapper segments torch inserts into parameter names (checkpoint_wrapper, torch.compile, FSDP1); the engine's own
 # transforms keep the unparallelized names, these only matter for a model wrapped before it was parallelized
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -135,15 +137,6 @@ def to_empty_tied(module: nn.Module, device) -> None:
             m._parameters[name] = keep
 
 
-def _meta_twin(model: nn.Module) -> nn.Module:
-    """A structural copy of ``model`` whose parameters are all on the meta device (tied ones stay tied); buffers
-    are copied (they are small). No parameter storage is copied or allocated."""
-    memo: dict[int, object] = {}
-    for p in model.parameters():
-        memo[id(p)] = type(p)(torch.empty_like(p, device="meta"), p.requires_grad)
-    return copy.deepcopy(model, memo)
-
-
 def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """This rank's part of ``full`` under ``placements`` over ``mesh``, computed locally (no communication): the
     placements are applied left to right, as ``distribute_tensor(..., src_data_rank=None)`` does, but on the CPU
@@ -173,7 +166,7 @@ class ModelInit:
 
     def __init__(self, model: nn.Module, seed: int | None = None):
         self.seed = torch.initial_seed() if seed is None else int(seed)
-        self.twin = _meta_twin(model)
+        self.twin = meta_copy(model)
         fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
         # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the

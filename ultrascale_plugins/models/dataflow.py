@@ -23,6 +23,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..interface.meta_copy import meta_copy
+
 LOCAL, ACTIVATION = "local", "activation"
 
 
@@ -76,16 +78,25 @@ class _Trace(TorchFunctionMode):
 
 def meta_twin(model: nn.Module) -> nn.Module:
     """A fresh copy of ``model``'s architecture on the meta device, configured to run there (eager attention,
-    experts without grouped_mm, no router auxiliary loss), in eval mode."""
-    config = copy.deepcopy(model.config)
+    experts without grouped_mm, no router auxiliary loss), in eval mode. A Hugging Face model is rebuilt from
+    its config; anything else (a wrapper around one, such as a PEFT model, whose adapters are part of the
+    architecture) is copied structurally, with its own copy of the config."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        config = copy.deepcopy(model.config)
+    else:
+        twin = meta_copy(model, meta_buffers=True)
+        config = twin.config
     config._attn_implementation = "eager"
     if getattr(config, "_experts_implementation", None) is not None:
         # grouped_mm's meta kernel accepts bf16 only; batched_mm has the same data flow and runs on meta
         config._experts_implementation = "batched_mm"
     if getattr(config, "output_router_logits", False):  # the auxiliary loss reads routing values: not on meta
         config.output_router_logits = False
-    with torch.device("meta"):
-        twin = type(model)(config)
+    if isinstance(model, PreTrainedModel):
+        with torch.device("meta"):
+            twin = type(model)(config)
     return twin.eval()
 
 

@@ -67,9 +67,19 @@ def ultrascale_validate_model(model, plan, config):
         raise ConfigError("a PEFT model built on the meta device is not supported yet: its adapters would not get "
                           "PEFT's initialization. Fix: load the base model with its weights (from_pretrained), "
                           "then call get_peft_model")
-    for field, what in (("tp", "the adapters would have to be sharded like their base layers"),
-                        ("pp", "the pipeline split does not reach into the PEFT wrapper")):
-        value = getattr(config, field, 1)
-        if value > 1:
-            raise field_error(field, value, f"a PEFT model under {field} > 1 is not supported yet ({what})",
-                              f"use {field}: 1 with data parallel (ZeRO-1/2/3, HSDP, DDP) or context parallel")
+    _refuse_tensor_parallel(config)
+    _refuse_pipeline(config)
+
+
+def _refuse_tensor_parallel(config) -> None:
+    if getattr(config, "tp", 1) > 1:
+        raise field_error("tp", config.tp, "a PEFT model under tp > 1 is not supported yet (the adapters would have "
+                          "to be sharded like their base layers)", "use tp: 1 with data parallel (ZeRO-1/2/3, HSDP, "
+                          "DDP) or context parallel")
+
+
+def _refuse_pipeline(config) -> None:
+    if getattr(config, "pp", 1) > 1:
+        raise field_error("pp", config.pp, "a PEFT model under pp > 1 is not supported yet (the pipeline split does "
+                          "not reach into the PEFT wrapper)", "use pp: 1 with data parallel (ZeRO-1/2/3, HSDP, "
+                          "DDP) or context parallel")
