@@ -41,7 +41,19 @@ CASES = {
     "ddp_dora_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"use_dora": True}),
     # a bf16 frozen base with fp32 adapters (PEFT's autocast_adapter_dtype) under FSDP2, against the fp32 run
     "zero3_bf16_base_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 2e-2}),
+    # tensor parallel: each adapter follows its base layer (column-wise: B sharded; row-wise: A sharded)
+    "tp2_llama": ("llama", {"tp": 2, "dp_shard": 1}, {}),
+    "tp2_sp_qwen2_head": ("qwen2", {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
+                          {"modules_to_save": ["lm_head"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                             "gate_proj", "up_proj", "down_proj",
+                                                                             "embed_tokens"]}),
+    # four processes (FOUR): ZeRO-3 x TP + SP; HSDP (replicated over one axis, sharded over the other)
+    "zero3_tp2_sp_llama": ("llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {"save": True}),
+    "hsdp_qwen2": ("qwen2", {"dp_replicate": 2, "dp_shard": 2}, {}),
+    "tp2_sp_qwen3_moe": ("qwen3_moe", {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
+                         {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
 }
+FOUR = ("zero3_tp2_sp_llama", "hsdp_qwen2")
 
 
 def base_model(arch: str):
@@ -53,8 +65,9 @@ def base_model(arch: str):
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=256, tie_word_embeddings=False)
     else:
-        config = make_config(arch)
+        config = make_config(arch.removeprefix("tied_"))
         config.max_position_embeddings = 256
+        config.tie_word_embeddings = arch.startswith("tied_")
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
@@ -117,6 +130,9 @@ def run(name: str) -> dict | None:
     bytes_held = [None] * dist.get_world_size()  # each rank's holdings against the estimate for its coordinates
     dist.all_gather_object(bytes_held, (held, predicted(pmodel, arch, extra)))
     final = pmodel.full_state_dict()
+    placements = {n: dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements)))
+                  for n, param in pmodel.named_parameters()
+                  if "lora_" in n and "layers.0.self_attn" in n and hasattr(param, "placements")}
     saved = None
     if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
         from ultrascale_plugins.hf_module import ParallelCausalLM
@@ -138,7 +154,7 @@ def run(name: str) -> dict | None:
             "adapters": len(adapters), "trainable": len(trainable),
             "base_unchanged": all(torch.equal(final[k], start[k]) for k in base),
             "keys_equal": set(final) == set(ref["state"]), "frozen_with_state": frozen_with_state,
-            "losses": losses, "ref_losses": ref["losses"]}
+            "losses": losses, "ref_losses": ref["losses"], "placements": placements}
 
 
 def predicted(pmodel, arch: str, extra: dict) -> dict:

@@ -15,17 +15,24 @@ def results(tmp_path_factory):
     from conftest import torchrun
     from peft_worker import CASES
 
+    from peft_worker import FOUR
+
     out = tmp_path_factory.mktemp("peft") / "results.json"
-    proc = torchrun(2, WORKER, str(out), *CASES, "resume")
+    proc = torchrun(2, WORKER, str(out), *(c for c in CASES if c not in FOUR), "resume")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return {**json.loads(out.read_text()), "dir": str(out.parent)}
+    out4 = out.parent / "four" / "results.json"
+    out4.parent.mkdir()
+    proc = torchrun(4, WORKER, str(out4), *FOUR)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return {**json.loads(out.read_text()), **json.loads(out4.read_text()), "dir": str(out.parent)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3_llama", "zero2_qwen2", "zero1_llama_head", "ddp_qwen3_moe",
                                   "zero3_qwen3_moe_ac", "cp2_ring_llama", "cp2_ulysses_qwen2", "zero3_dora_llama", "ddp_dora_llama",
                                   "zero3_embedding_rslora_llama",
-                                  "zero3_bf16_base_llama"])
+                                  "zero3_bf16_base_llama", "tp2_llama", "tp2_sp_qwen2_head", "tp2_sp_qwen3_moe",
+                                  "zero3_tp2_sp_llama", "hsdp_qwen2"])
 def test_lora_matches_one_process(results, name):
     from peft_worker import CASES
 
@@ -51,6 +58,18 @@ def test_lora_matches_one_process(results, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2_llama", "zero3_tp2_sp_llama"])
+def test_adapters_are_sharded_like_their_base_layers(results, name):
+    """Column-wise q_proj: B sharded by its output rows, A whole; row-wise o_proj: A sharded by its input columns,
+    B whole (over the TP mesh axis; ZeRO-3 shards over its own axis besides)."""
+    tp = {k.split("self_attn.", 1)[1]: v.get("tp", "R") for k, v in results[name]["placements"].items()}
+    assert tp == {"q_proj.lora_A.default.weight": "R", "q_proj.lora_B.default.weight": "S(0)",
+                  "o_proj.lora_A.default.weight": "S(1)", "o_proj.lora_B.default.weight": "R",
+                  **{k: tp[k] for k in tp if not k.startswith(("q_proj", "o_proj"))}}, tp
+    assert tp["k_proj.lora_B.default.weight"] == tp["v_proj.lora_B.default.weight"] == "S(0)"
+
+
+@pytest.mark.slow
 def test_a_peft_models_checkpoint_resumes_bit_for_bit(results):
     """The frozen base has no optimizer state: the load must not expect any (it did: 'Missing key ... step')."""
     r = results["resume"]
@@ -68,19 +87,41 @@ def test_exporting_a_peft_models_checkpoint_is_refused(results, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("fields, words", [({"tp": 2, "dp_shard": 1}, ["tp=2", "PEFT", "tp: 1"]),
-                                           ({"pp": 2, "dp_shard": 1}, ["pp=2", "PEFT", "pp: 1"])])
-def test_layouts_not_supported_yet_are_refused_before_any_process_group(fields, words):
+@pytest.mark.parametrize("arch, extra, fields, words", [
+    ("llama", {"use_dora": True}, {"tp": 2}, ["tp=2", "DoRA", "q_proj", "use_dora=False"]),
+    ("qwen3_moe", {}, {"tp": 2}, ["tp=2", "target_parameters", "mlp.experts", "target_modules"]),
+    ("llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, {"tp": 2, "loss_parallel": True},
+     ["loss_parallel=True", "lm_head", "loss_parallel: false"]),
+    ("tied_llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, {"tp": 2},
+     ["tp=2", "lm_head", "tied", "embed_tokens", "modules_to_save"]),
+])
+def test_what_tensor_parallel_cannot_shard_is_refused_before_any_process_group(arch, extra, fields, words):
     import torch.distributed as dist
 
     import ultrascale_plugins as us
     from peft_worker import peft_model
 
-    model = peft_model("llama", {})
+    model = peft_model(arch, extra)
     with pytest.raises(us.ConfigError) as err:
-        us.validate(us.ParallelConfig(**fields), model.config, 2, model=model)
+        us.validate(us.ParallelConfig(dp_shard=1, **fields), model.config, 2, model=model)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert not dist.is_initialized()
+
+
+def test_adapters_take_their_base_layers_plan_entries_and_regions_stay_the_blocks():
+    """The plan hook (ultrascale_extend_plan) moves q_proj's style onto its base layer and shards B like it; the
+    sequence-parallel regions are still the attention and MLP blocks, not the LoRA wrappers."""
+    import ultrascale_plugins as us
+    from peft_worker import peft_model
+    from ultrascale_plugins.engine import model_plan
+
+    plan = model_plan(peft_model("llama", {}), us.ParallelConfig(tp=2, dp_shard=1))
+    attn = "base_model.model.model.layers.0.self_attn"
+    assert {k: v for k, v in plan.tp_plan.items() if k.startswith(attn)} == {
+        f"{attn}.{p}.{part}": style for p, style in (("q_proj", "colwise"), ("k_proj", "colwise"),
+                                                     ("v_proj", "colwise"), ("o_proj", "rowwise"))
+        for part in ("base_layer", "lora_B.default" if style == "colwise" else "lora_A.default")}
+    assert plan.regions[:2] == ["base_model.model.model.layers.0.mlp", attn]
 
 
 def test_the_plan_is_found_through_the_wrapper():

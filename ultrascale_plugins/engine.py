@@ -75,8 +75,13 @@ def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan |
     if wrapped is not None:
         inner, prefix = wrapped
         plan = pm.hook.ultrascale_model_plan(model=inner, config=config)
-        return plan.rerooted(prefix) if plan is not None else None
-    return pm.hook.ultrascale_model_plan(model=model, config=config)
+        plan = plan.rerooted(prefix) if plan is not None else None
+    else:
+        plan = pm.hook.ultrascale_model_plan(model=model, config=config)
+    if plan is None:
+        return None
+    edits = [e for e in pm.hook.ultrascale_extend_plan(model=model, plan=plan, config=config) if e is not None]
+    return plan.edited(model, edits) if edits else plan
 
 
 def causal_lm_of(obj, pm=None):

@@ -10,7 +10,8 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), chosen when asked
    (``ultrascale_resolve_layout``: ``layout: auto``) and checked before any process group exists
    (``ultrascale_validate_config``, ``ultrascale_validate_model``); its model plan (``ultrascale_model_plan``,
-   through a wrapper such as PEFT's: ``ultrascale_wrapped_model``);
+   through a wrapper such as PEFT's: ``ultrascale_wrapped_model``; then each plugin's additions and claims:
+   ``ultrascale_extend_plan``);
 2. its model transform, in one of the composition's places: pipeline split (``ultrascale_split_model``), sharding
    inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
    activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
@@ -77,6 +78,19 @@ def ultrascale_wrapped_model(model):
     return ``(inner, prefix)``: the inner model and its name inside ``model``; else None. The engine then asks
     ``ultrascale_model_plan`` for ``inner`` and names the plan's modules from ``model`` (``ModelPlan.rerooted``),
     so every dimension finds the layers, the embedding and the head through the wrapper."""
+
+
+@hookspec
+def ultrascale_extend_plan(model, plan, config):
+    """Return a ``plan_edit.PlanEdit`` for modules this plugin introduces into ``model`` (adapters around a planned
+    layer) or claims from the plan (experts for another dimension), or None.
+
+    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_model_plan`` (and
+    the wrapper's renaming) and before ``ultrascale_validate_model``, with the plan as the other plugins made it
+    (names from ``model``'s root); never with ``plan=None``. Every plugin's edit applies to that same plan, in
+    pluggy's call order; two plugins that give one name different styles are refused (``ConfigError``). The
+    plan's regions (what sequence parallel gathers) are then recomputed from the edited entries, so every
+    dimension, the data-flow trace and the dry runs see the edited plan."""
 
 
 # ---- the model transform, in the order the engine composes it ------------------------------------------------

@@ -15,10 +15,11 @@ from torch import nn
 
 def meta_copy(model: nn.Module, meta_buffers: bool = False) -> nn.Module:
     """``model``'s module tree with every parameter (and, with ``meta_buffers``, every buffer) on the meta device;
-    tied parameters stay tied. Other buffers are copied (they are small)."""
+    tied parameters stay tied. Other buffers are copied (they are small). Parameters become plain
+    ``nn.Parameter``s of their global shape."""
     memo: dict[int, object] = {}
-    for p in model.parameters():
-        memo[id(p)] = type(p)(torch.empty_like(p, device="meta"), p.requires_grad)
+    for p in model.parameters():  # a parameter already distributed (a DTensor) is copied at its global shape
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
     if meta_buffers:
         for b in model.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")

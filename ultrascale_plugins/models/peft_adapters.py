@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 
+from torch import nn
+
 from ..interface.fields import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
 
@@ -57,25 +59,100 @@ def ultrascale_save_pretrained(pmodel, directory):
     return True
 
 
+# The adapter that follows each base-layer style (``lora_B`` after a column-parallel base: its output features are
+# the base's; ``lora_A`` before a row-parallel base: its input features are), with the same style; the other
+# adapter stays replicated. Column-parallel: x (replicated) -> A -> h (replicated, r features) -> B's shard ->
+# this rank's output features, added to the base's; the gradient of h is summed over TP by B's style. Row-parallel:
+# this rank's input features -> A's shard -> partial h, summed over TP by A's style -> B (replicated) -> the whole
+# output, added to the base's reduced output. A and B hold r features, so the extra communication is r-wide.
+# Under sequence parallel a region with two row-parallel layers all-reduces and then slices its output
+# (dims.tensor), so a LoRA-wrapped row-parallel base costs an all-reduce where it cost a reduce-scatter.
+_FOLLOWS = {"colwise": "lora_B", "unit_colwise": "lora_B", "colwise_gather_output": "lora_B", "colwise_rep": "lora_B",
+            "packed_colwise": "lora_B", "rowwise": "lora_A", "unit_rowwise": "lora_A", "rowwise_split_input": "lora_A",
+            "rowwise_rep": "lora_A"}
+
+
+class _CannotFollow(Exception):
+    """An adapter on a module whose tensor-parallel style it cannot follow (the reason)."""
+
+
+def _adapter_entries(model, fqn: str, module, style: str) -> dict:
+    """The plan entries that shard the PEFT layer ``module`` at ``fqn`` as its base layer was to be sharded with
+    ``style``; raises ``_CannotFollow``."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    entries = {fqn: None}
+    if isinstance(module, ModulesToSaveWrapper):  # a trained copy of the module beside the frozen original
+        own = {id(p) for p in module.original_module.parameters()}
+        shared = [name for name, p in model.named_parameters(remove_duplicate=False)
+                  if id(p) in own and not name.startswith(fqn + ".")]
+        if shared:
+            raise _CannotFollow(f"it is tied to '{shared[0]}' (tied embedding and head), which this version does not "
+                                "shard with a trained copy beside it")
+        entries[f"{fqn}.original_module"] = style
+        entries.update({f"{fqn}.modules_to_save.{name}": style for name in module.modules_to_save})
+        return entries
+    if not isinstance(module, LoraLayer):
+        raise _CannotFollow(f"PEFT's {type(module).__name__} layers are not sharded by this version")
+    if any(module.use_dora.values()):
+        raise _CannotFollow("DoRA's weight norm needs the whole base weight (its rows under a row-parallel style) and "
+                            "reads it outside the forward pass")
+    adapters = list(module.lora_A)
+    if not adapters or style not in _FOLLOWS or not isinstance(getattr(module, "base_layer", None), nn.Linear):
+        raise _CannotFollow(f"its base layer is {type(module.get_base_layer()).__name__} with style '{style}'; "
+                            "adapters follow only column- and row-parallel nn.Linear layers")
+    entries[f"{fqn}.base_layer"] = style
+    entries.update({f"{fqn}.{_FOLLOWS[style]}.{name}": style for name in adapters})
+    return entries
+
+
+def _adapted(model, plan):
+    """(FQN, PEFT layer, its base's style) for every PEFT layer the plan gives a style."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    for fqn, style in plan.matches(model).items():
+        module = model.get_submodule(fqn)
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            yield fqn, module, style
+
+
+@hookimpl
+def ultrascale_extend_plan(model, plan, config):
+    """Move each planned module PEFT wrapped onto its base layer (the style would otherwise shard the wrapper,
+    adapters included), and shard the adapters to follow it (``_FOLLOWS``). A layer whose style adapters cannot
+    follow keeps its entry; ``ultrascale_validate_model`` refuses it under tp > 1."""
+    if not is_peft_model(model):
+        return None
+    from ..interface.plan_edit import PlanEdit
+
+    entries = {}
+    for fqn, module, style in _adapted(model, plan):
+        try:
+            entries.update(_adapter_entries(model, fqn, module, style))
+        except _CannotFollow:
+            continue
+    return PlanEdit(entries)
+
+
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
     if not is_peft_model(model):
         return
+    _refuse_meta_device(model)
+    if getattr(config, "tp", 1) > 1 and plan is not None:
+        _check_tensor_parallel(model, plan, config)
+    _refuse_pipeline(config)
+
+
+def _refuse_meta_device(model) -> None:
     if any(p.is_meta for p in model.parameters()):
         # the engine would give the adapters the base model's initialization (a non-zero LoRA B: the run would
         # not start from the base model) and pretrained files do not name PEFT's modules
         raise ConfigError("a PEFT model built on the meta device is not supported yet: its adapters would not get "
                           "PEFT's initialization. Fix: load the base model with its weights (from_pretrained), "
                           "then call get_peft_model")
-    _refuse_tensor_parallel(config)
-    _refuse_pipeline(config)
-
-
-def _refuse_tensor_parallel(config) -> None:
-    if getattr(config, "tp", 1) > 1:
-        raise field_error("tp", config.tp, "a PEFT model under tp > 1 is not supported yet (the adapters would have "
-                          "to be sharded like their base layers)", "use tp: 1 with data parallel (ZeRO-1/2/3, HSDP, "
-                          "DDP) or context parallel")
 
 
 def _refuse_pipeline(config) -> None:
@@ -83,3 +160,28 @@ def _refuse_pipeline(config) -> None:
         raise field_error("pp", config.pp, "a PEFT model under pp > 1 is not supported yet (the pipeline split does "
                           "not reach into the PEFT wrapper)", "use pp: 1 with data parallel (ZeRO-1/2/3, HSDP, "
                           "DDP) or context parallel")
+
+
+def _check_tensor_parallel(model, plan, config) -> None:
+    """Under tp > 1 every adapter follows its base layer's style (``ultrascale_extend_plan`` moved those it could
+    onto their base layers, so a PEFT layer still in the plan is one it could not)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    for fqn, module in model.named_modules():
+        if isinstance(module, ParamWrapper) or (isinstance(module, LoraLayer) and any(module.use_dora.values())):
+            what = ("LoRA on parameters (PEFT's target_parameters; its 'all-linear' adds a mixture-of-experts "
+                    "model's expert and router weights)" if isinstance(module, ParamWrapper) else "DoRA")
+            raise field_error("tp", config.tp, f"{what} at '{fqn}' is not sharded over tensor parallel by this "
+                              "version", "target modules by name (e.g. target_modules=['q_proj', 'k_proj', "
+                              "'v_proj', 'o_proj']), use_dora=False, or tp: 1")
+    for fqn, module, style in _adapted(model, plan):
+        try:
+            _adapter_entries(model, fqn, module, style)
+        except _CannotFollow as exc:
+            raise field_error("tp", config.tp, f"the PEFT layer '{fqn}' cannot be sharded like its base ({exc})",
+                              "leave that module out of the PEFT config (target_modules / modules_to_save), or use "
+                              "tp: 1") from None
+    head = model.get_submodule(plan.lm_head) if plan.lm_head else None
+    if getattr(config, "loss_parallel", False) and head is not None and not isinstance(head, nn.Linear):
+        raise field_error("loss_parallel", True, f"the head '{plan.lm_head}' is wrapped by PEFT "
+                          f"({type(head).__name__}), and its logits are not kept sharded", "set loss_parallel: false")

@@ -42,6 +42,42 @@ class ModelPlan:
                                    embedding=name(self.embedding), lm_head=name(self.lm_head),
                                    root=name(self.root) if self.root else prefix)
 
+    def edited(self, model: nn.Module, edits) -> "ModelPlan":
+        """This plan with the plugins' ``PlanEdit``s (``ultrascale_extend_plan``) applied to ``model``: the
+        entries become exact names (a wildcard entry cannot leave out one module it matches), each edit's
+        entries replace or remove them, and the regions are recomputed."""
+        from ..interface.fields import ConfigError
+
+        wanted: dict[str, str | None] = {}
+        owner: dict[str, int] = {}
+        styles = dict(self.styles)
+        names = [fqn for fqn, _ in model.named_modules()] + [
+            fqn for fqn, _ in model.named_parameters(remove_duplicate=False)]
+        for i, edit in enumerate(edits):
+            styles.update(edit.styles)
+            for pattern, style in edit.entries.items():
+                for fqn in [pattern] if pattern in names else _expand({pattern: "x"}, names):
+                    if fqn in wanted and wanted[fqn] != style and owner[fqn] != i:
+                        raise ConfigError(f"two plugins give '{fqn}' different tensor-parallel styles "
+                                          f"({wanted[fqn]!r} and {style!r}) in their ultrascale_extend_plan. Fix: "
+                                          "unregister one of them (ULTRASCALE_PLUGINS)")
+                    wanted[fqn], owner[fqn] = style, i
+        before = self.matches(model)
+        tp_plan = {**before, **self.param_matches(model)}
+        for fqn, style in wanted.items():
+            tp_plan.pop(fqn, None)
+            if style is not None:
+                tp_plan[fqn] = style
+        # For the regions, a module an edit took out of the plan while giving styles inside it (a wrapper around a
+        # planned layer) still counts as that one layer with its former style: the region is the block holding
+        # the layer, not the wrapper. A module taken out with nothing inside (claimed) no longer counts.
+        removed = [fqn for fqn, style in wanted.items() if style is None and fqn in before]
+        view = {}
+        for fqn, style in _expand(tp_plan, (f for f, _ in model.named_modules())).items():
+            wrapper = next((r for r in removed if fqn.startswith(r + ".")), None)
+            view[wrapper or fqn] = before[wrapper] if wrapper else style
+        return dataclasses.replace(self, tp_plan=tp_plan, styles=styles, regions=tp_regions(view, self.layers))
+
     def causal_lm(self, model: nn.Module) -> nn.Module:
         """The causal LM this plan was made for: ``model`` itself, or the one a wrapper holds (for the checks
         that rebuild the architecture on the meta device)."""
@@ -96,17 +132,21 @@ def hf_plan_from_model(model: nn.Module, tp_plan: dict[str, str]) -> ModelPlan:
     """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [fqn for fqn, m in model.named_modules() if type(m).__name__ in block_names]
-    matched = ModelPlan(tp_plan=tp_plan, layers=layers).matches(model)
-    parents = {fqn.rsplit(".", 1)[0] for fqn, style in matched.items()
-               if (style in COLWISE or style in EXPERTS or "colwise" in style)
-               and any(fqn.startswith(layer + ".") for layer in layers)}
-    parents = {p for p in parents if p not in layers}
-    regions = sorted((p for p in parents if not any(p.startswith(q + ".") for q in parents)), key=_natural)
+    regions = tp_regions(ModelPlan(tp_plan=tp_plan, layers=layers).matches(model), layers)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = bool(embed is not None and head is not None and head.weight is embed.weight)
     return ModelPlan(tp_plan=tp_plan, layers=layers, regions=regions,
                      embedding=_fqn_of(model, embed), lm_head=_fqn_of(model, head), tied=tied)
+
+
+def tp_regions(matched: dict[str, str], layers: list[str]) -> list[str]:
+    """The TP regions of a plan's matched modules ({FQN: style}): see ``hf_plan_from_model``."""
+    parents = {fqn.rsplit(".", 1)[0] for fqn, style in matched.items()
+               if (style in COLWISE or style in EXPERTS or "colwise" in style)
+               and any(fqn.startswith(layer + ".") for layer in layers)}
+    parents = {p for p in parents if p not in layers}
+    return sorted((p for p in parents if not any(p.startswith(q + ".") for q in parents)), key=_natural)
 
 
 def _natural(s: str):
