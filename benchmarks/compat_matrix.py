@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compat.layouts import ALL, AUX, MATRIX, SCHEDULE_TYPES, SCHEDULES  # noqa: E402
+from compat.layouts import ALL, AUX, LORA, MATRIX, SCHEDULE_TYPES, SCHEDULES  # noqa: E402
 
 LOSS_TOL = 1e-5
 NORM_TOL = 1e-5  # relative
@@ -98,7 +98,7 @@ def cases_for(testable: dict, layouts=None, planless: dict | None = None) -> lis
            for name in PLANLESS_LAYOUTS if not layouts or name in layouts]
     for model_type in testable:
         names = list(MATRIX) + (list(SCHEDULES) if model_type in SCHEDULE_TYPES else []) + \
-            (list(AUX) if testable[model_type].get("moe") else [])
+            (list(AUX) if testable[model_type].get("moe") else []) + list(LORA)
         out += [f"{model_type}:{name}" for name in names if not layouts or name in layouts]
     return out
 
@@ -250,6 +250,15 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             if v in ("refused", "fail", "untinyable"):
                 reasons.append((model_type, name, v, r.get("reason") or _diff_text(r)))
         aux_rows.append(f"| `{model_type}` | " + " | ".join(marks) + " |")
+    lora_rows, lora_pass = [], 0
+    for model_type in sorted(testable):
+        found = {name: cells.get(f"{model_type}:{name}") for name in LORA}
+        verdicts = {name: verdict(r) if r else "missing" for name, r in found.items()}
+        lora_pass += all(v in ("pass", "refused") for v in verdicts.values())
+        why = "; ".join(f"{n}: {_md(r.get('reason') or _diff_text(r))[:200]}" for n, r in found.items()
+                        if r and verdicts[n] != "pass")
+        lora_rows.append(f"| `{model_type}` | " + " | ".join(SYMBOL.get(v, "?") for v in verdicts.values())
+                         + f" | {why} |")
     planless_rows, planless_cp_pass = [], 0
     for model_type in sorted(m for m, why in planless.items() if not why):
         found = [cells.get(f"{model_type}:{n}") for n in PLANLESS_LAYOUTS]
@@ -265,7 +274,7 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     counts = collections.Counter(verdict(r) for r in cells.values())
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
-               "cp_all_pass": cp_pass, "cp_refused": cp_refused, "cp_tp_pass": cp_tp_pass,
+               "cp_all_pass": cp_pass, "cp_refused": cp_refused, "cp_tp_pass": cp_tp_pass, "lora_all": lora_pass,
                "cells": dict(counts)}
     lines = [
         "# Compatibility matrix",
@@ -319,6 +328,20 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "| model type | " + " | ".join(AUX) + " |",
         "| --- | " + " | ".join("---" for _ in AUX) + " |",
         *aux_rows,
+        "",
+        "## LoRA adapters (PEFT)",
+        "",
+        "The same tiny models wrapped by `peft.get_peft_model` with LoRA (rank 4, alpha 8, no dropout) on every "
+        "`nn.Linear` inside the decoder layers (named as PEFT's `all-linear` finds them; fused expert weights stay "
+        "frozen), compared with the same PEFT model in one process: loss, gradient norm of the adapters and final "
+        "weights (adapters trained, base unchanged) within the tolerances above. "
+        f"{lora_pass} of {summary['testable']} types pass both or are refused before any worker starts. "
+        + "; ".join(f"`{n}` = {w} processes, {_fields({k: v for k, v in l.items() if k != 'peft'})}"
+                    for n, (w, l) in LORA.items()) + ".",
+        "",
+        "| model type | " + " | ".join(LORA) + " | reason a cell is not ✓ |",
+        "| --- | " + " | ".join("---" for _ in LORA) + " | --- |",
+        *lora_rows,
         "",
         "## Why a cell is not ✓",
         "",

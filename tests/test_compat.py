@@ -37,6 +37,10 @@ EXPECT = {
     # router auxiliary loss on (output_router_logits): global router statistics, equal to one process's
     "mixtral:dp2_aux": "pass",     # (granitemoe's own aux-loss code fails in one process under transformers 5.17)
     "qwen3_moe:dp2_tp2_sp_aux": "pass",
+    # LoRA adapters sharded like their base layers under ZeRO-3 x TP + SP
+    "phi3:lora_dp2_tp2_sp": "pass",      # fused qkv / gate|up projections
+    "qwen3_moe:lora_dp2_tp2_sp": "pass",  # adapters on attention beside TP experts, routing compared
+    "gpt2:lora_dp2_tp2_sp": "refused",   # fused Conv1D styles adapters cannot follow
 }
 
 

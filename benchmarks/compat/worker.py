@@ -72,19 +72,42 @@ def record_routing(model) -> list:
     return records
 
 
-def reference(model_type: str, overrides: dict | None = None):
+def with_adapters(model, peft: dict | None):
+    """``model`` wrapped by PEFT's LoRA on every ``nn.Linear`` (or GPT-2's ``Conv1D``) inside its decoder layers (as
+    PEFT's "all-linear" picks linear layers; mixture-of-experts weights that are not ``nn.Linear`` stay frozen),
+    adapters drawn from a fixed seed; ``model`` itself when ``peft`` is None."""
+    if peft is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    inside = [fqn for fqn, m in model.named_modules() if type(m).__name__ in layers]
+    # full names: a leaf name alone would also match a fused expert parameter of that name (PEFT then wraps the
+    # parameter, which is not a linear layer)
+    names = [fqn for fqn, m in model.named_modules()
+             if isinstance(m, (torch.nn.Linear, Conv1D)) and any(fqn.startswith(layer + ".") for layer in inside)]
+    if not names:
+        raise Untinyable("no linear layer inside the decoder layers for LoRA to target")
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=peft["r"], lora_alpha=2 * peft["r"], lora_dropout=0.0,
+                                            target_modules=names))
+
+
+def reference(model_type: str, overrides: dict | None = None, peft: dict | None = None):
     """One process, the model's own loss, torch's clip_grad_norm_, plain SGD."""
-    key = (model_type, json.dumps(overrides or {}, sort_keys=True))
+    key = (model_type, json.dumps(overrides or {}, sort_keys=True), json.dumps(peft, sort_keys=True))
     if key not in _reference:
         try:
-            model = build_model(model_type, overrides=overrides)
+            model = with_adapters(build_model(model_type, overrides=overrides), peft)
             routing = record_routing(model)
-            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+            trained = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.SGD(trained, lr=LR, momentum=MOMENTUM)
             losses, norms = [], []
             for batch in batches():
                 loss = model(**batch, use_cache=False).loss
                 loss.backward()
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+                norms.append(float(torch.nn.utils.clip_grad_norm_(trained, CLIP)))
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
@@ -108,10 +131,10 @@ def _where(exc) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
-def run_parallel(model_type: str, layout: dict, overrides: dict) -> dict:
+def run_parallel(model_type: str, layout: dict, overrides: dict, peft: dict | None = None) -> dict:
     import ultrascale_plugins as us
 
-    model = build_model(model_type, overrides=overrides)
+    model = with_adapters(build_model(model_type, overrides=overrides), peft)
     routing = record_routing(model)
     pmodel = us.parallelize(model, us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
@@ -186,9 +209,10 @@ def run_case(case: str) -> dict:
     model_type, layout_name = case.split(":")
     layout = dict(ALL[layout_name][1])
     overrides = layout.pop("model", {})
+    peft = layout.pop("peft", None)
     start = time.perf_counter()
     try:
-        got = run_parallel(model_type, layout, overrides)
+        got = run_parallel(model_type, layout, overrides, peft)
         status = {"state": "ran"}
     except Untinyable as exc:
         got, status = None, {"state": "untinyable", "reason": str(exc)}
@@ -206,13 +230,13 @@ def run_case(case: str) -> dict:
         return {}
     out = {"case": case, "model_type": model_type, "layout": layout_name, "seconds": 0.0}
     bad = [s for s in statuses if s["state"] != "ran"]
-    if bad and bad[0]["state"] == "error" and reference(model_type, overrides)[3]:
+    if bad and bad[0]["state"] == "error" and reference(model_type, overrides, peft)[3]:
         out.update(state="untinyable",
-                   reason=f"the tiny model fails in one process: {reference(model_type, overrides)[3]}")
+                   reason=f"the tiny model fails in one process: {reference(model_type, overrides, peft)[3]}")
     elif bad:
         out.update(bad[0])
     else:
-        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type, overrides)
+        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type, overrides, peft)
         if ref_error:
             out.update(state="untinyable", reason=f"the tiny model fails in one process: {ref_error}")
         else:
@@ -227,7 +251,8 @@ def run_case(case: str) -> dict:
                 weight_diff=max(((weights[k].float() - ref_weights[k].float()).abs().max()
                                  / ref_weights[k].float().abs().max().clamp_min(1.0)).item() for k in common),
                 clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
-                **routing_result(_routing.get((model_type, json.dumps(overrides, sort_keys=True))) or [],
+                **routing_result(_routing.get((model_type, json.dumps(overrides, sort_keys=True),
+                                               json.dumps(peft, sort_keys=True))) or [],
                                  got["routing"], real_tokens_only=layout.get("cp", 1) > 1),
                 losses=got["losses"], ref_losses=ref_losses)
     out["seconds"] = round(time.perf_counter() - start, 2)
