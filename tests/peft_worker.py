@@ -42,7 +42,9 @@ CASES = {
     # a bf16 frozen base with fp32 adapters (PEFT's autocast_adapter_dtype) under FSDP2, against the fp32 run
     "zero3_bf16_base_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 2e-2}),
     # tensor parallel: each adapter follows its base layer (column-wise: B sharded; row-wise: A sharded)
-    "tp2_llama": ("llama", {"tp": 2, "dp_shard": 1}, {}),
+    "tp2_llama": ("llama", {"tp": 2, "dp_shard": 1},  # LoRA on the head too: B follows its gathered column-wise style
+                  {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                      "lm_head"]}),
     "tp2_sp_qwen2_head": ("qwen2", {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
                           {"modules_to_save": ["lm_head"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                              "gate_proj", "up_proj", "down_proj",
