@@ -90,25 +90,32 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "pipeline yet. Fix: set loss_parallel: false")
 
 
+def _root(plan) -> str:
+    """Where the causal LM sits in the model handed to ``parallelize`` ("" unless a wrapper holds it: PEFT's)."""
+    return plan.root if plan is not None else ""
+
+
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
     if config.pp > 1:
-        pp_parts(model)  # a ConfigError naming the architecture when it has no usable pipeline plan
-        if getattr(model.config, "output_router_logits", False):
+        root = _root(plan)
+        lm = model.get_submodule(root) if root else model
+        pp_parts(lm)  # a ConfigError naming the architecture when it has no usable pipeline plan
+        if getattr(lm.config, "output_router_logits", False):
             raise ConfigError(
                 f"output_router_logits=True with pp={config.pp}: the router auxiliary loss takes means over the "
                 "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
                 "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
-        _dry_split(model, config)
-        extra = _layer_state(model)
+        _dry_split(model, config, root)
+        extra = _layer_state(model, root)
         if extra:
             raise ConfigError(
-                f"pp={config.pp}: the decoder layers of model type '{model.config.model_type}' hand the next layer "
+                f"pp={config.pp}: the decoder layers of model type '{lm.config.model_type}' hand the next layer "
                 f"state besides the hidden states ({extra}), which pipeline stages do not send. Fix: use pp: 1 for "
                 "this model")
 
 
-def _layer_state(model) -> str | None:
+def _layer_state(model, root: str = "") -> str | None:
     """What a decoder layer returns besides the hidden states (GLM-MoE-DSA hands on its indexer's top-k), from
     one run of a meta-device twin; None when it returns the hidden states alone (or cannot run on meta)."""
     import torch
@@ -116,12 +123,13 @@ def _layer_state(model) -> str | None:
     from ..models.dataflow import meta_inputs, meta_twin
 
     twin = meta_twin(model)
-    _, layers_name, _ = pp_parts(twin)
+    lm = twin.get_submodule(root) if root else twin
+    _, layers_name, _ = pp_parts(lm)
     seen: list = []
-    hook = getattr(_base(twin), layers_name)[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    hook = getattr(_base(lm), layers_name)[0].register_forward_hook(lambda m, a, out: seen.append(out))
     try:
         with torch.no_grad():
-            twin(**meta_inputs(8))
+            lm(**meta_inputs(8))
     except Exception:  # noqa: BLE001 - a model that cannot run on meta shows its own error when it runs
         return None
     finally:
@@ -136,12 +144,13 @@ def _layer_state(model) -> str | None:
 def ultrascale_split_model(model, ctx):
     if not ctx.dims.enabled("pp"):
         return None
-    cfg = ctx.config
-    _, layers_name, _ = pp_parts(model)
+    cfg, root = ctx.config, _root(ctx.plan)
+    lm = model.get_submodule(root) if root else model
+    _, layers_name, _ = pp_parts(lm)
     pp_rank = ctx.sub_mesh("pp").get_local_rank()
-    ranges = stage_ranges(cfg, len(getattr(_base(model), layers_name)))
+    ranges = stage_ranges(cfg, len(getattr(_base(lm), layers_name)))
     ids = stage_ids_for_rank(cfg, pp_rank)
-    stages = [build_stage(model, s, len(ranges), ranges[s]) for s in ids]
+    stages = [build_stage(model, s, len(ranges), ranges[s], root) for s in ids]
     return stages, Pipeline(ctx, stages, ids, len(ranges))
 
 
@@ -152,22 +161,23 @@ def stage_ranges(config, n_layers: int) -> list[range]:
     return [range(starts[s], starts[s] + counts[s]) for s in range(len(counts))]
 
 
-def _dry_split(model, config) -> None:
+def _dry_split(model, config, root: str = "") -> None:
     """Build every stage as ``ultrascale_split_model`` does, from a meta-device twin, so a model that cannot be
     split is refused before launch rather than in every worker."""
     from ..models.dataflow import meta_twin
 
     twin = meta_twin(model)
-    _, layers_name, _ = pp_parts(twin)
-    ranges = stage_ranges(config, len(getattr(_base(twin), layers_name)))
+    lm = twin.get_submodule(root) if root else twin
+    _, layers_name, _ = pp_parts(lm)
+    ranges = stage_ranges(config, len(getattr(_base(lm), layers_name)))
     for s, layers in enumerate(ranges):
         try:
-            build_stage(twin, s, len(ranges), layers)
+            build_stage(twin, s, len(ranges), layers, root)
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's module tree does not split the way the plan says
             raise ConfigError(
-                f"pp={config.pp}: model type '{model.config.model_type}' could not be split into {len(ranges)} "
+                f"pp={config.pp}: model type '{lm.config.model_type}' could not be split into {len(ranges)} "
                 f"pipeline stages (stage {s}, layers {layers.start}-{layers.stop - 1}, tried on the meta device: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: use pp: 1 "
                 "for this model") from exc

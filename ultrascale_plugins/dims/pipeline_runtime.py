@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from ..interface.config import ConfigError
 from ..models.placeholder import Absent
 from ..interface.runtime import Runtime
-from .pipeline_split import LOOPED, SINGLE_STAGE, V_SHAPED, microbatches, pp_rank_of_stage
+from .pipeline_split import LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, microbatches, pp_rank_of_stage
 
 
 class Pipeline(Runtime):
@@ -33,6 +33,7 @@ class Pipeline(Runtime):
         self.has_first = 0 in stage_ids
         self.has_last = n_stages - 1 in stage_ids
         self.tied = bool(ctx.plan is not None and ctx.plan.tied)
+        self.root = ctx.plan.root if ctx.plan is not None else ""  # the causal LM inside a wrapper (PEFT's)
         self.tie_group = None
         self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
         self._busy = 0.0
@@ -46,6 +47,8 @@ class Pipeline(Runtime):
         from torch.distributed import pipelining
 
         cfg = self.ctx.config
+        for module in self.stages:  # a frozen first stage still hands on a graph (see build_stage)
+            module.pipeline_options["grad_chain"] = cfg.pp_schedule in SPLIT_BACKWARD
         stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group)
                   for m, sid in zip(self.stages, self.stage_ids)]
         names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
@@ -89,15 +92,18 @@ class Pipeline(Runtime):
             if me in (a, b):
                 self.tie_group = group
 
+    def causal_lm(self, stage: nn.Module) -> nn.Module:
+        return stage.get_submodule(self.root) if self.root else stage
+
     def tied_params(self) -> list[nn.Parameter]:
         out = []
         for m in self.stages:
-            sid = m.pipeline_stage[0]
-            embed = m.get_input_embeddings()
+            sid, lm = m.pipeline_stage[0], self.causal_lm(m)
+            embed = lm.get_input_embeddings()
             if sid == 0 and not isinstance(embed, Absent):
                 out.append(embed.weight)
-            elif sid == self.n_stages - 1 and not isinstance(m.lm_head, Absent):
-                out.append(m.lm_head.weight)
+            elif sid == self.n_stages - 1 and not isinstance(lm.lm_head, Absent):
+                out.append(lm.lm_head.weight)
         return out
 
     def sync_tied_grads(self):
@@ -124,7 +130,7 @@ class Pipeline(Runtime):
         from ..loss import token_loss_sum
 
         modules = dict(zip(self.stage_ids, self.stages))
-        hidden_size = self.stages[0].config.hidden_size
+        hidden_size = self.causal_lm(self.stages[0]).config.hidden_size
         x, loss_sum = None, torch.zeros((), device=ids.device)
         for stage in range(self.n_stages):
             if stage not in modules:

@@ -20,6 +20,8 @@ from ..interface.config import ConfigError
 SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
 V_SHAPED = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+# the schedules that split a stage's backward into input gradients (I) and weight gradients (W), see build_stage
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
 
 from ..models.placeholder import Absent  # noqa: E402 - re-exported for the pipeline's modules
@@ -131,15 +133,20 @@ class ZeroEmbedding(Absent):
         return x.new_zeros(*input_ids.shape, self.hidden_size)
 
 
-def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.Module:
-    """This stage's copy of the causal LM. Every stage runs the model's own forward from the token ids — masks,
-    rotary and position embeddings, whatever the base model computes before its layers — and a stage that
-    receives hidden states hands them to its first layer in place of what the model computed there (so an
-    embedding scale or an absolute position embedding is applied once, on the first stage, as in the unsplit
-    model). The last stage runs the causal-LM head's own forward (logit scaling, soft-capping).
+def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: str = "") -> nn.Module:
+    """This stage's copy of the causal LM (of ``model``, or of the wrapper ``model`` that holds the causal LM at
+    ``root``: a PEFT model, whose stage is a copy of the whole wrapper under its own names). Every stage runs
+    the model's own forward from the token ids — masks, rotary and position embeddings, whatever the base model
+    computes before its layers — and a stage that receives hidden states hands them to its first layer in place
+    of what the model computed there (so an embedding scale or an absolute position embedding is applied once,
+    on the first stage, as in the unsplit model). The last stage runs the causal-LM head's own forward (logit
+    scaling, soft-capping).
 
     Only this stage's modules are copied (see ``_stage_copy``): no other stage's weights are, and a meta-device
-    model stays on the meta device."""
+    model stays on the meta device. Through a wrapper, the stage runs the causal LM's own forward on the copy
+    of it inside the copied wrapper: the wrapper's modules (PEFT's adapters) sit inside the causal LM's, and its
+    own forward only hands the inputs on."""
+    wrapper, model = model, (model.get_submodule(root) if root else model)
     before, layers_name, after = pp_parts(model)
     first, last = stage_id == 0, stage_id == n_stages - 1
     base_orig = _base(model)
@@ -159,8 +166,9 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         for name in after:
             elsewhere[id(getattr(base_orig, name))] = Absent()
         elsewhere[id(model.lm_head)] = Absent()
-    stage = _stage_copy(model, elsewhere)
-    base = _base(stage)
+    stage = _stage_copy(wrapper, elsewhere)
+    inner = stage.get_submodule(root) if root else stage
+    base = _base(inner)
     layers = getattr(base, layers_name)
     if not first:
         layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
@@ -170,7 +178,9 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         # input of the next, absent layer. Models may transform the hidden states after their layers.
         layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
     causal_lm_forward = type(model).forward
-    options = {"mask": True}  # the runtime says per step whether the batch has a mask (the input is always one)
+    # the runtime says per step whether the batch has a mask (the input is always one), and per schedule whether
+    # the first stage's output must require a gradient (see below)
+    options = {"mask": True, "grad_chain": False}
 
     def forward(x, attention_mask, position_ids, input_ids=None):
         if first:
@@ -182,9 +192,18 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range) -> nn.M
         kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         try:
             if last:
-                return _own(causal_lm_forward(stage, **kwargs).logits)
+                return _own(causal_lm_forward(inner, **kwargs).logits)
             base(**kwargs)
-            return _own(sent["x"]), attention_mask, position_ids, input_ids
+            out = _own(sent["x"])
+            if first and options["grad_chain"] and not out.requires_grad and torch.is_grad_enabled():
+                # A frozen first stage (a PEFT model with adapters only in later layers) hands on hidden states that
+                # need no gradient, and so would every stage up to the first one that trains. torch's I/W split
+                # (stage_backward_input) finds a stage's weight gradients only through the autograd nodes between
+                # its inputs and its outputs: with no input requiring a gradient the W pass computes nothing and
+                # the adapters get no gradient. A leaf that requires one keeps every later stage's input on the
+                # graph (the cost: input gradients through the frozen stages before the first trained one).
+                out = out.detach().requires_grad_()
+            return out, attention_mask, position_ids, input_ids
         finally:
             received.clear()
             sent.clear()

@@ -5,9 +5,8 @@ A PEFT model wraps the causal LM (``base_model.model``), so this plugin tells th
 each decoder layer on its own, adapters included, instead of gathering the whole model as one group. The frozen
 base has no gradients and no optimizer state: data parallel averages, and ZeRO shards, only what trains.
 
-Not supported yet, and refused before any process group: tensor and pipeline parallel (adapters must be sharded
-to follow their base layer's style, and a pipeline must split the wrapped model), and a PEFT model built on the
-meta device (its adapters need PEFT's initialization, and pretrained files do not name PEFT's modules).
+Under tensor parallel each adapter follows its base layer's style (``ultrascale_extend_plan``); what it cannot
+follow is refused before any process group (``ultrascale_validate_model``).
 """
 from __future__ import annotations
 
@@ -53,6 +52,7 @@ def ultrascale_save_pretrained(pmodel, directory):
         for name, tensor in part.state_dict().items():  # the same order on every rank: the gathers pair up
             if name in trainable:
                 state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+    state = pmodel.runtime.gather_full_state(state)  # a pipeline's other stages hold the other layers' adapters
     if dist.get_rank() == 0:
         model.save_pretrained(directory, state_dict=state)
     dist.barrier()
@@ -143,7 +143,6 @@ def ultrascale_validate_model(model, plan, config):
     _refuse_meta_device(model)
     if getattr(config, "tp", 1) > 1 and plan is not None:
         _check_tensor_parallel(model, plan, config)
-    _refuse_pipeline(config)
 
 
 def _refuse_meta_device(model) -> None:
@@ -153,13 +152,6 @@ def _refuse_meta_device(model) -> None:
         raise ConfigError("a PEFT model built on the meta device is not supported yet: its adapters would not get "
                           "PEFT's initialization. Fix: load the base model with its weights (from_pretrained), "
                           "then call get_peft_model")
-
-
-def _refuse_pipeline(config) -> None:
-    if getattr(config, "pp", 1) > 1:
-        raise field_error("pp", config.pp, "a PEFT model under pp > 1 is not supported yet (the pipeline split does "
-                          "not reach into the PEFT wrapper)", "use pp: 1 with data parallel (ZeRO-1/2/3, HSDP, "
-                          "DDP) or context parallel")
 
 
 def _check_tensor_parallel(model, plan, config) -> None:
