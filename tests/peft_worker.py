@@ -41,6 +41,11 @@ CASES = {
     "ddp_dora_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"use_dora": True}),
     # a bf16 frozen base with fp32 adapters (PEFT's autocast_adapter_dtype) under FSDP2, against the fp32 run
     "zero3_bf16_base_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 2e-2}),
+    # a bf16 base with a mixed-dtype trainable set in one FSDP2 group (the root: fp32 LoRA on the embedding beside
+    # PEFT's bf16 copy of the head)
+    "zero3_bf16_mixed_trainable_llama": ("llama", {"dp_shard": 2},
+                                         {"base_dtype": "bf16", "tol": 2e-2, "modules_to_save": ["lm_head"],
+                                          "target_modules": ["embed_tokens", "q_proj", "v_proj"]}),
     # tensor parallel: each adapter follows its base layer (column-wise: B sharded; row-wise: A sharded)
     "tp2_llama": ("llama", {"tp": 2, "dp_shard": 1},  # LoRA on the head too: B follows its gathered column-wise style
                   {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -31,7 +31,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", ["zero3_llama", "zero2_qwen2", "zero1_llama_head", "ddp_qwen3_moe",
                                   "zero3_qwen3_moe_ac", "cp2_ring_llama", "cp2_ulysses_qwen2", "zero3_dora_llama", "ddp_dora_llama",
                                   "zero3_embedding_rslora_llama",
-                                  "zero3_bf16_base_llama", "tp2_llama", "tp2_sp_qwen2_head", "tp2_sp_qwen3_moe",
+                                  "zero3_bf16_base_llama", "zero3_bf16_mixed_trainable_llama", "tp2_llama", "tp2_sp_qwen2_head", "tp2_sp_qwen3_moe",
                                   "zero3_tp2_sp_llama", "hsdp_qwen2"])
 def test_lora_matches_one_process(results, name):
     from peft_worker import CASES
@@ -105,6 +105,23 @@ def test_what_tensor_parallel_cannot_shard_is_refused_before_any_process_group(a
     with pytest.raises(us.ConfigError) as err:
         us.validate(us.ParallelConfig(dp_shard=1, **fields), model.config, 2, model=model)
     assert all(w in str(err.value) for w in words), str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_a_module_holding_trainable_parameters_of_two_dtypes_is_refused_under_fsdp():
+    """FSDP2 needs one trainable dtype per group; a module that holds two directly cannot get a group of its own."""
+    import torch
+    import torch.distributed as dist
+
+    import ultrascale_plugins as us
+    from peft_worker import base_model
+
+    model = base_model("qwen2")
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.bias = torch.nn.Parameter(proj.bias.detach().to(torch.bfloat16))
+    with pytest.raises(us.ConfigError, match="q_proj.*dtype.*one dtype per group"):
+        us.validate(us.ParallelConfig(dp_shard=2), model.config, 2, model=model)
+    us.validate(us.ParallelConfig(dp_shard=2, zero_stage=1), model.config, 2, model=model)  # DDP: no groups
     assert not dist.is_initialized()
 
 

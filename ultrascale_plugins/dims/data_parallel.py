@@ -66,7 +66,10 @@ def ultrascale_wrap_model(model, ctx):
         # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
         # micro-batch), as torchtitan does.
         reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
-        layers = [model.get_submodule(fqn) for fqn in fsdp_groups(model, ctx.plan_layers(model))]
+        groups = fsdp_groups(model, ctx.plan_layers(model))
+        for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
+            fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        layers = [model.get_submodule(fqn) for fqn in groups]
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         prefetch(layers, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
@@ -127,6 +130,69 @@ def fsdp_groups(model, layers: list[str]) -> list[str]:
         return any(any(not n.startswith(inside) for n in owners[id(p)]) for p in model.get_submodule(fqn).parameters())
 
     return [fqn for fqn in chosen if not shared_outside(fqn)]
+
+
+def uniform_dtype_groups(model, groups: list[str]) -> list[str]:
+    """Modules that get an FSDP group of their own so that every group's trainable parameters share one dtype,
+    which FSDP2 requires (a frozen bf16 base may sit beside fp32 adapters, but PEFT's trained bf16 copy of the
+    head beside fp32 LoRA on the embedding may not): in each group (a layer, or what the root keeps), the trainable
+    parameters of every dtype but the most common one go, with the smallest module around them that the model
+    calls (not a ModuleDict or ParameterDict), into a group of their own. Raises ``ConfigError`` when such a
+    module also holds trainable parameters of another dtype, or shares a parameter outside itself."""
+    from torch import nn
+
+    owners: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name)
+    extra: list[str] = []
+    for group in groups + [""]:
+        inner = [g for g in groups if group == "" or g.startswith(group + ".")]
+        inner = [g for g in inner if g != group]
+        root = model.get_submodule(group)
+        trained = [(f"{group}.{n}" if group else n, p) for n, p in root.named_parameters() if p.requires_grad]
+        trained = [(n, p) for n, p in trained if not any(n.startswith(g + ".") for g in inner)]
+        size: dict = {}
+        for _, p in trained:
+            size[p.dtype] = size.get(p.dtype, 0) + p.numel()
+        if len(size) < 2:
+            continue
+        keep = max(size, key=size.get)
+        found = set()
+        for name, p in trained:
+            if p.dtype == keep:
+                continue
+            fqn = name.rpartition(".")[0]
+            while fqn != group and isinstance(model.get_submodule(fqn), (nn.ModuleDict, nn.ParameterDict,
+                                                                           nn.ModuleList)):
+                fqn = fqn.rpartition(".")[0]
+            if fqn == group:
+                raise ConfigError(f"'{group or 'the model'}' holds trainable parameters of dtypes "
+                                  f"{sorted(str(d) for d in size)} directly, and FSDP2 needs one dtype per group. "
+                                  "Fix: give every trainable parameter one dtype (e.g. model.float())")
+            found.add(fqn)
+        for fqn in sorted(found):
+            if any(fqn.startswith(other + ".") for other in found):
+                continue
+            module = model.get_submodule(fqn)
+            dtypes = {str(p.dtype) for p in module.parameters() if p.requires_grad}
+            shared = [n for p in module.parameters() for n in owners[id(p)] if not n.startswith(fqn + ".")]
+            if len(dtypes) > 1 or shared:
+                raise ConfigError(f"'{fqn}' holds trainable parameters of dtype(s) {sorted(dtypes)} that differ from "
+                                  f"the rest of its FSDP group" + (f" and shares '{shared[0]}'" if shared else "")
+                                  + ", and FSDP2 needs one dtype per group. Fix: give every trainable parameter "
+                                  "one dtype (e.g. model.float(), or PEFT's autocast_adapter_dtype)")
+            extra.append(fqn)
+    return extra
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    """A model whose trainable parameters have several dtypes is checked before launch: FSDP2 needs one per
+    group (``uniform_dtype_groups``)."""
+    if config.zero_stage >= 2 and plan is not None and len({p.dtype for p in model.parameters() if p.requires_grad}) > 1:
+        from ..models.plan import layers_present
+
+        uniform_dtype_groups(model, fsdp_groups(model, layers_present(model, plan)))
 
 
 @hookimpl
