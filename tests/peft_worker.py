@@ -54,13 +54,15 @@ CASES = {
                           {"modules_to_save": ["lm_head"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                              "gate_proj", "up_proj", "down_proj",
                                                                              "embed_tokens"]}),
-    # four processes (FOUR): ZeRO-3 x TP + SP; HSDP (replicated over one axis, sharded over the other)
+    # four processes (FOUR): ZeRO-3 x TP + SP; HSDP (replicated over one axis, sharded over the other); CP x TP + SP
     "zero3_tp2_sp_llama": ("llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {"save": True}),
     "hsdp_qwen2": ("qwen2", {"dp_replicate": 2, "dp_shard": 2}, {}),
+    "cp2_tp2_sp_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True},
+                         {"data": "packed"}),
     "tp2_sp_qwen3_moe": ("qwen3_moe", {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
                          {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
 }
-FOUR = ("zero3_tp2_sp_llama", "hsdp_qwen2")
+FOUR = ("zero3_tp2_sp_llama", "hsdp_qwen2", "cp2_tp2_sp_qwen2")
 
 
 def base_model(arch: str):
