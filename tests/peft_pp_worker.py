@@ -62,10 +62,12 @@ def base_model(arch: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-# peft_worker's functions build their models through its module-level ``base_model`` and read its ``CASES``
-peft_worker.base_model = base_model
-peft_worker.CASES.update(CASES)
-peft_worker.CASES.update(CASES4)
+def install() -> None:
+    """peft_worker's functions build their models through its module-level ``base_model`` and read its ``CASES``:
+    add these there, in the worker process only (importing this module, as the tests do, changes nothing)."""
+    peft_worker.base_model = base_model
+    peft_worker.CASES.update(CASES)
+    peft_worker.CASES.update(CASES4)
 
 
 def evaluate(name: str) -> dict:
@@ -81,6 +83,7 @@ def evaluate(name: str) -> dict:
 
 
 def main() -> None:
+    install()
     out, names = sys.argv[1], sys.argv[2:]
     for name in names:  # where the adapters are saved (save_pretrained, PEFT's files): beside the results
         if peft_worker.CASES.get(name, (0, 0, {}))[2].get("save"):

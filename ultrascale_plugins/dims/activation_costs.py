@@ -1,10 +1,12 @@
 """Activation memory: what autograd keeps for backward per token and layer (Korthikanti et al. 2022's tensors with
 flash-style attention), divided by TP and SP, reduced by recomputation, times the micro-batches the schedule holds
 in flight, plus the loss's logits on the rank that holds the head (checked against what autograd saves on the CPU:
-tests/test_estimates.py)."""
+tests/test_estimates.py). With a frozen base (PEFT adapters) some tensors are not kept and the adapters keep a few
+of their own (``adapter_bytes``, checked the same way), and the backward is cheaper, so recomputing the forward
+costs a larger share of the step."""
 from __future__ import annotations
 
-from ..interface.estimates import Estimate, expert_share
+from ..interface.estimates import Estimate, expert_share, flops_per_token, merge_flops
 
 
 def activation_bytes_per_token(mc, config, mode: str, element: int) -> tuple[float, float, float, float]:
@@ -61,12 +63,66 @@ def activation_terms(config, shape, est: Estimate) -> None:
     tokens = shape.tokens_per_micro_batch
     layers = shape.layers_here if shape.layers_here is not None else mc.num_hidden_layers
     saved = per_token * tokens * layers * shape.in_flight
+    held, transient, head_trains = adapter_bytes(shape, element, mode, sp_div, max(1, layers))
+    saved += held * shape.in_flight + transient
     if mode != "none":
         saved += working / tp * tokens  # full recomputation: one layer's activations while it is recomputed
-        est.factors["recompute_flops"] = 4 / 3 if mode == "full" else 1.03
+        est.factors["recompute_flops"] = recompute_factor(shape, mode)
+    extra = merge_flops(shape.inventory) * (4 / 3 if mode == "full" else 1)  # the merge's forward, recomputed
+    if extra:
+        est.factors["extra_flops"] = est.factors.get("extra_flops", 0.0) + extra
     est.add_memory("activations", saved)
     if shape.holds_head:
         vocab_div = tp if (config.loss_parallel or shape.profile == "nanotron") else 1
-        # logits in the compute dtype, their fp32 copy for the loss and its gradient
-        logits = (element + 8) * mc.vocab_size * tokens / vocab_div + element * mc.hidden_size * tokens
+        # logits in the compute dtype, their fp32 copy for the loss and its gradient; the head's input, kept for
+        # its weight gradient (not when the head is frozen)
+        logits = (element + 8) * mc.vocab_size * tokens / vocab_div
+        if head_trains:
+            logits += element * mc.hidden_size * tokens
         est.add_memory("activations", logits)
+
+
+def recompute_factor(shape, mode: str) -> float:
+    """Compute multiplier of recomputation: full recomputes the forward, 1 + F/(F + B) (4/3 when every weight
+    trains, as B = 2F; more with a frozen base, whose backward is cheaper); selective recomputes the attention core,
+    3 % of a step that trains every weight, the same FLOPs on a cheaper step otherwise."""
+    fwd, bwd = flops_per_token(shape.inventory, shape.model_config, shape.seq_len, layers=shape.layers_here)
+    ratio = bwd / fwd if fwd else 2.0
+    if mode == "full":
+        return 1 + 1 / (1 + ratio)
+    return 1 + 0.03 * (3 / (1 + ratio))
+
+
+def adapter_bytes(shape, element: int, mode: str, sp_div: int, layers: int) -> tuple[float, float, bool]:
+    """What a frozen base and PEFT's adapters change in this rank's activations: (bytes per micro-batch in flight,
+    bytes held once, whether the head trains). A frozen norm's weight keeps no copy of the normalized tensor it
+    scales (-e·h per token; kept only without recomputation); each LoRA factor A keeps its r-wide output for B's
+    gradient (+e·r per token, or one layer's worth under full recomputation); a merged adapter (PEFT's
+    ParamWrapper: the fused experts) keeps each layer's merged weight W + B·A for the backward (one layer at a time
+    under full recomputation), and the backward holds one layer's gradient of it."""
+    mc = shape.model_config
+    h = mc.hidden_size
+    records = shape.inventory
+    tokens = shape.tokens_per_micro_batch
+    held = transient = 0.0
+    if mode == "none":
+        norms = sum(1 for r in records if r.part == "layer" and not r.trainable and len(r.shape) == 1
+                    and r.shape[0] == h and r.name.endswith("weight"))
+        held -= element * h / sp_div * norms * tokens
+    lora_out = sum(r.rank * r.active for r in records if r.adapter in ("lora_A", "lora_embedding_A") and not r.merged)
+    if mode == "full":
+        transient += element * lora_out / layers * tokens
+    else:
+        held += element * lora_out * tokens
+    size = {r.name: r.local_numel for r in records}
+    merged = element * sum(size.get(b, 0) for b in {r.adapter_of for r in records if r.merged})
+    if merged:
+        transient += merged / layers  # a layer's gradient of its merged weight
+        if mode == "full":
+            transient += merged / layers
+        else:
+            held += merged
+    heads = [r for r in records if (r.part == "post" and len(r.shape) == 2 and not r.adapter) or r.tied_head]
+    names = {r.name for r in heads}
+    head_trains = not heads or any(r.trainable for r in heads) or any(r.adapter_of in names for r in records)
+    return held, transient, head_trains

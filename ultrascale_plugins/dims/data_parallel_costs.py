@@ -44,38 +44,40 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
     elif zero == 1 and dp > 1:
         opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
-    else:
-        opt_numel, opt_tensors = sum(n for _, n in trainable), len(trainable)
+    else:  # a trainable parameter held in another dtype (held_bytes) keeps its state in that dtype
+        opt_numel = sum(n * (r.held_bytes or 4) / 4 for r, n in trainable)
+        opt_tensors = len(trainable)
     est.add_memory("params", pbytes * held)
-    est.add_memory("grads", gbytes * sum(n for _, n in trainable))
+    est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
     step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
+    full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
+    full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
-        full = sum(r.local_numel for r in records)
-        per_layer = full / max(1, len({r.layer for r in records if r.layer is not None}))
+        n_layers = max(1, _n_layers(records))
+        per_layer = full / n_layers
         compute = 2 if config.mixed_precision == "bf16" else 4
         if zero >= 2 and dp_shard > 1:
             # FSDP2 gathers whole weights in the compute dtype for one layer plus the next (prefetched) under
             # ZeRO-3, all of them under ZeRO-2; a layer's whole fp32 gradient waits for its reduce-scatter
-            est.add_memory("other", compute * (2 * per_layer if zero == 3 else full) + 4 * per_layer)
+            est.add_memory("other", compute * (2 * per_layer if zero == 3 else full) + 4 * (full_local / n_layers))
         elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
             est.add_memory("other", 2 * full)
     if dp <= 1:
         return
-    full_local = sum(r.local_numel for r in records if r.trainable)
     if profile == "ultrascale" and zero <= 1 and config.pp == 1:
         est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
     grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
     weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
     axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
     if zero >= 2:
-        # reduce-scatter of the gradients once per step (accumulated without sync); all-gathers of the weights
-        # before each forward and (ZeRO-3) each backward of every micro-batch, prefetched behind compute
+        # reduce-scatter of the gradients once per step (accumulated without sync); all-gathers of the weights,
+        # frozen ones too, before each forward and (ZeRO-3) each backward of every micro-batch, prefetched
         gathers = 2 if zero == 3 and config.pp == 1 else 1
         est.add_comm("dp_shard", grad_wire * full_local, "reduce_scatter", calls=_n_layers(records) + 1,
                      overlap=shape.dp_overlap)
         per = "micro_batch" if config.pp == 1 else "step"
-        est.add_comm("dp_shard", gathers * weight_wire * full_local, "all_gather",
+        est.add_comm("dp_shard", gathers * weight_wire * full, "all_gather",
                      calls=gathers * (_n_layers(records) + 1), per=per, overlap=shape.gather_overlap)
         if dp_rep > 1:
             est.add_comm("dp_replicate", grad_wire * full_local / dp_shard, "all_reduce", overlap=shape.dp_overlap)

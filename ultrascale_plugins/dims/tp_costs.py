@@ -16,6 +16,10 @@ _MODULE_DIMS = {
     "conv1d_colwise": (1, 0), "conv1d_rowwise": (0, None), "conv1d_packed_colwise": (1, None),
 }
 _DIMS_CACHE: dict = {}
+# A LoRA factor of a linear layer follows its base's style: B (out, r) is cut on its output features after a
+# column-parallel base (weight dim 0), A (r, in) on its input features before a row-parallel one (weight dim 1); the
+# other factor stays whole. (Adapters merged into their weight, and those of other layers, stay whole.)
+_FOLLOWS = {"lora_B": {0: 0}, "lora_A": {1: 1}}
 
 
 def sharded_dims(model, plan) -> dict:
@@ -45,6 +49,8 @@ def tensor_parallel_terms(config, shape, est) -> None:
     dims = sharded_dims(shape.model, shape.plan)
     for r in shape.inventory:
         dim = dims.get(r.name.removesuffix(" (head copy)"))
+        if dim is None and r.adapter in _FOLLOWS and not r.merged:
+            dim = _FOLLOWS[r.adapter].get(dims.get(r.adapter_of))
         if dim is None:  # whole on every TP rank (a plugin's own style, unknown here, is counted whole too)
             continue
         local = list(r.local)

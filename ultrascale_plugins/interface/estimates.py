@@ -8,7 +8,10 @@ what the estimate is for: the sequence, the micro-batch, the micro-batches per s
 the optimizer, which rank (``coords``; an axis left out means "the most loaded rank along it"), and the
 parameter ``inventory`` — every parameter of the model with the shape this rank holds of it, which the dimensions
 cut in turn (pipeline: which stage; tensor parallel: which slice; data parallel: which shard), so parameter,
-gradient and optimizer bytes come out exact for any model, uneven shards and tied weights included.
+gradient and optimizer bytes come out exact for any model, uneven shards and tied weights included. Each record
+says whether it trains: a PEFT model's frozen base does not (its adapters do), and ``Shape.adapters`` (an
+``Adapters``: LoRA as PEFT would add it) prices a model that has no adapters yet as if it had them — the planner's
+``--peft lora`` — with the same records a real PEFT model gives, so every dimension costs both alike.
 
 This module holds what every dimension shares (the ``Estimate``, the ``Shape``, the inventory); each built-in
 dimension's own terms live beside it: ``dims/pipeline_costs.py``, ``dims/tp_costs.py``,
@@ -48,7 +51,8 @@ class CommTerm:
 class Estimate:
     """Bytes per rank by memory category, communication terms per mesh axis, and factors:
     ``recompute_flops`` (compute multiplier of recomputation), ``bubble`` (pipeline idle time as a fraction of
-    the busy time), and whatever a plugin adds."""
+    the busy time), ``extra_flops`` (FLOPs per micro-batch on this rank beyond the model's: PEFT folding merged
+    adapters into their weights), and whatever a plugin adds."""
 
     memory: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(MEMORY_CATEGORIES, 0.0))
     terms: list = dataclasses.field(default_factory=list)
@@ -88,7 +92,19 @@ class ParamRecord:
     """One parameter (tied ones once). ``part``: "pre" (before the decoder layers: embeddings), "layer"
     (``layer`` is its index) or "post" (final norm, head). ``local``: the shape this rank holds, as the dimensions
     have cut it so far. ``tied_head``: the head uses this (embedding) weight too, so a pipeline's last stage holds a
-    copy. ``active``: the share of it one token uses (MoE experts: top-k / experts)."""
+    copy. ``active``: the share of it one token uses (MoE experts: top-k / experts). ``trainable``: it gets a
+    gradient and optimizer state (a PEFT model's frozen base does not). ``lookup``: an untied input embedding (a
+    lookup, not a matmul).
+
+    A PEFT adapter's factor: ``adapter`` its kind (``lora_A``, ``lora_B``, ``lora_embedding_A``,
+    ``lora_embedding_B``), ``adapter_of`` the name of the parameter it adapts, ``rank`` its rank; ``merged`` when
+    PEFT folds the update into that parameter on every forward (its ``ParamWrapper``, for parameters targeted
+    directly: a mixture of experts' fused 3-D expert weights and router) instead of running the factors on the
+    tokens: the merged weight is then kept for the backward and gets a gradient, which flows on to the factors.
+
+    ``held_bytes``: when the model's trainable parameters mix dtypes, the element size of one held in a dtype other
+    than fp32 (PEFT's bf16 copy of a bf16 head beside fp32 adapters): its gradient and optimizer state take that
+    size; 0 prices it by the layout's precision profile."""
 
     name: str
     shape: tuple
@@ -98,6 +114,12 @@ class ParamRecord:
     active: float = 1.0
     trainable: bool = True
     local: tuple = ()
+    lookup: bool = False
+    adapter: str = ""
+    adapter_of: str = ""
+    rank: int = 0
+    merged: bool = False
+    held_bytes: int = 0
 
     def __post_init__(self):
         self.local = tuple(self.local or self.shape)
@@ -145,37 +167,91 @@ def meta_model(model_config):
     return _META_MODELS[key]
 
 
-def inventory(model, plan=None) -> list[ParamRecord]:
-    """Fresh records of ``model``'s parameters (built once per model and plan; the dimensions cut the copies)."""
-    key = (id(model), None if plan is None else tuple(plan.layers))
+def inventory(model, plan=None, adapters=None) -> list[ParamRecord]:
+    """Fresh records of ``model``'s parameters (built once per model, plan and adapters; the dimensions cut the
+    copies). ``adapters``: an ``Adapters`` to add as PEFT would (``with_adapters``)."""
+    key = (id(model), None if plan is None else tuple(plan.layers), adapters)
     if key not in _INVENTORIES or _INVENTORIES[key][0] is not model:
-        _INVENTORIES[key] = (model, _build_inventory(model, plan))
+        records = _build_inventory(model, plan)
+        _INVENTORIES[key] = (model, records if adapters is None else with_adapters(records, model, adapters))
     return [r.clone() for r in _INVENTORIES[key][1]]
 
 
 def _build_inventory(model, plan=None) -> list[ParamRecord]:
     """Every parameter of ``model`` (real or on the meta device) as a ``ParamRecord``: before, in or after the
-    decoder layers, and the MoE active share. (Tensor parallel fills in the dims it shards from ``plan``.)"""
+    decoder layers, and the MoE active share; a PEFT model's adapters tagged (``_peft_adapters``). (Tensor parallel
+    fills in the dims it shards from ``plan``.)"""
     layers, before = _layer_list(model, plan)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = head is not None and embed is not None and head.weight is embed.weight
+    # tied by identity: the embedding's weight also held under another name (a head PEFT wrapped in a trained copy
+    # keeps the tied original beside it, which the wrapper's own weight does not show)
+    embed_weight = getattr(embed, "weight", None)
+    tied = embed_weight is not None and sum(p is embed_weight for _, p in
+                                            model.named_parameters(remove_duplicate=False)) > 1
     active = expert_share(model.config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    tags = _peft_adapters(model, names)
+    # trainable parameters of several dtypes (a bf16 head copy beside fp32 adapters): each is held, with its
+    # gradient and optimizer state, in its own dtype, which the layout's precision profile cannot say
+    mixed = len({p.dtype for p in model.parameters() if p.requires_grad}) > 1
     records = []
     for name, param in model.named_parameters():
-        layer = None
-        m = re.match(re.escape(layers) + r"\.(\d+)\.", name) if layers else None
-        if m:
-            part, layer = "layer", int(m.group(1))
-        elif any(name.startswith(p + ".") for p in before):
-            part = "pre"
-        else:
-            part = "post"
+        part, layer = _place(name, layers, before)
         is_expert = ".experts." in name or name.endswith(".experts")
+        lookup = bool(embed is not None and not tied and param is getattr(embed, "weight", None))
         records.append(ParamRecord(name, tuple(param.shape), part, layer,
                                    tied_head=bool(tied and param is embed.weight),
-                                   active=active if is_expert else 1.0, trainable=param.requires_grad))
+                                   active=active if is_expert else 1.0, trainable=param.requires_grad,
+                                   lookup=lookup, held_bytes=_held_bytes(param, mixed), **tags.get(name, {})))
+    share = {r.name: r.active for r in records}
+    for r in records:  # an adapter factor runs on the tokens its weight runs on
+        if r.adapter:
+            r.active = share.get(r.adapter_of, r.active)
     return records
+
+
+def _held_bytes(param, mixed: bool) -> int:
+    import torch
+
+    if not mixed or not param.requires_grad or not param.is_floating_point() or param.dtype == torch.float32:
+        return 0
+    return param.element_size()
+
+
+def _place(name: str, layers: str | None, before: list[str]) -> tuple[str, int | None]:
+    m = re.match(re.escape(layers) + r"\.(\d+)\.", name) if layers else None
+    if m:
+        return "layer", int(m.group(1))
+    if any(name.startswith(p + ".") for p in before):
+        return "pre", None
+    return "post", None
+
+
+def _peft_adapters(model, names: dict) -> dict:
+    """{parameter name: ParamRecord fields} of the LoRA factors of a PEFT model (found by PEFT's attributes, so
+    peft need not be imported): what each adapts, its rank, and whether PEFT merges it (``ParamWrapper``)."""
+    from torch import nn
+
+    out = {}
+    for _, module in model.named_modules():
+        ranks = getattr(module, "r", None)
+        if not isinstance(ranks, dict) or not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+            continue
+        merged = type(module).__name__ == "ParamWrapper"
+        if merged:
+            base = module.get_param()
+        else:
+            base = getattr(module.get_base_layer(), "weight", None)
+        if base is None or id(base) not in names:
+            continue
+        for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            for adapter, factor in getattr(module, kind, {}).items():
+                param = factor if isinstance(factor, nn.Parameter) else getattr(factor, "weight", None)
+                if param is not None and id(param) in names:
+                    out[names[id(param)]] = dict(adapter=kind, adapter_of=names[id(base)],
+                                                 rank=int(ranks.get(adapter, 0)), merged=merged)
+    return out
 
 
 def _layer_list(model, plan) -> tuple[str | None, list[str]]:
@@ -209,6 +285,208 @@ def expert_share(mc) -> float:
     top_k = next((getattr(mc, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
                   if isinstance(getattr(mc, k, None), int) and getattr(mc, k) > 0), None)
     return min(1.0, top_k / experts) if experts and top_k else 1.0
+
+
+# ---- PEFT adapters on a model that has none ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters priced on a model that has none, as ``peft.get_peft_model(model, LoraConfig(r=r,
+    target_modules=target))`` (peft 0.21, transformers 5) would add them: ``target`` is "all-linear" or module names
+    (a module is targeted when its name is one of them or ends with "." and one). ``lora_alpha`` and dropout do not
+    change what a rank holds, so they are not asked (dropout > 0 would keep a dropped copy of each adapted input)."""
+
+    r: int = 16
+    target: str | tuple = "all-linear"
+    method: str = "lora"
+
+    def __post_init__(self):
+        from .fields import ConfigError
+
+        if self.method != "lora":
+            raise ConfigError(f"adapters {self.method!r}: only 'lora' is priced. Fix: use LoRA")
+        if not isinstance(self.r, int) or self.r < 1:
+            raise ConfigError(f"LoRA rank {self.r!r}: must be a positive integer. Fix: e.g. r=16")
+        target = self.target
+        if isinstance(target, str) and target.lower() != "all-linear":
+            target = tuple(t.strip() for t in target.split(",") if t.strip())
+        elif not isinstance(target, str):
+            target = tuple(target)
+        else:
+            target = "all-linear"
+        if not target:
+            raise ConfigError("LoRA targets: none given. Fix: 'all-linear' or module names such as q_proj,v_proj")
+        object.__setattr__(self, "target", target)
+
+    def describe(self) -> str:
+        target = self.target if isinstance(self.target, str) else ",".join(self.target)
+        return f"LoRA r={self.r} on {target}"
+
+
+# What peft 0.21 targets in a mixture of experts whose experts transformers 5 fuses into 3-D parameters
+# (``peft.utils.transformers_weight_conversion``: ``_MOE_TARGET_MODULE_MAPPING`` and ``_MOE_FUSED_TARGETS``): the
+# names the linear layers had before (transformers 4) become targeted parameters, and a fused parameter takes the
+# ranks of the layers fused into it. "all-linear" names them all, so the experts and the router train too.
+_MOE_TARGETS = {
+    "mixtral": ({"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+                {"gate_up_proj": ("w1", "w3")}),
+    "qwen2_moe": ({"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                   "down_proj": "down_proj"}, {"gate_up_proj": ("gate_proj", "up_proj")}),
+}
+
+
+def _moe_pattern(model_type: str):
+    """Which of ``_MOE_TARGETS`` peft applies to ``model_type`` (transformers' conversion table, as peft reads it;
+    peft adds mixtral), or None."""
+    if model_type == "mixtral":
+        return _MOE_TARGETS["mixtral"]
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN
+    except ImportError:  # transformers 4: experts are linear layers, targeted as such
+        return None
+    return _MOE_TARGETS.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type))
+
+
+def _matches(name: str, keys) -> bool:
+    return any(name == k or name.endswith("." + k) for k in keys)
+
+
+def lora_targets(model, adapters: Adapters) -> tuple[list, list]:
+    """(modules, parameters) PEFT adapts: [(FQN, module)] of linear, Conv1D and embedding layers, and [(FQN of the
+    module holding it, parameter name, rank)] of parameters targeted directly (a mixture of experts' fused weights
+    and router: ``_MOE_TARGETS``)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from .fields import ConfigError
+
+    named = list(model.named_modules())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    r = adapters.r
+    if adapters.target == "all-linear":
+        keys = {fqn for fqn, m in named if isinstance(m, (nn.Linear, Conv1D)) and m is not head}
+    else:
+        keys = set(adapters.target)
+    params: dict = {}
+    pattern = _moe_pattern(getattr(model.config, "model_type", ""))
+    if pattern is not None:
+        mapping, fused = pattern
+        if adapters.target == "all-linear":
+            keys = {k.rpartition(".")[2] for k in keys} | set(mapping)
+        renamed = {}
+        for key in keys:
+            old = next((o for o in mapping if key == o or key.endswith("." + o)), None)
+            if old is not None:
+                renamed[key] = old
+        for new, parts in fused.items():
+            present = {old for old in renamed.values() if mapping[old] == new}
+            if 0 < len(present) < len(parts):
+                raise ConfigError(f"LoRA targets {', '.join(sorted(present))} without "
+                                  f"{', '.join(sorted(set(parts) - present))}: PEFT refuses it, since transformers "
+                                  f"fuses them into {new}. Fix: target all of {', '.join(parts)}, or none")
+        for old in renamed.values():
+            new = mapping[old]
+            params[new] = r * (len(fused[new]) if new in fused else 1)
+        keys -= set(renamed)
+    modules = [(fqn, m) for fqn, m in named if fqn and _matches(fqn, keys)]
+    odd = [(fqn, m) for fqn, m in modules if not isinstance(m, (nn.Linear, Conv1D, nn.Embedding))]
+    if odd and adapters.target != "all-linear":
+        raise ConfigError(f"LoRA target '{odd[0][0]}' is a {type(odd[0][1]).__name__}, which LoRA does not adapt. "
+                          "Fix: name linear or embedding layers (e.g. q_proj,v_proj), or 'all-linear'")
+    modules = [(fqn, m) for fqn, m in modules if (fqn, m) not in odd]
+    wrapped = []
+    for fqn, m in named:
+        for pname, p in m.named_parameters(recurse=False):
+            key = f"{fqn}.{pname}" if fqn else pname
+            rank = next((params[t] for t in sorted(params) if key == t or key.endswith("." + t)), None)
+            if rank is not None and p.ndim in (2, 3):
+                wrapped.append((fqn, pname, rank))
+    if not modules and not wrapped:
+        raise ConfigError(f"LoRA targets {adapters.target!r} match no layer of this {model.config.model_type} "
+                          "model. Fix: 'all-linear', or names of its linear layers (e.g. q_proj,v_proj)")
+    return modules, wrapped
+
+
+def with_adapters(records: list[ParamRecord], model, adapters: Adapters) -> list[ParamRecord]:
+    """``records`` of a model without adapters, frozen, each targeted one followed by its LoRA factors as PEFT
+    shapes them: A (r, in) and B (out, r) for a linear layer (a Conv1D holds its weight as (in, out)); A (r,
+    embeddings) and B (embedding width, r) for an embedding; for a parameter targeted directly, (r*E, in) and
+    (out, r*E) over its E experts (one for a 2-D weight), merged (``ParamRecord``)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from .fields import ConfigError
+
+    if any(r.adapter or not r.trainable for r in records):
+        raise ConfigError("adapters asked for a model that has some already (a PEFT model, or frozen parameters). "
+                          "Fix: estimate that model as it is, without adapters=")
+    modules, wrapped = lora_targets(model, adapters)
+    names = {id(p): n for n, p in model.named_parameters()}
+    factors: dict = {}  # base parameter name -> its factors' (kind, name, shape, rank, merged)
+    for fqn, m in modules:
+        weight = m.weight
+        if isinstance(m, nn.Embedding):
+            n_in, n_out = weight.shape
+            kinds = ("lora_embedding_A", "lora_embedding_B")
+            pair = [(f"{fqn}.lora_embedding_A.default", (adapters.r, n_in)),
+                    (f"{fqn}.lora_embedding_B.default", (n_out, adapters.r))]
+        else:
+            n_in, n_out = weight.shape if isinstance(m, Conv1D) else weight.shape[::-1]
+            kinds = ("lora_A", "lora_B")
+            pair = [(f"{fqn}.lora_A.default.weight", (adapters.r, n_in)),
+                    (f"{fqn}.lora_B.default.weight", (n_out, adapters.r))]
+        factors.setdefault(names[id(weight)], []).extend(
+            (kind, name, shape, adapters.r, False) for kind, (name, shape) in zip(kinds, pair))
+    for fqn, pname, rank in wrapped:
+        module = model.get_submodule(fqn) if fqn else model
+        param = getattr(module, pname)
+        if param.ndim == 3:  # (experts, out, in), or (experts, in, out) where the module says it is transposed
+            experts, n_out, n_in = param.shape
+            if getattr(module, "is_transposed", False):
+                n_in, n_out = n_out, n_in
+        else:
+            experts, (n_out, n_in) = 1, param.shape
+        base = names[id(param)]
+        factors.setdefault(base, []).extend([
+            ("lora_A", f"{base}.lora_A.default.weight", (rank * experts, n_in), rank, True),
+            ("lora_B", f"{base}.lora_B.default.weight", (n_out, rank * experts), rank, True)])
+    out = []
+    for rec in records:
+        base = rec.clone()
+        base.trainable = False
+        out.append(base)
+        for kind, name, shape, rank, merged in factors.get(rec.name, ()):
+            out.append(ParamRecord(name, shape, rec.part, rec.layer, active=rec.active, adapter=kind,
+                                   adapter_of=rec.name, rank=rank, merged=merged))
+    return out
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------------------
+def flops_per_token(records: list[ParamRecord], mc, seq_len: int, layers: int | None = None) -> tuple[float, float]:
+    """(forward, backward) training FLOPs per token of ``records`` (PaLM appendix B, per parameter): 2 per weight
+    a token uses in the forward; in the backward 2 for its input's gradient and 2 more for its own when it trains
+    (or when PEFT merges a trained adapter into it); attention 4·L·a·d·s forward and twice that back, over
+    ``layers`` (the model's, unless given). Lookups cost nothing, and merged adapters' factors run once per
+    micro-batch, not per token (``merge_flops``). Training every weight, the backward is exactly twice the forward.
+    (Frozen weights below the first trained one need no input gradient either; this counts them as if they did.)"""
+    merged = {r.adapter_of for r in records if r.merged}
+    fwd = bwd = 0.0
+    for r in records:
+        if r.lookup or r.merged:
+            continue
+        n = r.local_numel * r.active
+        fwd += 2 * n
+        bwd += 4 * n if (r.trainable or r.name in merged) else 2 * n
+    heads = getattr(mc, "num_attention_heads", None) or 1
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    attn = 4 * (mc.num_hidden_layers if layers is None else layers) * heads * head_dim * seq_len
+    return fwd + attn, bwd + 2 * attn
+
+
+def merge_flops(records: list[ParamRecord]) -> float:
+    """FLOPs per micro-batch of PEFT folding merged adapters into their weights (W + B·A, then the factors'
+    gradients from the merged weight's: 3 × 2·numel(W)·r), over this rank's share of the weights."""
+    size = {r.name: r.local_numel for r in records}
+    return sum(6 * size.get(r.adapter_of, 0) * r.rank for r in records if r.merged and r.adapter == "lora_A")
 
 
 # ---- closed forms ---------------------------------------------------------------------------------------------
@@ -249,6 +527,13 @@ class Shape:
     plan: object = None  # the model plan (``models.plan.ModelPlan``) the layout runs with, if any
     dp_overlap: float = 0.0  # fraction of gradient reduction hidden behind backward (planner constant)
     gather_overlap: float = 0.0  # fraction of ZeRO-3 weight gathers hidden behind compute (planner constant)
+    adapters: object = None  # an ``Adapters`` to price on a model that has none (the inventory gets them here)
+
+    def __post_init__(self):
+        if self.adapters is not None and self.inventory:
+            if self.model is None:
+                raise ValueError("Shape(adapters=...) needs the model the inventory was read from (model=)")
+            self.inventory = _adapted_inventory(self.inventory, self.model, self.adapters)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -263,3 +548,28 @@ class Shape:
 
     def __setitem__(self, key, value):
         setattr(self, key, value)
+
+
+_ADAPTED: dict = {}
+
+
+def _adapted_inventory(records: list[ParamRecord], model, adapters: Adapters) -> list[ParamRecord]:
+    """``records`` (fresh, as ``inventory`` gives them) with ``adapters``: the factors come from one cached
+    template per model and adapters; the records keep what the caller gave them."""
+    key = (id(model), adapters)
+    if key not in _ADAPTED or _ADAPTED[key][0] is not model:
+        _ADAPTED[key] = (model, with_adapters(records, model, adapters))
+    by_name = {r.name: r for r in records}
+    out = []
+    for t in _ADAPTED[key][1]:
+        if t.adapter:  # placed with its weight as this inventory places it
+            base = by_name[t.adapter_of]
+            twin = t.clone()
+            twin.part, twin.layer, twin.active = base.part, base.layer, base.active
+            out.append(twin)
+        elif t.name in by_name:
+            by_name[t.name].trainable = False
+            out.append(by_name[t.name])
+    if len(out) != len(records) + sum(1 for t in _ADAPTED[key][1] if t.adapter):
+        raise ValueError("adapters: the inventory does not list the model's parameters")
+    return out

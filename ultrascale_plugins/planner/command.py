@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--profile", default="ultrascale", choices=PROFILES,
                    help="memory of this package's implementation, or of nanotron as the Ultra-Scale Playbook ran it")
+    p.add_argument("--peft", choices=("lora",), help="train PEFT adapters on a frozen base: only they get gradients "
+                   "and optimizer states, and the base computes no weight gradients")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (with --peft lora)")
+    p.add_argument("--lora-target", default="all-linear", help="'all-linear' (as PEFT resolves it: with transformers "
+                   "5 a mixture of experts' fused expert weights and router too) or module names, e.g. q_proj,v_proj")
+    p.add_argument("--lora-alpha", type=float, help="accepted for a LoraConfig's sake: it scales the update and "
+                   "changes neither memory nor time")
     p.add_argument("--layout", help='cost exactly one layout, e.g. "dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,'
                    'recompute=none" (also schedule=, virtual=, dp_replicate=, sp=)')
     p.add_argument("--top", type=int, default=10, help="rows to show")
@@ -53,8 +60,17 @@ def build(args):
                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                             gpus_per_node=args.gpus_per_node)
     spec = ModelSpec.of(mc, name=str(args.model))
+    adapters = None
+    if getattr(args, "peft", None):
+        from ..interface.estimates import Adapters
+
+        adapters = Adapters(r=args.lora_r, target=args.lora_target, method=args.peft)
+        spec.trainable_params(adapters)  # targets that match nothing are named now, before any search
+    elif getattr(args, "lora_r", 16) != 16 or getattr(args, "lora_target", "all-linear") != "all-linear" \
+            or getattr(args, "lora_alpha", None) is not None:
+        raise ConfigError("--lora-r / --lora-target / --lora-alpha without --peft lora. Fix: add --peft lora")
     work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
-                    "bf16" if args.precision == "bf16" else "no")
+                    "bf16" if args.precision == "bf16" else "no", adapters)
     fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k not in (
         "transformers_version", "architectures", "torch_dtype", "dtype")}
     fields["model_type"] = mc.model_type
@@ -72,6 +88,12 @@ def run_plan(args, accelerate_yaml) -> int:
     header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
               "gpus": args.gpus, "hardware": dataclasses.asdict(hw), "seq_len": args.seq_len,
               "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer}
+    adapters = cost.work.adapters
+    trainable = cost.spec.trainable_params(adapters)
+    if adapters is not None:
+        header["peft"] = {"method": adapters.method, "r": adapters.r,
+                          "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
+        header["trainable_params"] = trainable
     if args.layout:
         lay = dataclasses.replace(layout_from_string(args.layout, args.gpus), mixed_precision=cost.work.precision)
         results = [cost.evaluate(lay)]
@@ -92,7 +114,11 @@ def run_plan(args, accelerate_yaml) -> int:
           + (f", {cost.spec.active_params / 1e9:.2f}B active" if cost.spec.active_params != cost.spec.total_params
              else "") + f") on {args.gpus} x {hw.describe()}")
     print(f"sequence {args.seq_len}, global batch {args.global_batch_size} sequences, {args.optimizer}, "
-          f"{args.precision}, memory profile '{args.profile}'\n")
+          f"{args.precision}, memory profile '{args.profile}'" + ("" if adapters is not None else "\n"))
+    if adapters is not None:
+        print(f"PEFT: {adapters.describe()}: {trainable / 1e6:,.1f}M trainable parameters "
+              f"({trainable / cost.spec.total_params:.2%}); the frozen base is held (and sharded) without gradients "
+              "or optimizer states; MFU counts the FLOPs LoRA needs (4 per frozen weight, 6 per trained one)\n")
     print(render.table(results, hw.memory_gb, args.top))
     print()
     if not best.fits:
@@ -103,6 +129,8 @@ def run_plan(args, accelerate_yaml) -> int:
     if not best.runnable:
         print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
     print(f"Chosen: {best.layout.label()}\n  {render.breakdown(best)}\n")
+    if adapters is not None:
+        print(render.peft_note(adapters, getattr(args, "lora_alpha", None)) + "\n")
     print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
     print("Accelerate config (ultrascale accelerate-launch FILE train.py):\n"
           + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node, accelerate_yaml)) + "\n")

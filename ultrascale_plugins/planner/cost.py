@@ -95,6 +95,7 @@ class Workload:
     profile: str = "ultrascale"
     optimizer: str = "adamw"
     precision: str = "bf16"  # ParallelConfig.mixed_precision: "bf16" or "no" (fp32)
+    adapters: object = None  # an ``interface.estimates.Adapters`` (LoRA): only they train, the base is frozen
 
 
 @dataclasses.dataclass
@@ -139,6 +140,7 @@ class CostModel:
         self._memory: dict = {}
         self._runnable: dict = {}
         self._plans: dict = {}
+        self._flops_token = None  # model FLOPs per token of the workload (the MFU's numerator per token)
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_batch(self, lay: Layout) -> None:
@@ -179,7 +181,8 @@ class CostModel:
                                 micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
                                 coords=coords, model=model, profile=self.work.profile,
                                 optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[lay.tp],
-                                dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"]))
+                                dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"],
+                                **({"adapters": self.work.adapters} if self.work.adapters is not None else {})))
         return out
 
     def memory(self, ests) -> dict:
@@ -219,7 +222,9 @@ class CostModel:
         spec, work, hw = self.spec, self.work, self.hw
         mc = spec.config
         nodes = self.axis_nodes(lay)
-        flops_token = spec.flops_per_token(work.seq_len)
+        if self._flops_token is None:
+            self._flops_token = spec.flops_per_token(work.seq_len, work.adapters)
+        flops_token = self._flops_token
         recompute = max(e.factors.get("recompute_flops", 1.0) for e in ests)
         tokens_mb = lay.micro_batch_size * work.seq_len
         # one micro-batch's work on one rank: its share of tp x cp x pp
@@ -227,10 +232,11 @@ class CostModel:
         ffn = getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size
         kernel = 2 * tokens_mb / lay.cp * mc.hidden_size * ffn / lay.tp / 1e9  # GFLOP of one MLP matmul
         eff = self.c["matmul_efficiency"] * kernel / (kernel + self.c["half_efficiency_gflop"])
-        t_compute = mb_flops / (hw.tflops * 1e12 * eff)
         times = {"compute": 0.0, "bubble": 0.0}
         slowest, slowest_est = 0.0, ests[0]
         for est in ests:  # the pipeline runs at the pace of its slowest rank
+            # work beyond the model's FLOPs on this rank (PEFT merging adapters into fused expert weights)
+            t_compute = (mb_flops + est.factors.get("extra_flops", 0.0)) / (hw.tflops * 1e12 * eff)
             per_mb = {t.axis: 0.0 for t in est.terms}
             per_step = dict(per_mb)
             for t in est.terms:

@@ -64,7 +64,7 @@ def load_model_config(spec):
 @dataclasses.dataclass
 class ModelSpec:
     """What the planner needs to know of a model beyond its config: parameter counts (total, what one token uses,
-    the embedding lookup's) and the training FLOPs per token at a sequence length."""
+    the embedding lookup's) and the training FLOPs per token at a sequence length, with or without adapters."""
 
     config: object
     total_params: int
@@ -85,10 +85,30 @@ class ModelSpec:
         lookup = 0 if embed is None or (head is not None and head.weight is embed.weight) else embed.weight.numel()
         return cls(model_config, total, int(active), lookup, name or model_config.model_type)
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def records(self, adapters=None) -> list:
+        """The model's parameter inventory (``interface.estimates.inventory``), with ``adapters`` as PEFT would add
+        them: the frozen base and the trainable factors."""
+        from ..interface.estimates import inventory
+
+        return inventory(meta_model(self.config), None, adapters)
+
+    def trainable_params(self, adapters=None) -> int:
+        """Parameters that get gradients and optimizer states: all of them, or the adapters' factors."""
+        if adapters is None:
+            return self.total_params
+        return sum(r.numel for r in self.records(adapters) if r.trainable)
+
+    def flops_per_token(self, seq_len: int, adapters=None) -> float:
         """Training FLOPs per token: 6 per matmul parameter (forward + backward) plus attention, 12 * L * d_attn
-        * s (PaLM appendix B, no causal discount)."""
+        * s (PaLM appendix B, no causal discount). With ``adapters`` (LoRA), a frozen weight costs 4 (its forward
+        and its input's gradient, no gradient of its own) and the adapters' factors 6 each
+        (``interface.estimates.flops_per_token``); PEFT's merging of adapters into fused expert weights is not
+        model work (``merge_flops``: the cost model adds its time)."""
         mc = self.config
+        if adapters is not None:
+            from ..interface.estimates import flops_per_token
+
+            return sum(flops_per_token(self.records(adapters), mc, seq_len))
         heads = mc.num_attention_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
         return 6 * (self.active_params - self.embedding_params) + 12 * mc.num_hidden_layers * heads * head_dim * seq_len

@@ -87,5 +87,14 @@ def recipe(r: Result, gpus: int, per_node: int, model_fields: dict, seq_len: int
     return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
+def peft_note(adapters, alpha: float | None = None) -> str:
+    """What the snippets below leave to the user with ``--peft``: wrapping the model."""
+    target = adapters.target if isinstance(adapters.target, str) else list(adapters.target)
+    scale = "" if alpha is None else f", lora_alpha={alpha:g}"
+    return ("The snippets below parallelize the model as given: wrap it first, e.g.\n"
+            f"    model = get_peft_model(model, LoraConfig(r={adapters.r}{scale}, target_modules={target!r}))  "
+            "# from peft; docs/peft.md")
+
+
 def as_json(results: list[Result], top: int, extra: dict) -> str:
     return json.dumps({**extra, "candidates": [r.to_json() for r in results[:top]]}, indent=1)
