@@ -152,19 +152,3 @@ def test_the_plan_is_found_through_the_wrapper():
     assert plan.layers == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
     assert plan.lm_head == "base_model.model.lm_head" and plan.root == "base_model.model"
     assert plan.causal_lm(model) is model.get_base_model()
-
-
-def test_a_peft_model_on_the_meta_device_is_refused_before_any_process_group():
-    """The engine's initialization would give LoRA B the base model's normal draw instead of PEFT's zeros."""
-    import torch
-    import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
-
-    import ultrascale_plugins as us
-    from peft_worker import base_model
-
-    with torch.device("meta"):
-        model = get_peft_model(base_model("llama"), LoraConfig(r=4, target_modules="all-linear"))
-    with pytest.raises(us.ConfigError, match="meta device is not supported yet.*from_pretrained"):
-        us.validate(us.ParallelConfig(), model.config, 1, model=model)
-    assert not dist.is_initialized()

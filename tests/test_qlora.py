@@ -59,11 +59,6 @@ def test_a_quantized_models_checkpoint_resumes_bit_for_bit_and_only_on_its_base(
     """The checkpoint holds the adapters; the NF4 base comes from the model built to resume, checked against the
     checkpoint's fingerprint of the base (models/peft_checkpoints), which must read NF4 shards."""
     r = results["resume"]
-    if "error" in r and "_sums" in r["error"] and "aten.select.int" in r["error"]:
-        # the one known gap, outside this feature's files: the fingerprint indexes the local tensor (x[0]), which
-        # torchao's NF4Tensor does not implement; models/peft_checkpoints._sums needs, after x = local.detach():
-        #     if hasattr(x, "get_original_weight"): x = x.get_original_weight()  # an NF4 shard, dequantized
-        pytest.xfail("models/peft_checkpoints._sums cannot read an NF4Tensor yet (aten.select.int)")
     assert "error" not in r, r.get("error")
     assert r["resumed"] == r["uninterrupted"][2:]
     # the base differed only in the first layer's q_proj, an NF4 weight: its fingerprint must see it

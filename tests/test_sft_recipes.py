@@ -2,7 +2,14 @@
 model config and world size (the command line's own pre-launch checks, on the meta device) and costed by the
 planner within 80 GB per GPU; then a fully shrunk model of the same type (every size field small, vocabulary
 included) trains a few steps through ``ultrascale train --init-from`` with the recipe's layout scaled down to a
-few CPU processes. A recipe that no longer parses, validates or fits fails here."""
+few CPU processes. A recipe that no longer parses, validates or fits fails here.
+
+A LoRA recipe (a ``peft:`` section; ``<model>-lora.yaml`` shares ``configs/<model>.json``) is costed by the
+estimate ``ultrascale train`` itself checks before launch, made on the PEFT model on the meta device (the planner
+does not price adapters yet), and its shrunk run (a PEFT model built on the meta device, its base read from the
+pretrained directory) checks that the adapters trained and that the checkpoint keeps the recipe's peft section
+and the pretrained directory (with the frozen base entries it holds equal to that directory's)."""
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "recipes" / "sft"
 RECIPES = sorted(SFT.glob("*.yaml"))
+LORA_RECIPES = [p for p in RECIPES if "peft" in yaml.safe_load(p.read_text())]
 GPU = "h100-sxm-80gb"
 
 def shrunk_data(tmp_path: Path, tiny: Path) -> list[str]:
@@ -48,6 +56,10 @@ def test_the_four_recipes_are_there():
     assert {p.stem for p in RECIPES} >= {"llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b"}, RECIPES
 
 
+def test_the_lora_recipes_are_there():
+    assert {p.stem for p in LORA_RECIPES} >= {"llama-3.1-70b-lora", "qwen3-30b-a3b-lora"}, RECIPES
+
+
 def header(path: Path) -> str:
     return "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
 
@@ -67,6 +79,8 @@ def nnodes_of(path: Path) -> int:
 
 def config_json(path: Path) -> Path:
     config = SFT / "configs" / f"{path.stem}.json"
+    if not config.is_file() and path.stem.endswith("-lora"):  # a LoRA recipe of a model that has a recipe
+        config = SFT / "configs" / f"{path.stem.removesuffix('-lora')}.json"
     assert config.is_file(), f"{path.name}: its model's config.json belongs in {config}"
     return config
 
@@ -112,6 +126,8 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     assert (config.hidden_size, config.num_hidden_layers) == (fields["hidden_size"], fields["num_hidden_layers"])
     assert recipe.data.dataset and recipe.data.format == "chat" and recipe.data.packing, path.name
     assert recipe.parallel.mixed_precision == "bf16", path.name
+    if recipe.peft is not None:
+        return lora_layout_validates_and_fits(path, recipe, nodes, monkeypatch)
     # What `ultrascale train` checks before launch (meta model, TP plan, mesh, batch), but its memory check against
     # this machine: the recipe is for 80 GB GPUs, costed below.
     monkeypatch.setenv("ULTRASCALE_SKIP_MEMORY_CHECK", "1")
@@ -138,6 +154,42 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     assert quoted, f"{path.name}: the header quotes the planner's total ('= N GB per GPU')"
     assert abs(float(quoted[0]) - result.memory_gb["total"]) <= 0.1 * result.memory_gb["total"], \
         f"{path.name}: the header says {quoted[0]} GB, the planner now {result.memory_gb['total']:.1f} GB"
+
+
+def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> None:
+    """A LoRA recipe: `ultrascale train`'s pre-launch checks, its memory check included, against 80 GB per GPU; the
+    estimate they use (of the PEFT model on the meta device: only the adapters train) quoted in the header within
+    10 %, and its frozen base far above its adapters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.cli import check_recipe
+    from ultrascale_plugins.engine import estimate
+    from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
+    from ultrascale_plugins.recipe import peft_model
+
+    world = recipe.nproc * nodes
+    monkeypatch.delenv("ULTRASCALE_SKIP_MEMORY_CHECK", raising=False)
+    check_recipe(recipe, nnodes=nodes, memory_gb=80)  # refuses a recipe whose estimate exceeds 80 GB per GPU
+    resolved = recipe.parallel.resolve(world)
+    assert math.prod(getattr(resolved, d) for d in MESH_DEGREES) == world
+    with torch.device("meta"):
+        model = peft_model(AutoModelForCausalLM.from_config(recipe.model_config()), recipe.peft)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trainable < 0.05 * sum(p.numel() for p in model.parameters()), path.name
+    t = recipe.train
+    ests = [estimate(resolved, model.config, world_size=world, seq_len=recipe.data.seq_len,
+                     micro_batch=t.micro_batch_size, micro_batches=t.grad_accum, coords=coords, model=model,
+                     check=False) for coords in coordinates_to_cost(resolved)]
+    mem = peak_memory_gb(ests)
+    assert mem["total"] <= 80 and mem["grads"] < 0.1 * mem["params"], (path.name, mem)
+    text = header(path)
+    assert f"{trainable / 1e9:.1f}B trainable" in text or f"{trainable / 1e6:.0f}M trainable" in text, \
+        f"{path.name}: the header names the trainable count ({trainable / 1e6:.0f}M)"
+    quoted = re.findall(r"= ([\d.]+) GB per GPU", text)
+    assert quoted, f"{path.name}: the header quotes the estimate's total ('= N GB per GPU')"
+    assert abs(float(quoted[0]) - mem["total"]) <= 0.1 * mem["total"], \
+        f"{path.name}: the header says {quoted[0]} GB, the estimate now {mem['total']:.1f} GB"
 
 
 def shrunk_layout(parallel) -> dict:
@@ -202,6 +254,10 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
     batch = ["train.global_batch=%d" % (2 * dp), "train.micro_batch_size=1", "train.grad_accum=2"]
     sets = [*shrunk_data(tmp_path, tiny), *SHRUNK_TRAIN, *batch, f"train.save_dir={tmp_path / 'ckpt'}",
             *(f"{k}={v}" for k, v in layout.items())]
+    peft = None
+    if recipe.peft is not None:  # the command line's override of one field of the recipe's peft section
+        peft = dataclasses.replace(recipe.peft, r=8)
+        sets.append("peft.r=8")
     metrics = tmp_path / "metrics.json"
     proc = ultrascale_train(str(path), "--init-from", str(tiny), "--nproc", str(world), "--metrics", str(metrics),
                             *(a for s in sets for a in ("--set", s)))
@@ -213,6 +269,49 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
     assert f"model {json.loads(config_json(path).read_text())['model_type']} from {tiny}" in line, line
     assert all(f"{d}=2" in line for d in MESH_DEGREES if layout[d] == 2), line  # the scaled-down layout ran
     assert any((tmp_path / "ckpt").glob("step-*")), "the recipe's save_dir (overridden) got no checkpoint"
+    if peft is not None:
+        assert f"{peft.describe()}: " in line and "trainable" in line and "r=8 " in line, line
+        lora_run_checked(peft, tiny, sorted((tmp_path / "ckpt").glob("step-*"))[-1], tmp_path)
+    if peft is not None and path == LORA_RECIPES[0]:  # resumed without --init-from: the base from the recorded one
+        metrics = tmp_path / "resumed.json"
+        proc = ultrascale_train(str(path), "--resume", str(tmp_path / "ckpt"), "--nproc", str(world), "--metrics",
+                                str(metrics), *(a for s in [*sets, "train.steps=4"] for a in ("--set", s)))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert len(json.loads(metrics.read_text())["losses"]) == 1  # step 4 only
+        assert f"from {tiny} " in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-2000:]
+
+
+def lora_run_checked(peft, tiny: Path, checkpoint: Path, tmp_path: Path) -> None:
+    """The shrunk LoRA run's checkpoint keeps the recipe with its peft section and the pretrained directory; its
+    adapters were drawn (LoRA B from zero) and trained; the frozen base entries it holds (checkpoints may hold the
+    adapters only) equal the pretrained directory's tensors bit for bit, fused experts included."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    meta = json.loads((checkpoint / "ultrascale.json").read_text())
+    assert meta["extra"]["recipe"]["peft"] == peft.to_dict(), meta["extra"]
+    assert meta["extra"]["init_from"] == str(tiny)
+    dcp_to_torch_save(checkpoint, tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    state = saved["model"] if isinstance(saved.get("model"), dict) else {
+        k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    lora_b = [k for k in state if "lora_B" in k]
+    assert lora_b and all(state[k].abs().max() > 0 for k in lora_b), "the adapters did not train (B stayed zero)"
+    assert len([k for k in state if "lora_A" in k]) == len(lora_b)
+    files = {}
+    for f in sorted(tiny.glob("*.safetensors")):
+        files.update(load_file(f))
+    frozen = {k: k.replace(".base_layer", "").removeprefix("base_model.model.") for k in state if "lora_" not in k}
+    for key, name in frozen.items():
+        if name in files:
+            assert torch.equal(state[key], files[name]), key
+            continue
+        stem, _, what = name.rpartition(".")  # fused experts: model.layers.N.mlp.experts, gate_up_proj / down_proj
+        parts = ("gate_proj", "up_proj") if what == "gate_up_proj" else ("down_proj",)
+        whole = torch.stack([torch.cat([files[f"{stem}.{e}.{p}.weight"] for p in parts])
+                             for e in range(state[key].shape[0])])
+        assert torch.equal(state[key], whole), key
 
 
 def test_moe_checkpoint_in_transformers_format_loads(tmp_path):

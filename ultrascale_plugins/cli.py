@@ -45,6 +45,14 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config)
+    if recipe.peft is not None:  # the worker's PEFT model, on the meta device: its targets, names and memory
+        from .recipe import peft_model
+
+        model = peft_model(model, recipe.peft)
+        if init_from:  # the adapters' names resolved against the files, as the workers will
+            from .checkpoints.pretrained import match_weights
+
+            match_weights(model, init_from)
     resolved = validate(recipe.parallel, model_config, recipe.nproc * nnodes, model=model)
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
@@ -237,9 +245,18 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .checkpoints.export import export_hf
+    from .checkpoints.export import export_form, export_hf
 
-    out = export_hf(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    max_shard_bytes = int(args.max_shard_gb * 2**30)
+    if args.base is not None and not args.merged:
+        raise ConfigError("--base DIR is the frozen base for --merged. Fix: add --merged, or drop --base")
+    if args.adapter or args.merged:
+        form = "adapter" if args.adapter else "merged"
+        out = export_form(args.checkpoint, args.out_dir, form, base=args.base, max_shard_bytes=max_shard_bytes)
+        how = "PeftModel.from_pretrained(base, dir)" if args.adapter else "AutoModelForCausalLM.from_pretrained"
+        print(f"ultrascale: wrote {out} (load it with {how})")
+        return 0
+    out = export_hf(args.checkpoint, args.out_dir, max_shard_bytes=max_shard_bytes)
     print(f"ultrascale: wrote {out} (load it with AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -367,6 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a step-XXXXXXXX checkpoint directory (any layout)")
     export.add_argument("out_dir", help="a new (or empty) directory")
     export.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
+    form = export.add_mutually_exclusive_group()
+    form.add_argument("--adapter", action="store_true",
+                      help="a PEFT model's checkpoint: write its adapters in PEFT's files (adapter_config.json, "
+                           "adapter_model.safetensors) for PeftModel.from_pretrained(base, dir)")
+    form.add_argument("--merged", action="store_true",
+                      help="a PEFT model's checkpoint: write a plain transformers model with the adapters merged "
+                           "into the frozen base (read from --base, checked against the checkpoint's fingerprint)")
+    export.add_argument("--base", metavar="DIR",
+                        help="with --merged: the pretrained base the run was built on (a save_pretrained directory "
+                             "or a Hub id); default: the --init-from the checkpoint's run started from, else the "
+                             "base_model_name_or_path PEFT recorded")
     export.set_defaults(func=cmd_export)
     acfg = sub.add_parser("accelerate-config", help="write an Accelerate config file holding a whole layout")
     acfg.add_argument("--out", default="ultrascale_accelerate.yaml", help="the file to write")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .interface.meta_copy import meta_copy
+from .interface.plugins import get_plugin_manager
 
 # wrapper segments torch inserts into parameter names (checkpoint_wrapper, torch.compile, FSDP1); the engine's own
 # transforms keep the unparallelized names, these only matter for a model wrapped before it was parallelized
@@ -162,10 +163,18 @@ class ModelInit:
     """Initial values for a meta-device model's parameters, drawn shard by shard with the model's own
     ``_init_weights``; the same ``seed`` gives the same weights in every layout. ``seed`` defaults to
     ``torch.initial_seed()`` when the object is made (the CLI and ``seed_everything`` seed before building).
-    Make it before ``parallelize`` (it keeps a meta-device twin of the unparallelized model)."""
+    Make it before ``parallelize`` (it keeps a meta-device twin of the unparallelized model).
 
-    def __init__(self, model: nn.Module, seed: int | None = None):
+    A wrapper around a causal LM (a PEFT model) is initialized through the plugins: each of its entries that starts
+    from an entry of the plain model (``ultrascale_pretrained_name``: a LoRA layer's ``base_layer``, a
+    ``modules_to_save`` copy) is seeded by that entry's name in the plain model, so it gets the plain model's
+    values for the seed; the entries a plugin introduced (the adapters) are seeded by their own names and drawn by
+    that plugin (``ultrascale_init_module``); values computed from others (DoRA's magnitude) are set once every
+    shard holds its values (``ultrascale_init_dependent``)."""
+
+    def __init__(self, model: nn.Module, seed: int | None = None, pm=None):
         self.seed = torch.initial_seed() if seed is None else int(seed)
+        self.pm = pm or get_plugin_manager()
         self.twin = meta_copy(model)
         fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
@@ -178,6 +187,16 @@ class ModelInit:
                 if p is not None and id(p) not in self._unit_of:
                     self._unit_of[id(p)] = (mname, pname)
                     self.units.setdefault(mname, []).append(pname)
+        # the parameters a plugin introduced into a wrapper (no pretrained file holds them), and each unit's seed name
+        self.introduced: set[str] = set()
+        self.seed_names: dict[str, str] = {}
+        for unit, pnames in self.units.items():
+            plain = [self.pm.hook.ultrascale_pretrained_name(model=self.twin, name=_join(unit, p)) for p in pnames]
+            self.introduced.update(_join(unit, p) for p, name in zip(pnames, plain) if name == "")
+            owners = {name[:-len(p)].rstrip(".") for p, name in zip(pnames, plain)
+                      if name and (name == p or name.endswith("." + p))}
+            whole = all(name and (name == p or name.endswith("." + p)) for p, name in zip(pnames, plain))
+            self.seed_names[unit] = owners.pop() if whole and len(owners) == 1 else unit
 
     def unit_of(self, name: str) -> tuple[str, str]:
         """(unit, parameter within it) drawing the parameter ``name`` of the unparallelized model."""
@@ -193,8 +212,9 @@ class ModelInit:
         """The initial values of one unit's parameters, whole, on the CPU: the unit's parameters made real in the
         twin, then the model's ``_init_weights`` on the unit and on each of its ancestors (as ``initialize_weights``
         visits them, children first: GPT-2's attention block rescales its ``c_proj`` after the Conv1D's own init),
-        from the generator seeded for this unit. Everything else in the twin is meta, so those calls touch
-        nothing else and draw nothing else."""
+        or the plugin's own initialization where a plugin introduced the module (``ultrascale_init_module``: a LoRA
+        layer and its adapters), from the generator seeded for this unit (by its ``seed_names`` entry). Everything
+        else in the twin is meta, so those calls touch nothing else and draw nothing else."""
         module = self.twin.get_submodule(unit)
         saved = dict(module._parameters)
         for pname in self.units[unit]:
@@ -204,9 +224,11 @@ class ModelInit:
         while chain[-1]:
             chain.append(chain[-1].rpartition(".")[0])
         try:
-            with torch.device("cpu"), _seeded_cpu_rng(unit_seed(self.seed, unit)), _guard():
+            with torch.device("cpu"), _seeded_cpu_rng(unit_seed(self.seed, self.seed_names[unit])), _guard():
                 for name in chain:
-                    _init_module(self.owners.get(name), self.twin.get_submodule(name))
+                    sub = self.twin.get_submodule(name)
+                    if not self.pm.hook.ultrascale_init_module(model=self.twin, name=name, module=sub):
+                        _init_module(self.owners.get(name), sub)
             return {pname: module._parameters[pname].detach() for pname in self.units[unit]}
         finally:
             module._parameters.update(saved)
@@ -214,9 +236,8 @@ class ModelInit:
     @torch.no_grad()
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their initial values; restore the buffers computed at
-        construction (``to_empty`` leaves them uninitialised)."""
-        from torch.distributed.tensor import DTensor
-
+        construction (``to_empty`` leaves them uninitialised); then the values computed from others
+        (``ultrascale_init_dependent``)."""
         twin_buffers = dict(self.twin.named_buffers())
         for module in ctx.modules:
             to_empty_tied(module, ctx.device)
@@ -228,12 +249,22 @@ class ModelInit:
                     buf.copy_(source)
                 else:
                     buf.zero_()
+        self.fill(ctx.modules)
+        self.pm.hook.ultrascale_init_dependent(modules=list(ctx.modules))
+
+    @torch.no_grad()
+    def fill(self, modules, only: set[str] | None = None) -> None:
+        """Write the initial values of the parameters of ``modules`` (this rank's parts, with storage; only those
+        named in ``only``, names of the unparallelized model, when given): each unit this rank holds a parameter
+        of is drawn whole, one at a time, and this rank's part of it copied."""
+        from torch.distributed.tensor import DTensor
+
         # this rank's parameters by unit (a parameter shared by two names of one stage is written once)
         targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
         seen: set[int] = set()
-        for module in ctx.modules:
+        for module in modules:
             for name, p in module.named_parameters(remove_duplicate=False):
-                if id(p) in seen:
+                if id(p) in seen or (only is not None and unwrapped_name(name) not in only):
                     continue
                 seen.add(id(p))
                 unit, pname = self.unit_of(name)
@@ -254,3 +285,21 @@ class ModelInit:
                                        f"{tuple(chunk.shape)}")
                 local.copy_(chunk)
             del values
+
+
+def _join(module: str, entry: str) -> str:
+    return f"{module}.{entry}" if module else entry
+
+
+def init_introduced(model: nn.Module, seed: int | None = None) -> list[str]:
+    """Give the parameters a plugin introduced into ``model`` (a PEFT model's adapters) the values the engine gives
+    them when the same model is built on the meta device and parallelized with ``seed`` (default
+    ``torch.initial_seed()``), then recompute what depends on them and on the base (DoRA's magnitude); returns the
+    names set. For a model built in one process from real weights (``get_peft_model`` of a loaded base, whose
+    adapters ``get_peft_model`` drew from the global generator): with it, that model starts exactly where
+    ``ultrascale train`` (``train.seed``) or ``parallelize`` of the meta-device model start, in any layout."""
+    init = ModelInit(model, seed)
+    init.fill([model], only=init.introduced)
+    with torch.no_grad():
+        init.pm.hook.ultrascale_init_dependent(modules=[model])
+    return sorted(init.introduced)

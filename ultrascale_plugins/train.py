@@ -49,17 +49,43 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     device = launch.init_distributed()
     _timing_mark("process_group")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the seed of everything drawn: the initial weights (ModelInit, by torch.initial_seed()), a PEFT model's
+    # adapters (drawn by the engine from this seed and each adapter's name, in any layout), the data order
     torch.manual_seed(recipe.train.seed)
     n_params = None  # the whole model's, not this rank's: counted before it is sharded
-    if init_from:
+    trainable = None
+    base_from = init_from  # where a PEFT model's frozen base is read from
+    if not base_from and resume and recipe.peft is not None:  # adapter-only checkpoints: the run's --init-from
+        from .recipe import recorded_init_from
+
+        base_from = recorded_init_from(resume) or None
+    if init_from and recipe.peft is None:
         from .engine import from_pretrained
 
         pmodel = from_pretrained(init_from, recipe.parallel, device=device)
     else:
-        with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
-            model = AutoModelForCausalLM.from_config(recipe.model_config())
+        weights = None
+        if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
+            from .checkpoints.pretrained import empty_model, read_config
+
+            model = empty_model(read_config(base_from))
+        else:
+            with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
+                model = AutoModelForCausalLM.from_config(recipe.model_config())
+        if recipe.peft is not None:  # the adapters on the meta device too: the engine draws them per shard
+            from .recipe import peft_model
+
+            model = peft_model(model, recipe.peft)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         n_params = sum(p.numel() for p in model.parameters())
-        pmodel = engine.parallelize(model, recipe.parallel, device=device)
+        if base_from:
+            from .checkpoints.pretrained import match_weights
+
+            weights = match_weights(model, base_from)  # the adapters: drawn from train.seed
+            if weights.unexpected and rank == 0:
+                print(f"ultrascale: {base_from}: {len(weights.unexpected)} key(s) in the files are not used by the "
+                      f"model: {', '.join(weights.unexpected[:8])}", flush=True)
+        pmodel = engine.parallelize(model, recipe.parallel, device=device, init_weights=weights)
     model = pmodel.module
     _timing_mark("model_built")
     # torch's fused AdamW: one kernel per parameter group (every parameter is a DTensor under TP, so it composes)
@@ -93,9 +119,13 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
             n_params = sum(p.numel() for p in meta_model(model.config).parameters())
         here = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pmodel.parameters())
         held = "sharded over the ranks" if here < n_params else "a whole copy on every rank"
-        source = f" from {init_from}" if init_from else ""
+        source = f" from {base_from}" if base_from else ""
+        adapters = ""
+        if trainable is not None:
+            adapters = (f", {recipe.peft.describe()}: {trainable / 1e6:.2f}M trainable "
+                        f"({100 * trainable / n_params:.2f} %), the base frozen")
         print(f"ultrascale: {world} processes, layout {describe(pmodel.config, pmodel)}, "
-              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params ({held}), "
+              f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params ({held}){adapters}, "
               f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
               f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
               flush=True)
@@ -149,7 +179,10 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
 
             if saving is not None:  # one checkpoint in flight at a time
                 saving.wait()
-            written = save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=data.position(step + 1),
+            # the recipe (its peft section rebuilds a PEFT model's LoraConfig) and the pretrained directory the
+            # run started from: in ultrascale.json, under "extra"
+            extra = {**data.position(step + 1), "recipe": recipe.to_dict(), "init_from": base_from or ""}
+            written = save_checkpoint(pmodel, optimizer, t.save_dir, step=step + 1, extra=extra,
                                       keep_last_n=t.keep_last_n or None, asynchronous=t.async_save,
                                       assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
             saving = written if t.async_save else None

@@ -2,6 +2,11 @@
 generation_config.json, streamed tensor by tensor so memory stays bounded by one output shard.
 
     ultrascale export runs/ckpt/step-00000040 out/my-model
+    ultrascale export runs/ckpt/step-00000040 out/adapter --adapter          # a PEFT model's: PEFT's own files
+    ultrascale export runs/ckpt/step-00000040 out/merged --merged [--base DIR]  # adapters folded into the base
+
+The forms a model's own library defines (``--adapter``, ``--merged``) are written by the plugin that owns that kind
+of model (``ultrascale_export``; PEFT's: ``models/peft_checkpoints.py``), from the tensors read here.
 """
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..interface.config import ConfigError
 from .sharded import CheckpointError, SafeReader, read_meta, saved_model_config
 
 MODEL_PREFIX = "model."
+FORMS = ("adapter", "merged")
 
 
 def _check_names(names: list[str], config, checkpoint: Path) -> None:
@@ -33,8 +40,91 @@ def _check_names(names: list[str], config, checkpoint: Path) -> None:
     if unknown:
         raise CheckpointError(f"checkpoint '{checkpoint}': {len(unknown)} tensor(s) are not parameters of a "
                               f"{config.model_type} model (e.g. '{unknown[0]}'): it was saved from a wrapped model "
-                              "(a PEFT model). Fix: write a PEFT model's adapters with the front end's save_model / "
-                              "save_pretrained (export --adapter is not available yet)")
+                              "(a PEFT model: its adapters, without the frozen base). Fix: `ultrascale export "
+                              "--adapter` writes the adapters in PEFT's files (as save_pretrained does), `ultrascale "
+                              "export --merged [--base DIR]` a plain model with the adapters merged into the base")
+
+
+class SavedCheckpoint:
+    """A sharded checkpoint as a plugin's ``ultrascale_export`` sees it: ``path``, ``meta`` (its
+    ``ultrascale.json``), ``config`` (the transformers config it was saved with), ``names`` (the model tensors it
+    holds, sorted) and ``read(names)``: those tensors, whole, on the CPU (every rank's shards gathered by DCP, in
+    this one process)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.meta = read_meta(path)
+        self.config = saved_model_config(self.meta, path)
+        self._md = SafeReader(str(path)).read_metadata()  # refuses a forged .metadata before anything is written
+        self.names = sorted(k[len(MODEL_PREFIX):] for k, v in self._md.state_dict_metadata.items()
+                            if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata))
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        missing = [n for n in names if MODEL_PREFIX + n not in self._md.state_dict_metadata]
+        if missing:
+            raise CheckpointError(f"checkpoint '{self.path}' holds no tensor '{missing[0]}'")
+        out = {}
+        for n in names:
+            tmd = self._md.state_dict_metadata[MODEL_PREFIX + n]
+            out[n] = torch.empty(tmd.size, dtype=tmd.properties.dtype)
+        with warnings.catch_warnings():  # no_dist=True is the intent here; DCP warns about it on every call
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({MODEL_PREFIX + n: t for n, t in out.items()}, storage_reader=SafeReader(str(self.path)),
+                     no_dist=True)
+        return out
+
+
+def export_form(checkpoint: str | Path, out_dir: str | Path, form: str, *, base: str | Path | None = None,
+                max_shard_bytes: int = 2 * 2**30, pm=None) -> Path:
+    """Write ``out_dir`` in a form the checkpoint's model defines (``"adapter"``: a PEFT model's adapters in PEFT's
+    files, for ``PeftModel.from_pretrained(base, out_dir)``; ``"merged"``: a plain transformers model with the
+    adapters merged into the frozen base, read from ``base`` or the base the checkpoint records). Runs in one
+    process; the plugin owning the model writes it (``ultrascale_export``). Nothing is left behind on failure."""
+    if form not in FORMS:
+        raise CheckpointError(f"export form '{form}' is not one of {', '.join(FORMS)}")
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    saved = SavedCheckpoint(checkpoint)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
+                              "overwritten)")
+    if pm is None:
+        from ..interface.plugins import get_plugin_manager
+
+        pm = get_plugin_manager()
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        done = pm.hook.ultrascale_export(checkpoint=saved, form=form, out_dir=out,
+                                         base=None if base is None else str(base), max_shard_bytes=max_shard_bytes)
+        if not done:
+            raise CheckpointError(f"checkpoint '{checkpoint}' has no --{form} form: it was not saved from a model "
+                                  "that defines one (a PEFT model). Fix: export it without --adapter / --merged")
+    except ConfigError as exc:
+        _clear(out, created)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(str(exc)) from None
+    except BaseException:
+        _clear(out, created)
+        raise
+    _copy_tokenizer(checkpoint, out)
+    return out
+
+
+def _clear(out: Path, created: bool) -> None:
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        for f in out.iterdir():
+            shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink()
+
+
+def _copy_tokenizer(checkpoint: Path, out: Path) -> None:
+    tokenizer = checkpoint / "tokenizer"  # the tokenizer (and chat template) the run trained with
+    if tokenizer.is_dir():
+        for f in tokenizer.iterdir():
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 2**30,
@@ -94,9 +184,5 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
                                                                       indent=1))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
-    tokenizer = checkpoint / "tokenizer"  # the tokenizer (and chat template) the run trained with
-    if tokenizer.is_dir():
-        for f in tokenizer.iterdir():
-            if f.is_file():
-                shutil.copy2(f, out / f.name)
+    _copy_tokenizer(checkpoint, out)
     return out

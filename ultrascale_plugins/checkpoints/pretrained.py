@@ -102,10 +102,16 @@ class PretrainedWeights:
     sources: dict[str, str]  # model key -> key in the safetensors files
     unexpected: list[str]  # keys in the files no model entry reads
     fused: dict[str, FusedSource] = dataclasses.field(default_factory=dict)  # model key -> several file keys
+    # the entries a plugin introduced into a wrapper (a PEFT model's adapters), which no file holds, and the
+    # initializer that draws them (initialize.ModelInit: the plugin's own scheme, seeded by the entry's name)
+    introduced: list[str] = dataclasses.field(default_factory=list)
+    init: object = None
 
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their pretrained values; restore the buffers
-        computed at construction (``to_empty`` leaves them uninitialised)."""
+        computed at construction (``to_empty`` leaves them uninitialised); draw the entries a plugin introduced
+        (``introduced``), then set the values computed from others (``ultrascale_init_dependent``: DoRA's
+        magnitude, from the loaded base)."""
         import torch.distributed.checkpoint as dcp
         from safetensors import safe_open
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -160,6 +166,12 @@ class PretrainedWeights:
                 for dst, src in copies:
                     dst.copy_(src)
             set_model_state_dict(module, state)
+        from ..interface.plugins import get_plugin_manager
+
+        with torch.no_grad():
+            if self.init is not None:
+                self.init.fill(ctx.modules, only=set(self.introduced))
+            get_plugin_manager().hook.ultrascale_init_dependent(modules=list(ctx.modules))
 
 
 def read_config(path: str | Path, trust_remote_code: bool = False):
@@ -219,19 +231,54 @@ def conversions(model, found: dict, state: dict) -> tuple[dict[str, str], dict[s
     return renamed, groups
 
 
-def match_weights(model, path: str | Path) -> PretrainedWeights:
+def plain_entries(model, keys, pm=None) -> tuple[dict[str, str], list[str], object]:
+    """Where each entry of ``model``'s state dict (``keys``) starts from, asked of the plugins
+    (``ultrascale_pretrained_name``) for a wrapper around a causal LM (a PEFT model): ({key: its name in the plain
+    causal LM, as its pretrained files name it}, [keys a plugin introduced, which no file holds], the causal LM the
+    plain names are of). A key no plugin answers for is its name without the wrapper's prefix; for a model that
+    wraps nothing, every key is its own name."""
+    from ..interface.plugins import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    wrapped = pm.hook.ultrascale_wrapped_model(model=model)
+    inner, prefix = (model, "") if wrapped is None else wrapped
+    plain, introduced = {}, []
+    for key in keys:
+        name = pm.hook.ultrascale_pretrained_name(model=model, name=key)
+        if name is None:
+            name = key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else key
+        if name == "":
+            introduced.append(key)
+        else:
+            plain[key] = name
+    return plain, introduced, inner
+
+
+def match_weights(model, path: str | Path, seed: int | None = None) -> PretrainedWeights:
     """Map every entry of ``model``'s state dict to a key of the files: the same name, the name without the
     base-model prefix (a checkpoint of the bare decoder), for a tied head/embedding the other one's name, or what
     transformers' conversion mapping renames or assembles it from (``conversions``). Missing keys and shape
-    mismatches are errors; keys nothing reads are reported as unexpected."""
+    mismatches are errors; keys nothing reads are reported as unexpected. Buffers a meta-device build left empty
+    (rotary frequencies) are computed here, as ``weights_for`` does.
+
+    A wrapper around a causal LM (a PEFT model, possibly on the meta device) is matched through its plain names
+    (``plain_entries``); the entries a plugin introduced (the adapters) are drawn at load by a
+    ``initialize.ModelInit`` seeded with ``seed`` (default: ``torch.initial_seed()`` now, i.e. the last
+    ``torch.manual_seed``): the same seed gives the same adapters in every layout."""
     path = Path(path)
     found = file_tensors(path)
-    state = model.state_dict()
-    renamed, groups = conversions(model, found, state)
-    prefix = getattr(model, "base_model_prefix", "") + "."
+    if any(b.is_meta for b in model.buffers()):  # a meta build's buffers (rotary frequencies): no file holds them
+        from ..initialize import fill_buffers
+
+        fill_buffers(model)
+    full_state = model.state_dict()
+    plain, introduced, inner = plain_entries(model, list(full_state))
+    state = {name: full_state[key] for key, name in plain.items()}  # the plain model's entries (shapes)
+    renamed, groups = conversions(inner, found, state)
+    prefix = getattr(inner, "base_model_prefix", "") + "."
     tied = {}
-    for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
-        if isinstance(target, str) and isinstance(source, str) and getattr(model.config, "tie_word_embeddings",
+    for target, source in (getattr(inner, "_tied_weights_keys", None) or {}).items():
+        if isinstance(target, str) and isinstance(source, str) and getattr(inner.config, "tie_word_embeddings",
                                                                              True):
             tied[target], tied[source] = source, target
     sources, unresolved, mismatched = {}, [], []
@@ -256,8 +303,15 @@ def match_weights(model, path: str | Path) -> PretrainedWeights:
         raise CheckpointError(f"'{path}': shapes differ from the model's config ({'; '.join(mismatched[:4])}). "
                               "Fix: use the config.json saved with these weights")
     read = set(sources.values()) | {key for f in fused.values() for items in f.parts.values() for key, _ in items}
-    return PretrainedWeights(path=path, sources=sources, unexpected=sorted(k for k in found if k not in read),
-                             fused=fused)
+    init = None
+    if introduced:
+        from ..initialize import ModelInit
+
+        init = ModelInit(model, seed)
+    return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
+                             unexpected=sorted(k for k in found if k not in read),
+                             fused={key: fused[name] for key, name in plain.items() if name in fused},
+                             introduced=introduced, init=init)
 
 
 def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: set[str],
@@ -307,12 +361,13 @@ def computed_buffers(model_config) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in empty_model(model_config).named_buffers()}
 
 
-def weights_for(model, init_from: str | Path | None):
+def weights_for(model, init_from: str | Path | None, seed: int | None = None):
     """What a front end should load into ``model`` once parallelized: the weights of ``init_from`` if given; for a
     model built on the meta device (``empty_init``, ``torch.device("meta")``), those of the directory its config was
     read from (``AutoConfig.from_pretrained(DIR)`` records it), else a ``ModelInit`` that initializes it shard by
     shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
-    build left empty are computed first."""
+    build left empty are computed first. ``seed`` (default ``torch.initial_seed()``) draws what no file holds: the
+    whole model without weights, a wrapper's introduced entries (a PEFT model's adapters) with them."""
     from ..initialize import ModelInit, fill_buffers
 
     source = init_from
@@ -326,5 +381,5 @@ def weights_for(model, init_from: str | Path | None):
     if any(b.is_meta for b in model.buffers()):
         fill_buffers(model)
     if source is None:
-        return ModelInit(model)
-    return match_weights(model, source)
+        return ModelInit(model, seed)
+    return match_weights(model, source, seed)

@@ -2,10 +2,12 @@
 unparallelized model's parameter names, so a checkpoint saved in one layout loads in any other (DCP reshards
 DTensors by their global shape).
 
-A checkpoint directory ``step-00000042`` holds the DCP shards of the model, the optimizer and the plugins' shared
-state, one file per rank of the plugins' rank-local state (the step's RNG) and ``ultrascale.json`` (step, layout, optimizer hyper-parameters, caller's extra state, file sizes). It is
-written under a temporary name and renamed when every rank has finished, so a crash during a save leaves the
-previous checkpoints untouched and no partial directory ever looks complete. Loading never unpickles objects:
+A checkpoint directory ``step-00000042`` holds the DCP shards of the model (less what a plugin leaves out: a PEFT
+model's frozen base, which the model being resumed supplies), the optimizer and the plugins' shared state, one
+file per rank of the plugins' rank-local state (the step's RNG) and ``ultrascale.json`` (step, layout, optimizer
+hyper-parameters, caller's extra state, the plugins' JSON values, file sizes). It is written under a temporary
+name and renamed when every rank has finished, so a crash during a save leaves the previous checkpoints untouched
+and no partial directory ever looks complete. Loading never unpickles objects:
 tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON, and DCP's own ``.metadata``
 (a pickle that torch's reader loads with plain ``pickle.load``) is read by ``SafeReader``, whose unpickler admits
 only DCP's metadata classes: a checkpoint from an untrusted source runs no code.
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..interface.config import ConfigError
 
@@ -180,16 +182,22 @@ class PluginState:
     """What the plugins save through ``ultrascale_state_dict``: ``shared`` holds what every rank holds alike
     (tensors go into the sharded files, other values, which must be JSON, into ``ultrascale.json``);
     ``rank_local`` what differs per rank (tensors and containers of them, one file per rank, restored only when
-    the world size is unchanged)."""
+    the world size is unchanged). ``left_out``: model entries (the unparallelized model's names) a plugin keeps
+    out of the checkpoint, on save and on load, because the model the caller builds supplies them (a PEFT model's
+    frozen base). ``loading``: on a load, the metadata (``ultrascale.json``) of the checkpoint about to be read,
+    so that a plugin can leave out what it lacks and refuse it before anything is read; None on a save."""
 
-    def __init__(self, shared: dict | None = None, rank_local: dict | None = None):
+    def __init__(self, shared: dict | None = None, rank_local: dict | None = None, loading: dict | None = None):
         self.shared: dict[str, Any] = dict(shared or {})
         self.rank_local: dict[str, Any] = dict(rank_local or {})
+        self.left_out: set[str] = set()
+        self.loading = loading
 
 
-def _plugin_state(pmodel) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(shared tensors, shared JSON values, rank-local state) of every plugin."""
-    state = PluginState()
+def _plugin_state(pmodel, loading: dict | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], set[str]]:
+    """(shared tensors, shared JSON values, rank-local state, model entries left out) of every plugin."""
+    state = PluginState(loading=loading)
     pmodel.pm.hook.ultrascale_state_dict(pmodel=pmodel, state=state)
     tensors = {k: v for k, v in state.shared.items() if isinstance(v, torch.Tensor)}
     values = {k: v for k, v in state.shared.items() if not isinstance(v, torch.Tensor)}
@@ -198,7 +206,7 @@ def _plugin_state(pmodel) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict
     except TypeError as exc:
         raise ConfigError(f"a plugin's ultrascale_state_dict returned a value that is neither a tensor nor JSON "
                           f"({exc}). Fix: return tensors, numbers, strings, lists or dicts") from None
-    return tensors, values, state.rank_local
+    return tensors, values, state.rank_local, set(state.left_out)
 
 
 def _rank_file(path: Path, rank: int) -> Path:
@@ -304,9 +312,9 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
         tmp.mkdir()
         (tmp / "rank_local").mkdir()
     dist.barrier()
-    model_state = _model_state(pmodel)
+    plugin_tensors, plugin_values, rank_local, left_out = _plugin_state(pmodel)
+    model_state = {k: v for k, v in _model_state(pmodel).items() if k not in left_out}
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
-    plugin_tensors, plugin_values, rank_local = _plugin_state(pmodel)
     tensors = _dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, pmodel.pm)
     writing = None
     if asynchronous:
@@ -449,8 +457,13 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     path = Path(path)
     meta = read_meta(path)
     SafeReader(str(path)).read_metadata()  # a forged .metadata is refused here, with its own message
-    model_state = _model_state(pmodel)
-    plugin_tensors, _, _ = _plugin_state(pmodel)  # this layout's tensors, filled in place by the load
+    try:  # this layout's tensors, filled in place by the load; a plugin may refuse the checkpoint here
+        plugin_tensors, _, _, left_out = _plugin_state(pmodel, loading=meta)
+    except CheckpointError:
+        raise
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint '{path}': {exc}") from None
+    model_state = {k: v for k, v in _model_state(pmodel).items() if k not in left_out}
     state: dict[str, Any] = {"model": model_state, "plugins": plugin_tensors}
     if optimizer is not None:
         _init_optimizer_state(optimizer)
@@ -462,7 +475,8 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
         raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
     for part in pmodel.modules:
         own = set(get_model_state_dict(part))
-        set_model_state_dict(part, {k: v for k, v in model_state.items() if k in own})
+        set_model_state_dict(part, {k: v for k, v in model_state.items() if k in own},
+                             options=StateDictOptions(strict=not left_out))  # what is left out stays as built
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
             group.update(saved)

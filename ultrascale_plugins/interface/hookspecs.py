@@ -22,9 +22,13 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
    DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
    costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
    timeline for the planner's plot: ``ultrascale_schedule_timeline``); a model's own saved form
-   (``ultrascale_save_pretrained``: a PEFT model's adapters);
+   (``ultrascale_save_pretrained``: a PEFT model's adapters) and its own exported forms
+   (``ultrascale_export``: ``ultrascale export --adapter`` / ``--merged``);
 5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
-   Accelerate's ``parallelism_config`` sizes).
+   Accelerate's ``parallelism_config`` sizes);
+6. for a wrapper built on the meta device (a PEFT model), where its entries start from: the plain model's
+   pretrained names (``ultrascale_pretrained_name``), the initialization of what it introduced
+   (``ultrascale_init_module``) and of values computed from others (``ultrascale_init_dependent``).
 """
 from __future__ import annotations
 
@@ -143,7 +147,11 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 def ultrascale_state_dict(pmodel, state):
     """Add this dimension's entries to ``state`` (a ``checkpoint.PluginState``): ``state.shared[key]`` for what
     every rank holds alike (tensors go into the sharded files, other values into JSON) and
-    ``state.rank_local[key]`` for what differs per rank (restored only in the same world size)."""
+    ``state.rank_local[key]`` for what differs per rank (restored only in the same world size).
+    ``state.left_out``: the model's entries (unparallelized names) to keep out of the checkpoint, which the caller's
+    model supplies on load (a PEFT model's frozen base). A load asks this hook first, with ``state.loading`` set to
+    the checkpoint's metadata (None on a save): a plugin leaves out there what the checkpoint lacks, and may refuse
+    the checkpoint (raise ``ConfigError``) before anything is read."""
 
 
 @hookspec
@@ -202,6 +210,16 @@ def ultrascale_save_pretrained(pmodel, directory):
     whole-model Hugging Face export. Every rank calls it (the front ends' ``save_model`` / ``save_pretrained``)."""
 
 
+@hookspec(firstresult=True)
+def ultrascale_export(checkpoint, form, out_dir, base, max_shard_bytes):
+    """Write the sharded checkpoint ``checkpoint`` (a ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``,
+    ``config`` (its transformers config), ``names`` (the model tensors it holds) and ``read(names)``, those
+    tensors whole on the CPU, read in this one process) into the new directory ``out_dir`` in the form ``form``
+    (``"adapter"``: PEFT's own files; ``"merged"``: a plain transformers model with the adapters folded in, the
+    frozen base from the directory ``base`` when given) and return True, when this plugin's model wrote it (a PEFT
+    model's); None leaves it to another plugin. ``ultrascale export --adapter`` / ``--merged``."""
+
+
 # ---- names in the front ends --------------------------------------------------------------------------------
 @hookspec
 def ultrascale_presets():
@@ -214,3 +232,46 @@ def ultrascale_accelerate_keys():
     """Return the Accelerate ``parallelism_config`` size keys this dimension reads, as ``{key: (field, implied)}``:
     the YAML key ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>`` set ``field`` to
     their value and the fields of ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``)."""
+
+
+# ---- a wrapper's parameters on the meta device: pretrained names and initial values -------------------------
+@hookspec(firstresult=True)
+def ultrascale_pretrained_name(model, name):
+    """Where the state-dict entry ``name`` of ``model`` (a wrapper around a causal LM, ``ultrascale_wrapped_model``:
+    a PEFT model) takes its initial value from. Return the name of that entry in the plain causal LM, as its
+    ``save_pretrained`` files name it (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``; a trained copy of a module, PEFT's ``modules_to_save``, -> the
+    module it copies); ``""`` when the entry is one this plugin introduced, which no pretrained file holds (an
+    adapter: ``ultrascale_init_module`` gives it its values); None when ``model`` or ``name`` is not this plugin's
+    (the engine then strips the wrapper's prefix, or keeps ``name`` for an unwrapped model).
+
+    Asked for every entry, on the model as handed to ``parallelize`` (it may live on the meta device), before any
+    process group exists: when pretrained weights are matched to it (``checkpoints.pretrained.match_weights``:
+    every name must resolve to a key of the files, or be introduced) and when a model built on the meta device is
+    initialized (``initialize.ModelInit``: an entry named here is drawn as that entry of the plain model, so the
+    same seed gives a wrapper's base the plain model's weights)."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_init_module(model, name, module):
+    """Give ``module`` (the submodule ``name`` of ``model``) this plugin's own initialization and return True, when
+    it holds, or is the layer that owns, parameters this plugin introduced (``ultrascale_pretrained_name``
+    answered ``""``): a PEFT LoRA layer's ``lora_A`` / ``lora_B``, drawn as PEFT draws them (kaiming-uniform A,
+    zero B); None leaves ``module`` to the model's own ``_init_weights``.
+
+    Called by ``initialize.ModelInit`` when a model built on the meta device gets its values, shard by shard: on a
+    meta-device twin of the unparallelized ``model`` in which only one unit's parameters are real, for that unit
+    (a module with parameters of its own) and then each of its ancestors, children first, inside the CPU
+    generator seeded with (seed, the unit's name). Draw with torch's init functions on the module's parameters:
+    the others are on the meta device, where writes draw nothing and change nothing, so a unit's values depend only
+    on the seed and its name."""
+
+
+@hookspec
+def ultrascale_init_dependent(modules):
+    """Set the initial values that are functions of other parameters' values (DoRA's magnitude: the norm of its
+    base layer's weight plus the adapter's update), once ``modules`` (this rank's model parts, in their final
+    layout: DTensors under FSDP2) hold their pretrained or drawn values. Called on every rank at the end of a meta
+    -device model's materialization (``ModelInit.load``, ``PretrainedWeights.load``) and by
+    ``initialize.init_introduced``, before the first step. The ranks that shard a part together hold it alike and
+    call this in the same order, so collectives over that part's mesh (``DTensor.full_tensor``) pair up."""

@@ -27,6 +27,8 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.models.peft_adapters",
+    "ultrascale_plugins.models.peft_checkpoints",
+    "ultrascale_plugins.models.peft_meta",
     "ultrascale_plugins.models.quantized_base",
     "ultrascale_plugins.step",
     "ultrascale_plugins.planner.auto",

@@ -72,6 +72,12 @@ _FOLLOWS = {"colwise": "lora_B", "unit_colwise": "lora_B", "colwise_gather_outpu
             "rowwise_rep": "lora_A"}
 
 
+# Styles that leave the module's weights whole and act on its output (DeepSeek's latent-attention projection: the
+# rotary part's gradient summed over TP): they stay on the PEFT layer, so they act on the output with the adapters'
+# part added, and the adapters, like the base, stay whole.
+_ON_OUTPUT = {"mla_kv_a_proj"}
+
+
 class _CannotFollow(Exception):
     """An adapter on a module whose tensor-parallel style it cannot follow (the reason)."""
 
@@ -82,6 +88,9 @@ def _adapter_entries(model, fqn: str, module, style: str) -> dict:
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
+    if style in _ON_OUTPUT and isinstance(module, LoraLayer) and isinstance(getattr(module, "base_layer", None),
+                                                                           nn.Linear):
+        return {}
     entries = {fqn: None}
     if isinstance(module, ModulesToSaveWrapper):  # a trained copy of the module beside the frozen original
         own = {id(p) for p in module.original_module.parameters()}
@@ -140,18 +149,8 @@ def ultrascale_extend_plan(model, plan, config):
 def ultrascale_validate_model(model, plan, config):
     if not is_peft_model(model):
         return
-    _refuse_meta_device(model)
     if getattr(config, "tp", 1) > 1 and plan is not None:
         _check_tensor_parallel(model, plan, config)
-
-
-def _refuse_meta_device(model) -> None:
-    if any(p.is_meta for p in model.parameters()):
-        # the engine would give the adapters the base model's initialization (a non-zero LoRA B: the run would
-        # not start from the base model) and pretrained files do not name PEFT's modules
-        raise ConfigError("a PEFT model built on the meta device is not supported yet: its adapters would not get "
-                          "PEFT's initialization. Fix: load the base model with its weights (from_pretrained), "
-                          "then call get_peft_model")
 
 
 def _check_tensor_parallel(model, plan, config) -> None:
