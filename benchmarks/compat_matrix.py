@@ -250,11 +250,12 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
             if v in ("refused", "fail", "untinyable"):
                 reasons.append((model_type, name, v, r.get("reason") or _diff_text(r)))
         aux_rows.append(f"| `{model_type}` | " + " | ".join(marks) + " |")
-    lora_rows, lora_pass = [], 0
+    lora_rows, lora_pass, lora_each = [], 0, collections.Counter()
     for model_type in sorted(testable):
         found = {name: cells.get(f"{model_type}:{name}") for name in LORA}
         verdicts = {name: verdict(r) if r else "missing" for name, r in found.items()}
         lora_pass += all(v in ("pass", "refused") for v in verdicts.values())
+        lora_each.update(name for name, v in verdicts.items() if v == "pass")
         why = "; ".join(f"{n}: {_md(r.get('reason') or _diff_text(r))[:200]}" for n, r in found.items()
                         if r and verdicts[n] != "pass")
         lora_rows.append(f"| `{model_type}` | " + " | ".join(SYMBOL.get(v, "?") for v in verdicts.values())
@@ -332,11 +333,14 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "## LoRA adapters (PEFT)",
         "",
         "The same tiny models wrapped by `peft.get_peft_model` with LoRA (rank 4, alpha 8, no dropout) on every "
-        "`nn.Linear` inside the decoder layers (named as PEFT's `all-linear` finds them; fused expert weights stay "
-        "frozen), compared with the same PEFT model in one process: loss, gradient norm of the adapters and final "
-        "weights (adapters trained, base unchanged) within the tolerances above. "
-        f"{lora_pass} of {summary['testable']} types pass both or are refused before any worker starts. "
-        + "; ".join(f"`{n}` = {w} processes, {_fields({k: v for k, v in l.items() if k != 'peft'})}"
+        "`nn.Linear` inside the decoder layers, by name (for some mixture-of-experts types PEFT then also adapts "
+        "the fused expert and router weights of that name, which tensor parallel refuses), compared with the same "
+        "PEFT model in one process: loss, gradient norm of the adapters and final weights (adapters trained, base "
+        "unchanged) within the tolerances above. "
+        f"{lora_pass} of {summary['testable']} types pass both or are refused before any worker starts; "
+        + ", ".join(f"{lora_each[n]} pass `{n}`" for n in LORA) + ". "
+        "Their clipping threshold is 1e-4 (LoRA's B starts at zero: the adapters' first gradients are small). "
+        + "; ".join(f"`{n}` = {w} processes, {_fields({k: v for k, v in l.items() if k not in ('peft', 'clip')})}"
                     for n, (w, l) in LORA.items()) + ".",
         "",
         "| model type | " + " | ".join(LORA) + " | reason a cell is not ✓ |",

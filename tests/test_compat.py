@@ -41,6 +41,8 @@ EXPECT = {
     "phi3:lora_dp2_tp2_sp": "pass",      # fused qkv / gate|up projections
     "qwen3_moe:lora_dp2_tp2_sp": "pass",  # adapters on attention beside TP experts, routing compared
     "gpt2:lora_dp2_tp2_sp": "refused",   # fused Conv1D styles adapters cannot follow
+    "minicpm3:lora_dp2_tp2_sp": "pass",  # latent attention: the rotary-gradient style stays on the LoRA layer
+    "qwen3_moe:lora_pp2": "pass",        # pipeline stages of a PEFT model, LoRA on the fused experts too
 }
 
 

@@ -36,8 +36,10 @@ AUX = {"dp2_aux": (2, {"dp_shard": 2, "model": {"output_router_logits": True}}),
 # LoRA (PEFT) on every linear layer of the decoder (rank 4, no dropout; the "peft" entry wraps the tiny model on
 # both sides of the comparison): adapters sharded like their base layers under TP + SP and ZeRO-3, and split into
 # pipeline stages.
-LORA = {"lora_dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "peft": {"r": 4}}),
-        "lora_pp2": (2, {"pp": 2, "peft": {"r": 4}})}
+# The adapters' gradients start small (LoRA's B is zero), so these cells clip at 1e-4 to keep clipping active at
+# every step.
+LORA = {"lora_dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "peft": {"r": 4}, "clip": 1e-4}),
+        "lora_pp2": (2, {"pp": 2, "peft": {"r": 4}, "clip": 1e-4})}
 
 ALL = {**MATRIX, **SCHEDULES, **AUX, **LORA}
 

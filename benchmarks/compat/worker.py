@@ -84,9 +84,10 @@ def with_adapters(model, peft: dict | None):
     layers = set(getattr(model, "_no_split_modules", None) or [])
     inside = [fqn for fqn, m in model.named_modules() if type(m).__name__ in layers]
     # full names: a leaf name alone would also match a fused expert parameter of that name (PEFT then wraps the
-    # parameter, which is not a linear layer)
+    # parameter, which is not a linear layer); linear layers exactly (a router subclassing nn.Linear that returns a
+    # tuple is not one PEFT can adapt)
     names = [fqn for fqn, m in model.named_modules()
-             if isinstance(m, (torch.nn.Linear, Conv1D)) and any(fqn.startswith(layer + ".") for layer in inside)]
+             if type(m) in (torch.nn.Linear, Conv1D) and any(fqn.startswith(layer + ".") for layer in inside)]
     if not names:
         raise Untinyable("no linear layer inside the decoder layers for LoRA to target")
     torch.manual_seed(1)
@@ -94,9 +95,9 @@ def with_adapters(model, peft: dict | None):
                                             target_modules=names))
 
 
-def reference(model_type: str, overrides: dict | None = None, peft: dict | None = None):
+def reference(model_type: str, overrides: dict | None = None, peft: dict | None = None, clip: float = CLIP):
     """One process, the model's own loss, torch's clip_grad_norm_, plain SGD."""
-    key = (model_type, json.dumps(overrides or {}, sort_keys=True), json.dumps(peft, sort_keys=True))
+    key = (model_type, json.dumps(overrides or {}, sort_keys=True), json.dumps(peft, sort_keys=True), clip)
     if key not in _reference:
         try:
             model = with_adapters(build_model(model_type, overrides=overrides), peft)
@@ -107,7 +108,7 @@ def reference(model_type: str, overrides: dict | None = None, peft: dict | None 
             for batch in batches():
                 loss = model(**batch, use_cache=False).loss
                 loss.backward()
-                norms.append(float(torch.nn.utils.clip_grad_norm_(trained, CLIP)))
+                norms.append(float(torch.nn.utils.clip_grad_norm_(trained, clip)))
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
@@ -131,7 +132,8 @@ def _where(exc) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
-def run_parallel(model_type: str, layout: dict, overrides: dict, peft: dict | None = None) -> dict:
+def run_parallel(model_type: str, layout: dict, overrides: dict, peft: dict | None = None,
+                 clip: float = CLIP) -> dict:
     import ultrascale_plugins as us
 
     model = with_adapters(build_model(model_type, overrides=overrides), peft)
@@ -141,7 +143,7 @@ def run_parallel(model_type: str, layout: dict, overrides: dict, peft: dict | No
     losses, norms = [], []
     for batch in batches():
         loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
-        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
+        norms.append(float(pmodel.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -210,9 +212,10 @@ def run_case(case: str) -> dict:
     layout = dict(ALL[layout_name][1])
     overrides = layout.pop("model", {})
     peft = layout.pop("peft", None)
+    clip = layout.pop("clip", CLIP)
     start = time.perf_counter()
     try:
-        got = run_parallel(model_type, layout, overrides, peft)
+        got = run_parallel(model_type, layout, overrides, peft, clip)
         status = {"state": "ran"}
     except Untinyable as exc:
         got, status = None, {"state": "untinyable", "reason": str(exc)}
@@ -230,13 +233,13 @@ def run_case(case: str) -> dict:
         return {}
     out = {"case": case, "model_type": model_type, "layout": layout_name, "seconds": 0.0}
     bad = [s for s in statuses if s["state"] != "ran"]
-    if bad and bad[0]["state"] == "error" and reference(model_type, overrides, peft)[3]:
+    if bad and bad[0]["state"] == "error" and reference(model_type, overrides, peft, clip)[3]:
         out.update(state="untinyable",
-                   reason=f"the tiny model fails in one process: {reference(model_type, overrides, peft)[3]}")
+                   reason=f"the tiny model fails in one process: {reference(model_type, overrides, peft, clip)[3]}")
     elif bad:
         out.update(bad[0])
     else:
-        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type, overrides, peft)
+        ref_losses, ref_norms, ref_weights, ref_error = reference(model_type, overrides, peft, clip)
         if ref_error:
             out.update(state="untinyable", reason=f"the tiny model fails in one process: {ref_error}")
         else:
@@ -250,9 +253,9 @@ def run_case(case: str) -> dict:
                 # absolute below 1, relative above (a few architectures keep parameters of magnitude ~10)
                 weight_diff=max(((weights[k].float() - ref_weights[k].float()).abs().max()
                                  / ref_weights[k].float().abs().max().clamp_min(1.0)).item() for k in common),
-                clipped=all(n > CLIP for n in ref_norms), missing_keys=missing[:5],
+                clipped=all(n > clip for n in ref_norms), missing_keys=missing[:5],
                 **routing_result(_routing.get((model_type, json.dumps(overrides, sort_keys=True),
-                                               json.dumps(peft, sort_keys=True))) or [],
+                                               json.dumps(peft, sort_keys=True), clip)) or [],
                                  got["routing"], real_tokens_only=layout.get("cp", 1) > 1),
                 losses=got["losses"], ref_losses=ref_losses)
     out["seconds"] = round(time.perf_counter() - start, 2)

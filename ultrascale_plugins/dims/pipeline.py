@@ -107,7 +107,7 @@ def ultrascale_validate_model(model, plan, config):
                 "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
                 "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
         _dry_split(model, config, root)
-        extra = _layer_state(model, root)
+        extra = _layer_state(lm)  # the causal LM itself: a wrapper's adapters do not change what layers return
         if extra:
             raise ConfigError(
                 f"pp={config.pp}: the decoder layers of model type '{lm.config.model_type}' hand the next layer "
@@ -115,15 +115,14 @@ def ultrascale_validate_model(model, plan, config):
                 "this model")
 
 
-def _layer_state(model, root: str = "") -> str | None:
+def _layer_state(lm) -> str | None:
     """What a decoder layer returns besides the hidden states (GLM-MoE-DSA hands on its indexer's top-k), from
     one run of a meta-device twin; None when it returns the hidden states alone (or cannot run on meta)."""
     import torch
 
     from ..models.dataflow import meta_inputs, meta_twin
 
-    twin = meta_twin(model)
-    lm = twin.get_submodule(root) if root else twin
+    lm = meta_twin(lm)
     _, layers_name, _ = pp_parts(lm)
     seen: list = []
     hook = getattr(_base(lm), layers_name)[0].register_forward_hook(lambda m, a, out: seen.append(out))
