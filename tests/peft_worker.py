@@ -59,6 +59,8 @@ CASES = {
     "hsdp_qwen2": ("qwen2", {"dp_replicate": 2, "dp_shard": 2}, {}),
     "cp2_tp2_sp_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True},
                          {"data": "packed"}),
+    # a base loaded with from_pretrained: transformers re-kernelized it on train(), resetting the norms' SP forwards
+    "tp2_sp_pretrained_llama": ("pretrained_llama", {"tp": 2, "dp_shard": 1, "sequence_parallel": True}, {}),
     "tp2_sp_qwen3_moe": ("qwen3_moe", {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
                          {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
 }
@@ -68,6 +70,18 @@ FOUR = ("zero3_tp2_sp_llama", "hsdp_qwen2", "cp2_tp2_sp_qwen2")
 def base_model(arch: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if arch.startswith("pretrained_"):  # as users load one: from_pretrained (eval mode, transformers' hub kernels on)
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        model = base_model(arch.removeprefix("pretrained_"))
+        if torch.get_default_device().type == "meta":  # the estimate's twin: the same structure
+            return model
+        with tempfile.TemporaryDirectory() as tmp:  # written by this process (save_pretrained writes on rank 0 only)
+            model.config.save_pretrained(tmp)
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{tmp}/model.safetensors")
+            return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
     if arch == "qwen3_moe":
         config = AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
                                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,

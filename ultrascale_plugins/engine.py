@@ -188,6 +188,24 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     return est
 
 
+def pin_hub_kernels(model: nn.Module) -> None:
+    """Choose a Hugging Face model's hub kernels once, for training, before the dimensions wrap its modules.
+
+    Why: with the ``kernels`` package installed, transformers loads a model with hub kernels on (``use_kernels``,
+    ``from_pretrained``'s default) and kernelizes it again whenever ``train()`` / ``eval()`` changes its mode, which
+    resets the forwards of its kernel layers (RMSNorm, ...) and with them the forwards the dimensions put there
+    (sequence parallel's norms: the step failed, 'mixed torch.Tensor and DTensor', on the first ``train()`` of a
+    model loaded in eval mode). The model keeps the training-mode kernels (they have a backward), and its mode."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and getattr(module, "use_kernels", False):
+            training = module.training
+            module.train()  # kernelized for training now, if it was not
+            module._use_kernels = False  # no kernelization on later mode changes (transformers' own flag)
+            module.train(training)
+
+
 def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None,
                 init_weights=None) -> "ParallelModel":
     """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``.
@@ -216,6 +234,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
     else:
         model.to(device)
 
+    pin_hub_kernels(model)
     # 1. pipeline split: this rank's stages and the runtime that schedules them (or the model whole)
     split = pm.hook.ultrascale_split_model(model=model, ctx=ctx)
     if split is not None:
