@@ -166,5 +166,31 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def main_tp_sp() -> None:
+    """Four processes: the same run under ZeRO-3 x TP + SP (dp_shard 2, tp 2), saved after step 4, for the exports
+    (every rank's shards gathered from DCP) against the run's own adapters and the one-process run's."""
+    out = os.path.abspath(sys.argv[1])
+    base_dir, ckpts = f"{out}/base", f"{out}/ckpt"
+    us.init_distributed(timeout=120)
+    if dist.get_rank() == 0:
+        base_model("llama").save_pretrained(base_dir)
+    dist.barrier()
+    pmodel, opt = build(base_dir, {"dp_shard": 2, "tp": 2, "sequence_parallel": True})
+    losses = steps(pmodel, opt, range(STEPS))
+    save_checkpoint(pmodel, opt, ckpts, step=STEPS, extra={"data_position": STEPS})
+    eval_loss = pmodel.eval_step(rows(EVAL, pmodel.data_parallel_rank, pmodel.data_parallel_size)).item()
+    run_adapters = adapters(pmodel)
+    if dist.get_rank() == 0:
+        ref = reference("llama", EXTRA)
+        torch.save(run_adapters, f"{out}/run_adapters.pt")
+        torch.save({k: ref["state"][k] for k in run_adapters}, f"{out}/ref_adapters.pt")
+        torch.save(EVAL, f"{out}/eval_batch.pt")
+        with open(f"{out}/results.json", "w") as f:
+            json.dump({"losses": losses, "ref_losses": ref["losses"], "eval_loss": eval_loss,
+                       "trainable": sorted(run_adapters)}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    main_tp_sp() if sys.argv[2:] == ["tp_sp"] else main()

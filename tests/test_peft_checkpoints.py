@@ -22,6 +22,17 @@ def run(tmp_path_factory):
     return {**json.loads((out / "results.json").read_text()), "dir": out}
 
 
+@pytest.fixture(scope="module")
+def run_tp_sp(tmp_path_factory):
+    """The run under ZeRO-3 x TP + SP on four processes, checkpointed after step 4."""
+    from conftest import torchrun
+
+    out = tmp_path_factory.mktemp("peft_ckpt_tp_sp")
+    proc = torchrun(4, WORKER, str(out), "tp_sp")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return {**json.loads((out / "results.json").read_text()), "dir": out}
+
+
 def step4(run) -> Path:
     return run["dir"] / "ckpt" / "step-00000004"
 
@@ -114,6 +125,28 @@ def test_export_adapter_gives_the_runs_adapters_in_pefts_files(run, tmp_path):
     with torch.no_grad():
         loss = model(**torch.load(run["dir"] / "eval_batch.pt")).loss.item()
     assert abs(loss - run["eval_loss"]) <= TOL, (loss, run["eval_loss"])
+
+
+@pytest.mark.slow
+def test_export_adapter_of_a_zero3_tp_sp_run_gathers_every_shard(run_tp_sp, tmp_path):
+    """Adapters sharded over ZeRO-3 and TP (B by rows after column-wise layers, A by columns before row-wise ones):
+    the export equals the run's gathered adapters exactly, the one-process run's within 1e-5, and reloaded by PEFT
+    it gives the run's loss."""
+    from peft import PeftModel
+
+    r = run_tp_sp
+    assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= TOL
+    assert export(step4(r), tmp_path / "adapter", "--adapter") == 0
+    model = PeftModel.from_pretrained(base(r), tmp_path / "adapter").eval()
+    state = model.state_dict()
+    run_adapters = torch.load(r["dir"] / "run_adapters.pt")
+    assert set(run_adapters) == set(r["trainable"])
+    loaded = {k: state[k] for k in run_adapters}
+    assert max_diff(loaded, run_adapters) == 0.0
+    assert max_diff(loaded, torch.load(r["dir"] / "ref_adapters.pt")) <= TOL
+    with torch.no_grad():
+        loss = model(**torch.load(r["dir"] / "eval_batch.pt")).loss.item()
+    assert abs(loss - r["eval_loss"]) <= TOL, (loss, r["eval_loss"])
 
 
 @pytest.mark.slow
