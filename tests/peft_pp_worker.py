@@ -30,6 +30,7 @@ CASES = {
     # every schedule at pp=2; LoRA on every linear layer of a frozen base
     "pp2_gpipe_llama": ("llama", {**PP, "pp_schedule": "gpipe"}, {"save": True}),
     "pp2_1f1b_qwen3_moe": ("qwen3_moe", {**PP, "pp_schedule": "1f1b"}, {}),
+    "pp2_1f1b_dora_llama": ("llama", {**PP, "pp_schedule": "1f1b"}, {"use_dora": True}),  # DoRA's weight norms
     "pp2_interleaved_llama4": ("llama4", {**PP, "pp_schedule": "interleaved_1f1b", **V2}, {}),
     "pp2_zero_bubble_qwen3_moe4": ("qwen3_moe4", {**PP, "pp_schedule": "zero_bubble", **V2}, {}),
     "pp2_zbv_llama4": ("llama4", {**PP, "pp_schedule": "zbv"}, {}),
