@@ -28,7 +28,7 @@ V2 = {"pp_virtual_stages": 2}
 LATE = r".*layers\.[23]\..*_proj"  # LoRA on the last two of four layers: the first stages train nothing
 CASES = {
     # every schedule at pp=2; LoRA on every linear layer of a frozen base
-    "pp2_gpipe_llama": ("llama", {**PP, "pp_schedule": "gpipe"}, {"save": True}),
+    "pp2_gpipe_llama": ("llama", {**PP, "pp_schedule": "gpipe"}, {"save": True, "task_type": "CAUSAL_LM"}),
     "pp2_1f1b_qwen3_moe": ("qwen3_moe", {**PP, "pp_schedule": "1f1b"}, {}),
     "pp2_1f1b_dora_llama": ("llama", {**PP, "pp_schedule": "1f1b"}, {"use_dora": True}),  # DoRA's weight norms
     "pp2_interleaved_llama4": ("llama4", {**PP, "pp_schedule": "interleaved_1f1b", **V2}, {}),

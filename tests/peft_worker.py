@@ -46,6 +46,9 @@ CASES = {
     "zero3_bf16_mixed_trainable_llama": ("llama", {"dp_shard": 2},
                                          {"base_dtype": "bf16", "tol": 2e-2, "modules_to_save": ["lm_head"],
                                           "target_modules": ["embed_tokens", "q_proj", "v_proj"]}),
+    # PEFT's task_type="CAUSAL_LM" (PeftModelForCausalLM, most users' choice): its forward hands the labels on
+    "zero3_task_causal_lm_llama": ("llama", {"dp_shard": 2}, {"task_type": "CAUSAL_LM", "save": True}),
+    "cp2_ring_task_causal_lm_qwen2": ("qwen2", {"cp": 2}, {"task_type": "CAUSAL_LM", "data": "packed"}),
     # tensor parallel: each adapter follows its base layer (column-wise: B sharded; row-wise: A sharded)
     "tp2_llama": ("llama", {"tp": 2, "dp_shard": 1},  # LoRA on the head too: B follows its gathered column-wise style
                   {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -55,7 +58,8 @@ CASES = {
                                                                              "gate_proj", "up_proj", "down_proj",
                                                                              "embed_tokens"]}),
     # four processes (FOUR): ZeRO-3 x TP + SP; HSDP (replicated over one axis, sharded over the other); CP x TP + SP
-    "zero3_tp2_sp_llama": ("llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {"save": True}),
+    "zero3_tp2_sp_llama": ("llama", {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
+                           {"save": True, "task_type": "CAUSAL_LM"}),
     "hsdp_qwen2": ("qwen2", {"dp_replicate": 2, "dp_shard": 2}, {}),
     "cp2_tp2_sp_qwen2": ("qwen2", {"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True},
                          {"data": "packed"}),
@@ -104,7 +108,7 @@ def peft_model(arch: str, extra: dict):
     torch.manual_seed(1)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=extra.get("target_modules", "all-linear"),
                         modules_to_save=extra.get("modules_to_save"), use_dora=extra.get("use_dora", False),
-                        use_rslora=extra.get("use_rslora", False))
+                        use_rslora=extra.get("use_rslora", False), task_type=extra.get("task_type"))
     return get_peft_model(model, config)
 
 

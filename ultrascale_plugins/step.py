@@ -15,7 +15,8 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
-    check_loss_convention(model)
+    # the causal LM the plan is for: a wrapper's own forward (PEFT's PeftModelForCausalLM) hands labels on to it
+    check_loss_convention(plan.causal_lm(model) if plan is not None else model)
     if getattr(model.config, "output_router_logits", False):
         from .router_loss import aux_loss_function
 
