@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import padded_batches, rows  # noqa: E402
-from peft_worker import CLIP, LR, MOMENTUM, STEPS, base_model, reference  # noqa: E402
+from peft_worker import LR, MOMENTUM, STEPS, base_model, reference, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
 from ultrascale_plugins.checkpoints.sharded import (CheckpointError, SafeReader, load_checkpoint,  # noqa: E402
@@ -50,14 +50,7 @@ def peft_on(base_dir: str, r: int = 4, nudge: bool = False):
 
 
 def steps(pmodel, opt, which) -> list[float]:
-    data = padded_batches(STEPS)
-    out = []
-    for i in which:
-        out.append(pmodel.train_step(rows(data[i], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
-        pmodel.clip_grad_norm_(CLIP)
-        opt.step()
-        opt.zero_grad()
-    return out
+    return train_steps(pmodel, opt, padded_batches(STEPS), which)
 
 
 def build(base_dir: str, layout: dict, **kw):

@@ -12,7 +12,6 @@ from the plain model initialized with the same seed — gives its adapters the e
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import types
@@ -172,16 +171,10 @@ def run(name: str, dirs: dict) -> dict | None:
 
 
 def main() -> None:
-    out, dirs = sys.argv[1], {"llama": sys.argv[2], "moe": sys.argv[3]}
-    us.init_distributed(timeout=120)
-    results = {}
-    for name in CASES:
-        print(f"[peft_meta] case {name}", file=sys.stderr, flush=True)
-        results[name] = run(name, dirs)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    from peft_worker import run_cases
+
+    dirs = {"llama": sys.argv[2], "moe": sys.argv[3]}
+    run_cases(sys.argv[1], list(CASES), lambda name: run(name, dirs), "peft_meta")
 
 
 if __name__ == "__main__":

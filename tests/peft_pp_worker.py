@@ -10,12 +10,10 @@ loss in one process.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peft_worker  # noqa: E402
@@ -85,19 +83,9 @@ def evaluate(name: str) -> dict:
 
 def main() -> None:
     install()
-    out, names = sys.argv[1], sys.argv[2:]
-    for name in names:  # where the adapters are saved (save_pretrained, PEFT's files): beside the results
-        if peft_worker.CASES.get(name, (0, 0, {}))[2].get("save"):
-            peft_worker.CASES[name][2]["save"] = os.path.dirname(os.path.abspath(out))
-    us.init_distributed(timeout=120)
-    results = {}
-    for name in names:
-        print(f"[peft-pp] case {name}", file=sys.stderr, flush=True)
-        results[name] = evaluate(name[5:]) if name.startswith("eval:") else peft_worker.run(name)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    peft_worker.run_cases(sys.argv[1], sys.argv[2:],
+                          lambda name: evaluate(name[5:]) if name.startswith("eval:") else peft_worker.run(name),
+                          "peft-pp", peft_worker.CASES)
 
 
 if __name__ == "__main__":

@@ -216,41 +216,50 @@ def resume(directory: str) -> dict:
     layout = us.ParallelConfig(dp_shard=2)
     data = batches({})
 
-    def steps(pmodel, opt, which):
-        out = []
-        for i in which:
-            out.append(pmodel.train_step(rows(data[i], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
-            pmodel.clip_grad_norm_(CLIP)
-            opt.step()
-            opt.zero_grad()
-        return out
-
     pmodel = us.parallelize(peft_model("llama", {}), layout)
     opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-3)
-    first = steps(pmodel, opt, range(2))
+    first = train_steps(pmodel, opt, data, range(2))
     ckpt = save_checkpoint(pmodel, opt, directory, step=2)
-    rest = steps(pmodel, opt, range(2, STEPS))
+    rest = train_steps(pmodel, opt, data, range(2, STEPS))
     torch.manual_seed(7)
     fresh = us.parallelize(peft_model("llama", {}), layout)
     opt = fresh.build_optimizer(torch.optim.AdamW, lr=1e-3)
     load_checkpoint(fresh, opt, ckpt)
-    return {"uninterrupted": first + rest, "resumed": steps(fresh, opt, range(2, STEPS))}
+    return {"uninterrupted": first + rest, "resumed": train_steps(fresh, opt, data, range(2, STEPS))}
 
 
-def main() -> None:
-    out, names = sys.argv[1], sys.argv[2:]
-    for name in names:  # where the adapters are saved: beside the results
-        if name in CASES and CASES[name][2].get("save"):
-            CASES[name][2]["save"] = os.path.dirname(os.path.abspath(out))
+def train_steps(pmodel, opt, data, which) -> list[float]:
+    """Steps ``which`` of the global batches ``data``, each rank on its rows, clipping at CLIP: the losses."""
+    out = []
+    for i in which:
+        out.append(pmodel.train_step(rows(data[i], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
+        pmodel.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def run_cases(out: str, names, run_one, tag: str, cases: dict | None = None) -> None:
+    """The workers' launch: each case in turn (``run_one(name)``); rank 0 writes {name: result} to ``out``. A case
+    of ``cases`` that saves its adapters saves them beside ``out``."""
+    for name in names:
+        if name in (cases or {}) and cases[name][2].get("save"):
+            cases[name][2]["save"] = os.path.dirname(os.path.abspath(out))
     us.init_distributed(timeout=120)
     results = {}
     for name in names:
-        print(f"[peft] case {name}", file=sys.stderr, flush=True)
-        results[name] = resume(os.path.dirname(os.path.abspath(out)) + "/ckpt") if name == "resume" else run(name)
+        print(f"[{tag}] case {name}", file=sys.stderr, flush=True)
+        results[name] = run_one(name)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2:]
+    ckpt = os.path.dirname(os.path.abspath(out)) + "/ckpt"
+    run_cases(out, names, lambda name: resume(ckpt) if name == "resume" else run(name), "peft", CASES)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ shard of the packed 4-bit data.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -22,6 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import packed_batches, padded_batches, rows  # noqa: E402
+
+from peft_worker import run_cases, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
 from ultrascale_plugins.models.quantized_base import quantize_base, quantized_bytes, quantized_weights  # noqa: E402
@@ -181,13 +182,7 @@ def resume(directory: str) -> dict:
     data = batches({})
 
     def steps(pmodel, opt, which):
-        out = []
-        for i in which:
-            out.append(pmodel.train_step(rows(data[i], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
-            pmodel.clip_grad_norm_(CLIP)
-            opt.step()
-            opt.zero_grad()
-        return out
+        return train_steps(pmodel, opt, data, which)
 
     try:
         pmodel = us.parallelize(qlora_model("llama", {}), layout)
@@ -213,18 +208,8 @@ def resume(directory: str) -> dict:
 
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
-    for name in names:  # where the adapters are saved: beside the results
-        if name in CASES and CASES[name][2].get("save"):
-            CASES[name][2]["save"] = os.path.dirname(os.path.abspath(out))
-    us.init_distributed(timeout=120)
-    results = {}
-    for name in names:
-        print(f"[qlora] case {name}", file=sys.stderr, flush=True)
-        results[name] = resume(os.path.dirname(os.path.abspath(out)) + "/ckpt") if name == "resume" else run(name)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    ckpt = os.path.dirname(os.path.abspath(out)) + "/ckpt"
+    run_cases(out, names, lambda name: resume(ckpt) if name == "resume" else run(name), "qlora", CASES)
 
 
 if __name__ == "__main__":
