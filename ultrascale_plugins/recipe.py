@@ -94,7 +94,8 @@ class PeftSpec:
 
     def lora_config(self):
         """The ``peft.LoraConfig`` of this section. No ``task_type``: ``get_peft_model`` then returns the plain
-        ``PeftModel``, whose forward is the causal LM's (``PeftModelForCausalLM`` computes a loss of its own)."""
+        ``PeftModel``, whose forward is the causal LM's (``task_type="CAUSAL_LM"`` trains the same: its wrapper hands
+        the labels on to the causal LM)."""
         from peft import LoraConfig
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
