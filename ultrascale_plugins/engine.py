@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Iterable
 
 import torch
@@ -32,6 +33,8 @@ class ParallelContext:
     forward_module: nn.Module | None = None  # what the forward calls (a DDP wrapper, or the model itself)
     autocast_dtype: torch.dtype | None = None  # mixed precision outside FSDP
     claimed_axes: set = dataclasses.field(default_factory=set)  # gradient-averaging axes a wrapper handles
+    # the same for the modules in a mesh view: view -> (axes a wrapper reduces, the divisor it applies)
+    view_claims: dict = dataclasses.field(default_factory=dict)
     # what a dimension keeps for this model between its hooks (e.g. context parallel's group and batch flags),
     # keyed by a name the plugin chooses
     plugin_state: dict = dataclasses.field(default_factory=dict)
@@ -49,10 +52,27 @@ class ParallelContext:
     def sub_mesh(self, names):
         return self.dims.sub_mesh(names)
 
-    def claim_grad_reduction(self, *axes: str) -> None:
+    def claim_grad_reduction(self, *axes: str, view: str | None = None, divisor: float | None = None) -> None:
         """The calling wrapper averages gradients over ``axes`` itself (FSDP, DDP); the engine averages the
-        gradient axes nobody claims."""
-        self.claimed_axes.update(axes)
+        gradient axes nobody claims. For the modules the plan puts in a mesh ``view`` (``ModelPlan.views``): the
+        wrapper sums their gradients over ``axes`` of that view and divides them by ``divisor`` (default: the
+        product of the axes' degrees); the engine sums over the view's other gradient axes and divides by what is
+        left of the layout's loss scale (``ParallelDims.grad_scale``)."""
+        if view is None:
+            self.claimed_axes.update(axes)
+            return
+        claimed, applied = self.view_claims.get(view, (set(), 1.0))
+        if set(axes) <= claimed:
+            return  # claimed already (one wrapper per module of the view claims the same axes)
+        applied *= divisor if divisor is not None else math.prod(self.dims.degree(a) for a in axes)
+        self.view_claims[view] = (claimed | set(axes), applied)
+
+    def view_modules(self, model: nn.Module) -> dict[str, str]:
+        """{module FQN in ``model``: mesh view} for the modules of ``model`` the plan puts in a view."""
+        if self.plan is None or not self.plan.views:
+            return {}
+        present = {fqn for fqn, _ in model.named_modules()}
+        return {fqn: view for fqn, view in self.plan.views.items() if fqn in present}
 
     def materialize(self) -> None:
         """Give a meta-device model's parameters storage and their values, in their layout at this point (once).
@@ -282,10 +302,35 @@ class ParallelModel:
         self.data_parallel_size = self.dims.dp
         self.data_parallel_rank = rows.get_local_rank() if rows is not None else 0
         self._token_group = self.dims.group(self.dims.token_axes)
-        unclaimed = self.dims.sub_mesh(tuple(a for a in self.dims.grad_axes if a not in ctx.claimed_axes))
-        self._grad_group = unclaimed.get_group() if unclaimed is not None else None
-        self._grad_group_size = unclaimed.size() if unclaimed is not None else 1
+        self._grad_reductions = self._gradient_reductions()
         self.grad_sync = True  # False inside no_sync()
+
+    def _gradient_reductions(self) -> list[tuple[list, Any, float]]:
+        """(parameters, process group or None, divisor) per group of parameters whose gradients the engine still
+        reduces: the layout's gradient axes no wrapper claimed (an average), and for each mesh view the plan puts
+        modules in, the view's unclaimed gradient axes (a sum) and what is left of the loss scale."""
+        in_view: dict[int, str] = {}
+        for part in self.modules:
+            for fqn, view in self.ctx.view_modules(part).items():
+                for param in part.get_submodule(fqn).parameters():
+                    in_view[id(param)] = view
+        groups: dict[str | None, list] = {}
+        for param in self.parameters():
+            groups.setdefault(in_view.get(id(param)), []).append(param)
+        out = []
+        for view, params in groups.items():
+            if view is None:
+                mesh = self.dims.sub_mesh(tuple(a for a in self.dims.grad_axes if a not in self.ctx.claimed_axes))
+                if mesh is not None:
+                    out.append((params, mesh.get_group(), float(mesh.size())))
+                continue
+            claimed, applied = self.ctx.view_claims.get(view, (set(), 1.0))
+            rest = tuple(a for a in self.dims.view_grad_axes(view) if a not in claimed)
+            mesh = self.dims.sub_mesh(tuple(a for a in rest if self.dims.degree(a) > 1), view=view)
+            divisor = self.dims.grad_scale / applied
+            if mesh is not None or divisor != 1:
+                out.append((params, mesh.get_group() if mesh is not None else None, divisor))
+        return out
 
     # ---- what users call -------------------------------------------------------------------------
     @property
@@ -515,19 +560,21 @@ class ParallelModel:
         gradient axes no wrapper reduced, then the runtime's own work (a pipeline's tied weights)."""
         if not self.grad_sync:
             return
-        if self._grad_group is not None:
-            average_gradients(self.parameters(), self._grad_group, self._grad_group_size)
+        for params, group, divisor in self._grad_reductions:
+            average_gradients(params, group, divisor)
         self.runtime.after_backward(self)
 
 
-def average_gradients(params, group, size: int) -> None:
-    """Average the (local shards of the) gradients over ``group`` in one flat all-reduce."""
+def average_gradients(params, group, size: float) -> None:
+    """Sum the (local shards of the) gradients over ``group`` (None: this rank's alone) in one flat all-reduce and
+    divide them by ``size`` (the group's size: an average)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     flat = torch.cat([g.reshape(-1) for g in local])
-    dist.all_reduce(flat, group=group)
+    if group is not None:
+        dist.all_reduce(flat, group=group)
     flat /= size
     offset = 0
     for g in local:

@@ -41,5 +41,13 @@ AUX = {"dp2_aux": (2, {"dp_shard": 2, "model": {"output_router_logits": True}}),
 LORA = {"lora_dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "peft": {"r": 4}, "clip": 1e-4}),
         "lora_pp2": (2, {"pp": 2, "peft": {"r": 4}, "clip": 1e-4})}
 
-ALL = {**MATRIX, **SCHEDULES, **AUX, **LORA}
+# Expert parallelism, for the types whose experts transformers' expert-parallel plan names: ep borrows its ranks
+# from dp_shard x tp (efsdp = what is left), composed with ZeRO-3, TP + SP and a pipeline.
+EP = {"ep2": (2, {"dp_shard": 2, "ep": 2}),
+      "ep2_dp2": (4, {"dp_shard": 4, "ep": 2}),
+      "ep2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 2}),
+      "pp2_ep2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}),
+      "ep4": (4, {"dp_shard": 4, "ep": 4})}
+
+ALL = {**MATRIX, **SCHEDULES, **AUX, **LORA, **EP}
 

@@ -59,13 +59,15 @@ def ultrascale_mesh_axes(config):
 def ultrascale_wrap_model(model, ctx):
     dims, cfg = ctx.dims, ctx.config
     dtype = DTYPES.get(cfg.mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
+    # micro-batch), as torchtitan does.
+    reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
+    if cfg.zero_stage >= 2:
+        shard_view_modules(model, ctx, reshard, policy)
     if dims.fsdp:
         # HSDP when both data axes are >1: FSDP2 replicates over the first mesh dim and shards over the second.
         mesh = ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-        # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
-        # micro-batch), as torchtitan does.
-        reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
         groups = fsdp_groups(model, ctx.plan_layers(model))
         for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -87,9 +89,42 @@ def ultrascale_wrap_model(model, ctx):
         # schedule's last backward instead (these axes stay unclaimed).
         return
     ctx.materialize()  # DDP broadcasts rank 0's parameters when it wraps the model: they must exist
+    in_views = [f"{fqn}.{name}" for fqn in ctx.view_modules(model)
+                for name, _ in model.get_submodule(fqn).named_parameters()]
+    if in_views:  # their own FSDP groups (or the engine) reduce them, over their view's axes
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, in_views)
     ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
+
+
+def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
+    """The modules the plan puts in a mesh view (``ModelPlan.views``: experts under expert parallelism) get FSDP2
+    groups of their own over the view's gradient axes (the last one sharded, one before it replicated: HSDP),
+    before the layers around them are wrapped. Their gradients are summed there and divided by the layout's loss
+    scale, not averaged over the view's ranks, which hold other tokens' contributions than the layout's."""
+    from torch.distributed.tensor import Shard
+
+    dims = ctx.dims
+    for fqn, view in sorted(ctx.view_modules(model).items()):
+        axes = dims.view_grad_axes(view)
+        if not axes or len(axes) > 2:
+            raise ConfigError(f"mesh view '{view}' has gradient axes {axes}: FSDP2 shards over one axis and replicates "
+                              "over at most one more. Fix: give the view one or two gradient axes")
+        mesh = dims.view_meshes[view][axes if len(axes) == 2 else axes[0]]
+        shards = dims.degree(axes[-1])
+
+        def placement(param, shards=shards):  # few rows (experts per rank) vs many ranks: split the next dim
+            local = param.to_local() if hasattr(param, "to_local") else param
+            return Shard(1) if local.dim() > 1 and local.shape[0] % shards else Shard(0)
+
+        module = model.get_submodule(fqn)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                    shard_placement_fn=placement)
+        module.set_gradient_divide_factor(float(dims.grad_scale))
+        # a sum, then the division: a divisor other than the group's size is NCCL's PreMulSum, which gloo lacks
+        module.set_force_sum_reduction_for_comms(True)
+        ctx.claim_grad_reduction(*axes, view=view, divisor=float(dims.grad_scale))
 
 
 def prefetch(layers: list, forward: int, backward: int) -> None:
@@ -188,7 +223,13 @@ def uniform_dtype_groups(model, groups: list[str]) -> list[str]:
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
     """A model whose trainable parameters have several dtypes is checked before launch: FSDP2 needs one per
-    group (``uniform_dtype_groups``)."""
+    group (``uniform_dtype_groups``). Modules in a mesh view need FSDP2 (zero_stage 2 or 3): ZeRO-1's optimizer
+    would broadcast them from ranks that hold other ones."""
+    if plan is not None and plan.views and config.zero_stage < 2:
+        fqn, view = next(iter(sorted(plan.views.items())))
+        raise field_error("zero_stage", config.zero_stage, f"'{fqn}' is data-parallel in mesh view '{view}' "
+                          "(sharded by FSDP2 over its own axes), which zero_stage 0 and 1 do not do",
+                          "use zero_stage: 2 or 3")
     if config.zero_stage >= 2 and plan is not None and len({p.dtype for p in model.parameters() if p.requires_grad}) > 1:
         from ..models.plan import layers_present
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
 from ..models.placeholder import present_modules
-from ..models.plan import EXPERTS, ROWWISE
+from ..models.plan import ROWWISE
 from ..interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
@@ -177,7 +177,7 @@ def ultrascale_shard_model(model, ctx):
     # layers) all-reduce inside and slice their output back to sequence shards at the end
     simple = {r for r in plan.regions
               if sum(1 for f, n in matched.items() if f.startswith(r + ".") and (n in ROWWISE or "rowwise" in n)) == 1
-              and not any(f.startswith(r + ".") and n in EXPERTS for f, n in matched.items())}
+              and not any(f.startswith(r + ".") and n in plan.whole_output_styles() for f, n in matched.items())}
     region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
     _shard_named_params(model, plan, mesh, present)
     for fqn, name in matched.items():

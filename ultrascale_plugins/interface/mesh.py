@@ -17,13 +17,16 @@ def flat_name(names: tuple[str, ...]) -> str:
     return "+".join(names)
 
 
-def build_mesh(device_type: str, axes, flattened: list[tuple[str, ...]]) -> DeviceMesh | None:
+def build_mesh(device_type: str, axes, flattened: list[tuple[str, ...]], keep_unit: bool = False) -> DeviceMesh | None:
+    """The mesh of ``axes`` (outermost first) and the flattened views ``flattened``; ``keep_unit``: degree-1 axes
+    given stay in it (a ``MeshView``'s), else none is given."""
     if not axes:
         return None
     mesh = init_device_mesh(device_type, tuple(a.degree for a in axes), mesh_dim_names=tuple(a.name for a in axes))
     for name in mesh.mesh_dim_names:
         _bound(mesh.get_group(name))
     for names in flattened:
+        names = tuple(n for n in names if keep_unit or mesh.size(mesh.mesh_dim_names.index(n)) > 1)
         if len(names) > 1:
             _flattened(mesh, names)
     return mesh
@@ -46,14 +49,16 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
         return view
 
 
-def sub_mesh(mesh: DeviceMesh | None, names) -> DeviceMesh | None:
-    """The named axis, or the flattened view of several (built by ``build_mesh``); axes of degree 1 are skipped;
-    None when none is left."""
+def sub_mesh(mesh: DeviceMesh | None, names, keep_unit: bool = False) -> DeviceMesh | None:
+    """The named axis, or the flattened view of several (built by ``build_mesh``); axes of degree 1 are skipped
+    (``keep_unit``: kept when the mesh has them); None when none is left."""
     if mesh is None:
         return None
     present = mesh.mesh_dim_names or ()
     names = (names,) if isinstance(names, str) else tuple(names)
     names = tuple(n for n in names if n in present)
+    if not keep_unit:
+        names = tuple(n for n in names if mesh.size(present.index(n)) > 1)
     if not names:
         return None
     if len(names) == 1:

@@ -6,6 +6,11 @@ means for the step — whether the batch rows are split over it (data loading), 
 it and whether the loss's valid tokens are counted over it. ``ParallelDims`` derives from them everything the
 engine and the front ends need: the world-size product, the device mesh and its sub-meshes, the data-parallel
 degree and rank, and the loss-scale rule.
+
+A plugin may also carve axes out of others (``MeshView``: torchtitan's expert mesh, where ``ep`` and the
+expert-side data-parallel degree ``efsdp`` re-split the ranks of dp_shard x cp x tp). A view counts the same ranks
+again, so it adds nothing to the world-size product; the modules a model plan puts in a view
+(``PlanEdit.views``) are data-parallel over the view's gradient axes instead of the layout's.
 """
 from __future__ import annotations
 
@@ -39,20 +44,81 @@ class MeshAxis:
     counts_tokens: bool = False
 
 
-def declared_axes(config, pm=None) -> list[MeshAxis]:
-    """Every plugin's axes for ``config``, outermost first."""
+@dataclasses.dataclass(frozen=True)
+class MeshView:
+    """Axes carved from others: the ranks of ``source`` (axes of the layout, flattened outer to inner) counted
+    again as ``axes`` (outer to inner; one may have degree -1, what the source leaves). The view is the layout's
+    mesh with ``source`` replaced by ``axes``: the same ranks, grouped differently for the modules a model plan
+    puts in it (``PlanEdit.views``). Its axes' flags mean what a ``MeshAxis``'s do, for those modules:
+    ``reduces_grads`` marks the axes their parameters are data-parallel over (sharded by ZeRO, gradients summed);
+    ``splits_rows`` and ``counts_tokens`` must stay False (rows and tokens are the layout's). Degree-1 axes of a
+    view stay in its mesh, so a module in the view always has a mesh to be sharded over."""
+
+    name: str
+    source: tuple[str, ...]
+    axes: tuple[MeshAxis, ...]
+
+
+def _declared(config, pm=None) -> tuple[list[MeshAxis], list[MeshView]]:
     from .plugins import get_plugin_manager
 
     pm = pm or get_plugin_manager()
     axes: dict[str, MeshAxis] = {}
+    views: dict[str, MeshView] = {}
     for result in pm.hook.ultrascale_mesh_axes(config=config):
         for axis in result or []:
+            if isinstance(axis, MeshView):
+                if axis.name in views:
+                    raise ConfigError(f"mesh view '{axis.name}' is declared by two plugins. Fix: rename one of them")
+                views[axis.name] = axis
+                continue
             if not isinstance(axis, MeshAxis):
-                raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis values")
+                raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
+                                  "MeshView values")
             if axis.name in axes:
                 raise ConfigError(f"mesh axis '{axis.name}' is declared by two plugins. Fix: rename one of them")
             axes[axis.name] = axis
-    return sorted(axes.values(), key=lambda a: (a.order, a.name))
+    return sorted(axes.values(), key=lambda a: (a.order, a.name)), list(views.values())
+
+
+def declared_axes(config, pm=None) -> list[MeshAxis]:
+    """Every plugin's axes for ``config``, outermost first."""
+    return _declared(config, pm)[0]
+
+
+def declared_views(config, axes: list[MeshAxis] | None = None, pm=None) -> list[MeshView]:
+    """Every plugin's views for ``config`` (resolved: the layout's degrees known), each with its -1 degree filled
+    in and checked against the axes it is carved from."""
+    declared, views = _declared(config, pm)
+    axes = axes if axes is not None else declared
+    return [_resolved_view(view, axes) for view in views]
+
+
+def _resolved_view(view: MeshView, axes: list[MeshAxis]) -> MeshView:
+    names = [a.name for a in axes]
+    missing = [s for s in view.source if s not in names]
+    if missing:
+        raise ConfigError(f"mesh view '{view.name}' is carved from {'/'.join(missing)}, which no plugin declares. "
+                          "Fix: install the plugin that declares it, or carve the view from declared axes")
+    where = sorted(names.index(s) for s in view.source)
+    if where != list(range(where[0], where[0] + len(where))):
+        raise ConfigError(f"mesh view '{view.name}' is carved from {'*'.join(view.source)}, which are not adjacent "
+                          f"in the mesh ({' > '.join(names)}). Fix: carve it from adjacent axes")
+    for axis in view.axes:
+        if axis.splits_rows or axis.counts_tokens:
+            raise ConfigError(f"axis '{axis.name}' of mesh view '{view.name}' splits rows or counts tokens, which only "
+                              "the layout's axes do. Fix: leave those flags False in a view")
+    total = math.prod(axes[i].degree for i in where)
+    fixed = math.prod(a.degree for a in view.axes if a.degree != -1)
+    free = [a for a in view.axes if a.degree == -1]
+    formula = "*".join(a.name for a in view.axes)
+    source = "*".join(view.source)
+    if len(free) > 1 or total % fixed or (not free and fixed != total):
+        raise ConfigError(f"mesh view '{view.name}': {formula} must re-split {source} = {total} ranks, and "
+                          f"{'*'.join(str(a.degree) for a in view.axes)} does not. Fix: pick degrees whose product is "
+                          f"{total}")
+    filled = tuple(dataclasses.replace(a, degree=total // fixed) if a.degree == -1 else a for a in view.axes)
+    return dataclasses.replace(view, axes=filled)
 
 
 def resolve(config, world_size: int, pm=None, check: bool = True):
@@ -83,6 +149,7 @@ def resolve(config, world_size: int, pm=None, check: bool = True):
     config = fill_auto(config)
     if check:
         pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
+    declared_views(config, pm=pm)  # a view that cannot re-split its source is refused here too
     return config
 
 
@@ -104,11 +171,17 @@ class ParallelDims:
         self.config = config  # resolved
         self.world_size = world_size
         self.axes = declared_axes(config, pm)
+        self.views = {v.name: v for v in declared_views(config, self.axes, pm)}
         self.mesh = None
+        self.view_meshes: dict[str, Any] = {}
 
     # ---- degrees --------------------------------------------------------------------------------------
     def degree(self, name: str) -> int:
-        return next((a.degree for a in self.axes if a.name == name), 1)
+        """The degree of a layout axis, or of a view's axis."""
+        found = next((a.degree for a in self.axes if a.name == name), None)
+        if found is None:
+            found = next((a.degree for v in self.views.values() for a in v.axes if a.name == name), 1)
+        return found
 
     def enabled(self, name: str) -> bool:
         return self.degree(name) > 1
@@ -149,6 +222,25 @@ class ParallelDims:
         """Parameters (ZeRO-3) or gradients and optimizer states (ZeRO-2) sharded by FSDP2 over dp_shard."""
         return self.config.zero_stage >= 2 and self.degree("dp_shard") > 1
 
+    def view_axes(self, view: str) -> list[MeshAxis]:
+        """The axes of ``view``'s mesh, outermost first: the layout's live axes with the view's source replaced by
+        the view's own axes (all of them, degree 1 included)."""
+        spec = self.views[view]
+        out: list[MeshAxis] = []
+        for axis in self.axes:
+            if axis.name in spec.source:
+                if axis.name == next(a.name for a in self.axes if a.name in spec.source):
+                    out.extend(spec.axes)  # where the source starts
+            elif axis.degree > 1:
+                out.append(axis)
+        return out
+
+    def view_grad_axes(self, view: str | None) -> tuple[str, ...]:
+        """The axes the gradients of a module in ``view`` (None: the layout) are summed over."""
+        if view is None:
+            return self.grad_axes
+        return tuple(a.name for a in self.view_axes(view) if a.reduces_grads)
+
     def coordinate(self, rank: int, names: tuple[str, ...]) -> int:
         """This rank's index within the flattened ``names`` axes, from the axis order alone (no process group:
         front ends may need the data-parallel rank before the mesh exists)."""
@@ -166,12 +258,18 @@ class ParallelDims:
         from .mesh import build_mesh
 
         self.mesh = build_mesh(device_type, self.live_axes, [self.row_axes, self.grad_axes, self.token_axes])
+        for name in self.views:  # every rank builds every view, in the same order: each creates process groups
+            self.view_meshes[name] = build_mesh(device_type, self.view_axes(name), [self.view_grad_axes(name)],
+                                                keep_unit=True)
         return self.mesh
 
-    def sub_mesh(self, names: str | tuple[str, ...]) -> Any:
-        """The mesh over ``names`` (one axis or several, flattened), or None when all have degree 1."""
+    def sub_mesh(self, names: str | tuple[str, ...], view: str | None = None) -> Any:
+        """The mesh over ``names`` (one axis or several, flattened), or None when all have degree 1. In a ``view``:
+        the view's mesh over ``names`` (its degree-1 axes included)."""
         from .mesh import sub_mesh
 
+        if view is not None:
+            return sub_mesh(self.view_meshes.get(view), names, keep_unit=True)
         return sub_mesh(self.mesh, names)
 
     def group(self, names: str | tuple[str, ...]):

@@ -21,6 +21,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.dims.tensor",
     "ultrascale_plugins.dims.pipeline",
     "ultrascale_plugins.dims.context_parallel",
+    "ultrascale_plugins.dims.expert_parallel",
     "ultrascale_plugins.dims.checkpointing",
     "ultrascale_plugins.dims.compiling",
     "ultrascale_plugins.dims.float8",

@@ -31,6 +31,8 @@ class ModelPlan:
     tied: bool = False
     styles: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     root: str = ""  # where the causal LM the plan was made for sits in the model (a wrapper's, e.g. PEFT's)
+    # modules whose parameters are data-parallel in a mesh view (exact FQNs -> view name: PlanEdit.views)
+    views: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def rerooted(self, prefix: str) -> "ModelPlan":
         """The same plan with every module name seen from a wrapper that holds the model at ``prefix``."""
@@ -40,7 +42,8 @@ class ModelPlan:
         return dataclasses.replace(self, tp_plan={name(k): v for k, v in self.tp_plan.items()},
                                    layers=[name(f) for f in self.layers], regions=[name(f) for f in self.regions],
                                    embedding=name(self.embedding), lm_head=name(self.lm_head),
-                                   root=name(self.root) if self.root else prefix)
+                                   root=name(self.root) if self.root else prefix,
+                                   views={name(k): v for k, v in self.views.items()})
 
     def edited(self, model: nn.Module, edits) -> "ModelPlan":
         """This plan with the plugins' ``PlanEdit``s (``ultrascale_extend_plan``) applied to ``model``: the
@@ -51,6 +54,15 @@ class ModelPlan:
         wanted: dict[str, str | None] = {}
         owner: dict[str, int] = {}
         styles = dict(self.styles)
+        views = dict(self.views)
+        modules = [fqn for fqn, _ in model.named_modules()]
+        for edit in edits:
+            for pattern, view in edit.views.items():
+                for fqn in _expand({pattern: view}, modules):
+                    if views.get(fqn, view) != view:
+                        raise ConfigError(f"two plugins put '{fqn}' in different mesh views ({views[fqn]!r} and "
+                                          f"{view!r}). Fix: unregister one of them (ULTRASCALE_PLUGINS)")
+                    views[fqn] = view
         names = [fqn for fqn, _ in model.named_modules()] + [
             fqn for fqn, _ in model.named_parameters(remove_duplicate=False)]
         for i, edit in enumerate(edits):
@@ -76,7 +88,24 @@ class ModelPlan:
         for fqn, style in _expand(tp_plan, (f for f, _ in model.named_modules())).items():
             wrapper = next((r for r in removed if fqn.startswith(r + ".")), None)
             view[wrapper or fqn] = before[wrapper] if wrapper else style
-        return dataclasses.replace(self, tp_plan=tp_plan, styles=styles, regions=tp_regions(view, self.layers))
+        opening = {n for n, factory in styles.items() if getattr(factory, "opens_region", False)}
+        return dataclasses.replace(self, tp_plan=tp_plan, styles=styles, views=views,
+                                   regions=tp_regions(view, self.layers, opening))
+
+    def whole_output_styles(self) -> set[str]:
+        """The styles whose module hands its output back whole on every TP rank inside a region: tensor-parallel
+        experts (summed inside), and a plugin's ``opens_region`` styles."""
+        return EXPERTS | {n for n, factory in self.styles.items() if getattr(factory, "opens_region", False)}
+
+    def view_of(self, fqn: str) -> str | None:
+        """The mesh view of the module ``fqn`` (or of a parameter's module), from the innermost module the plan
+        puts in one; None: the layout's own mesh."""
+        while True:
+            if fqn in self.views:
+                return self.views[fqn]
+            if not fqn:
+                return None
+            fqn = fqn.rpartition(".")[0]
 
     def causal_lm(self, model: nn.Module) -> nn.Module:
         """The causal LM this plan was made for: ``model`` itself, or the one a wrapper holds (for the checks
@@ -140,10 +169,11 @@ def hf_plan_from_model(model: nn.Module, tp_plan: dict[str, str]) -> ModelPlan:
                      embedding=_fqn_of(model, embed), lm_head=_fqn_of(model, head), tied=tied)
 
 
-def tp_regions(matched: dict[str, str], layers: list[str]) -> list[str]:
-    """The TP regions of a plan's matched modules ({FQN: style}): see ``hf_plan_from_model``."""
+def tp_regions(matched: dict[str, str], layers: list[str], opening=()) -> list[str]:
+    """The TP regions of a plan's matched modules ({FQN: style}): see ``hf_plan_from_model``; ``opening``: more
+    style names that open a region (``ModelPlan.whole_output_styles``)."""
     parents = {fqn.rsplit(".", 1)[0] for fqn, style in matched.items()
-               if (style in COLWISE or style in EXPERTS or "colwise" in style)
+               if (style in COLWISE or style in EXPERTS or style in opening or "colwise" in style)
                and any(fqn.startswith(layer + ".") for layer in layers)}
     parents = {p for p in parents if p not in layers}
     return sorted((p for p in parents if not any(p.startswith(q + ".") for q in parents)), key=_natural)
