@@ -147,3 +147,21 @@ COMPILED = {
 for _name, (_world, _arch, _layout, _extra) in COMPILED.items():
     CASES[_name] = {"world": _world, "arch": _arch, "layout": {**_layout, "compile": "regional"}, "adamw": False,
                     **_extra}
+
+# Expert parallelism (Qwen3-MoE, 8 experts, top-2): ep borrows its ranks from dp_shard x cp x tp; the experts are
+# sharded by ZeRO over the rest (efsdp), in FSDP groups of their own
+EP_CASES = {
+    "ep2_zero3": (2, {"dp_shard": 2, "ep": 2}, {"roundtrip": True}),
+    "ep2_zero2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 2}, {}),
+    "ep2_tp2": (2, {"tp": 2, "ep": 2}, {}),  # ep is the tp ranks: each sends half of the tokens it shares
+    "ep2_ac_full": (2, {"dp_shard": 2, "ep": 2, "activation_checkpointing": "full"}, {}),
+    "ep2_bf16": (2, {"dp_shard": 2, "ep": 2, "mixed_precision": "bf16"}, {"tol": 2e-2}),
+    "ep4_zero3": (4, {"dp_shard": 4, "ep": 4}, {}),
+    "ep2_efsdp2": (4, {"dp_shard": 4, "ep": 2}, {"roundtrip": True}),
+    "ep2_hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {}),
+    "ep2_dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}),
+    "ep2_cp2_ring": (4, {"dp_shard": 2, "cp": 2, "ep": 2}, {"seq": 32}),
+    "ep2_pp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}, {}),
+}
+for _name, (_world, _layout, _extra) in EP_CASES.items():
+    CASES[_name] = {"world": _world, "arch": "qwen3_moe", "layout": _layout, **_extra}

@@ -122,8 +122,9 @@ def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
                     shard_placement_fn=placement)
         module.set_gradient_divide_factor(float(dims.grad_scale))
-        # a sum, then the division: a divisor other than the group's size is NCCL's PreMulSum, which gloo lacks
-        module.set_force_sum_reduction_for_comms(True)
+        # a sum, then the division: a divisor other than the group's size is NCCL's PreMulSum, which gloo lacks.
+        # (Not on one rank: torch 2.13 then divides twice, once in the copy that stands for the reduce-scatter.)
+        module.set_force_sum_reduction_for_comms(shards > 1)
         ctx.claim_grad_reduction(*axes, view=view, divisor=float(dims.grad_scale))
 
 

@@ -33,6 +33,9 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         s = coords.get("dp_shard", 0)
         local = []
         for r in records:
+            if r.view:  # in a mesh view: sharded over the view's last gradient axis (shard_view_modules)
+                local.append((r, _view_shard(config, r, coords)))
+                continue
             rows = chunk_size(r.local[0], dp_shard, s) if r.local else 0
             local.append((r, rows * math.prod(r.local[1:])))
     else:
@@ -90,6 +93,20 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         else:
             est.add_comm(axis, grad_wire * full_local * share, "all_reduce", calls=max(1, _n_layers(records)),
                          overlap=shape.dp_overlap)
+
+
+def _view_shard(config, r, coords) -> int:
+    """Elements of ``r`` (a parameter in a mesh view) this rank holds under FSDP2 over the view's last gradient
+    axis: dim 0 in chunks, or dim 1 when dim 0 does not split evenly (``data_parallel.shard_view_modules``)."""
+    from ..interface.parallel_dims import ParallelDims
+
+    dims = ParallelDims(config)
+    axis = dims.view_grad_axes(r.view)[-1]
+    shards, index = dims.degree(axis), coords.get(axis, 0)
+    dim = 1 if len(r.local) > 1 and r.local[0] % shards else 0
+    cut = list(r.local)
+    cut[dim] = chunk_size(cut[dim], shards, index)
+    return math.prod(cut)
 
 
 def _n_layers(records) -> int:

@@ -188,6 +188,20 @@ def ultrascale_shard_model(model, ctx):
 
 
 @hookimpl
+def ultrascale_estimate(config, model_config, shape, estimate):
+    """Each rank holds 1/ep of the experts: the expert view's records cut on dim 0 (experts), before data
+    parallelism shards them over efsdp. (The exchange's all-to-all volume is not priced yet.)"""
+    if config.ep == 1:
+        return
+    from ..interface.estimates import chunk_size
+
+    index = shape.coords.get("ep", 0)
+    for r in shape.inventory:
+        if r.view == VIEW and r.local:
+            r.local = (chunk_size(r.local[0], config.ep, index), *r.local[1:])
+
+
+@hookimpl
 def ultrascale_presets():
     from ..interface.presets import Preset
 

@@ -104,7 +104,10 @@ class ParamRecord:
 
     ``held_bytes``: when the model's trainable parameters mix dtypes, the element size of one held in a dtype other
     than fp32 (PEFT's bf16 copy of a bf16 head beside fp32 adapters): its gradient and optimizer state take that
-    size; 0 prices it by the layout's precision profile."""
+    size; 0 prices it by the layout's precision profile.
+
+    ``view``: the mesh view the plan puts its module in (``ModelPlan.views``: experts under expert parallelism),
+    whose plugin cuts it and over whose gradient axes data parallelism shards it; "" for the layout's own mesh."""
 
     name: str
     shape: tuple
@@ -120,6 +123,7 @@ class ParamRecord:
     rank: int = 0
     merged: bool = False
     held_bytes: int = 0
+    view: str = ""
 
     def __post_init__(self):
         self.local = tuple(self.local or self.shape)
@@ -170,7 +174,7 @@ def meta_model(model_config):
 def inventory(model, plan=None, adapters=None) -> list[ParamRecord]:
     """Fresh records of ``model``'s parameters (built once per model, plan and adapters; the dimensions cut the
     copies). ``adapters``: an ``Adapters`` to add as PEFT would (``with_adapters``)."""
-    key = (id(model), None if plan is None else tuple(plan.layers), adapters)
+    key = (id(model), None if plan is None else (tuple(plan.layers), tuple(sorted(plan.views.items()))), adapters)
     if key not in _INVENTORIES or _INVENTORIES[key][0] is not model:
         records = _build_inventory(model, plan)
         _INVENTORIES[key] = (model, records if adapters is None else with_adapters(records, model, adapters))
@@ -203,7 +207,9 @@ def _build_inventory(model, plan=None) -> list[ParamRecord]:
         records.append(ParamRecord(name, tuple(param.shape), part, layer,
                                    tied_head=bool(tied and param is embed.weight),
                                    active=active if is_expert else 1.0, trainable=param.requires_grad,
-                                   lookup=lookup, held_bytes=_held_bytes(param, mixed), **tags.get(name, {})))
+                                   lookup=lookup, held_bytes=_held_bytes(param, mixed),
+                                   view=(plan.view_of(name.rpartition(".")[0]) or "") if plan is not None else "",
+                                   **tags.get(name, {})))
     share = {r.name: r.active for r in records}
     for r in records:  # an adapter factor runs on the tokens its weight runs on
         if r.adapter:
