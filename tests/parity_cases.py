@@ -66,6 +66,9 @@ CASES.update({
     "pp2_ddp_dp2_gpt_neox": {"world": 4, "arch": "gpt_neox",
                              "layout": {"pp": 2, "dp_shard": 2, "zero_stage": 0, "pp_schedule": "gpipe"}},
     "pp2_tp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "tp": 2}},
+    # the vocabulary-parallel loss on the last stage, inside the schedule (its backward too)
+    "pp2_tp2_sp_loss_parallel": {"world": 4, "arch": "llama8",
+                                 "layout": {"pp": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True}},
     "pp2_tp2_sp_interleaved": {"world": 4, "arch": "llama8_tied",
                                "layout": {"pp": 2, "tp": 2, "sequence_parallel": True,
                                           "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},

@@ -43,6 +43,15 @@ EXPECT = {
     "gpt2:lora_dp2_tp2_sp": "refused",   # fused Conv1D styles adapters cannot follow
     "minicpm3:lora_dp2_tp2_sp": "pass",  # latent attention: the rotary-gradient style stays on the LoRA layer
     "qwen3_moe:lora_pp2": "pass",        # pipeline stages of a PEFT model, LoRA on the fused experts too
+    # expert parallelism: experts split over ep ranks borrowed from data / tensor parallelism, routing compared
+    "gpt_oss:ep2": "pass",               # interleaved, transposed gate|up with biases
+    "ergo:ep2": "pass",                  # no gate (up_proj only) and a per-expert norm split with the experts
+    "mixtral:ep2_aux": "pass",           # router auxiliary loss over every rank's tokens
+    "deepseek_v3:ep2_tp2_sp": "pass",    # shared experts under TP + SP beside the split experts
+    "qwen3_moe:pp2_ep2": "pass",
+    "qwen3_moe:ep2_tp2_sp_aux": "pass",
+    "mixtral:ep4": "pass",
+    "gpt_oss:ep2_dp2": "pass",           # experts sharded by ZeRO-3 over efsdp=2 too
 }
 
 

@@ -95,7 +95,6 @@ def test_tp_must_divide_heads_and_kv_heads():
     ({"pp": 2, "pp_split": [2, 1]}, ["pp_split=[2, 1]", "summing to num_hidden_layers=8"]),
     ({"pp": 2, "pp_split": "1,1"}, ["pp_split='1,1'", "a list"]),
     ({"pp": 2, "pp_split": [1, "x"]}, ["pp_split=[1, 'x']", "list of layer counts"]),
-    ({"pp": 2, "tp": 2, "loss_parallel": True}, ["loss_parallel=True with pp > 1"]),
 ])
 def test_pipeline_combinations_a_schedule_cannot_run(fields, words):
     with pytest.raises(ConfigError) as err:

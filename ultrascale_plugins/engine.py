@@ -377,21 +377,17 @@ class ParallelModel:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no data-parallel reduction, no tied-weight sums); the first backward
-        after the block synchronises everything accumulated. For gradient accumulation."""
-        from torch.distributed.fsdp import FSDPModule
-
-        fsdp = [m for m in self.modules if isinstance(m, FSDPModule)]
-        ddp = self.forward_module if hasattr(self.forward_module, "no_sync") else None
+        after the block synchronises everything accumulated. For gradient accumulation. Each dimension's
+        wrappers stop reducing through ``ultrascale_no_sync``."""
         self.grad_sync = False
-        for m in fsdp:
-            m.set_requires_gradient_sync(False)
         try:
-            with (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
+            with contextlib.ExitStack() as stack:
+                for context in self.pm.hook.ultrascale_no_sync(pmodel=self):
+                    if context is not None:
+                        stack.enter_context(context)
                 yield
         finally:
             self.grad_sync = True
-            for m in fsdp:
-                m.set_requires_gradient_sync(True)
 
     def __call__(self, *args, **kwargs):
         return self.forward_module(*args, **kwargs)
@@ -492,12 +488,36 @@ class ParallelModel:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
+    @contextlib.contextmanager
     def loss_context(self):
-        if self.config.loss_parallel and self.dims.enabled("tp"):
-            from torch.distributed.tensor.parallel import loss_parallel
+        """Where the loss and its backward run: every plugin's ``ultrascale_loss_context`` entered."""
+        with contextlib.ExitStack() as stack:
+            for context in self.pm.hook.ultrascale_loss_context(pmodel=self):
+                if context is not None:
+                    stack.enter_context(context)
+            yield
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+    @property
+    def token_group(self):
+        """The process group of the ranks that hold different tokens of the global batch (None: one rank)."""
+        return self._token_group
+
+    def add_loss_terms(self, loss_sum, terms, count: torch.Tensor):
+        """``loss_sum`` (this rank's token-loss sum) with the plugins' extra terms (``ultrascale_loss_terms``)
+        folded in, so that the loss share's gradient and the reduced loss's value each include every term once:
+        the gradient part (term x count) gives the term's gradient after the loss scale and the gradient
+        averaging; the value part (term x count / grad_scale) sums to the term over the token-counting ranks."""
+        for term in terms:
+            grad_part = term * count.to(term.dtype)
+            folded = grad_part + (grad_part / self.dims.grad_scale - grad_part).detach()
+            if isinstance(loss_sum, DTensor):
+                folded = DTensor.from_local(folded, loss_sum.device_mesh, loss_sum.placements, run_check=False)
+            loss_sum = loss_sum + folded
+        return loss_sum
+
+    def loss_terms(self, output, batch) -> list:
+        return [t for terms in self.pm.hook.ultrascale_loss_terms(pmodel=self, output=output, batch=batch)
+                if terms for t in terms]
 
     def loss_share(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The loss-scale rule: this rank's token-loss sum x ``grad_scale`` / global tokens, whose gradient after
@@ -527,18 +547,7 @@ class ParallelModel:
             output = self.forward_module(**batch, use_cache=False)
         with self.loss_context():
             loss_sum = token_loss_sum(output.logits, targets)
-        if getattr(output, "router_logits", None):  # mixture of experts with output_router_logits on
-            from .router_loss import router_aux_loss
-
-            aux = router_aux_loss(self.module, output.router_logits, batch.get("attention_mask"), self._token_group)
-            # folded into the token-loss sum, which the loss share scales by grad_scale/count: the gradient part
-            # (aux*count) gives coef*aux's gradient after the gradient averaging; the value part
-            # (aux*count/grad_scale) sums to coef*aux over the token-counting ranks
-            grad_part = aux * count.to(aux.dtype)
-            term = grad_part + (grad_part / self.dims.grad_scale - grad_part).detach()
-            if isinstance(loss_sum, DTensor):
-                term = DTensor.from_local(term, loss_sum.device_mesh, loss_sum.placements, run_check=False)
-            loss_sum = loss_sum + term
+        loss_sum = self.add_loss_terms(loss_sum, self.loss_terms(output, batch), count)
         mean = self.reduce_loss(loss_sum, count)
         if torch.is_grad_enabled():
             share = self.loss_share(loss_sum, count)

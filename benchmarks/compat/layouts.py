@@ -49,5 +49,10 @@ EP = {"ep2": (2, {"dp_shard": 2, "ep": 2}),
       "pp2_ep2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}),
       "ep4": (4, {"dp_shard": 4, "ep": 4})}
 
-ALL = {**MATRIX, **SCHEDULES, **AUX, **LORA, **EP}
+# ... and with the router auxiliary loss on: its statistics over every rank's tokens, ep ranks included
+EP_AUX = {"ep2_aux": (2, {"dp_shard": 2, "ep": 2, "model": {"output_router_logits": True}}),
+          "ep2_tp2_sp_aux": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 2,
+                                 "model": {"output_router_logits": True}})}
+
+ALL = {**MATRIX, **SCHEDULES, **AUX, **LORA, **EP, **EP_AUX}
 

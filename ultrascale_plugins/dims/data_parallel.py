@@ -98,6 +98,33 @@ def ultrascale_wrap_model(model, ctx):
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
 
 
+@hookimpl
+def ultrascale_no_sync(pmodel):
+    """Gradient accumulation: FSDP2's reduce-scatters (every group, nested ones included) and DDP's all-reduce
+    wait for the last backward."""
+    import contextlib
+
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in pmodel.modules if isinstance(m, FSDPModule)]
+    ddp = pmodel.forward_module if isinstance(pmodel.forward_module, DistributedDataParallel) else None
+    if not fsdp and ddp is None:
+        return None
+
+    @contextlib.contextmanager
+    def local():
+        for m in fsdp:
+            m.set_requires_gradient_sync(False)
+        try:
+            with (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
+                yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True)
+
+    return local()
+
+
 def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
     """The modules the plan puts in a mesh view (``ModelPlan.views``: experts under expert parallelism) get FSDP2
     groups of their own over the view's gradient axes (the last one sharded, one before it replicated: HSDP),

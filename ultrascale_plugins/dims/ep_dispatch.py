@@ -135,12 +135,13 @@ class ExpertDispatch:
     def _run(self, rows, local_ids):
         """This rank's experts on ``rows``, each row to one expert with weight 1, on the local values of the
         experts' parameters (DTensors over the expert axis; FSDP2 gathers them over its own axes first)."""
-        module = self.experts
-        saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        saved = [(owner, name, param) for owner in self.experts.modules()
+                 for name, param in owner._parameters.items() if isinstance(param, DTensor)]
         try:
-            for name, param in saved.items():
-                module._parameters[name] = param.to_local()
+            for owner, name, param in saved:
+                owner._parameters[name] = param.to_local()
             weights = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
             return self.experts_forward(rows, local_ids.unsqueeze(-1), weights)
         finally:
-            module._parameters.update(saved)
+            for owner, name, param in saved:
+                owner._parameters[name] = param

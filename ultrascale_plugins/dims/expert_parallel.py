@@ -81,16 +81,29 @@ def num_experts(model_config) -> int | None:
     return None
 
 
-def experts_modules(model: nn.Module, plan) -> list[str]:
-    """The experts modules of ``model`` that transformers' expert-parallel plan names (``ep_dispatch_experts``)."""
+def _ep_plan(model: nn.Module, plan) -> dict[str, str]:
+    """transformers' expert-parallel plan of the causal LM in ``model``, as full-FQN patterns from ``model``'s
+    root."""
     lm = plan.causal_lm(model) if plan is not None else model
     root = plan.root if plan is not None and plan.root else ""
     prefix = getattr(lm, "base_model_prefix", "") or ""
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     ep_plan = getattr(config, "base_model_ep_plan", None) or getattr(lm.config, "base_model_ep_plan", None) or {}
-    patterns = [".".join(p for p in (root, prefix, key) if p) for key, style in ep_plan.items()
-                if style == "ep_dispatch_experts"]
+    return {".".join(p for p in (root, prefix, key) if p): style for key, style in ep_plan.items()}
+
+
+def experts_modules(model: nn.Module, plan) -> list[str]:
+    """The experts modules of ``model`` that transformers' expert-parallel plan names (``ep_dispatch_experts``)."""
+    patterns = [p for p, style in _ep_plan(model, plan).items() if style == "ep_dispatch_experts"]
     return [fqn for fqn, _ in model.named_modules() if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
+
+
+def expert_parameters(model: nn.Module, plan) -> set[str]:
+    """The parameters the plan splits by expert (``grouped_gemm``: the fused weights, their biases, a per-expert
+    norm's scales), as parameter FQNs of ``model``."""
+    patterns = [p for p, style in _ep_plan(model, plan).items() if style == "grouped_gemm"]
+    return {fqn for fqn, _ in model.named_parameters(remove_duplicate=False)
+            if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)}
 
 
 @hookimpl
@@ -152,7 +165,12 @@ def ultrascale_validate_model(model, plan, config):
                               "all-linear adds on MoE models), which expert parallelism does not split with the experts",
                               "keep adapters off the experts (target_modules without the experts' parameters), "
                               "or use ep: 1")
-        for name, param in module.named_parameters(recurse=False):
+        split = expert_parameters(model, plan)
+        for name, param in module.named_parameters():
+            if f"{fqn}.{name}" not in split:
+                raise field_error("ep", config.ep, f"'{fqn}.{name}' is a parameter of the experts that transformers' "
+                                  "expert-parallel plan does not split by expert, so every rank would apply it to "
+                                  "other experts' tokens", "use ep: 1")
             if param.shape[0] != module.num_experts:
                 raise field_error("ep", config.ep, f"'{fqn}.{name}' has {param.shape[0]} rows, not one per expert "
                                   f"({module.num_experts})", "use ep: 1")
@@ -177,10 +195,12 @@ def ultrascale_shard_model(model, ctx):
         if view != VIEW:
             continue
         module = model.get_submodule(fqn)
-        for name, param in list(module.named_parameters(recurse=False)):
-            local = param.detach().chunk(ep)[rank].clone()
-            module.register_parameter(name, nn.Parameter(
-                DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False), requires_grad=param.requires_grad))
+        for owner in module.modules():  # the experts' own weights and a per-expert norm's scales alike
+            for name, param in list(owner.named_parameters(recurse=False)):
+                local = param.detach().chunk(ep)[rank].clone()
+                owner.register_parameter(name, nn.Parameter(
+                    DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                    requires_grad=param.requires_grad))
         local_experts = module.num_experts // ep
         own_forward = module.forward
         module.num_experts = local_experts  # what the experts' own forward counts (grouped_mm's bins)

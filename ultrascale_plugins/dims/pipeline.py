@@ -85,9 +85,6 @@ def ultrascale_validate_config(config, model_config, world_size):
     if name in V_SHAPED and m < 2 * config.pp:
         raise ConfigError(f"pp_microbatches={m}: '{name}' needs at least 2*pp={2 * config.pp} micro-batches. "
                           f"Fix: set pp_microbatches: {2 * config.pp}")
-    if config.loss_parallel:
-        raise ConfigError("loss_parallel=True with pp > 1: the vocab-parallel loss is not available inside a "
-                          "pipeline yet. Fix: set loss_parallel: false")
 
 
 def _root(plan) -> str:

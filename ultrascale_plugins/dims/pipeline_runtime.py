@@ -219,7 +219,8 @@ class Pipeline(Runtime):
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 self._busy, start = 0.0, time.perf_counter()
-                self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
+                with pmodel.loss_context():  # around the schedule: its loss and its backward
+                    self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
                 elapsed = time.perf_counter() - start
                 self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
@@ -227,7 +228,8 @@ class Pipeline(Runtime):
                 if self.has_last:
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:
-                total += float(self._forward_only(ids, mask, positions, targets))
+                with pmodel.loss_context():
+                    total += float(self._forward_only(ids, mask, positions, targets))
                 self._reshard()
         for module in self.stages:
             module.train()

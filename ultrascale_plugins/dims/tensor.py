@@ -280,6 +280,16 @@ def _tp_layout(sequence_parallel: bool):
 
 
 @hookimpl
+def ultrascale_loss_context(pmodel):
+    """The vocabulary-parallel cross-entropy (``loss_parallel``): the head's logits stay sharded over TP."""
+    if pmodel.config.loss_parallel and pmodel.dims.enabled("tp"):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return None
+
+
+@hookimpl
 def ultrascale_presets():
     from ..interface.presets import Preset
 

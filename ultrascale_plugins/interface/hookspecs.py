@@ -16,8 +16,9 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
    inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
    activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
 3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
-   (``ultrascale_prepare_optimizer``), the step itself (``ultrascale_train_step``: replace it, or wrap it with a
-   ``@hookimpl(wrapper=True)`` generator);
+   (``ultrascale_prepare_optimizer``), the loss (``ultrascale_loss_context``: how it is computed;
+   ``ultrascale_loss_terms``: what is added to it), gradient accumulation (``ultrascale_no_sync``), the step itself
+   (``ultrascale_train_step``: replace it, or wrap it with a ``@hookimpl(wrapper=True)`` generator);
 4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
    DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
    costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
@@ -133,6 +134,30 @@ def ultrascale_shard_batch(batch, ctx):
 def ultrascale_prepare_optimizer(pmodel, optimizer):
     """Return the optimizer to train ``pmodel`` with instead of ``optimizer`` (ZeRO-1 partitions its states), or
     None to keep it. Every front end's optimizer passes through here."""
+
+
+@hookspec
+def ultrascale_loss_context(pmodel):
+    """Return a context manager that the loss and its backward run inside (tensor parallel's vocabulary-parallel
+    cross-entropy: torch's ``loss_parallel``), or None. Every step enters every plugin's: the built-in one and a
+    pipeline's schedule alike."""
+
+
+@hookspec
+def ultrascale_loss_terms(pmodel, output, batch):
+    """Return terms to add to the step's objective for this forward, besides the token loss (a list of 0-d
+    tensors), or None: a mixture of experts' router auxiliary loss. ``output`` is the model's output, ``batch``
+    this rank's prepared inputs. Each term has the same value on every rank that holds tokens of the global batch
+    (the token-counting axes), and on each rank the gradient of that rank's share, the shares' gradients summing
+    over those ranks to the term's gradient (e.g. statistics gathered from every rank, the gradient kept on this
+    rank's own). The engine folds each into the loss so that the step's value and gradient include it once."""
+
+
+@hookspec
+def ultrascale_no_sync(pmodel):
+    """Return a context manager under which this dimension's wrappers keep gradients local (gradient
+    accumulation: FSDP2's and DDP's reductions off), or None. ``ParallelModel.no_sync`` enters every plugin's;
+    the engine holds back its own reduction of the axes nobody claims too."""
 
 
 @hookspec(firstresult=True)
