@@ -75,6 +75,53 @@ def test_third_party_hooks_run_in_the_composition_order(single_process):
         plugins.unregister(name="recorder")
 
 
+def test_every_hookspec_is_typed():
+    """Every argument and every result of every hook has a declared type."""
+    import inspect
+
+    for name in (n for n in dir(hookspecs) if n.startswith("ultrascale_")):
+        signature = inspect.signature(getattr(hookspecs, name))
+        assert signature.return_annotation is not inspect.Signature.empty, name
+        for param in signature.parameters.values():
+            assert param.annotation is not inspect.Parameter.empty, (name, param.name)
+
+
+def _recorders(calls):
+    class First:
+        @hookimpl
+        def ultrascale_shard_model(self, model, ctx):
+            calls.append("first")
+
+    class Between:  # after tensor parallel (1600 in BUILTIN_POSITIONS), before data parallel wraps (1700)
+        @hookimpl
+        @us.position(plugins.BUILTIN_POSITIONS["ultrascale_plugins.dims.tensor"] + 50)
+        def ultrascale_shard_model(self, model, ctx):
+            calls.append("after_tp")
+
+    return First(), Between()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_hook_order_is_declared_not_registration_order(reverse):
+    """The call order comes from each implementation's position, whichever plugin registered first: a plugin
+    placed after tensor parallel's shard_model runs after it, one without a position before every built-in."""
+    calls = []
+    first, between = _recorders(calls)
+    pairs = [("zz_first", first), ("aa_between", between)]
+    for name, plugin in (reversed(pairs) if reverse else pairs):
+        us.register(plugin, name=name)
+    try:
+        pm = us.get_plugin_manager()
+        order = [impl.plugin_name for impl in reversed(pm.hook.ultrascale_shard_model.get_hookimpls())]
+        assert order.index("zz_first") < order.index("ultrascale_plugins.dims.tensor") < order.index("aa_between")
+        untagged = [n for n in order if n.startswith("ultrascale_plugins.") and not any(
+            i.tryfirst for i in pm.hook.ultrascale_shard_model.get_hookimpls() if i.plugin_name == n)]
+        assert all(order.index("zz_first") < order.index(n) for n in untagged)  # no position: before the built-ins
+    finally:
+        plugins.unregister(name="zz_first")
+        plugins.unregister(name="aa_between")
+
+
 def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process):
     seen = []
 

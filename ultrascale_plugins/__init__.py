@@ -50,8 +50,8 @@ if not any(f is _MovedModules for f in _sys.meta_path):
 
 from .interface.config import ConfigError, ParallelConfig
 from .interface.hookspecs import hookimpl, hookspec
-from .interface.parallel_dims import MeshAxis
-from .interface.plugins import get_plugin_manager, list_plugins, register
+from .interface.parallel_dims import MeshAxis, MeshView
+from .interface.plugins import get_plugin_manager, list_plugins, position, register
 
 
 def _timing_mark(phase: str) -> None:
@@ -108,8 +108,8 @@ def _freeze_at_exit() -> None:
 
 _timing_mark("package_import")  # the start of every process that imports the package (workers: their first mark)
 
-__all__ = ["ConfigError", "MeshAxis", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec",
-           "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
+__all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec",
+           "position", "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
            "validate", "estimate", "__version__"]
 
 

@@ -33,7 +33,25 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
 import pluggy
+
+if TYPE_CHECKING:  # the types of the arguments and results, for readers and type checkers; nothing at run time
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from .config import ParallelConfig
+    from .estimates import Estimate, Shape
+    from .fields import Fields
+    from .parallel_dims import MeshAxis, MeshView
+    from .plan_edit import PlanEdit
+    from .presets import Preset
+    from .runtime import Runtime
+    # from the layers above, named here only: engine.ParallelContext / ParallelModel, models.plan.ModelPlan,
+    # checkpoints.sharded.PluginState, checkpoints.export.SavedCheckpoint
 
 PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -42,43 +60,43 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 # ---- the layout -------------------------------------------------------------------------------------------
 @hookspec
-def ultrascale_add_fields(fields):
+def ultrascale_add_fields(fields: Fields) -> None:
     """Declare this dimension's layout fields: ``fields.add(name, type, default, help, choices=..., minimum=...,
     optional=..., check=...)`` (see ``fields.Fields``). They become valid everywhere a layout is written."""
 
 
 @hookspec
-def ultrascale_mesh_axes(config):
+def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
     """Return the ``parallel_dims.MeshAxis`` values this dimension needs for ``config`` (degree 1 allowed; one axis
     in the whole layout may have degree -1, the rest of the world). Their product is the world size."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_resolve_layout(config, model_config, world_size):
+def ultrascale_resolve_layout(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> ParallelConfig | None:
     """Return the concrete ``ParallelConfig`` to run for a layout that asks to be chosen (the planner's
     ``layout: auto``), or None to keep ``config``. Asked first, before any check and any process group."""
 
 
 @hookspec
-def ultrascale_validate_config(config, model_config, world_size):
+def ultrascale_validate_config(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> None:
     """Raise ``ConfigError`` when this dimension's part of ``config`` cannot run. Called before any process group:
     with ``model_config=None`` when the layout is resolved against the world size, and again with the Hugging
     Face config when the model is known."""
 
 
 @hookspec
-def ultrascale_validate_model(model, plan, config):
+def ultrascale_validate_model(model: nn.Module, plan: ModelPlan | None, config: ParallelConfig) -> None:
     """Raise ``ConfigError`` when this dimension cannot run on this model's structure. Called before any process
     group exists; ``model`` may live on the meta device, ``plan`` is the model plan (or None)."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_model_plan(model, config):
+def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
     """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_wrapped_model(model):
+def ultrascale_wrapped_model(model: nn.Module) -> tuple[nn.Module, str] | None:
     """When ``model`` wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``),
     return ``(inner, prefix)``: the inner model and its name inside ``model``; else None. The engine then asks
     ``ultrascale_model_plan`` for ``inner`` and names the plan's modules from ``model`` (``ModelPlan.rerooted``),
@@ -86,7 +104,7 @@ def ultrascale_wrapped_model(model):
 
 
 @hookspec
-def ultrascale_extend_plan(model, plan, config):
+def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
     """Return a ``plan_edit.PlanEdit`` for modules this plugin introduces into ``model`` (adapters around a planned
     layer) or claims from the plan (experts for another dimension), or None.
 
@@ -100,51 +118,51 @@ def ultrascale_extend_plan(model, plan, config):
 
 # ---- the model transform, in the order the engine composes it ------------------------------------------------
 @hookspec(firstresult=True)
-def ultrascale_split_model(model, ctx):
+def ultrascale_split_model(model: nn.Module, ctx: ParallelContext) -> tuple[list[nn.Module], Runtime] | None:
     """Split ``model`` into this rank's pipeline stages: return ``(stages, runtime)`` — a list of modules and the
     ``runtime.Runtime`` that runs them — or None to keep the model whole."""
 
 
 @hookspec
-def ultrascale_shard_model(model, ctx):
+def ultrascale_shard_model(model: nn.Module, ctx: ParallelContext) -> None:
     """Shard the parameters and activations inside the layers of ``model`` (one stage, or the whole model): tensor
     and sequence parallel. ``ctx`` is the ``engine.ParallelContext``."""
 
 
 @hookspec
-def ultrascale_wrap_layers(model, ctx):
+def ultrascale_wrap_layers(model: nn.Module, ctx: ParallelContext) -> None:
     """Wrap each decoder layer of ``model`` (``ctx.plan_layers(model)``): activation checkpointing."""
 
 
 @hookspec
-def ultrascale_wrap_model(model, ctx):
+def ultrascale_wrap_model(model: nn.Module, ctx: ParallelContext) -> None:
     """Wrap ``model`` as a whole, last: data parallel (FSDP2, DDP). A wrapper that averages gradients over some
     axes itself says so with ``ctx.claim_grad_reduction(*axes)``; the engine averages the others."""
 
 
 # ---- the step -----------------------------------------------------------------------------------------------
 @hookspec
-def ultrascale_shard_batch(batch, ctx):
+def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of ``batch`` in place (a dict of tensors: ``input_ids``, ``attention_mask``,
     ``position_ids``, ``targets`` — next-token targets, already shifted, -100 where ignored). Called on every
     step after the data loader's row split, before the forward."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_prepare_optimizer(pmodel, optimizer):
+def ultrascale_prepare_optimizer(pmodel: ParallelModel, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """Return the optimizer to train ``pmodel`` with instead of ``optimizer`` (ZeRO-1 partitions its states), or
     None to keep it. Every front end's optimizer passes through here."""
 
 
 @hookspec
-def ultrascale_loss_context(pmodel):
+def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | None:
     """Return a context manager that the loss and its backward run inside (tensor parallel's vocabulary-parallel
     cross-entropy: torch's ``loss_parallel``), or None. Every step enters every plugin's: the built-in one and a
     pipeline's schedule alike."""
 
 
 @hookspec
-def ultrascale_loss_terms(pmodel, output, batch):
+def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
     """Return terms to add to the step's objective for this forward, besides the token loss (a list of 0-d
     tensors), or None: a mixture of experts' router auxiliary loss. ``output`` is the model's output, ``batch``
     this rank's prepared inputs. Each term has the same value on every rank that holds tokens of the global batch
@@ -154,14 +172,14 @@ def ultrascale_loss_terms(pmodel, output, batch):
 
 
 @hookspec
-def ultrascale_no_sync(pmodel):
+def ultrascale_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
     """Return a context manager under which this dimension's wrappers keep gradients local (gradient
     accumulation: FSDP2's and DDP's reductions off), or None. ``ParallelModel.no_sync`` enters every plugin's;
     the engine holds back its own reduction of the axes nobody claims too."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_train_step(pmodel, batch, loss_scale):
+def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
     """Run forward and backward on this rank's batch and return the global-mean loss (a 0-d tensor, the same on
     every rank). Gradients are those of ``loss_scale`` times that loss. The built-in step (``step.py``) runs the
     model's runtime; a plugin may replace it (first result wins) or wrap it (``@hookimpl(wrapper=True)``)."""
@@ -169,7 +187,7 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 
 # ---- state and costs ----------------------------------------------------------------------------------------
 @hookspec
-def ultrascale_state_dict(pmodel, state):
+def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
     """Add this dimension's entries to ``state`` (a ``checkpoint.PluginState``): ``state.shared[key]`` for what
     every rank holds alike (tensors go into the sharded files, other values into JSON) and
     ``state.rank_local[key]`` for what differs per rank (restored only in the same world size).
@@ -180,19 +198,19 @@ def ultrascale_state_dict(pmodel, state):
 
 
 @hookspec
-def ultrascale_load_state_dict(pmodel, state):
+def ultrascale_load_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
     """Restore this dimension's entries from ``state`` (a ``checkpoint.PluginState``, as saved)."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_checkpoint_view(tensor):
+def ultrascale_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """Return ``tensor`` as a distributed checkpoint (DCP) must see it when this dimension placed it in pieces DCP
     cannot describe (TP-packed parameters: a rank's pieces of q|k|v are not adjacent in the whole tensor), or
     None to save and load it as it is. Every sharded save and load, and pretrained loading, ask it per tensor."""
 
 
 @hookspec
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, shape: Shape, estimate: Estimate) -> None:
     """Add this dimension's per-rank costs to ``estimate`` (an ``estimates.Estimate``): memory in bytes per
     category (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``),
     communication (``estimate.add_comm(axis, nbytes, collective, calls=, per="step" | "micro_batch",
@@ -208,35 +226,35 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookspec(firstresult=True)
-def ultrascale_microbatches(config):
+def ultrascale_microbatches(config: ParallelConfig) -> int | None:
     """Return how many micro-batches one training step of ``config`` (resolved) runs inside this dimension (a
     pipeline schedule's), or None when this dimension does not decide it. Recipes derive their batch split from
     it."""
 
 
 @hookspec
-def ultrascale_cost_coordinates(config):
+def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] | None:
     """Return ``{axis: [index, ...]}``, the positions along this dimension's mesh axes whose ranks can differ in
     cost (a pipeline's first, second and last stages), or None when every rank costs the same along them. The
     planner estimates the ranks of every combination and takes the most loaded."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages):
+def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
     """Return, per rank of a schedule this dimension runs (a pipeline's), its actions as (start, end, kind,
     micro-batch, chunk) in units of one forward of one micro-batch on one stage, or None for a schedule it does
     not know. The planner's plot draws it."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_save_pretrained(pmodel, directory):
+def ultrascale_save_pretrained(pmodel: ParallelModel, directory: str) -> bool | None:
     """Write ``pmodel``'s model to ``directory`` as its own library's ``save_pretrained`` would, when this plugin
     owns that format (a PEFT model: its adapters, in PEFT's files), and return True; None leaves it to the
     whole-model Hugging Face export. Every rank calls it (the front ends' ``save_model`` / ``save_pretrained``)."""
 
 
 @hookspec(firstresult=True)
-def ultrascale_export(checkpoint, form, out_dir, base, max_shard_bytes):
+def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
     """Write the sharded checkpoint ``checkpoint`` (a ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``,
     ``config`` (its transformers config), ``names`` (the model tensors it holds) and ``read(names)``, those
     tensors whole on the CPU, read in this one process) into the new directory ``out_dir`` in the form ``form``
@@ -247,13 +265,13 @@ def ultrascale_export(checkpoint, form, out_dir, base, max_shard_bytes):
 
 # ---- names in the front ends --------------------------------------------------------------------------------
 @hookspec
-def ultrascale_presets():
+def ultrascale_presets() -> list[Preset] | None:
     """Return named layouts (``presets.Preset``) that front ends offer by name: Lightning registers each as the
     strategy ``ultrascale_<name>`` (``Trainer(strategy="ultrascale_cp", devices=8)``)."""
 
 
 @hookspec
-def ultrascale_accelerate_keys():
+def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
     """Return the Accelerate ``parallelism_config`` size keys this dimension reads, as ``{key: (field, implied)}``:
     the YAML key ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>`` set ``field`` to
     their value and the fields of ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``)."""
@@ -261,7 +279,7 @@ def ultrascale_accelerate_keys():
 
 # ---- a wrapper's parameters on the meta device: pretrained names and initial values -------------------------
 @hookspec(firstresult=True)
-def ultrascale_pretrained_name(model, name):
+def ultrascale_pretrained_name(model: nn.Module, name: str) -> str | None:
     """Where the state-dict entry ``name`` of ``model`` (a wrapper around a causal LM, ``ultrascale_wrapped_model``:
     a PEFT model) takes its initial value from. Return the name of that entry in the plain causal LM, as its
     ``save_pretrained`` files name it (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
@@ -278,7 +296,7 @@ def ultrascale_pretrained_name(model, name):
 
 
 @hookspec(firstresult=True)
-def ultrascale_init_module(model, name, module):
+def ultrascale_init_module(model: nn.Module, name: str, module: nn.Module) -> bool | None:
     """Give ``module`` (the submodule ``name`` of ``model``) this plugin's own initialization and return True, when
     it holds, or is the layer that owns, parameters this plugin introduced (``ultrascale_pretrained_name``
     answered ``""``): a PEFT LoRA layer's ``lora_A`` / ``lora_B``, drawn as PEFT draws them (kaiming-uniform A,
@@ -293,7 +311,7 @@ def ultrascale_init_module(model, name, module):
 
 
 @hookspec
-def ultrascale_init_dependent(modules):
+def ultrascale_init_dependent(modules: list[nn.Module]) -> None:
     """Set the initial values that are functions of other parameters' values (DoRA's magnitude: the norm of its
     base layer's weight plus the adapter's update), once ``modules`` (this rank's model parts, in their final
     layout: DTensors under FSDP2) hold their pretrained or drawn values. Called on every rank at the end of a meta
