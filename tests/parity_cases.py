@@ -82,7 +82,8 @@ CASES.update({
 # averages gradients, counts tokens). Run by tests/test_outside_plugin.py with the plugin on PYTHONPATH.
 OUTSIDE_CASES = {
     "acme2_zero3_dp2": {"world": 4, "arch": "llama", "layout": {"acme_dp": 2, "dp_shard": 2}, "roundtrip": True},
-    "acme2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"acme_dp": 2, "tp": 2, "sequence_parallel": True}},
+    "acme2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"acme_dp": 2, "tp": 2, "sequence_parallel": True,
+                                                             "acme_fused_norm": True}},
     "acme2_pp2": {"world": 4, "arch": "llama8_tied", "layout": {"acme_dp": 2, "pp": 2, "pp_microbatches": 2}},
 }
 

@@ -87,6 +87,8 @@ def run_case(name: str, spec: dict) -> dict | None:
     dist.all_gather_object(gathered, losses)
     eval_loss = pmodel.eval_step(rows(batches[0], pmodel.data_parallel_rank, pmodel.data_parallel_size)).item()
     weights = pmodel.full_state_dict()
+    # what the plugins report in checkpoints (scalars only): an outside plugin's counters
+    plugin_state = {k: v for k, v in pmodel.state_dict()["plugins"].shared.items() if isinstance(v, (int, float, str))}
     roundtrip = None
     if spec.get("roundtrip"):  # this rank's sharded state loads into a fresh model of the same layout
         fresh = us.parallelize(make_model(arch, seed=5), us.ParallelConfig(**layout))
@@ -109,7 +111,7 @@ def run_case(name: str, spec: dict) -> dict | None:
             "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
-            "bytes_held": bytes_held, "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
+            "bytes_held": bytes_held, "plugin_state": plugin_state, "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
 
 
 def prefetch_targets(pmodel) -> list[int]:

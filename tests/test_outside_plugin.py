@@ -1,5 +1,6 @@
 """A dimension plugin that lives outside the package (tests/outside_plugin: a second data-parallel axis with its
-own field, batch split, gradient averaging, token counting, step wrapper and checkpoint state), installed through
+own field, batch split, gradient averaging, token counting, step wrapper, checkpoint state and a model transform
+placed among the built-ins), installed through
 the ``ultrascale_plugins`` entry-point group, reproduces the single-process run through the Python API and the
 command line with no change to the package. (Lightning and Accelerate: tests/test_lightning.py and
 tests/test_accelerate.py, ``*outside_plugin*``.)"""
@@ -32,6 +33,8 @@ def test_python_api_parity_with_the_outside_axis(tmp_path):
             assert held == predicted, (name, held, predicted)
         if spec.get("roundtrip"):
             assert r["roundtrip"], name
+        if spec["layout"].get("acme_fused_norm"):  # its model transform ran (and kept parity, above)
+            assert r["plugin_state"]["acme_fused_norms"] > 0, (name, r["plugin_state"])
 
 
 def _train(tmp_path, name, nproc, *sets):

@@ -3,20 +3,54 @@ data-parallel axis, ``acme_dp``, whose ranks split each data-parallel replica's 
 
 It uses only the public hooks: a layout field, a mesh axis that averages gradients and counts loss tokens, the
 batch split, a wrapper around the training step (counting steps), that count in checkpoints, and its
-communication estimate. Installed by putting this directory on ``PYTHONPATH`` (the ``.dist-info`` beside it
+communication estimate; and a model transform (``acme_fused_norm``: every RMSNorm computed by torch's fused
+``rms_norm``, placed before tensor parallel so that sequence parallel wraps the new forward). Installed by putting this directory on ``PYTHONPATH`` (the ``.dist-info`` beside it
 registers the module under the ``ultrascale_plugins`` entry-point group).
 """
 from __future__ import annotations
 
-from ultrascale_plugins import MeshAxis, hookimpl
+import re
+
+from ultrascale_plugins import ConfigError, MeshAxis, hookimpl, position
 
 STEPS = {"taken": 0}  # training steps this process has run (saved in checkpoints)
+FUSED = {"norms": 0}  # RMSNorm modules this process computes with the fused kernel
 
 
 @hookimpl
 def ultrascale_add_fields(fields):
     fields.add("acme_dp", int, 1, "acme's second data-parallel degree: its ranks split each replica's rows",
                minimum=1)
+    fields.add("acme_fused_norm", bool, False, "compute every RMSNorm with torch's fused rms_norm")
+
+
+def _norms(model):
+    return [(fqn, m) for fqn, m in model.named_modules()
+            if re.search(r"RMSNorm$", type(m).__name__) and getattr(m, "weight", None) is not None]
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    if config.acme_fused_norm and not _norms(model):
+        raise ConfigError("acme_fused_norm=True: the model has no RMSNorm. Fix: set acme_fused_norm: false")
+
+
+@hookimpl
+@position(1550)  # before tensor parallel (1600): sequence parallel then wraps the fused forward
+def ultrascale_shard_model(model, ctx):
+    if not ctx.config.acme_fused_norm:
+        return
+    import torch
+
+    for _, norm in _norms(model):
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+        def fused(hidden_states, norm=norm, eps=eps):
+            out = torch.nn.functional.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), eps=eps)
+            return norm.weight * out.to(hidden_states.dtype)
+
+        norm.forward = fused
+        FUSED["norms"] += 1
 
 
 @hookimpl
@@ -48,6 +82,7 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 @hookimpl
 def ultrascale_state_dict(pmodel, state):
     state.shared["acme_steps"] = STEPS["taken"]
+    state.shared["acme_fused_norms"] = FUSED["norms"]
 
 
 @hookimpl
