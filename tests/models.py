@@ -33,11 +33,13 @@ def make_config(arch: str):
         return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                              num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
                              attention_dropout=0.0, tie_word_embeddings=False)
-    if arch == "qwen3_moe":  # 8 experts, top-2: expert parallelism at ep=2 and ep=4
+    if arch in ("qwen3_moe", "qwen3_moe_aux"):  # 8 experts, top-2: expert parallelism at ep=2 and ep=4
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                              tie_word_embeddings=False)
+        aux = {"output_router_logits": True, "router_aux_loss_coef": 0.1} if arch.endswith("_aux") else {}
+        layers = {"num_hidden_layers": 4} if aux else {}  # V-shaped schedules: 2 stages per pipeline rank
+        return Qwen3MoeConfig(**{**common, **layers}, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              tie_word_embeddings=False, **aux)
     if arch == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

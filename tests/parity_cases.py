@@ -169,3 +169,17 @@ EP_CASES = {
 }
 for _name, (_world, _layout, _extra) in EP_CASES.items():
     CASES[_name] = {"world": _world, "arch": "qwen3_moe", "layout": _layout, **_extra}
+
+# The router auxiliary loss (Qwen3-MoE, coefficient 0.1) inside a pipeline: each micro-batch's own, from every
+# stage's router logits and every replica's tokens, weighted by the micro-batch's share of the tokens, against one
+# process accumulating the same global micro-batches ("accumulate": data-parallel replicas, micro-batches)
+CASES.update({
+    "aux_dp2": {"world": 2, "arch": "qwen3_moe_aux", "layout": {"dp_shard": 2}},
+    "aux_pp2_1f1b": {"world": 2, "arch": "qwen3_moe_aux", "layout": {"pp": 2, "pp_schedule": "1f1b"},
+                     "accumulate": (1, 2)},
+    "aux_pp2_ep2": {"world": 4, "arch": "qwen3_moe_aux", "layout": {"pp": 2, "dp_shard": 2, "ep": 2},
+                    "accumulate": (2, 2)},
+    "aux_pp2_zbv_tp2_sp": {"world": 4, "arch": "qwen3_moe_aux",
+                           "layout": {"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "zbv",
+                                      "pp_microbatches": 4}, "accumulate": (1, 4)},
+})

@@ -33,15 +33,21 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 _reference_cache: dict = {}
 
 
-def reference(arch: str, batches, key=None):
-    """Single-process run: the model's own causal-LM loss over the whole global batch."""
+def reference(arch: str, batches, key=None, accumulate=None):
+    """Single-process run: the model's own causal-LM loss over the whole global batch; with ``accumulate``
+    (dp, micro-batches), over the global micro-batches a pipeline on dp replicas runs (micro-batch m: every
+    replica's m-th chunk of its rows), each model loss weighted by its share of the valid tokens, as gradient
+    accumulation weighs them (the router auxiliary loss is then each micro-batch's own)."""
     key = key or arch
     if key not in _reference_cache:
         model = make_model(arch)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         losses, norms = [], []
         for batch in batches:
-            loss = model(**batch, use_cache=False).loss  # as the engine: packed rows get document masks
+            if accumulate is None:
+                loss = model(**batch, use_cache=False).loss  # as the engine: packed rows get document masks
+            else:
+                loss = sum(share * model(**mb, use_cache=False).loss for share, mb in micro_batches(batch, *accumulate))
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
@@ -53,6 +59,17 @@ def reference(arch: str, batches, key=None):
         _reference_cache[key] = (losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()},
                                  eval_loss)
     return _reference_cache[key]
+
+
+def micro_batches(batch: dict, dp: int, m: int) -> list[tuple[float, dict]]:
+    """(share of the valid tokens, rows) of each global micro-batch of ``batch`` split over ``dp`` replicas, each
+    replica's rows in ``m`` consecutive chunks."""
+    per = batch["input_ids"].shape[0] // dp
+    chunk = per // m
+    parts = [{k: torch.cat([v[r * per + i * chunk:r * per + (i + 1) * chunk] for r in range(dp)]) for k, v in batch.items()}
+             for i in range(m)]
+    counts = [int((p["labels"][:, 1:] != -100).sum()) for p in parts]
+    return [(c / sum(counts), p) for c, p in zip(counts, parts)]
 
 
 def make_batches(spec: dict) -> list[dict]:
@@ -101,8 +118,10 @@ def run_case(name: str, spec: dict) -> dict | None:
     adamw = adamw_implementations_agree(arch, layout, batches) if spec.get("adamw", True) else {}
     if dist.get_rank() != 0:
         return None
+    accumulate = spec.get("accumulate")
     ref_losses, ref_norms, ref_weights, ref_eval = reference(
-        arch, batches, key=(arch, positions, spec.get("data", "padded"), spec.get("seq", 16)))
+        arch, batches, key=(arch, positions, spec.get("data", "padded"), spec.get("seq", 16), accumulate),
+        accumulate=accumulate)
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,

@@ -98,11 +98,6 @@ def ultrascale_validate_model(model, plan, config):
         root = _root(plan)
         lm = model.get_submodule(root) if root else model
         pp_parts(lm)  # a ConfigError naming the architecture when it has no usable pipeline plan
-        if getattr(lm.config, "output_router_logits", False):
-            raise ConfigError(
-                f"output_router_logits=True with pp={config.pp}: the router auxiliary loss takes means over the "
-                "whole batch, which a pipeline only sees micro-batch by micro-batch on separate stages; it is not "
-                "available inside a pipeline yet. Fix: set output_router_logits=False, or pp: 1")
         _dry_split(model, config, root)
         extra = _layer_state(lm)  # the causal LM itself: a wrapper's adapters do not change what layers return
         if extra:

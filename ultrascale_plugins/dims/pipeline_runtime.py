@@ -27,6 +27,7 @@ class Pipeline(Runtime):
         self.ctx, self.stages, self.stage_ids, self.n_stages = ctx, stages, stage_ids, n_stages
         self.schedule = None
         self.scale = 1.0
+        self._pmodel, self._has_mask = None, True  # the step's model and whether its batch has a mask
         pp_mesh = ctx.sub_mesh("pp")
         self.pp_group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -38,10 +39,29 @@ class Pipeline(Runtime):
         self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
         self._busy = 0.0
 
-    def _loss(self, logits, targets):
+    def _loss(self, output, targets):
+        return self._loss_sum(output, targets) * self.scale
+
+    def _loss_sum(self, output, targets, count=None):
+        """This rank's token-loss sum of one micro-batch (the last stage's ``output``), with the plugins' loss
+        terms (``ultrascale_loss_terms``: the router auxiliary loss, from every stage's router logits) folded in
+        by the micro-batch's global token count: summed over the micro-batches, each term weighs by its
+        micro-batch's share of the step's tokens, as under gradient accumulation without a pipeline."""
+        from types import SimpleNamespace
+
         from ..loss import token_loss_sum
 
-        return token_loss_sum(logits, targets) * self.scale
+        if not isinstance(output, tuple):
+            return token_loss_sum(output, targets)
+        logits, routed, mask = output
+        loss_sum = token_loss_sum(logits, targets)
+        pmodel = self._pmodel
+        layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
+        seen = SimpleNamespace(logits=logits, router_logits=layers)
+        terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
+        if count is None:
+            count = pmodel.global_token_count(targets)  # this micro-batch's, over every rank holding its tokens
+        return pmodel.add_loss_terms(loss_sum, terms, count)
 
     def build(self):
         from torch.distributed import pipelining
@@ -123,34 +143,43 @@ class Pipeline(Runtime):
             g.copy_(total)
 
     @torch.no_grad()
-    def _forward_only(self, ids, mask, positions, targets) -> torch.Tensor:
-        """Validation pass: the whole local batch through the stages in order, hidden states sent point to point.
-        Written here because torch's ``schedule.eval()`` replays the training action list (with its backward
-        actions) on the multi-stage schedules and fails there."""
-        from ..loss import token_loss_sum
+    def _forward_only(self, ids, mask, positions, targets, count) -> torch.Tensor:
+        """Validation pass: the whole local batch through the stages in order, hidden states (and, with the router
+        auxiliary loss on, the router logits so far) sent point to point. Written here because torch's
+        ``schedule.eval()`` replays the training action list (with its backward actions) on the multi-stage
+        schedules and fails there."""
+        from .pipeline_split import routed_logits_width
 
         modules = dict(zip(self.stage_ids, self.stages))
-        hidden_size = self.causal_lm(self.stages[0]).config.hidden_size
-        x, loss_sum = None, torch.zeros((), device=ids.device)
+        lm = self.causal_lm(self.stages[0])
+        hidden_size, width = lm.config.hidden_size, routed_logits_width(lm)
+        x, routed, loss_sum = None, None, torch.zeros((), device=ids.device)
         for stage in range(self.n_stages):
             if stage not in modules:
                 continue
             if stage == 0:
                 x = ids
             elif stage - 1 not in modules:
+                src = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage - 1))
                 x = torch.empty(*ids.shape, hidden_size, device=ids.device)
-                src = pp_rank_of_stage(self.ctx.config, stage - 1)
-                dist.recv(x, src=dist.get_global_rank(self.pp_group, src), group=self.pp_group)
-            out = modules[stage](x, mask, positions) if stage == 0 else modules[stage](x, mask, positions, ids)
+                dist.recv(x, src=src, group=self.pp_group)
+                if width:
+                    rows = torch.zeros(1, dtype=torch.long, device=ids.device)
+                    dist.recv(rows, src=src, group=self.pp_group)
+                    routed = torch.empty(int(rows), width, device=ids.device)
+                    dist.recv(routed, src=src, group=self.pp_group)
+            args = (x, mask, positions) if stage == 0 else (x, mask, positions, ids, *((routed,) if width else ()))
+            out = modules[stage](*args)
             if stage == self.n_stages - 1:
-                loss_sum = token_loss_sum(out, targets)
+                loss_sum = self._loss_sum(out, targets, count=count)
                 break
-            x = out[0]
+            x, routed = out[0], (out[4] if width else None)
             if stage + 1 not in modules:
-                dst_rank = pp_rank_of_stage(self.ctx.config, stage + 1)
-                dist.send(x.float().contiguous(),
-                          dst=dist.get_global_rank(self.pp_group, dst_rank),
-                          group=self.pp_group)
+                dst = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage + 1))
+                dist.send(x.float().contiguous(), dst=dst, group=self.pp_group)
+                if width:
+                    dist.send(torch.tensor([routed.shape[0]], device=ids.device), dst=dst, group=self.pp_group)
+                    dist.send(routed.float().contiguous(), dst=dst, group=self.pp_group)
         return loss_sum
 
     def _reshard(self) -> None:
@@ -198,6 +227,7 @@ class Pipeline(Runtime):
         batch = pmodel.prepare_batch(batch)
         ids, targets = batch["input_ids"], batch["targets"]
         mask = batch.get("attention_mask")
+        self._pmodel, self._has_mask = pmodel, mask is not None
         for module in self.stages:  # no mask: the stages pass None on, so packed rows keep their document masks
             module.pipeline_options["mask"] = mask is not None
         if mask is None:
@@ -229,7 +259,7 @@ class Pipeline(Runtime):
                     total += sum(float(loss.detach()) for loss in losses) / self.scale
             else:
                 with pmodel.loss_context():
-                    total += float(self._forward_only(ids, mask, positions, targets))
+                    total += float(self._forward_only(ids, mask, positions, targets, count))
                 self._reshard()
         for module in self.stages:
             module.train()

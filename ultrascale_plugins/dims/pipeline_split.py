@@ -181,8 +181,9 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
     # the runtime says per step whether the batch has a mask (the input is always one), and per schedule whether
     # the first stage's output must require a gradient (see below)
     options = {"mask": True, "grad_chain": False}
+    routing = routed_logits_width(model)
 
-    def forward(x, attention_mask, position_ids, input_ids=None):
+    def forward(x, attention_mask, position_ids, input_ids=None, routed=None):
         if first:
             input_ids = x
         else:
@@ -192,8 +193,11 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
         kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         try:
             if last:
-                return _own(causal_lm_forward(inner, **kwargs).logits)
-            base(**kwargs)
+                result = causal_lm_forward(inner, **kwargs)
+                if routing:  # every stage's router logits, for the auxiliary loss of this micro-batch
+                    return _own(result.logits), _routed(routed, result, routing, x), attention_mask
+                return _own(result.logits)
+            result = base(**kwargs)
             out = _own(sent["x"])
             if first and options["grad_chain"] and not out.requires_grad and torch.is_grad_enabled():
                 # A frozen first stage (a PEFT model with adapters only in later layers) hands on hidden states that
@@ -203,6 +207,8 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
                 # the adapters get no gradient. A leaf that requires one keeps every later stage's input on the
                 # graph (the cost: input gradients through the frozen stages before the first trained one).
                 out = out.detach().requires_grad_()
+            if routing:
+                return out, attention_mask, position_ids, input_ids, _routed(routed, result, routing, x)
             return out, attention_mask, position_ids, input_ids
         finally:
             received.clear()
@@ -212,6 +218,26 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
     stage.pipeline_options = options
     stage.pipeline_stage = (stage_id, n_stages)
     return stage
+
+
+def routed_logits_width(model) -> int:
+    """With the router auxiliary loss on (``output_router_logits``), the number of experts: each stage then hands
+    the next one the router logits of every layer so far (one [tokens x layers, experts] tensor that the
+    gradient of the auxiliary loss flows back through), and the last stage hands them to the loss; else 0."""
+    if not getattr(model.config, "output_router_logits", False):
+        return 0
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                 if isinstance(getattr(text, n, None), int)), 0)
+
+
+def _routed(previous, result, width: int, like: torch.Tensor) -> torch.Tensor:
+    """The router logits of the stages so far: ``previous`` (received) followed by this stage's layers'."""
+    own = [t.reshape(-1, width) for t in (getattr(result, "router_logits", None) or ())]
+    parts = ([previous] if previous is not None else []) + own
+    if not parts:  # a first stage whose layers all lack routers (dense layers of a MoE model)
+        return torch.zeros(0, width, device=like.device)
+    return torch.cat([p.float() for p in parts])
 
 
 def _stage_copy(model: nn.Module, elsewhere: dict[int, nn.Module]) -> nn.Module:
