@@ -40,6 +40,13 @@ def make_config(arch: str):
         layers = {"num_hidden_layers": 4} if aux else {}  # V-shaped schedules: 2 stages per pipeline rank
         return Qwen3MoeConfig(**{**common, **layers}, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                               tie_word_embeddings=False, **aux)
+    if arch == "deepseek_v3":  # routers that select with a per-expert bias (auxiliary-loss-free balancing)
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+                                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+                                n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=16, norm_topk_prob=True, tie_word_embeddings=False)
     if arch == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

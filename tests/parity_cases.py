@@ -183,3 +183,19 @@ CASES.update({
                            "layout": {"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "zbv",
                                       "pp_microbatches": 4}, "accumulate": (1, 4)},
 })
+
+# DeepSeek-V3's auxiliary-loss-free balancing (router_bias_update): the routers' selection biases move by the sign of
+# each expert's load against the mean, counted over the whole step on every rank; the bias must be the same in
+# every layout (it is a buffer of the state compared with one process's), and it changes the routing
+BIAS_RATE = 0.02
+CASES.update({
+    "bias_dp2": {"world": 2, "arch": "deepseek_v3", "layout": {"dp_shard": 2, "router_bias_update": BIAS_RATE}},
+    "bias_tp2_sp": {"world": 2, "arch": "deepseek_v3",
+                    "layout": {"tp": 2, "sequence_parallel": True, "router_bias_update": BIAS_RATE}},
+    "bias_pp2_ep2": {"world": 4, "arch": "deepseek_v3",
+                     "layout": {"pp": 2, "dp_shard": 2, "ep": 2, "router_bias_update": BIAS_RATE},
+                     "accumulate": (2, 2)},
+    "bias_cp2_ep2_ac": {"world": 4, "arch": "deepseek_v3", "seq": 32,
+                        "layout": {"cp": 2, "dp_shard": 2, "ep": 2, "activation_checkpointing": "full",
+                                   "router_bias_update": BIAS_RATE}},
+})

@@ -33,7 +33,34 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 _reference_cache: dict = {}
 
 
-def reference(arch: str, batches, key=None, accumulate=None):
+def count_routing(model) -> dict:
+    """Per router with a selection bias (e_score_correction_bias): its (token, expert) assignments since the last
+    update, counted by a forward hook (the same rule as the router_bias_update field, written out here)."""
+    counts, seen = {}, {}
+    model.model.register_forward_pre_hook(lambda m, a, k: seen.update(mask=k.get("attention_mask")), with_kwargs=True)
+    for module in model.modules():
+        if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+            counts[module] = torch.zeros(module.e_score_correction_bias.numel(), dtype=torch.long)
+
+            def hook(mod, args, output):
+                if mod.training:
+                    chosen = output[-1]
+                    if seen.get("mask") is not None:  # padding left out
+                        chosen = chosen[seen["mask"].reshape(-1).bool()]
+                    counts[mod] += torch.bincount(chosen.reshape(-1), minlength=counts[mod].numel())
+
+            module.register_forward_hook(hook)
+    return counts
+
+
+def update_biases(counts: dict, rate: float) -> None:
+    for module, load in counts.items():
+        with torch.no_grad():
+            module.e_score_correction_bias += rate * torch.sign(load.float().mean() - load.float())
+        load.zero_()
+
+
+def reference(arch: str, batches, key=None, accumulate=None, bias_rate=0.0):
     """Single-process run: the model's own causal-LM loss over the whole global batch; with ``accumulate``
     (dp, micro-batches), over the global micro-batches a pipeline on dp replicas runs (micro-batch m: every
     replica's m-th chunk of its rows), each model loss weighted by its share of the valid tokens, as gradient
@@ -42,6 +69,7 @@ def reference(arch: str, batches, key=None, accumulate=None):
     if key not in _reference_cache:
         model = make_model(arch)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        counts = count_routing(model) if bias_rate else {}
         losses, norms = [], []
         for batch in batches:
             if accumulate is None:
@@ -49,6 +77,7 @@ def reference(arch: str, batches, key=None, accumulate=None):
             else:
                 loss = sum(share * model(**mb, use_cache=False).loss for share, mb in micro_batches(batch, *accumulate))
             loss.backward()
+            update_biases(counts, bias_rate)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad()
@@ -120,8 +149,9 @@ def run_case(name: str, spec: dict) -> dict | None:
         return None
     accumulate = spec.get("accumulate")
     ref_losses, ref_norms, ref_weights, ref_eval = reference(
-        arch, batches, key=(arch, positions, spec.get("data", "padded"), spec.get("seq", 16), accumulate),
-        accumulate=accumulate)
+        arch, batches, key=(arch, positions, spec.get("data", "padded"), spec.get("seq", 16), accumulate,
+                            layout.get("router_bias_update", 0.0)),
+        accumulate=accumulate, bias_rate=layout.get("router_bias_update", 0.0))
     missing = sorted(set(ref_weights) ^ set(weights))
     weight_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights if k in weights)
     return {"losses": losses, "ref_losses": ref_losses,
@@ -130,7 +160,9 @@ def run_case(name: str, spec: dict) -> dict | None:
             "clipped": all(n > CLIP for n in ref_norms),
             "weight_diff": weight_diff, "missing_keys": missing, "eval_diff": abs(eval_loss - ref_eval),
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
-            "bytes_held": bytes_held, "plugin_state": plugin_state, "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
+            "bytes_held": bytes_held, "plugin_state": plugin_state,
+            "router_bias": max((float(weights[k].abs().max()) for k in weights if k.endswith("e_score_correction_bias")),
+                               default=None), "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
 
 
 def prefetch_targets(pmodel) -> list[int]:

@@ -38,6 +38,9 @@ class ParallelContext:
     # what a dimension keeps for this model between its hooks (e.g. context parallel's group and batch flags),
     # keyed by a name the plugin chooses
     plugin_state: dict = dataclasses.field(default_factory=dict)
+    # True while a runtime runs the model on stand-in inputs (a pipeline's shape inference): a plugin that keeps
+    # statistics of the real batches leaves these forwards out
+    stand_in: bool = False
 
     _materializer: Any = None
 
@@ -572,6 +575,7 @@ class ParallelModel:
         for params, group, divisor in self._grad_reductions:
             average_gradients(params, group, divisor)
         self.runtime.after_backward(self)
+        self.pm.hook.ultrascale_after_backward(pmodel=self)
 
 
 def average_gradients(params, group, size: float) -> None:

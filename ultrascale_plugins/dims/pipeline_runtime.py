@@ -76,10 +76,29 @@ class Pipeline(Runtime):
         for stage in stages:
             self._time_compute(stage)
             _zero_inferred_inputs(stage)
+            self._mark_stand_in(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
         self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
         if self.tied:
             self._init_tie_group()
+
+    def _mark_stand_in(self, stage) -> None:
+        """torch infers a stage's shapes by running it on inputs made from metadata (and its backward): the
+        context says so while it does (``ParallelContext.stand_in``). Wraps the stage's private helpers, where
+        they exist; nothing else changes."""
+        for name in ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"):
+            inner = getattr(stage, name, None)
+            if inner is None:
+                continue
+
+            def marked(*args, _inner=inner, **kwargs):
+                self.ctx.stand_in = True
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self.ctx.stand_in = False
+
+            setattr(stage, name, functools.wraps(inner)(marked))
 
     def _time_compute(self, stage) -> None:
         """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of

@@ -17,7 +17,8 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
    activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
 3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
    (``ultrascale_prepare_optimizer``), the loss (``ultrascale_loss_context``: how it is computed;
-   ``ultrascale_loss_terms``: what is added to it), gradient accumulation (``ultrascale_no_sync``), the step itself
+   ``ultrascale_loss_terms``: what is added to it), gradient accumulation (``ultrascale_no_sync``), what follows a step's last backward
+   (``ultrascale_after_backward``), the step itself
    (``ultrascale_train_step``: replace it, or wrap it with a ``@hookimpl(wrapper=True)`` generator);
 4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
    DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
@@ -176,6 +177,13 @@ def ultrascale_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
     """Return a context manager under which this dimension's wrappers keep gradients local (gradient
     accumulation: FSDP2's and DDP's reductions off), or None. ``ParallelModel.no_sync`` enters every plugin's;
     the engine holds back its own reduction of the axes nobody claims too."""
+
+
+@hookspec
+def ultrascale_after_backward(pmodel: ParallelModel) -> None:
+    """Called on every rank once the gradients of an optimizer step are complete and reduced (after the last
+    micro-batch's backward, never inside ``no_sync``), before the optimizer steps: updates that depend on the
+    whole step (a router's load-balancing bias from the step's token counts)."""
 
 
 @hookspec(firstresult=True)

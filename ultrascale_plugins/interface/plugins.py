@@ -33,6 +33,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.models.peft_meta",
     "ultrascale_plugins.models.quantized_base",
     "ultrascale_plugins.models.router_aux_loss",
+    "ultrascale_plugins.models.router_bias",
     "ultrascale_plugins.step",
     "ultrascale_plugins.planner.auto",
 )
