@@ -1,5 +1,7 @@
 """Export a sharded checkpoint (any layout) to a Hugging Face directory: safetensors shards, config.json and
-generation_config.json, streamed tensor by tensor so memory stays bounded by one output shard.
+generation_config.json, streamed tensor by tensor so memory stays bounded by one output shard. The tensors are
+named as transformers' own ``save_pretrained`` names them (a MoE model's fused experts written per expert:
+``saved_format_groups``).
 
     ultrascale export runs/ckpt/step-00000040 out/my-model
     ultrascale export runs/ckpt/step-00000040 out/adapter --adapter          # a PEFT model's: PEFT's own files
@@ -26,16 +28,25 @@ MODEL_PREFIX = "model."
 FORMS = ("adapter", "merged")
 
 
-def _check_names(names: list[str], config, checkpoint: Path) -> None:
-    """Refuse a checkpoint whose tensors are not the model's own (a PEFT model's: its wrapper's names and its
-    adapters): written out, transformers would skip them and load random weights in their place."""
+def _meta_model(config):
+    """The causal LM of ``config`` on the meta device (nothing allocated), or None when transformers cannot build
+    it from the config alone (then the checkpoint is exported as saved)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            expected = set(AutoModelForCausalLM.from_config(config).state_dict())
-    except Exception:  # noqa: BLE001 - a model transformers cannot build from the config alone: export as saved
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _check_names(names: list[str], model, checkpoint: Path) -> None:
+    """Refuse a checkpoint whose tensors are not the model's own (a PEFT model's: its wrapper's names and its
+    adapters): written out, transformers would skip them and load random weights in their place."""
+    if model is None:
         return
+    config = model.config
+    expected = set(model.state_dict())
     unknown = [n for n in names if n not in expected]
     if unknown:
         raise CheckpointError(f"checkpoint '{checkpoint}': {len(unknown)} tensor(s) are not parameters of a "
@@ -127,6 +138,42 @@ def _copy_tokenizer(checkpoint: Path, out: Path) -> None:
                 shutil.copy2(f, out / f.name)
 
 
+def saved_format_groups(model, names: list[str]) -> list[tuple[list[str], object]]:
+    """``names`` (the model's parameters) in groups that convert to the checkpoint format transformers'
+    ``save_pretrained`` writes, each with the function doing it (None: written as they are, under their names).
+    transformers >= 5 fuses some parameters at load (a MoE layer's experts into ``mlp.experts.gate_up_proj`` /
+    ``down_proj``) and ``save_pretrained`` splits them again (``mlp.experts.<e>.gate_proj.weight``, ...), with the
+    reverse of the model's conversion mapping (``core_model_loading.revert_weight_conversion``). That function
+    reverts a whole state dict at once; here the names are grouped as it groups them (the parameters one reversed
+    converter takes together), so each group is read, reverted by transformers' own function and written on its
+    own, and memory stays bounded by one group."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (PrefixChange, WeightConverter, apply_converters,
+                                                     dot_natural_key, revert_weight_conversion)
+    except ImportError:  # pragma: no cover - a transformers without conversion mappings stores what it holds
+        return [([n], None) for n in names]
+    if model is None:
+        return [([n], None) for n in names]
+    # as revert_weight_conversion picks them for a model not loaded with from_pretrained
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                   if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return [([n], None) for n in names]
+    converters = [c.reverse_transform() for c in conversions[::-1]]
+    converters = [c for c in converters if isinstance(c, WeightConverter)]
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for name in sorted(names, key=dot_natural_key):
+        target, pattern = apply_converters(name, converters)
+        # what a reversed converter takes together, by its target; any other name alone (renamed, if at all)
+        grouped.setdefault(("converted", target) if pattern is not None else ("alone", name), []).append(name)
+
+    def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return revert_weight_conversion(model, tensors)
+
+    return [(group, revert) for group in grouped.values()]
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 2**30,
               dtype: torch.dtype | None = None) -> Path:
     """Write ``out_dir`` so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model.
@@ -144,7 +191,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
     md = SafeReader(str(checkpoint)).read_metadata()  # refuses a forged .metadata before anything is written
     names = sorted(k[len(MODEL_PREFIX):] for k, v in md.state_dict_metadata.items()
                    if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata))
-    _check_names(names, config, checkpoint)
+    model = _meta_model(config)
+    _check_names(names, model, checkpoint)
     if tied:  # transformers stores a tied head once, under the embedding's name
         names = [n for n in names if n != "lm_head.weight"] if any("embed" in n or "wte" in n for n in names) \
             else names
@@ -159,19 +207,27 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: i
         written.append(list(current))
         current, size = {}, 0
 
-    for name in names:
-        tmd = md.state_dict_metadata[MODEL_PREFIX + name]
-        tensor = torch.empty(tmd.size, dtype=tmd.properties.dtype)
+    for group, revert in saved_format_groups(model, names):
+        tensors = {}
+        for name in group:
+            tmd = md.state_dict_metadata[MODEL_PREFIX + name]
+            tensors[name] = torch.empty(tmd.size, dtype=tmd.properties.dtype)
         with warnings.catch_warnings():  # no_dist=True is the intent here; DCP warns about it on every call
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({MODEL_PREFIX + name: tensor}, storage_reader=SafeReader(str(checkpoint)), no_dist=True)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            write_shard()
-        current[name] = tensor.contiguous()
-        size += nbytes
+            dcp.load({MODEL_PREFIX + n: t for n, t in tensors.items()}, storage_reader=SafeReader(str(checkpoint)),
+                     no_dist=True)
+        for name, tensor in (revert(tensors) if revert is not None else tensors).items():
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            tensor = tensor.contiguous()
+            if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                tensor = tensor.clone()  # a piece of a split parameter: safetensors refuses shared storage
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                write_shard()
+            current[name] = tensor
+            size += nbytes
+        del tensors
     if current:
         write_shard()
     index = {}
