@@ -71,9 +71,13 @@ class UltraScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
+        from ..engine import causal_lm_of, validate
         from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout
         from .cpu_relaunch import relaunch_cpu_workers
 
+        # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
+        # loop makes its model after the Accelerator, and prepare checks it)
+        model = kwargs.pop("_ultrascale_model", None)
         relaunch_cpu_workers()  # `accelerate launch --cpu --num_processes N` started one process: start N
         for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
             if kwargs.get(taken) is not None:
@@ -92,6 +96,9 @@ class UltraScaleAccelerator(Accelerator):
             if compiled is not None and config.compile == "none":
                 config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
             self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
+            if causal_lm_of(model) is not None and getattr(self.ultrascale_config, "layout", "manual") != "auto":
+                # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
+                validate(self.ultrascale_config, causal_lm_of(model).config, world, model=model)
         except ConfigError as exc:
             if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank
                 _exit_once(exc)

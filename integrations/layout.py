@@ -10,6 +10,10 @@ schedule, micro-batches, sequence parallel, ZeRO stage, activation checkpointing
 ``ultrascale:`` block inside ``parallelism_config`` — Accelerate accepts unknown keys inside its sections but
 never exports them — and reach the workers because ``$ULTRASCALE_CONFIG`` names the file (shell variables do
 reach the workers; ``ultrascale accelerate-launch`` sets it). ``ultrascale accelerate-config`` writes such a file.
+A plugin's own size key (expert parallel's ``parallelism_config_ep_size``) is read from the file the same way, or
+from ``PARALLELISM_CONFIG_EP_SIZE`` in the environment: Accelerate's launcher does not export it. A worker that
+plain ``accelerate launch`` started without ``$ULTRASCALE_CONFIG`` reads the launcher's file and refuses to run
+when it holds what did not reach it (``dropped_by_the_launcher``), rather than run without it.
 """
 from __future__ import annotations
 
@@ -159,7 +163,59 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
                                    "accelerate-launch`).")
         raise ConfigError(f"the layout asks for {'*'.join(a.name for a in axes)} = {product} processes but "
                           f"{world} were launched.{missing}{hint} Fix: make num_processes equal the product")
+    if not path and str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
+        file = launcher_config_file()
+        dropped = dropped_by_the_launcher(file, env) if file else []
+        if dropped:
+            raise ConfigError(f"{file}: {' and '.join(dropped)} did not reach the workers (Accelerate's launcher "
+                              "exports its own sizes only), so this run would silently leave them out. Fix: "
+                              f"launch with `ultrascale accelerate-launch {file} SCRIPT`, or set "
+                              f"ULTRASCALE_CONFIG={file}")
     return config
+
+
+def launcher_config_file(parent_cmdline: list[str] | None = None) -> str | None:
+    """The config file of the ``accelerate launch`` that started this worker (its parent process: Accelerate's
+    launcher runs torchrun's agent in its own process): its ``--config_file``, else Accelerate's default file if
+    there is one. None when the parent is not ``accelerate launch`` (torchrun, SLURM, ...)."""
+    import os
+
+    from .cpu_relaunch import launch_arguments
+
+    try:
+        if parent_cmdline is None:
+            import psutil  # an Accelerate dependency
+
+            parent_cmdline = psutil.Process(os.getppid()).cmdline()
+        split = launch_arguments(parent_cmdline)
+        if split is None:
+            return None
+        from accelerate.commands.config import default_config_file
+        from accelerate.commands.launch import launch_command_parser
+
+        given = launch_command_parser().parse_args([*split[0], *split[1]]).config_file
+    except Exception:  # noqa: BLE001 - no way to tell: the layout is what the launcher exported
+        return None
+    return given or (default_config_file if os.path.isfile(default_config_file) else None)
+
+
+def dropped_by_the_launcher(file: str | Path, env: Mapping[str, str]) -> list[str]:
+    """The keys of an Accelerate config file's ``parallelism_config`` that ``accelerate launch`` did not pass to
+    its workers: a size above 1 that no ``PARALLELISM_CONFIG_*`` variable carries (Accelerate exports a fixed set,
+    which a plugin's size such as ``ep_size`` is not in) and the ``ultrascale`` block."""
+    try:
+        data = yaml.safe_load(Path(file).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    section = data.get("parallelism_config") if isinstance(data, dict) else None
+    dropped = []
+    for key, value in (section or {}).items() if isinstance(section, dict) else ():
+        if key == SECTION and value:
+            dropped.append(f"the '{SECTION}' block ({', '.join(sorted(value))})")
+        elif key.startswith(YAML_PREFIX) and key.endswith("_size") and str(value).isdigit() and int(value) > 1 \
+                and ENV_PREFIX + key.removeprefix(YAML_PREFIX).upper() not in env:
+            dropped.append(f"{key}={value}")
+    return dropped
 
 
 def accelerate_yaml(config: ParallelConfig, num_processes: int, use_cpu: bool, num_machines: int = 1) -> dict:

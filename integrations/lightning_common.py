@@ -138,12 +138,31 @@ class _UltraScaleStrategyMixin:
         from ..launch import collective_timeout, set_collective_timeout
 
         self.set_world_ranks()
+        self._check_model_before_processes()
         set_collective_timeout(self._timeout)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         kwargs = {"timeout": collective_timeout()}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         self._init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def _check_model_before_processes(self) -> None:
+        """Every check of the layout against the model that needs no process group (the engine's ``validate``:
+        its config and module tree, e.g. ``ep`` against its experts, ``zero_stage`` for them, ``tp`` against its
+        heads), run here, before this process joins the group, when the LightningModule already holds its causal
+        LM; one built in ``configure_model`` (after this point) is checked in ``setup``, as is a layout the
+        planner picks (``layout: auto``), which ``parallelize`` announces once."""
+        from ..engine import causal_lm_of, validate
+
+        module = self.lightning_module
+        found = [c for _, c in module.named_children() if causal_lm_of(c) is not None] if module is not None else []
+        if len(found) != 1:
+            return  # none yet (configure_model), or several: find_causal_lm says so in setup
+        model_config = causal_lm_of(found[0]).config
+        config = self.layout_for(model_config)
+        if getattr(config, "layout", "manual") == "auto":
+            return
+        validate(config, model_config, self.world, model=found[0])
 
     @property
     def is_distributed(self) -> bool:

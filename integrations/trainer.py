@@ -92,7 +92,10 @@ class UltraScaleTrainer(Trainer):
 
         args = self._build_accelerator_args(dataloader_config=dataloader_config,
                                             gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc_kwargs))
-        self.accelerator = UltraScaleAccelerator(ultrascale_plugin=self.ultrascale_plugin, **args)
+        # Trainer holds its model already: the layout is checked against it before Accelerate sets up (and before
+        # its process group, unless TrainingArguments started one), one line from rank 0 if it cannot run
+        self.accelerator = UltraScaleAccelerator(ultrascale_plugin=self.ultrascale_plugin,
+                                                 _ultrascale_model=self.model, **args)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,

@@ -23,7 +23,7 @@ from models import make_model, padded_batches  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-ARCH = os.environ.get("TEST_ARCH", "llama8_tied")  # another architecture for one test (Qwen3)
+ARCH = os.environ.get("TEST_ARCH", "llama8_tied")  # another architecture for a test (Qwen3, Qwen3-MoE for ep)
 GLOBAL_BATCH, BATCHES, EPOCHS, CLIP = 8, 3, 2, 0.5
 ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(BATCHES, GLOBAL_BATCH) for i in range(GLOBAL_BATCH)]
 PROBE = padded_batches(1, 4, seed=5)[0]
@@ -119,6 +119,7 @@ def train(args) -> dict:
     result = {"losses": losses, "data_parallel_size": accelerator.data_parallel_size,
               "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "compile": accelerator.ultrascale_config.compile, "compiled_graphs": compiled_graphs(),
+              "ep": accelerator.ultrascale_config.ep,
               "parallelized": len(accelerator.ultrascale_models)}
     if args.save_model:
         accelerator.save_model(model, args.save_model)

@@ -66,6 +66,10 @@ RUNS = {
     "tp_fused": ("ultrascale_tp", {"adamw": "fused"}),
     "tp_sp_foreach": ({"tp": 2, "sequence_parallel": True, "dp_shard": 1}, {"adamw": "foreach"}),
     "pp2_tp2_fused": ({"pp": 2, "tp": 2, "dp_shard": 1}, {"adamw": "fused"}),
+    # expert parallel on a mixture of experts (Qwen3-MoE, 8 experts, top-2; compared with it on one device): the
+    # registered name (ep = devices per node, ZeRO-3 over every device) and an explicit layout under ZeRO-2
+    "ultrascale_ep": ("ultrascale_ep", {"arch": "qwen3_moe"}),
+    "ep2_zero2": ({"ep": 2, "zero_stage": 2}, {"arch": "qwen3_moe"}),
     # a field of the plugin outside the package (tests/outside_plugin; needs it on PYTHONPATH)
     "outside_acme_dp2_zero3_dp2": ({"acme_dp": 2, "dp_shard": 2}, {}),
 }
@@ -162,7 +166,9 @@ def fit(strategy, devices, ckpt_path=None, **kwargs) -> dict:
                       adamw=kwargs.pop("adamw", "for_loop"), peft=kwargs.pop("peft", False))
     t = trainer(strategy, devices, **kwargs)
     t.fit(module, ckpt_path=ckpt_path)
-    return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan"))}
+    pmodel = getattr(t.strategy, "pmodel", None)  # the layout that ran (a registered name picks it in setup)
+    return {"losses": module.losses, "val_loss": float(t.callback_metrics.get("val_loss", "nan")),
+            "layout": pmodel.config.to_dict() if pmodel is not None else None}
 
 
 def resume(directory: str, devices: int) -> dict:

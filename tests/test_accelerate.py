@@ -225,8 +225,10 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
     assert (ring.cp, ring.cp_method) == (2, "ring")
     with pytest.raises(ConfigError, match="parallelism_config_cp_size=2 and parallelism_config_sp_size=2"):
         layout_from_environment({**env, "PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "2"}, 4)
-    with pytest.raises(ConfigError, match="parallelism_config_ep_size=2: no installed plugin reads"):
-        layout_from_environment({**env, "PARALLELISM_CONFIG_EP_SIZE": "2"}, 4)
+    # expert parallel's own size key, read by its plugin; a size no installed plugin reads is refused
+    assert layout_from_environment({**env, "PARALLELISM_CONFIG_EP_SIZE": "2"}, 4).ep == 2
+    with pytest.raises(ConfigError, match="parallelism_config_xp_size=2: no installed plugin reads"):
+        layout_from_environment({**env, "PARALLELISM_CONFIG_XP_SIZE": "2"}, 4)
     fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_VERSION": "2"}
     assert layout_from_environment(fsdp, 4).zero_stage == 2
     with pytest.raises(ConfigError, match="fp16"):
@@ -235,6 +237,40 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
                            str(RECIPES / "pp_tp.yaml").replace("pp_tp", "missing"), "x.py"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_an_ep_size_that_accelerates_launcher_drops_is_refused_not_ignored(monkeypatch):
+    """recipes/accelerate/ep_zero3.yaml holds parallelism_config_ep_size, which Accelerate's launcher does not
+    export: read through $ULTRASCALE_CONFIG (or PARALLELISM_CONFIG_EP_SIZE in the environment) it is ep=2; a worker
+    of a plain `accelerate launch --config_file` of it reads the launcher's file and stops with the fix instead of
+    training without expert parallelism (and likewise for the `ultrascale` block, e.g. zero1.yaml's zero_stage)."""
+    from ultrascale_plugins import ParallelConfig
+    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.integrations import layout
+
+    ep_file = str(RECIPES / "ep_zero3.yaml")
+    assert (layout.read_layout_file(ep_file).ep, layout.read_layout_file(ep_file).dp_shard) == (2, 2)
+    written = layout.accelerate_yaml(ParallelConfig(dp_shard=2, ep=2), 2, True)  # `accelerate-config --set ep=2`
+    assert written["parallelism_config"]["parallelism_config_ep_size"] == 2
+    assert layout.from_accelerate_file(written, "f.yaml").ep == 2
+    assert layout.launcher_config_file(["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file",
+                                        ep_file, "train.py", "--lr", "1"]) == ep_file
+    assert layout.launcher_config_file(["python", "-m", "torch.distributed.run", "train.py"]) is None
+    # what `accelerate launch --config_file ep_zero3.yaml` exports to its workers
+    exported = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
+                "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "1",
+                "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "1"}
+    monkeypatch.setattr(layout, "launcher_config_file", lambda: ep_file)
+    with pytest.raises(ConfigError, match=r"ep_zero3.yaml: parallelism_config_ep_size=2 did not reach the workers"
+                                          r".* Fix: launch with `ultrascale accelerate-launch .*ep_zero3.yaml SCRIPT`"):
+        layout.layout_from_environment(exported, 2)
+    assert layout.layout_from_environment({**exported, "ULTRASCALE_CONFIG": ep_file}, 2).ep == 2
+    assert layout.layout_from_environment({**exported, "PARALLELISM_CONFIG_EP_SIZE": "2"}, 2).ep == 2
+    zero1 = str(RECIPES / "zero1.yaml")
+    monkeypatch.setattr(layout, "launcher_config_file", lambda: zero1)
+    with pytest.raises(ConfigError, match=r"the 'ultrascale' block \(zero_stage\) did not reach the workers"):
+        layout.layout_from_environment({**exported, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+                                        "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}, 2)
 
 
 def test_cpu_relaunch_reads_the_launch_command_in_all_its_spellings():
@@ -286,3 +322,20 @@ def test_accelerates_own_sp_size_key_runs_ulysses_context_parallel(tmp_path, ref
     assert (layout.cp, layout.cp_method, layout.dp_shard) == (2, "ulysses", 2)
     out = tmp_path / "out.json"
     check(launch(str(RECIPES / "sp_ulysses_zero3.yaml"), out, through_cli=False), out, reference, 2)
+
+
+@pytest.mark.slow
+def test_expert_parallel_from_the_ep_size_key_matches_one_process(tmp_path):
+    """recipes/accelerate/ep_zero3.yaml (parallelism_config_ep_size: 2 over dp_shard 2) on a mixture of experts
+    (Qwen3-MoE, 8 experts, top-2): each process holds 4 of every layer's experts, tokens go to them and back, and
+    every step equals the same model on one process without Accelerate."""
+    env = {"TEST_ARCH": "qwen3_moe"}
+    ref_path = tmp_path / "ref.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref_path), "--reference", "--replicas", "2"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out.json"
+    r = check(launch(str(RECIPES / "ep_zero3.yaml"), out, env_extra=env), out,
+              {(2, 1, "for_loop"): json.loads(ref_path.read_text())["losses"]}, replicas=2)
+    assert r["ep"] == 2, r

@@ -86,6 +86,52 @@ def test_a_tp_style_that_cannot_be_applied_is_refused_before_launch(tmp_path, mo
     refused_before_launch(monkeypatch, capsys, ["train", recipe], "packed_rowwise", "mlp.down_proj", "Fix:")
 
 
+# ---- expert parallel: --set ep=N on a MoE; what cannot run refused by the shared checks, before launch ---------
+TINY_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+
+
+def test_expert_parallel_is_accepted_on_a_moe_and_refused_where_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """The checks every front end runs before its process group (``engine.validate``: ``resolve`` alone when
+    the model is not known yet, the model config and its module tree when it is), then ``ultrascale train --set
+    ep=...``: accepted on a tiny MoE recipe (its run: tests/test_sft_recipes.py's qwen3-30b-a3b-ep), refused with
+    one line naming the field, the value and the fix before any worker starts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins import ParallelConfig
+    from ultrascale_plugins.engine import validate
+    from ultrascale_plugins.recipe import load_recipe, model_config_of
+
+    moe, llama = model_config_of(TINY_MOE), model_config_of(TINY)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(moe)
+    bad_ep = r"^ep=3: expert parallelism borrows its ranks from dp_shard\*cp\*tp = 4\*1\*1 = 4, which 3 does not divide"
+    with pytest.raises(ConfigError, match=bad_ep + r"\. Fix: pick an ep that divides 4$"):
+        ParallelConfig(dp_shard=4, ep=3).resolve(4)  # what a front end checks before it knows the model
+    with pytest.raises(ConfigError, match=bad_ep):
+        validate(ParallelConfig(dp_shard=4, ep=3), moe, 4, model=meta)
+    with pytest.raises(ConfigError, match=r"^zero_stage=1: ep=2 shards the experts in FSDP2 groups of their own, "
+                                          r".* Fix: use zero_stage: 2 or 3, or ep: 1$"):
+        ParallelConfig(dp_shard=2, ep=2, zero_stage=1).resolve(2)  # before the model is known
+    with pytest.raises(ConfigError, match=r"^ep=2: model type 'llama' has no routed experts\. Fix: use ep: 1$"):
+        validate(ParallelConfig(dp_shard=2, ep=2), llama, 2)
+    assert validate(ParallelConfig(dp_shard=2, ep=2), moe, 2, model=meta).ep == 2
+
+    recipe = write_recipe(tmp_path / "moe.yaml", TINY_MOE, {"dp_shard": 2})
+    accepted = load_recipe(recipe, ["ep=2"])
+    assert accepted.parallel.ep == 2 and cli.check_recipe(accepted)  # the fingerprint the workers are handed
+    refused_before_launch(monkeypatch, capsys, ["train", recipe, "--nproc", "4", "--set", "dp_shard=4", "--set",
+                                                "ep=3"], "ep=3", "4*1*1 = 4, which 3 does not divide",
+                          "Fix: pick an ep that divides 4")
+    refused_before_launch(monkeypatch, capsys, ["train", recipe, "--set", "ep=2", "--set", "zero_stage=1"],
+                          "zero_stage=1", "experts", "Fix: use zero_stage: 2 or 3")
+    dense = write_recipe(tmp_path / "dense.yaml", TINY, {"dp_shard": 2})
+    refused_before_launch(monkeypatch, capsys, ["train", dense, "--set", "ep=2"], "ep=2",
+                          "model type 'llama' has no routed experts", "Fix: use ep: 1")
+
+
 def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
     from ultrascale_plugins.train import report_error
 

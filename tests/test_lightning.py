@@ -60,9 +60,14 @@ def assert_parity(results, reference, names, tol=TOL):
 @pytest.mark.slow
 def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, reference, hf_dir):
     exact = NAMES + ["zero3_accumulate2", "pp_accumulate2", "pretrained_meta_tp_sp", "pretrained_init_from_zero3",
-                     "zero1", "tp_fused", "tp_sp_foreach", "peft_zero3"]
+                     "zero1", "tp_fused", "tp_sp_foreach", "peft_zero3", "ultrascale_ep", "ep2_zero2"]
     results = run(2, tmp_path, hf_dir, *exact, "zero3_bf16_mixed", "tp_bf16_true")
     assert_parity(results, reference, exact)
+    # expert parallel on the MoE: strategy="ultrascale_ep" picked ep=2 (the devices of the node) under ZeRO-3, and
+    # UltraScaleStrategy(ep=2, zero_stage=2) ran as given
+    picked = results["ultrascale_ep"]["layout"]
+    assert (picked["ep"], picked["dp_shard"], picked["zero_stage"]) == (2, 2, 3), picked
+    assert (results["ep2_zero2"]["layout"]["ep"], results["ep2_zero2"]["layout"]["zero_stage"]) == (2, 2)
     # bf16 against Lightning's own bf16 on one device: close, not equal
     assert_parity(results, reference, ["zero3_bf16_mixed", "tp_bf16_true"], tol=5e-3)
 
@@ -132,6 +137,41 @@ def test_invalid_layout_fails_when_the_trainer_is_built():
         L.Trainer(accelerator="cpu", devices=3, strategy=UltraScaleStrategy(tp=2), logger=False)
     with pytest.raises(ConfigError, match="precision=.16-true."):
         L.Trainer(accelerator="cpu", devices=2, strategy="ultrascale_tp", precision="16-true", logger=False)
+    # expert parallel: ep must divide the dp_shard*cp*tp ranks it borrows
+    with pytest.raises(ConfigError, match=r"^ep=3: .* 4\*1\*1 = 4, which 3 does not divide\. Fix: pick an ep that"):
+        L.Trainer(accelerator="cpu", devices=4, strategy=UltraScaleStrategy(ep=3), logger=False)
+
+
+def test_expert_parallel_is_checked_against_the_model_before_the_process_group():
+    """What needs the model (its experts, and zero_stage 2 or 3 for them) is checked when fit() reaches the
+    strategy's setup_environment, before this process joins a process group; strategy="ultrascale_ep" picks the
+    devices of a node for ep, halved until it divides the experts and the world."""
+    import lightning.pytorch as L
+    import torch
+
+    from lightning_worker import CausalLM
+    from models import make_config
+    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
+    from ultrascale_plugins.presets import presets
+
+    with pytest.raises(ConfigError, match=r"^zero_stage=1: ep=2 shards the experts.* Fix: use zero_stage: 2 or 3"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ep=2, zero_stage=1), logger=False)
+    assert not torch.distributed.is_initialized()  # refused from the layout alone, before the model is known
+    cases = [(UltraScaleStrategy(ep=2), "llama", r"^ep=2: model type 'llama' has no routed experts\. Fix: use ep: 1"),
+             ("ultrascale_ep", "llama", r"^ep=2: model type 'llama' has no routed experts")]
+    for strategy, arch, error in cases:
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        trainer.strategy.connect(CausalLM(arch=arch))
+        trainer.strategy._init_dist_connection = lambda *a, **k: pytest.fail("a process group was started first")
+        with pytest.raises(ConfigError, match=error):
+            trainer.strategy.setup_environment()
+        assert not torch.distributed.is_initialized()
+    layout = presets()["ep"].layout
+    moe = make_config("qwen3_moe")  # 8 experts
+    assert layout(4, 4, moe) == {"dp_shard": 4, "ep": 4, "zero_stage": 3}
+    assert layout(16, 8, moe)["ep"] == 8 and layout(12, 4, moe)["ep"] == 4 and layout(2, 1, moe)["ep"] == 1
+    assert layout(6, 6, moe)["ep"] == 2  # the largest that divides the 8 experts and the 6 devices
 
 
 @pytest.mark.slow

@@ -26,6 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "recipes" / "sft"
 RECIPES = sorted(SFT.glob("*.yaml"))
 LORA_RECIPES = [p for p in RECIPES if "peft" in yaml.safe_load(p.read_text())]
+
+
+def expert_parallel_alternative(path: Path) -> int | None:
+    """The ep of the expert-parallel layout a MoE recipe's header offers (its `--set ep=N` launch command)."""
+    found = re.findall(r"--set ep=(\d+)", "".join(line for line in path.read_text().splitlines(keepends=True)
+                                                  if line.startswith("#")))
+    assert len(set(found)) <= 1, f"{path.name}: one ep in the header"
+    return int(found[0]) if found else None
+
+
+EP_RECIPES = [p for p in RECIPES if expert_parallel_alternative(p)]
 GPU = "h100-sxm-80gb"
 
 def shrunk_data(tmp_path: Path, tiny: Path) -> list[str]:
@@ -54,6 +65,10 @@ MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 def test_the_four_recipes_are_there():
     assert {p.stem for p in RECIPES} >= {"llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b"}, RECIPES
+
+
+def test_the_moe_recipe_offers_expert_parallel():
+    assert [p.stem for p in EP_RECIPES] == ["qwen3-30b-a3b"], EP_RECIPES
 
 
 def test_the_lora_recipes_are_there():
@@ -156,6 +171,35 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
         f"{path.name}: the header says {quoted[0]} GB, the planner now {result.memory_gb['total']:.1f} GB"
 
 
+@pytest.mark.parametrize("path", EP_RECIPES, ids=lambda p: p.stem)
+def test_expert_parallel_alternative_validates_and_fits(path, tmp_path, monkeypatch):
+    """The header's expert-parallel layout (`--set ep=N` over the recipe's): `ultrascale train`'s pre-launch checks
+    at full size (ep against the real model's experts and the ranks it borrows, the experts on the meta device,
+    ZeRO 2 or 3), its memory check on against 80 GB per GPU, and the header quoting that estimate within 10 %."""
+    from ultrascale_plugins.cli import check_recipe
+    from ultrascale_plugins.engine import estimate
+    from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
+    from ultrascale_plugins.recipe import load_recipe
+
+    ep, nodes = expert_parallel_alternative(path), nnodes_of(path)
+    recipe = load_recipe(path, [f"ep={ep}"], nnodes=nodes, init_from=str(pretrained_dir(path, tmp_path)))
+    world = recipe.nproc * nodes
+    monkeypatch.delenv("ULTRASCALE_SKIP_MEMORY_CHECK", raising=False)
+    check_recipe(recipe, nnodes=nodes, memory_gb=80)
+    resolved = recipe.parallel.resolve(world)
+    assert resolved.ep == ep > 1 and resolved.zero_stage >= 2
+    assert (resolved.dp_shard * resolved.cp * resolved.tp) % ep == 0 and recipe.model_config().num_experts % ep == 0
+    t = recipe.train
+    mem = peak_memory_gb([estimate(resolved, recipe.model_config(), world_size=world, seq_len=recipe.data.seq_len,
+                                   micro_batch=t.micro_batch_size, micro_batches=t.grad_accum, coords=coords,
+                                   check=False) for coords in coordinates_to_cost(resolved)])
+    text = header(path)
+    quoted = re.findall(r"= ([\d.]+) GB per GPU", text[text.index(f"--set ep={ep}"):])
+    assert quoted, f"{path.name}: the header quotes the ep layout's estimate after its command ('= N GB per GPU')"
+    assert abs(float(quoted[0]) - mem["total"]) <= 0.1 * mem["total"], \
+        f"{path.name}: the header says {quoted[0]} GB with ep={ep}, the estimate now {mem['total']:.1f} GB"
+
+
 def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> None:
     """A LoRA recipe: `ultrascale train`'s pre-launch checks, its memory check included, against 80 GB per GPU; the
     estimate they use (of the PEFT model on the meta device: only the adapters train) quoted in the header within
@@ -240,13 +284,17 @@ def ultrascale_train(*args, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
+@pytest.mark.parametrize("path,ep", [pytest.param(p, None, id=p.stem) for p in RECIPES]
+                         + [pytest.param(p, 2, id=f"{p.stem}-ep") for p in EP_RECIPES])
+def test_shrunk_model_trains_in_the_recipes_layout(path, ep, tmp_path):
+    """... and a MoE recipe's expert-parallel alternative: the same scaled-down layout with `--set ep=2`."""
     from ultrascale_plugins.recipe import load_recipe
 
     real = pretrained_dir(path, tmp_path)
     recipe = load_recipe(path, nnodes=nnodes_of(path), init_from=str(real))
     layout = shrunk_layout(recipe.parallel)
+    if ep is not None:
+        layout["ep"] = ep  # divides the shrunk dp_shard*cp*tp (2) and its 8 experts
     world = math.prod(layout[d] for d in MESH_DEGREES)
     tiny = tmp_path / "tiny"
     shrunk_model(config_json(path), tiny, layers=4 if layout["pp"] > 1 else 2)
@@ -268,6 +316,8 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith(f"ultrascale: {world} processes, layout "))
     assert f"model {json.loads(config_json(path).read_text())['model_type']} from {tiny}" in line, line
     assert all(f"{d}=2" in line for d in MESH_DEGREES if layout[d] == 2), line  # the scaled-down layout ran
+    if ep is not None:
+        assert f"experts over efsdp=1, ep={ep} (the ranks of dp_shard*cp*tp)" in line, line
     assert any((tmp_path / "ckpt").glob("step-*")), "the recipe's save_dir (overridden) got no checkpoint"
     if peft is not None:
         assert f"{peft.describe()}: " in line and "trainable" in line and "r=8 " in line, line

@@ -37,8 +37,14 @@ def _close(a, b, tol):
 # (the first is mostly padding), weighted by their tokens as a plain Trainer weights them (num_items_in_batch)
 ACCUMULATION_LAYOUTS = {"zero3": ["dp_shard=2"], "zero1": ["dp_shard=2", "zero_stage=1"], "tp": ["tp=2"],
                         "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"],
+                        # expert parallel on a mixture of experts, against a plain Trainer of the same MoE
+                        "ep": ["dp_shard=2", "ep=2", "--arch", "qwen3_moe"],
                         # last: TrainingArguments(torch_compile=True) sets Accelerate's variables for the process
                         "zero3_torch_compile": ["dp_shard=2", "--torch-compile"]}
+
+
+def _arch(layout: list[str]) -> str:
+    return layout[layout.index("--arch") + 1] if "--arch" in layout else "llama8_tied"
 
 
 def _weights(directory):
@@ -54,26 +60,31 @@ def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
     import subprocess
     import sys
 
-    ref = tmp_path / "ref" / "out.json"
-    ref.parent.mkdir()
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--accumulate", "2"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    want = json.loads(ref.read_text())
-    assert all(n > 0.5 for n in want["grad_norms"]), want  # max_grad_norm=0.5 clips at every step
-    ref_weights = _weights(ref.parent / "hf")
+    wants, ref_weights = {}, {}
+    for arch in {_arch(layout) for layout in ACCUMULATION_LAYOUTS.values()}:  # a plain Trainer of each model
+        ref = tmp_path / f"ref-{arch}" / "out.json"
+        ref.parent.mkdir()
+        proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--accumulate", "2", "--arch",
+                               arch], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        wants[arch] = json.loads(ref.read_text())
+        assert all(n > 0.5 for n in wants[arch]["grad_norms"]), wants  # max_grad_norm=0.5 clips at every step
+        ref_weights[arch] = _weights(ref.parent / "hf")
     runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--accumulate", "2"]
                     for name, layout in ACCUMULATION_LAYOUTS.items()])
     for name, run in zip(ACCUMULATION_LAYOUTS, runs):
+        want, ref_weight = wants[_arch(ACCUMULATION_LAYOUTS[name])], ref_weights[_arch(ACCUMULATION_LAYOUTS[name])]
         assert run["steps"] == [1, 2, 3, 4], (name, run)
         if "--torch-compile" in ACCUMULATION_LAYOUTS[name]:  # mapped onto compile: regional, which compiled
             assert run["compile"] == "regional" and run["compiled_graphs"] > 0, run
         assert _close(run["losses"], want["losses"], ACROSS), (name, run["losses"], want["losses"])
         assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (name, run["grad_norms"], want["grad_norms"])
         weights = _weights(tmp_path / name / "hf")
-        assert set(weights) == set(ref_weights), name
-        diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+        assert set(weights) == set(ref_weight), name  # (expert parallel: every expert, gathered whole)
+        diff = max((weights[k] - ref_weight[k]).abs().max().item() for k in ref_weight)
         assert diff <= ACROSS, (name, diff)
+    assert runs[list(ACCUMULATION_LAYOUTS).index("ep")]["ep"] == 2  # the layout that ran
 
 
 def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):
@@ -190,3 +201,42 @@ def test_a_peft_model_trains_as_in_a_plain_trainer(tmp_path):
         adapters = load_file(tmp_path / name / "hf" / "adapter_model.safetensors")
         assert set(adapters) == set(ref_adapters) and ref_adapters
         assert max((adapters[k] - ref_adapters[k]).abs().max().item() for k in adapters) <= ACROSS, name
+
+
+def test_expert_parallel_is_checked_against_trainers_model_before_accelerates_process_group(monkeypatch, capsys):
+    """UltraScaleTrainer hands its model to UltraScaleAccelerator, which checks the layout against it (ep against
+    the experts, zero_stage 2 or 3 for them) before Accelerate starts its process group: in launched workers, one
+    line from rank 0 and exit status 2 on every rank, not a traceback per rank from the first train() step.
+    (TrainingArguments itself starts the process group when it is built in launched workers; here it is not.)"""
+    import torch
+
+    from models import make_model
+    from ultrascale_plugins.integrations.accelerate import UltraScaleAccelerator, UltraScalePlugin
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29599"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: pytest.fail("the process group was started before the check"))
+    cases = [("qwen3_moe", {"ep": 3}, "ep=3: expert parallelism borrows its ranks from dp_shard*cp*tp = 2*1*1 = 2, "
+              "which 3 does not divide. Fix: pick an ep that divides 2"),
+             ("llama", {"ep": 2}, "ep=2: model type 'llama' has no routed experts. Fix: use ep: 1"),
+             ("qwen3_moe", {"ep": 2, "zero_stage": 1}, "zero_stage=1: 'model.layers.0.mlp.experts'"),
+             ("qwen3_moe", {"ep": 2, "dp_shard": 2, "tp": 1}, None)]  # a good layout goes on to Accelerate
+    for arch, fields, said in cases:
+        model = make_model(arch)
+        if said is None:
+            from accelerate.state import AcceleratorState
+
+            try:
+                with pytest.raises(pytest.fail.Exception, match="process group was started"):
+                    UltraScaleAccelerator(ultrascale_plugin=UltraScalePlugin(**fields), _ultrascale_model=model)
+            finally:
+                AcceleratorState._reset_state(True)  # Accelerate's shared state, left half set up
+            continue
+        with pytest.raises(SystemExit) as exc:
+            UltraScaleAccelerator(ultrascale_plugin=UltraScalePlugin(**fields), _ultrascale_model=model)
+        assert exc.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ultrascale")]
+        assert len(lines) == 1 and lines[0].startswith(f"ultrascale: error: {said}"), lines
+    assert lines[0].endswith("Fix: use zero_stage: 2 or 3")

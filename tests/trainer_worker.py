@@ -16,6 +16,7 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --no-save-model        skip the final save_model
     --torch-compile        TrainingArguments(torch_compile=True): ultrascale compiles each decoder layer
     --peft                 the model is a PEFT (LoRA) model
+    --arch ARCH            the model's architecture (tests/models.py; default llama8_tied), e.g. qwen3_moe for ep
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
@@ -42,7 +43,7 @@ EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_B
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
            "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1,
-           "--torch-compile": 0, "--peft": 0}
+           "--torch-compile": 0, "--peft": 0, "--arch": 1}
 
 
 def parse(argv):
@@ -111,7 +112,7 @@ def run(argv):
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
                              disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
-    model = make_model("llama8_tied", seed=0)
+    model = make_model(opts.get("--arch", ["llama8_tied"])[0], seed=0)
     if "--peft" in opts:
         from peft import LoraConfig, get_peft_model
 
@@ -147,7 +148,8 @@ def run(argv):
             from torch._dynamo.utils import counters
 
             result.update(compile=trainer.accelerator.ultrascale_config.compile,
-                          compiled_graphs=counters["stats"]["unique_graphs"])
+                          compiled_graphs=counters["stats"]["unique_graphs"],
+                          ep=trainer.accelerator.ultrascale_config.ep)
         with open(out, "w") as f:
             json.dump(result, f)
 

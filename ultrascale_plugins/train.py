@@ -323,6 +323,9 @@ def describe(cfg, pmodel) -> str:
         if axis.name not in ("pp", "dp_replicate", "dp_shard", "tp"):
             method = getattr(cfg, f"{axis.name}_method", None)
             parts.append(f"{axis.name}={axis.degree}" + (f" ({method})" if method else ""))
+    for view in pmodel.dims.views.values():  # axes carved from the layout's ranks (expert parallel: efsdp x ep)
+        parts.append(f"{view.name} over {', '.join(f'{a.name}={a.degree}' for a in view.axes)} "
+                     f"(the ranks of {'*'.join(view.source)})")
     if cfg.activation_checkpointing != "none":
         parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
     if cfg.mixed_precision != "no":
