@@ -35,6 +35,7 @@ SECTIONS = {
     "checkpoint": (correctness.checkpoint, 35, 40),
     "adamw": (correctness.adamw, 30, 40),
     "moe": (correctness.moe, 30, 40),
+    "ep_dispatch": (correctness.ep_dispatch, 20, 30),
     "cp_kernels": (correctness.cp_kernels, 40, 60),
     "compile": (correctness.compile_regional, 75, 90),
     "throughput_1b": (throughput.throughput_1b, 130, 90),

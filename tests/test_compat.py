@@ -118,7 +118,7 @@ def test_refusals_need_no_process_group():
     validate(us.ParallelConfig(dp_shard=2), moe, 2, model=mixtral)  # and under data parallel
     with pytest.raises(us.ConfigError, match="ep=3.*dp_shard\\*cp\\*tp = 2\\*1\\*1 = 2.*ep that divides 2"):
         validate(us.ParallelConfig(dp_shard=2, ep=3), moe, 2, model=mixtral)
-    with pytest.raises(us.ConfigError, match="zero_stage=1.*mesh view 'experts'.*zero_stage: 2 or 3"):
+    with pytest.raises(us.ConfigError, match="zero_stage=1.*ep=2.*FSDP2 groups.*zero_stage: 2 or 3, or ep: 1"):
         validate(us.ParallelConfig(dp_shard=2, ep=2, zero_stage=1), moe, 2, model=mixtral)
     with pytest.raises(us.ConfigError, match="ep=2.*'gpt2' has no routed experts.*ep: 1"):
         validate(us.ParallelConfig(dp_shard=2, ep=2), gpt2.config, 2, model=gpt2)

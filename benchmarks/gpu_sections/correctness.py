@@ -258,3 +258,69 @@ def moe(rec: Recorder, sizes: Sizes) -> None:
         rec.check("MoE bf16 gradients' distance from fp32: engine / transformers' own bf16",
                   ours / max(theirs, 1e-12), MOE_BF16_RATIO, engine_bf16_vs_fp32=ours, transformers_bf16_vs_fp32=theirs,
                   experts_implementation=experts)
+
+
+def ep_dispatch(rec: Recorder, sizes: Sizes) -> None:
+    """Expert parallelism's token exchange on one device (an expert group of one rank: NCCL's all-to-all with
+    itself, the host read of the split sizes, the experts' own implementation on the received rows) against the
+    experts module's own forward: output and every gradient (experts', tokens', routing weights'), fp32 and bf16,
+    and the time per call of each (the exchange's overhead on one device, where nothing needs to move)."""
+    import time
+
+    import torch.distributed as dist
+
+    from ultrascale_plugins import init_distributed
+    from ultrascale_plugins.dims.ep_dispatch import ExpertDispatch
+
+    if not dist.is_initialized():
+        init_distributed()  # the section's world of one: NCCL on the GPU, gloo in the dry run
+    dev = device()
+    model = _moe_model(sizes)
+    experts = model.model.layers[0].mlp.experts.to(dev)
+    k = model.config.num_experts_per_tok
+    tokens, hidden = sizes.rows * sizes.seq, model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=g)[:k] for _ in range(tokens)]).to(dev)
+    weights = torch.rand(tokens, k, generator=g).to(dev)
+    dispatch = ExpertDispatch(experts, experts.forward, experts.num_experts, dist.group.WORLD)
+    for dtype, tol in ((torch.float32, TOL_FP32), (torch.bfloat16, TOL_BF16_REL)):
+        experts.to(dtype)
+        runs = {}
+        for name, fn in (("own", experts.forward), ("exchange", dispatch)):
+            experts.zero_grad(set_to_none=True)
+            xi = x.detach().to(dtype).clone().requires_grad_()
+            wi = weights.detach().to(dtype).clone().requires_grad_()
+            out = fn(xi, index, wi)
+            out.float().square().sum().backward()
+            grads = {n: p.grad.float().clone() for n, p in experts.named_parameters()}
+            runs[name] = (out.float(), xi.grad.float(), wi.grad.float(), grads)
+        own, got = runs["own"], runs["exchange"]
+        scale = own[0].abs().max().item() or 1.0
+        diff = max([(a - b).abs().max().item() / max(b.abs().max().item(), 1e-12) for a, b in zip(got[:3], own[:3])]
+                   + [(got[3][n] - own[3][n]).abs().max().item() / max(own[3][n].abs().max().item(), 1e-12)
+                      for n in own[3]])
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        rec.check(f"EP exchange vs the experts' own forward: output and gradients ({label}, relative to max)", diff,
+                  tol, output_scale=scale, experts_implementation=getattr(model.config, "_experts_implementation", None),
+                  device=str(dev))
+    experts.to(torch.bfloat16)
+    times = {}
+    for name, fn in (("own", experts.forward), ("exchange", dispatch)):
+        xi = x.to(torch.bfloat16)
+        with torch.no_grad():
+            for _ in range(3):
+                fn(xi, index, weights.to(torch.bfloat16))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                fn(xi, index, weights.to(torch.bfloat16))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - start) / 10
+    rec.add("EP exchange time per call vs the experts' own forward (bf16, one device)", "ok",
+            own_ms=1e3 * times["own"], exchange_ms=1e3 * times["exchange"], ratio=times["exchange"] / times["own"],
+            tokens=tokens, top_k=k)
+    del model, experts
+    free_memory()

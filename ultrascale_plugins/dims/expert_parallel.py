@@ -58,6 +58,9 @@ def _borrowed(config) -> int:
 def ultrascale_validate_config(config, model_config, world_size):
     if config.ep == 1:
         return
+    if config.zero_stage < 2:
+        raise field_error("zero_stage", config.zero_stage, f"ep={config.ep} shards the experts in FSDP2 groups of their "
+                          "own, which zero_stage 0 and 1 (DDP, ZeRO-1) do not use", "use zero_stage: 2 or 3, or ep: 1")
     if config.dp_shard != -1 and _borrowed(config) % config.ep:
         raise field_error("ep", config.ep, f"expert parallelism borrows its ranks from dp_shard*cp*tp = "
                           f"{config.dp_shard}*{config.cp}*{config.tp} = {_borrowed(config)}, which {config.ep} does "
@@ -227,13 +230,12 @@ def ultrascale_presets():
 
     def layout(world, per_node, model_config):
         count = num_experts(model_config) if model_config is not None else None
-        ep = per_node
-        while ep > 1 and ((count is not None and count % ep) or world % ep):
-            ep //= 2
+        ep = max(d for d in range(1, max(1, per_node) + 1)
+                 if world % d == 0 and (count is None or count % d == 0))
         return {"dp_shard": world, "ep": ep, "zero_stage": 3}
 
-    return [Preset("ep", "expert parallel within a node (ep = devices per node, or the largest power-of-two "
-                   "divisor of the experts below it), ZeRO-3 over every device", layout)]
+    return [Preset("ep", "expert parallel within a node (ep = the largest number of devices per node that divides "
+                   "the experts and the world), ZeRO-3 over every device", layout)]
 
 
 @hookimpl
