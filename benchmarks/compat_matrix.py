@@ -4,14 +4,18 @@
     python benchmarks/compat_matrix.py --types llama qwen3  # some types
     python benchmarks/compat_matrix.py --rerun failed       # run again the cells that did not pass
     python benchmarks/compat_matrix.py --rerun all          # ignore the cache
+    python benchmarks/compat_matrix.py --layouts ep2 ep4    # some layouts (the page is written only for a
+                                                            # whole sweep: rerun without --layouts to write it)
 
 The denominator is the model types whose config (or text config) carries a TP or PP plan; types without any
 plan are listed apart. Each type gets a tiny config by rule (benchmarks/compat/tiny.py) and runs every layout of
 ``compat.layouts.MATRIX`` (the schedule cells of ``SCHEDULES`` for a few types) in one torchrun launch per world
-size (benchmarks/compat/worker.py): parity against one process, fp32, clipping active. A cell passes (✓) when the
-loss per step, the gradient norm and the final weights match within the tolerances, or is refused (⊘) with a
-ConfigError; anything else is a failure (✗: wrong result, or an error during the run). A rank that dies or a case
-that runs past ``--case-timeout`` ends its launch: the case is recorded and the launch restarts with the rest.
+size (benchmarks/compat/worker.py), and the expert-parallel cells of ``EP`` for the types whose experts
+transformers' expert-parallel plan names: parity against one process, fp32, clipping active. A cell passes (✓)
+when the loss per step, the gradient norm and the final weights match within the tolerances, or is refused (⊘)
+with a ConfigError; anything else is a failure (✗: wrong result, or an error during the run). A rank that dies or
+a case that runs past ``--case-timeout`` ends its launch: the case is recorded and the launch restarts with the
+rest.
 
 Results are cached in benchmarks/results/compat/<transformers version>.jsonl (one line per cell) and the table is
 written to docs/compatibility.md. The script prints its own duration.
@@ -32,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compat.layouts import ALL, AUX, LORA, MATRIX, SCHEDULE_TYPES, SCHEDULES  # noqa: E402
+from compat.layouts import ALL, AUX, EP, LORA, MATRIX, SCHEDULE_TYPES, SCHEDULES  # noqa: E402
 
 LOSS_TOL = 1e-5
 NORM_TOL = 1e-5  # relative
@@ -46,8 +50,17 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def expert_parallel_plan(config) -> bool:
+    """Whether transformers' expert-parallel plan of ``config`` (or of its text config) names experts modules
+    (a ``base_model_ep_plan`` value ``ep_dispatch_experts``): the types that get the ``EP`` cells."""
+    from compat.tiny import text_sub_config
+
+    return any("ep_dispatch_experts" in (getattr(c, "base_model_ep_plan", None) or {}).values()
+               for c in (config, text_sub_config(config)) if c is not None)
+
+
 def classify_types(types=None) -> tuple[dict, dict, dict]:
-    """(testable {type: {"tp": bool, "pp": bool}}, untinyable {type: reason}, without plans [types])."""
+    """(testable {type: {"tp", "pp", "moe", "ep": bool}}, untinyable {type: reason}, without plans [types])."""
     import warnings
 
     import transformers
@@ -85,8 +98,9 @@ def classify_types(types=None) -> tuple[dict, dict, dict]:
         except Exception as exc:  # noqa: BLE001
             untiny[model_type] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
-        testable[model_type] = {"tp": bool(tp), "pp": bool(pp),
-                                "moe": hasattr(default_config(model_type), "output_router_logits")}
+        config = default_config(model_type)
+        testable[model_type] = {"tp": bool(tp), "pp": bool(pp), "moe": hasattr(config, "output_router_logits"),
+                                "ep": expert_parallel_plan(config)}
     return testable, untiny, planless
 
 
@@ -98,7 +112,8 @@ def cases_for(testable: dict, layouts=None, planless: dict | None = None) -> lis
            for name in PLANLESS_LAYOUTS if not layouts or name in layouts]
     for model_type in testable:
         names = list(MATRIX) + (list(SCHEDULES) if model_type in SCHEDULE_TYPES else []) + \
-            (list(AUX) if testable[model_type].get("moe") else []) + list(LORA)
+            (list(AUX) if testable[model_type].get("moe") else []) + list(LORA) + \
+            (list(EP) if testable[model_type].get("ep") else [])
         out += [f"{model_type}:{name}" for name in names if not layouts or name in layouts]
     return out
 
@@ -260,6 +275,23 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
                         if r and verdicts[n] != "pass")
         lora_rows.append(f"| `{model_type}` | " + " | ".join(SYMBOL.get(v, "?") for v in verdicts.values())
                          + f" | {why} |")
+    ep_types = sorted(t for t, v in testable.items() if v.get("ep"))
+    ep_rows, ep_all, ep_full, ep_each = [], 0, 0, {v: collections.Counter() for v in ("pass", "refused", "fail")}
+    for model_type in ep_types:
+        found = {name: cells.get(f"{model_type}:{name}") for name in EP}
+        verdicts = {name: verdict(r) if r else "missing" for name, r in found.items()}
+        ep_all += all(v in ("pass", "refused") for v in verdicts.values())
+        ep_full += all(v == "pass" for v in verdicts.values())
+        for name, v in verdicts.items():
+            if v != "missing":
+                ep_each[v if v in ("pass", "refused") else "fail"][name] += 1
+        same = {}  # reason -> the columns that give it (a refusal often holds for every column)
+        for n, r in found.items():
+            if r and verdicts[n] != "pass":
+                same.setdefault(_md(r.get("reason") or _diff_text(r))[:200], []).append(n)
+        why = "; ".join(f"{', '.join(names)}: {text}" for text, names in same.items())
+        ep_rows.append(f"| `{model_type}` | " + " | ".join(SYMBOL.get(v, "?") for v in verdicts.values())
+                       + f" | {why} |")
     planless_rows, planless_cp_pass = [], 0
     for model_type in sorted(m for m, why in planless.items() if not why):
         found = [cells.get(f"{model_type}:{n}") for n in PLANLESS_LAYOUTS]
@@ -276,7 +308,8 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
                "cp_all_pass": cp_pass, "cp_refused": cp_refused, "cp_tp_pass": cp_tp_pass, "lora_all": lora_pass,
-               "cells": dict(counts)}
+               "ep_types": len(ep_types), "ep_all": ep_all, "ep_all_pass": ep_full,
+               "ep_each": {v: dict(c) for v, c in ep_each.items()}, "cells": dict(counts)}
     lines = [
         "# Compatibility matrix",
         "",
@@ -302,7 +335,10 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         f"cp=2, {cp_refused} are refused before any worker starts (attention outside transformers' attention "
         "interface, convolutions or state-space layers over the sequence, a model-built mask or sparse-attention "
         f"indexer); {cp_tp_pass} pass Ulysses composed with TP + SP (`cp2_tp2_sp`); the router auxiliary loss "
-        "under cp is in the MoE table.",
+        f"under cp is in the MoE table. Expert parallelism: {ep_all} of the {len(ep_types)} types whose experts "
+        "transformers' expert-parallel plan names pass every expert-parallel layout or are refused before any "
+        f"worker starts, {ep_full} pass all {len(EP)} (" + ", ".join(f"`{n}`" for n in EP) + "; the expert-parallel "
+        "table).",
         "",
         "✓ parity · ⊘ refused with a ConfigError before training (reason below) · ✗ failure (reason below) · "
         "– the tiny model does not run in one process",
@@ -346,6 +382,29 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         "| model type | " + " | ".join(LORA) + " | reason a cell is not ✓ |",
         "| --- | " + " | ".join("---" for _ in LORA) + " | --- |",
         *lora_rows,
+        "",
+        "## Expert parallelism (`ep`)",
+        "",
+        f"The {len(ep_types)} types above whose experts transformers' expert-parallel plan names (a "
+        "`base_model_ep_plan` entry `ep_dispatch_experts`). With `ep` = N each process holds 1/N of every "
+        "mixture-of-experts layer's experts, and every token is sent to the processes that hold the experts its "
+        "router picked, and back; the router itself runs unchanged on every token. The `ep` processes are borrowed "
+        "from data, context and tensor parallelism (`ep` divides dp_shard × cp × tp, so no process is added), and "
+        "what is left, efsdp = dp_shard × cp × tp / ep, shards the experts further with ZeRO-3; the experts are not "
+        "split by tensor parallelism. Columns: `ep2` = dp_shard=2, ep=2 (2 processes); `ep2_dp2` = dp_shard=4, "
+        "ep=2, so the experts are also sharded by ZeRO-3 over efsdp=2 (4 processes); `ep2_tp2_sp` = dp_shard=2, "
+        "tp=2 with sequence parallel, ep=2 (4 processes); `pp2_ep2` = pp=2, dp_shard=2, ep=2 (4 processes); "
+        "`ep4` = dp_shard=4, ep=4 (4 processes). Each cell is parity against one process running the plain "
+        "transformers model (loss per step, global gradient norm with clipping active, final weights within "
+        f"{WEIGHT_TOL:g}, and the experts of every token compared token by token, except under the pipeline, where "
+        "the routers run per micro-batch on other ranks) or a refusal with a ConfigError before training starts. "
+        + "Per column, passing / refused / failing types: "
+        + "; ".join(f"`{n}` {ep_each['pass'][n]} / {ep_each['refused'][n]} / {ep_each['fail'][n]}" for n in EP)
+        + ".",
+        "",
+        "| model type | " + " | ".join(EP) + " | reason a cell is not ✓ |",
+        "| --- | " + " | ".join("---" for _ in EP) + " | --- |",
+        *ep_rows,
         "",
         "## Why a cell is not ✓",
         "",

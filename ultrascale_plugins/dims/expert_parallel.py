@@ -147,6 +147,10 @@ def ultrascale_validate_model(model, plan, config):
 
     found = experts_modules(model, plan)
     arch = getattr(model.config, "model_type", type(model).__name__)
+    if not found and any(style == "ep_dispatch_experts" for style in _ep_plan(model, plan).values()):
+        raise field_error("ep", config.ep, f"this model of type '{arch}' has no experts modules where transformers' "
+                          "expert-parallel plan expects them (its config turns the mixture of experts off, e.g. "
+                          "enable_moe_block=False)", "use ep: 1, or a config with its experts on")
     if not found:
         raise field_error("ep", config.ep, f"transformers {transformers.__version__} names no experts of model type "
                           f"'{arch}' for expert parallelism (its base_model_ep_plan has no 'ep_dispatch_experts' "
@@ -213,15 +217,38 @@ def ultrascale_shard_model(model, ctx):
 @hookimpl
 def ultrascale_estimate(config, model_config, shape, estimate):
     """Each rank holds 1/ep of the experts: the expert view's records cut on dim 0 (experts), before data
-    parallelism shards them over efsdp. (The exchange's all-to-all volume is not priced yet.)"""
+    parallelism shards them over efsdp. And the tokens travel (``ep_dispatch``): per MoE layer and micro-batch,
+    the forward's dispatch and combine all-to-alls and their gradients' in the backward (and the forward's again
+    when the layer is recomputed), each moving this rank's tokens x top_k rows of the hidden size, of which
+    (ep-1)/ep leave the rank. The ranks that hold the same tokens (tensor parallel) each send a slice of them."""
     if config.ep == 1:
         return
     from ..interface.estimates import chunk_size
+    from ..interface.parallel_dims import ParallelDims
 
     index = shape.coords.get("ep", 0)
+    moe_layers = set()
     for r in shape.inventory:
         if r.view == VIEW and r.local:
             r.local = (chunk_size(r.local[0], config.ep, index), *r.local[1:])
+            moe_layers.add(r.layer)
+    if not moe_layers:  # a pipeline rank without MoE layers exchanges nothing
+        return
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
+                  if isinstance(getattr(text, k, None), int) and getattr(text, k) > 0), 1)
+    dims = ParallelDims(config)
+    same = [a.degree for a in dims.live_axes if a.name in SOURCE and not a.counts_tokens]
+    sharing = 1
+    for degree in same:
+        sharing *= degree
+    tokens = -(-shape.tokens_per_micro_batch // sharing)  # this rank's slice (the most loaded one)
+    volume = tokens * top_k * text.hidden_size * shape.activation_bytes(config) * (config.ep - 1) / config.ep
+    recompute = config.activation_checkpointing != "none"  # selective re-runs the exchange too (not saved)
+    passes = 4 + (2 if recompute else 0)  # dispatch + combine: forward, backward, recomputed forward
+    calls = 5 + (3 if recompute else 0)  # and each forward's exchange of the split sizes
+    n = len(moe_layers)
+    estimate.add_comm("ep", passes * volume * n, "all_to_all", calls=calls * n, per="micro_batch")
 
 
 @hookimpl
@@ -241,3 +268,16 @@ def ultrascale_presets():
 @hookimpl
 def ultrascale_accelerate_keys():
     return {"ep_size": ("ep", {})}
+
+
+@hookimpl
+def ultrascale_search_choices(config, model_config, world_size):
+    """The planner's expert-parallel degrees for a candidate layout: each ep (1 included) that divides both the
+    experts per MoE layer and the ranks ep borrows (dp_shard*cp*tp). Only under ZeRO-2/3: the experts get FSDP2
+    groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which the
+    search does not run)."""
+    count = num_experts(model_config) if model_config is not None else None
+    if count is None or config.zero_stage < 2:
+        return None
+    borrowed = _borrowed(config)
+    return {"ep": [d for d in range(1, borrowed + 1) if borrowed % d == 0 and count % d == 0]}
