@@ -164,6 +164,8 @@ EP_CASES = {
     "ep2_efsdp2": (4, {"dp_shard": 4, "ep": 2}, {"roundtrip": True}),
     "ep2_hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {}),
     "ep2_dp2_tp2_sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}),
+    # ep independent of tp: the 4 ep ranks span both tp groups (each TP pair sends its halves of the tokens)
+    "ep4_dp2_tp2": (4, {"dp_shard": 2, "tp": 2, "ep": 4}, {}),
     "ep2_cp2_ring": (4, {"dp_shard": 2, "cp": 2, "ep": 2}, {"seq": 32}),
     "ep2_pp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}, {}),
 }

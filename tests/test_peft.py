@@ -153,3 +153,20 @@ def test_the_plan_is_found_through_the_wrapper():
     assert plan.layers == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
     assert plan.lm_head == "base_model.model.lm_head" and plan.root == "base_model.model"
     assert plan.causal_lm(model) is model.get_base_model()
+
+
+def test_adapters_on_experts_are_refused_under_expert_parallelism():
+    """LoRA on the fused expert weights (PEFT's target_parameters, which its all-linear adds on MoE models) would
+    not be split with the experts: refused before any process group; adapters kept off the experts are fine."""
+    import torch.distributed as dist
+
+    import ultrascale_plugins as us
+    from peft_worker import peft_model
+
+    model = peft_model("qwen3_moe", {})
+    with pytest.raises(us.ConfigError) as err:
+        us.validate(us.ParallelConfig(dp_shard=2, ep=2), model.config, 2, model=model)
+    assert all(w in str(err.value) for w in ("ep=2", "mlp.experts", "adapters", "ep: 1")), str(err.value)
+    kept_off = peft_model("qwen3_moe", {"target_modules": ["q_proj", "v_proj"]})
+    assert us.validate(us.ParallelConfig(dp_shard=2, ep=2), kept_off.config, 2, model=kept_off).ep == 2
+    assert not dist.is_initialized()

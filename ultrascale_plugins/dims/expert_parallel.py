@@ -158,6 +158,12 @@ def ultrascale_validate_model(model, plan, config):
                           "use ep: 1, or a transformers release whose modeling file has an expert-parallel plan")
     for fqn in found:
         module = model.get_submodule(fqn)
+        adapted = [n for n, _ in module.named_parameters() if "lora_" in n or "base_layer" in n]
+        if adapted or any(type(m).__module__.startswith("peft.") for m in module.modules()):
+            raise field_error("ep", config.ep, f"'{fqn}' carries adapters (PEFT's target_parameters, which "
+                              "all-linear adds on MoE models), which expert parallelism does not split with the experts",
+                              "keep adapters off the experts (target_modules without the experts' parameters), "
+                              "or use ep: 1")
         missing = [a for a in (*LAYOUT_FLAGS, "num_experts") if not hasattr(module, a)]
         if missing:
             raise field_error("ep", config.ep, f"'{fqn}' ({type(module).__name__}) does not go through transformers' "
@@ -166,12 +172,6 @@ def ultrascale_validate_model(model, plan, config):
         if module.num_experts % config.ep:
             raise field_error("ep", config.ep, f"'{fqn}' has {module.num_experts} experts, which do not split evenly "
                               f"over {config.ep} ranks", f"pick an ep that divides {module.num_experts}")
-        adapted = [n for n, _ in module.named_parameters() if "lora_" in n or "base_layer" in n]
-        if adapted or any(type(m).__module__.startswith("peft.") for m in module.modules()):
-            raise field_error("ep", config.ep, f"'{fqn}' carries adapters (PEFT's target_parameters, which "
-                              "all-linear adds on MoE models), which expert parallelism does not split with the experts",
-                              "keep adapters off the experts (target_modules without the experts' parameters), "
-                              "or use ep: 1")
         split = expert_parameters(model, plan)
         for name, param in module.named_parameters():
             if f"{fqn}.{name}" not in split:
@@ -223,6 +223,8 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     (ep-1)/ep leave the rank. The ranks that hold the same tokens (tensor parallel) each send a slice of them."""
     if config.ep == 1:
         return
+    import math
+
     from ..interface.estimates import chunk_size
     from ..interface.parallel_dims import ParallelDims
 
@@ -249,6 +251,11 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     calls = 5 + (3 if recompute else 0)  # and each forward's exchange of the split sizes
     n = len(moe_layers)
     estimate.add_comm("ep", passes * volume * n, "all_to_all", calls=calls * n, per="micro_batch")
+    # each local expert's matmul gets the rows the ep ranks route to it: ep x this rank's share of them
+    count = num_experts(model_config) or config.ep
+    width = max((math.prod(r.shape[1:]) for r in shape.inventory if r.view == VIEW and len(r.shape) == 3), default=0)
+    if width:
+        estimate.factors["expert_matmul_gflop"] = 2 * config.ep * tokens * top_k / count * width / 1e9
 
 
 @hookimpl
