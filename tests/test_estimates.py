@@ -123,3 +123,27 @@ def test_activations_match_what_autograd_saves_on_this_machine():
     predicted = us.estimate(us.ParallelConfig(dp_shard=1), mc, world_size=1, seq_len=512,
                             micro_batch=2).memory["activations"]
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+@pytest.mark.parametrize("tp, recompute", [(1, "none"), (1, "full"), (2, "selective")])
+def test_expert_parallel_prices_its_all_to_all(tp, recompute):
+    """ep=2: per MoE layer and micro-batch, dispatch and combine in the forward and again in the backward (and in a
+    recomputed forward), each moving tokens x top_k x hidden x activation bytes x (ep-1)/ep over "ep"; the tokens
+    are this rank's (tensor parallel ranks hold the same ones and each send a slice). ep=1 moves nothing."""
+    mc = make_config("qwen3_moe")  # 2 layers, 8 experts, top-2, hidden 64
+    seq, mbs, ep = 32, 2, 2
+
+    def est(**kw):
+        cfg = us.ParallelConfig(dp_shard=4 // tp, tp=tp, zero_stage=3, activation_checkpointing=recompute,
+                                mixed_precision="bf16", **kw)
+        return us.estimate(cfg, mc, world_size=4, seq_len=seq, micro_batch=mbs, micro_batches=3)
+
+    with_ep, without = est(ep=ep), est()
+    (term,) = [t for t in with_ep.terms if t.axis == "ep"]
+    passes = 4 + (2 if recompute != "none" else 0)
+    tokens = seq * mbs // tp
+    assert term.collective == "all_to_all" and term.per == "micro_batch"
+    assert term.nbytes == pytest.approx(mc.num_hidden_layers * passes * tokens * 2 * 64 * 2 * (ep - 1) / ep)
+    assert with_ep.comm["ep"] == pytest.approx(3 * term.nbytes)  # three micro-batches per step
+    assert not [t for t in without.terms if t.axis == "ep"] and "ep" not in without.comm
+    assert with_ep.factors["expert_matmul_gflop"] > 0  # each local expert sees ep ranks' rows

@@ -52,7 +52,9 @@ class Estimate:
     """Bytes per rank by memory category, communication terms per mesh axis, and factors:
     ``recompute_flops`` (compute multiplier of recomputation), ``bubble`` (pipeline idle time as a fraction of
     the busy time), ``extra_flops`` (FLOPs per micro-batch on this rank beyond the model's: PEFT folding merged
-    adapters into their weights), and whatever a plugin adds."""
+    adapters into their weights), ``expert_matmul_gflop`` (GFLOP of one routed expert's matmul on this rank, when a
+    dimension changes the rows an expert sees: expert parallelism gathers the ranks' tokens for its local experts;
+    the planner's matmul efficiency for the experts' FLOPs follows it), and whatever a plugin adds."""
 
     memory: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(MEMORY_CATEGORIES, 0.0))
     terms: list = dataclasses.field(default_factory=list)

@@ -23,7 +23,8 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
    DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
    costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
-   timeline for the planner's plot: ``ultrascale_schedule_timeline``); a model's own saved form
+   timeline for the planner's plot: ``ultrascale_schedule_timeline``; the values of its fields the planner's
+   search should try: ``ultrascale_search_choices``); a model's own saved form
    (``ultrascale_save_pretrained``: a PEFT model's adapters) and its own exported forms
    (``ultrascale_export``: ``ultrascale export --adapter`` / ``--merged``);
 5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
@@ -245,6 +246,19 @@ def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] 
     """Return ``{axis: [index, ...]}``, the positions along this dimension's mesh axes whose ranks can differ in
     cost (a pipeline's first, second and last stages), or None when every rank costs the same along them. The
     planner estimates the ranks of every combination and takes the most loaded."""
+
+
+@hookspec
+def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
+    """Return ``{field: [value, ...]}``: the values of this plugin's layout fields worth costing with ``config``, a
+    candidate of the planner's search (``ultrascale plan``, ``layout: auto``) — the built-in degrees, ZeRO stage and
+    schedule, resolved for ``world_size`` GPUs, with every plugin field at its default — or None (or ``{}``) when
+    this plugin has nothing to try with it. List the default too when the candidate without this plugin's feature
+    is worth costing (expert parallelism: ``{"ep": [1, 2, 4, 8]}``, the degrees that divide the experts and
+    dp_shard*cp*tp). The search costs every combination of every plugin's values with the candidate, each checked
+    (``ultrascale_validate_config``) and costed (``ultrascale_estimate``) like any layout; the chosen layout
+    carries them into the printed snippets and into ``layout: auto``. Values must keep the world size: a field
+    that is an axis of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh."""
 
 
 @hookspec(firstresult=True)

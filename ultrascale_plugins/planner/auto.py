@@ -20,8 +20,9 @@ _ENV = "ULTRASCALE_AUTO_LAYOUT"
 @hookimpl
 def ultrascale_add_fields(fields):
     fields.add("layout", str, "manual", "auto: the planner picks every degree, ZeRO stage, recomputation and "
-               "schedule for the world size, model and hardware (the layout fields it picks are ignored, "
-               "mixed_precision excepted; the others, e.g. compile and float8, are kept)", choices=("manual", "auto"))
+               "schedule for the world size, model and hardware, and the plugin fields it searches (ep for a "
+               "mixture of experts); the layout fields it picks are ignored, mixed_precision excepted, the others "
+               "(e.g. compile and float8) are kept", choices=("manual", "auto"))
     fields.add("auto_seq_len", int, 0, "layout: auto plans for this sequence length (0: the model's maximum, "
                "at most 4096)", minimum=0)
     fields.add("auto_global_batch", int, 0, "layout: auto plans for this many sequences per step (0: one per "
@@ -70,7 +71,8 @@ def detect_hardware(world_size: int):
     return Hardware("cpu", ram / max(1, per_node), 0.05, 5.0, 1.0, per_node)
 
 
-# the fields the planner's search decides (cost.Layout); an auto layout resets the ones a layout leaves out
+# the fields the planner's search decides (cost.Layout); an auto layout resets the ones a layout leaves out, and
+# the plugin fields the search tried (``ultrascale_search_choices``) too
 PLANNED = {"layout", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "activation_checkpointing",
            "sequence_parallel", "loss_parallel", "pp_schedule", "pp_microbatches", "pp_virtual_stages", "pp_split",
            "cp_method", "mixed_precision"}
@@ -91,8 +93,9 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     ranked = search(cost, world_size)
     best = best_layout(cost, world_size, ranked)
     runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
-    # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept
-    kept = {k: v for k, v in config.to_dict().items() if k not in PLANNED}
+    # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept; a
+    # plugin field it searched (ep) is its choice, at the field's default when the chosen layout leaves it out
+    kept = {k: v for k, v in config.to_dict().items() if k not in PLANNED and k not in cost.searched}
     fields = {**kept, **best.layout.fields(), "auto_seq_len": config.auto_seq_len,
               "auto_global_batch": config.auto_global_batch, "auto_micro_batch_size": best.layout.micro_batch_size}
     assumed = [f"{name}={value}" for name, value, given in (("auto_seq_len", seq, config.auto_seq_len),

@@ -7,7 +7,8 @@ hardware's figures and a few global constants (``CONSTANTS``, stated in docs/pla
     step time        = micro-batch time x micro-batches x (1 + pipeline bubble) + exposed per-step communication
 
 A collective costs its traffic over the bus bandwidth of the links it spans (inside a node or across how many
-nodes, from the mesh axis's position: ``ultrascale_mesh_axes``) plus a latency per ring hop and call.
+nodes, from the mesh axis's position: ``ultrascale_mesh_axes``; an axis of a ``MeshView`` re-splits the ranks of its
+source axes, innermost first) plus a latency per ring hop and call.
 """
 from __future__ import annotations
 
@@ -29,12 +30,18 @@ CONSTANTS = {
     "fragmentation": 1.15,  # allocator slack on activations
 }
 GB = 1e9
+# the ParallelConfig fields a Layout sets itself (``Layout.fields``); plugins' fields travel in ``Layout.extra``
+LAYOUT_FIELDS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "cp", "mixed_precision",
+                           "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches",
+                           "pp_virtual_stages", "cp_method"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One candidate: degrees, ZeRO stage, batch split, recomputation and schedule. ``zero_stage`` 0 is plain data
-    parallel; ``grad_accum`` is the micro-batches per step (the pipeline's, with pp > 1)."""
+    parallel; ``grad_accum`` is the micro-batches per step (the pipeline's, with pp > 1). ``extra``: the layout
+    fields of plugins that the search tried (``ultrascale_search_choices``: expert parallelism's ``ep``), those at
+    their default left out, so a layout without them equals one that never had them."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -50,6 +57,15 @@ class Layout:
     sequence_parallel: bool | None = None  # None: on whenever tp > 1
     cp_method: str = "ring"
     mixed_precision: str = "bf16"
+    extra: dict = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if self.extra:
+            from ..interface.plugins import layout_fields
+
+            fields = layout_fields().by_name
+            kept = {k: v for k, v in sorted(self.extra.items()) if k not in fields or fields[k].default != v}
+            object.__setattr__(self, "extra", kept)
 
     @property
     def world(self) -> int:
@@ -72,6 +88,7 @@ class Layout:
                 out["pp_virtual_stages"] = self.pp_virtual_stages
         if self.cp > 1:
             out["cp_method"] = self.cp_method
+        out.update(self.extra)
         return out
 
     def config(self) -> ParallelConfig:
@@ -79,7 +96,8 @@ class Layout:
 
     def label(self) -> str:
         parts = [f"dp={self.dp}" + (f"({self.dp_replicate}x{self.dp_shard})" if self.dp_replicate > 1 else ""),
-                 f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}", f"zero={self.zero_stage}",
+                 f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}", *(f"{k}={v}" for k, v in self.extra.items()),
+                 f"zero={self.zero_stage}",
                  f"mbs={self.micro_batch_size}", f"ga={self.grad_accum}",
                  f"recompute={self.activation_checkpointing}"]
         if self.pp > 1:
@@ -119,7 +137,7 @@ class Result:
                 "grad_accum": lay.grad_accum, "activation_checkpointing": lay.activation_checkpointing,
                 "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,
                 "pp_virtual_stages": lay.pp_virtual_stages if lay.pp > 1 else None,
-                "sequence_parallel": bool(lay.fields().get("sequence_parallel", False)),
+                "sequence_parallel": bool(lay.fields().get("sequence_parallel", False)), **lay.extra,
                 "fits": self.fits, "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "mfu": round(self.mfu, 4),
                 "step_s": round(self.step_s, 4), "dominant": self.dominant, "runnable": self.runnable,
@@ -140,7 +158,10 @@ class CostModel:
         self._memory: dict = {}
         self._runnable: dict = {}
         self._plans: dict = {}
+        self._choices: dict = {}
+        self.searched: set = set()  # the plugin fields the search has tried (``plugin_choices``)
         self._flops_token = None  # model FLOPs per token of the workload (the MFU's numerator per token)
+        self._experts = None  # a mixture of experts' routed experts: ``expert_figures``
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_batch(self, lay: Layout) -> None:
@@ -153,7 +174,8 @@ class CostModel:
     def runnable(self, lay: Layout) -> tuple[bool, str]:
         """Whether this engine runs the layout (every plugin's checks that need no process group)."""
         key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.pp_schedule,
-               lay.pp_virtual_stages, lay.grad_accum if lay.pp > 1 else 0, lay.activation_checkpointing, lay.cp_method)
+               lay.pp_virtual_stages, lay.grad_accum if lay.pp > 1 else 0, lay.activation_checkpointing, lay.cp_method,
+               tuple(lay.extra.items()))
         if key not in self._runnable:
             from ..engine import validate
 
@@ -164,6 +186,44 @@ class CostModel:
                 self._runnable[key] = (False, str(exc).split(". Fix")[0])
         return self._runnable[key]
 
+    def plugin_choices(self, lay: Layout, world: int) -> list[dict]:
+        """Every combination of the values the plugins offer for ``lay`` (``ultrascale_search_choices``), as
+        ``Layout.extra`` dicts; ``[{}]`` when none offers any."""
+        import itertools
+
+        from ..interface.parallel_dims import resolve
+        from ..interface.plugins import layout_fields
+
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage)
+        if key in self._choices:
+            return self._choices[key]
+        config = resolve(lay.config(), world, self.pm, check=False)
+        own = LAYOUT_FIELDS | {f.name for f in dataclasses.fields(Layout)}
+        declared = layout_fields()
+        offered: dict = {}
+        for answer in self.pm.hook.ultrascale_search_choices(config=config, model_config=self.spec.config,
+                                                              world_size=world):
+            for name, values in (answer or {}).items():
+                if name in own:
+                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, a field the planner's "
+                                      "search sets itself. Fix: offer only your plugin's own layout fields")
+                if name not in declared:
+                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, but no plugin declares "
+                                      f"a layout field '{name}'. Fix: declare it (ultrascale_add_fields) or offer "
+                                      "a declared field")
+                if name in offered:
+                    raise ConfigError(f"ultrascale_search_choices: two plugins offer values of '{name}' "
+                                      f"({offered[name]!r} and {values!r}). Fix: offer only your plugin's own layout "
+                                      "fields")
+                if not isinstance(values, (list, tuple)) or not values:
+                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, not a non-empty list. "
+                                      f"Fix: return {{'{name}': [value, ...]}}")
+                offered[name] = [declared.by_name[name].validate(v) for v in dict.fromkeys(values)]
+        self.searched.update(offered)
+        combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
+        self._choices[key] = combos
+        return combos
+
     # ---- the estimate hooks ---------------------------------------------------------------------------------
     def estimates(self, lay: Layout):
         """An ``Estimate`` per rank that can be the most loaded (``coordinates_to_cost``: the dimensions say which,
@@ -173,14 +233,15 @@ class CostModel:
 
         model = meta_model(self.spec.config)
         config = lay.config()
-        if lay.tp not in self._plans:
-            self._plans[lay.tp] = model_plan(model, config, self.pm)
+        plan_key = (lay.tp, tuple(lay.extra.items()))  # a plugin's field may edit the plan (ep: the experts' view)
+        if plan_key not in self._plans:
+            self._plans[plan_key] = model_plan(model, config, self.pm)
         out = []
         for coords in coordinates_to_cost(config, self.pm):
             out.append(estimate(config, self.spec.config, world_size=lay.world, seq_len=self.work.seq_len,
                                 micro_batch=lay.micro_batch_size, micro_batches=lay.grad_accum,
                                 coords=coords, model=model, profile=self.work.profile,
-                                optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[lay.tp],
+                                optimizer=self.work.optimizer, check=False, pm=self.pm, plan=self._plans[plan_key],
                                 dp_overlap=self.c["dp_overlap"], gather_overlap=self.c["gather_overlap"],
                                 **({"adapters": self.work.adapters} if self.work.adapters is not None else {})))
         return out
@@ -190,16 +251,30 @@ class CostModel:
 
     # ---- time ----------------------------------------------------------------------------------------------
     def axis_nodes(self, lay: Layout) -> dict:
-        """Nodes spanned by one group of each mesh axis (axes inner in the mesh have consecutive ranks)."""
-        from ..interface.parallel_dims import declared_axes, resolve
+        """(degree, nodes spanned by one group) of each mesh axis (axes inner in the mesh have consecutive ranks),
+        and of each axis of a mesh view: a view re-splits the ranks of its source axes, its innermost axis starting
+        where the innermost source axis does (expert parallelism's ep: the innermost ep ranks of dp_shard*cp*tp)."""
+        from ..interface.parallel_dims import declared_axes, declared_views, resolve
 
-        axes = declared_axes(resolve(lay.config(), lay.world, self.pm, check=False), self.pm)
+        config = resolve(lay.config(), lay.world, self.pm, check=False)
+        axes = declared_axes(config, self.pm)
         g = self.hw.gpus_per_node
-        out, stride = {}, 1
+
+        def nodes(degree: int, span: int) -> int:
+            return 1 if span <= g else min(degree, math.ceil(span / g))
+
+        out, strides, stride = {}, {}, 1
         for axis in reversed(axes):  # innermost first
+            strides[axis.name] = stride
             span = stride * axis.degree
-            out[axis.name] = (axis.degree, 1 if span <= g else min(axis.degree, math.ceil(span / g)))
+            out[axis.name] = (axis.degree, nodes(axis.degree, span))
             stride = span
+        for view in declared_views(config, axes, self.pm):
+            stride = min(strides[name] for name in view.source)
+            for axis in reversed(view.axes):
+                span = stride * axis.degree
+                out.setdefault(axis.name, (axis.degree, nodes(axis.degree, span)))
+                stride = span
         return out
 
     def term_time(self, term, nodes: dict) -> float:
@@ -214,6 +289,26 @@ class CostModel:
         else:
             latency = self.c["collective_latency_s"] * math.ceil(math.log2(degree))
         return term.nbytes * factor / bw + term.calls * latency
+
+    def expert_figures(self) -> tuple[float, int, float]:
+        """(share of the training FLOPs per token in routed experts, elements of one expert's largest matrix,
+        top-k / experts): what sizes an expert's matmul. (0, 0, 1) for a dense model."""
+        if self._experts is None:
+            from ..interface.estimates import expert_share, flops_per_token
+
+            mc = self.spec.config
+            records = self.spec.records(self.work.adapters)
+            experts = {r.name for r in records if r.active < 1 and not r.adapter and len(r.shape) == 3}
+            if not experts:
+                self._experts = (0.0, 0, 1.0)
+            else:
+                whole = sum(flops_per_token(records, mc, self.work.seq_len, layers=0))
+                rest = sum(flops_per_token([r for r in records if r.name not in experts], mc, self.work.seq_len,
+                                           layers=0))
+                total = self.spec.flops_per_token(self.work.seq_len, self.work.adapters)
+                width = max(math.prod(r.shape[1:]) for r in records if r.name in experts)
+                self._experts = (min(1.0, max(0.0, (whole - rest) / total)), width, expert_share(mc))
+        return self._experts
 
     def evaluate(self, lay: Layout) -> Result:
         self.check_batch(lay)
@@ -232,11 +327,20 @@ class CostModel:
         ffn = getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size
         kernel = 2 * tokens_mb / lay.cp * mc.hidden_size * ffn / lay.tp / 1e9  # GFLOP of one MLP matmul
         eff = self.c["matmul_efficiency"] * kernel / (kernel + self.c["half_efficiency_gflop"])
+        # a mixture of experts: each expert's matmul sees its share of the tokens (top-k / experts of them), unless
+        # a dimension says otherwise (``expert_matmul_gflop``: expert parallelism gathers ep ranks' tokens)
+        expert_flops, expert_width, routed = self.expert_figures()
+        expert_kernel = 2 * tokens_mb / lay.cp * routed * expert_width / lay.tp / 1e9
         times = {"compute": 0.0, "bubble": 0.0}
         slowest, slowest_est = 0.0, ests[0]
         for est in ests:  # the pipeline runs at the pace of its slowest rank
             # work beyond the model's FLOPs on this rank (PEFT merging adapters into fused expert weights)
-            t_compute = (mb_flops + est.factors.get("extra_flops", 0.0)) / (hw.tflops * 1e12 * eff)
+            t_compute = ((mb_flops * (1 - expert_flops) + est.factors.get("extra_flops", 0.0))
+                         / (hw.tflops * 1e12 * eff))
+            if expert_flops:
+                k_e = est.factors.get("expert_matmul_gflop", expert_kernel)
+                eff_e = self.c["matmul_efficiency"] * k_e / (k_e + self.c["half_efficiency_gflop"])
+                t_compute += mb_flops * expert_flops / (hw.tflops * 1e12 * eff_e)
             per_mb = {t.axis: 0.0 for t in est.terms}
             per_step = dict(per_mb)
             for t in est.terms:
@@ -288,18 +392,31 @@ def peak_memory_gb(ests, constants: dict | None = None) -> dict:
 
 def layout_from_string(text: str, world: int | None = None) -> Layout:
     """``"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none"`` (also dp_replicate=, dp_shard=, schedule=,
-    virtual=, sp=, cp_method=, precision=) as a Layout. ``dp`` alone is sharded (ZeRO-2/3) or replicated
-    (ZeRO-0/1) the way this engine runs it."""
+    virtual=, sp=, cp_method=, precision=, and any plugin's layout field, e.g. ep=8) as a Layout. ``dp`` alone is
+    sharded (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it."""
+    from ..interface.plugins import layout_fields
+
     keys = {"dp": int, "dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "cp": int, "zero": int,
             "mbs": int, "ga": int, "recompute": str, "schedule": str, "virtual": int, "sp": str, "cp_method": str,
             "precision": str}
+    plugin_fields = {f.name: f for f in layout_fields() if f.name not in LAYOUT_FIELDS and f.name not in keys
+                     and f.name != "layout" and not f.name.startswith("auto_") and f.type in (int, float, str, bool)}
     values: dict = {}
+    extra: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in keys:
-            raise ConfigError(f"--layout {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(keys)}. Fix: "
-                              "e.g. --layout \"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none\"")
+        if not sep or (key not in keys and key not in plugin_fields):
+            import difflib
+
+            close = difflib.get_close_matches(key, [*keys, *plugin_fields], n=1)
+            hint = f"did you mean '{close[0]}'? " if sep and close else ""
+            raise ConfigError(f"--layout {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(keys)}, or a "
+                              f"plugin's layout field ({', '.join(plugin_fields)}). Fix: {hint}e.g. --layout "
+                              "\"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none\"")
+        if key in plugin_fields:
+            extra[key] = _plugin_value(plugin_fields[key], value.strip())
+            continue
         try:
             values[key] = keys[key](value.strip())
         except ValueError:
@@ -317,7 +434,8 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
                  grad_accum=values.get("ga", 1), activation_checkpointing=values.get("recompute", "none"),
                  pp_schedule=values.get("schedule", "1f1b"), pp_virtual_stages=values.get("virtual", 1),
                  sequence_parallel=None if sp is None else sp.lower() in ("1", "true", "yes", "on"),
-                 cp_method=values.get("cp_method", "ring"), mixed_precision=values.get("precision", "bf16"))
+                 cp_method=values.get("cp_method", "ring"), mixed_precision=values.get("precision", "bf16"),
+                 extra=extra)
     if lay.activation_checkpointing not in ("none", "full", "selective"):
         raise ConfigError(f"--layout: recompute={lay.activation_checkpointing!r}. Fix: one of none, full, selective")
     if lay.zero_stage not in (0, 1, 2, 3):
@@ -328,3 +446,14 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
     return lay
 
 
+def _plugin_value(field, text: str):
+    """``text`` as a value of a plugin's layout ``field`` (checked as the field checks it)."""
+    try:
+        if field.type is bool:
+            value = text.lower() in ("1", "true", "yes", "on")
+        else:
+            value = field.type(text)
+    except ValueError:
+        raise ConfigError(f"--layout: {field.name}={text!r} must be {field.type.__name__}. Fix: e.g. "
+                          f"{field.name}={field.default}") from None
+    return field.validate(value)

@@ -32,6 +32,16 @@ PRESETS = {
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                          num_experts_per_tok=2, hidden_act="silu", tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B's config.json: 128 experts of width 768 in every layer, 8 per token
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu",
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                          tie_word_embeddings=False),
+    # deepseek-ai/DeepSeek-V3: transformers' DeepseekV3Config defaults are the real model's (61 layers, the first 3
+    # dense; 256 routed experts of width 2048, 8 per token, and one shared; multi-head latent attention)
+    "deepseek-v3": dict(model_type="deepseek_v3"),
 }
 
 def load_model_config(spec):

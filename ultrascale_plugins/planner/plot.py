@@ -58,7 +58,8 @@ def _figure_class():
 def short_label(layout) -> str:
     """Degrees on the first line, then ZeRO stage and batch split, then recomputation and schedule if any."""
     lines = [" ".join([f"dp{layout.dp}", f"tp{layout.tp}", f"pp{layout.pp}"] + ([f"cp{layout.cp}"] if layout.cp > 1
-                                                                             else [])),
+                                                                             else [])
+                      + [f"{k}{v}" for k, v in getattr(layout, "extra", {}).items()]),
              f"z{layout.zero_stage} mbs{layout.micro_batch_size} ga{layout.grad_accum}"]
     extra = [] if layout.activation_checkpointing == "none" else [f"rc-{layout.activation_checkpointing}"]
     if layout.pp > 1:

@@ -16,11 +16,12 @@ def dominant_name(key: str) -> str:
 
 
 def table(results: list[Result], memory_gb: float, top: int) -> str:
-    head = (f"{'#':>3}  {'layout':<74} {'fits':<4} {'GB/GPU':>7} {'tok/s/GPU':>10} {'MFU':>6}  dominant cost")
+    width = max([74] + [len(r.layout.label()) for r in results[:top]])
+    head = (f"{'#':>3}  {'layout':<{width}} {'fits':<4} {'GB/GPU':>7} {'tok/s/GPU':>10} {'MFU':>6}  dominant cost")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(results[:top], 1):
         mark = "" if r.runnable else "  (not runnable here)"
-        lines.append(f"{i:>3}  {r.layout.label():<74} {'yes' if r.fits else 'NO':<4} {r.memory_gb['total']:>7.1f} "
+        lines.append(f"{i:>3}  {r.layout.label():<{width}} {'yes' if r.fits else 'NO':<4} {r.memory_gb['total']:>7.1f} "
                      f"{r.tokens_per_s_per_gpu:>10,.0f} {r.mfu:>6.1%}  {dominant_name(r.dominant)}{mark}")
     lines.append(f"(memory limit {memory_gb:g} GB per GPU; {len(results)} layouts costed)")
     return "\n".join(lines)

@@ -2,8 +2,10 @@
 
 Degrees are divisors of the GPU count (TP inside a node, PP at most one stage per layer, CP only where each rank
 keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global batch, and for pipelines the
-1F1B, interleaved and zero-bubble V schedules. Recomputation is tried only when a layout does not fit without it,
-and larger micro-batches only while the smaller ones fit: both only add time otherwise.
+1F1B, interleaved and zero-bubble V schedules; with each, every combination of the values the plugins offer for
+their own layout fields (``ultrascale_search_choices``: expert parallelism's degrees). Recomputation is tried only
+when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
+time otherwise.
 """
 from __future__ import annotations
 
@@ -54,19 +56,23 @@ def layouts(world: int, cost: CostModel):
             if zero >= 2 and dp > per_node and dp % per_node == 0:
                 replicas.append(dp // per_node)  # HSDP: shard inside a node, replicate across nodes
             for rep in replicas:
-                for schedule, v in _pp_schedules(pp, layers):
-                    group = []
-                    rows, mbs = work.global_batch // dp, 1
-                    while rows % mbs == 0:
-                        ga = rows // mbs
-                        if pp == 1 or ga >= pp:
-                            group.append([Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp,
-                                                 zero_stage=zero, micro_batch_size=mbs, grad_accum=ga,
-                                                 activation_checkpointing=ac, pp_schedule=schedule,
-                                                 pp_virtual_stages=v, mixed_precision=work.precision)
-                                          for ac in RECOMPUTE])
-                        mbs *= 2
-                    yield group
+                base = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp, zero_stage=zero,
+                              mixed_precision=work.precision)
+                for extra in cost.plugin_choices(base, world):
+                    for schedule, v in _pp_schedules(pp, layers):
+                        group = []
+                        rows, mbs = work.global_batch // dp, 1
+                        while rows % mbs == 0:
+                            ga = rows // mbs
+                            if pp == 1 or ga >= pp:
+                                group.append([Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp,
+                                                     zero_stage=zero, micro_batch_size=mbs, grad_accum=ga,
+                                                     activation_checkpointing=ac, pp_schedule=schedule,
+                                                     pp_virtual_stages=v, mixed_precision=work.precision,
+                                                     extra=extra)
+                                              for ac in RECOMPUTE])
+                            mbs *= 2
+                        yield group
 
 
 def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None) -> list[Result]:

@@ -1,0 +1,174 @@
+"""The planner searches the layout fields plugins declare (``ultrascale_search_choices``), with expert parallelism
+as the built-in case: its degrees are tried for every candidate, its all-to-all is priced on the links an ep group
+spans, and ``ultrascale plan`` offers EP layouts for Qwen3-30B-A3B and DeepSeek-V3."""
+import json
+import re
+import textwrap
+
+import pytest
+
+import ultrascale_plugins as us
+from models import make_config
+from ultrascale_plugins import hookimpl, plugins
+from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.planner.cost import CostModel, Layout, Workload, layout_from_string
+from ultrascale_plugins.planner.hardware import PRESETS
+from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config
+from ultrascale_plugins.planner.search import search
+
+
+@pytest.fixture(autouse=True)
+def _fresh_announcements(monkeypatch):
+    from ultrascale_plugins.planner import auto
+
+    monkeypatch.delenv("ULTRASCALE_AUTO_LAYOUT", raising=False)
+    monkeypatch.setattr(auto, "_ANNOUNCED", set())
+
+
+class AcmeKernel:
+    """A third-party field the planner knows nothing of: 'slow' costs a terabyte on its own link."""
+
+    @hookimpl
+    def ultrascale_add_fields(self, fields):
+        fields.add("acme_gemm", str, "slow", "test plugin: a kernel choice", choices=("slow", "fast"))
+
+    @hookimpl
+    def ultrascale_search_choices(self, config, model_config, world_size):
+        return {"acme_gemm": ["slow", "fast"]}
+
+    @hookimpl
+    def ultrascale_estimate(self, config, model_config, shape, estimate):
+        if config.acme_gemm == "slow":
+            estimate.add_comm("acme", 1e12, "p2p")
+
+
+@pytest.fixture
+def acme():
+    plugins.register(AcmeKernel(), name="acme_kernel")
+    try:
+        yield
+    finally:
+        plugins.unregister(name="acme_kernel")
+
+
+def _cost(model, world_batch=8, seq=64):
+    mc = load_model_config(model) if isinstance(model, str) else model
+    return CostModel(ModelSpec.of(mc), PRESETS["h100-sxm-80gb"], Workload(seq, world_batch))
+
+
+def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
+    cost = _cost(make_config("llama"))
+    results = search(cost, 2)
+    values = {r.layout.extra.get("acme_gemm", "slow") for r in results}
+    assert values == {"slow", "fast"} and cost.searched == {"acme_gemm"}
+    best = results[0].layout
+    assert best.extra == {"acme_gemm": "fast"} and best.fields()["acme_gemm"] == "fast"
+    assert "acme_gemm=fast" in best.label() and results[0].to_json()["acme_gemm"] == "fast"
+    # a plugin field at its default is no field at all: the same layout as one that never had it
+    assert Layout(dp_shard=2, extra={"acme_gemm": "slow"}) == Layout(dp_shard=2)
+    # layout: auto takes the planner's value over the user's, as it does for every field the planner picks
+    chosen = us.validate(us.ParallelConfig(layout="auto", acme_gemm="slow", auto_seq_len=64, auto_global_batch=8),
+                         make_config("llama"), 2)
+    assert chosen.acme_gemm == "fast" and chosen.layout == "manual"
+    from ultrascale_plugins.planner import render
+
+    assert "acme_gemm='fast'" in render.lightning_call(results[0], 2, 2)
+    assert render.parallel_fields(results[0])["acme_gemm"] == "fast"
+
+
+@pytest.mark.parametrize("answer, message", [
+    ({"acme_nope": [1]}, "no plugin declares a layout field 'acme_nope'"),
+    ({"tp": [1, 2]}, "a field the planner's search sets itself"),
+    ({"ep": 4}, "not a non-empty list"),
+    ({"ep": [0]}, "must be at least 1"),
+])
+def test_a_wrong_offer_names_the_field_the_value_and_the_fix(answer, message):
+    class Wrong:
+        @hookimpl
+        def ultrascale_search_choices(self, config, model_config, world_size):
+            return answer
+
+    plugins.register(Wrong(), name="wrong_offer")
+    try:
+        with pytest.raises(us.ConfigError, match=re.escape(message)) as info:
+            search(_cost(make_config("llama")), 2)
+        assert "Fix" in str(info.value) and next(iter(answer)) in str(info.value)
+    finally:
+        plugins.unregister(name="wrong_offer")
+
+
+def test_expert_parallel_offers_its_degrees_under_zero_2_and_3_only():
+    cost = _cost(make_config("qwen3_moe"))  # 8 experts
+    assert cost.plugin_choices(Layout(dp_shard=4, zero_stage=3), 4) == [{"ep": 1}, {"ep": 2}, {"ep": 4}]
+    assert cost.plugin_choices(Layout(dp_shard=2, tp=2, zero_stage=2), 4) == [{"ep": 1}, {"ep": 2}, {"ep": 4}]
+    assert cost.plugin_choices(Layout(dp_shard=4, zero_stage=1), 4) == [{}]  # experts need FSDP2 groups
+    assert _cost(make_config("llama")).plugin_choices(Layout(dp_shard=4, zero_stage=3), 4) == [{}]  # no experts
+
+
+def test_layout_strings_take_plugin_fields():
+    lay = layout_from_string("dp=16,zero=3,ep=8,mbs=1,ga=16", 16)
+    assert lay.extra == {"ep": 8} and lay.config().ep == 8 and "ep=8" in lay.label()
+    with pytest.raises(us.ConfigError, match="ep='x' must be int. Fix"):
+        layout_from_string("dp=8,ep=x")
+    with pytest.raises(us.ConfigError, match="ep.*at least 1"):
+        layout_from_string("dp=8,ep=0")
+    with pytest.raises(us.ConfigError, match="a plugin's layout field .*ep"):
+        layout_from_string("dp=8,epp=2")
+
+
+def test_a_view_axis_spans_the_innermost_ranks_of_its_source():
+    """ep re-splits dp_shard x cp x tp innermost first: ep=8 stays in a node of 8, efsdp crosses nodes; ep=16
+    spans two nodes."""
+    cost = _cost("qwen3-30b-a3b", 32)
+    nodes = cost.axis_nodes(Layout(dp_shard=32, zero_stage=3, extra={"ep": 8}))
+    assert nodes["ep"] == (8, 1) and nodes["efsdp"] == (4, 4) and nodes["dp_shard"] == (32, 4)
+    nodes = cost.axis_nodes(Layout(dp_shard=16, tp=2, zero_stage=3, extra={"ep": 16}))
+    assert nodes["ep"] == (16, 2) and nodes["efsdp"] == (2, 2)
+    nodes = cost.axis_nodes(Layout(dp_shard=4, tp=2, zero_stage=3, extra={"ep": 2}))
+    assert nodes["ep"] == (2, 1) and nodes["tp"] == (2, 1)
+
+
+def _plan(capsys, *args):
+    code = cli(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _rows(out: str) -> list[str]:
+    return [line.split()[1] for line in out.splitlines() if line[:5].strip().isdigit()]
+
+
+@pytest.mark.parametrize("model, gpus, top", [("qwen3-30b-a3b", 8, 5), ("qwen3-30b-a3b", 64, 1),
+                                              ("deepseek-v3", 256, 1)])
+def test_the_plan_offers_expert_parallel_layouts_for_real_mixtures_of_experts(capsys, model, gpus, top):
+    """Sequence 4096, 256 sequences per step, AdamW, H100 80 GB: an EP layout is among the ``top`` best that fit
+    (the best on 64 GPUs for Qwen3-30B-A3B and on 256 for DeepSeek-V3, which needs ~10.7 TB of fp32 weights,
+    gradients and AdamW states: 64 H100 do not hold it), and the printed layout passes the pre-launch checks."""
+    code, out, _ = _plan(capsys, "--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm-80gb", "--top", "10")
+    assert code == 0, out
+    rows = _rows(out)
+    assert any(int(m) > 1 for row in rows[:top] for m in re.findall(r"\bep=(\d+)", row)), out
+    if top > 1:
+        return
+    assert "ep=" in out.split("Chosen: ", 1)[1].splitlines()[0]
+    recipe = textwrap.dedent(out.split("Recipe (ultrascale train FILE):\n", 1)[1])
+    import yaml
+
+    parallel = yaml.safe_load(recipe.split("\n", 2)[2])["parallel"]
+    assert parallel["ep"] > 1
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mc = load_model_config(model)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(mc)
+    resolved = us.validate(us.ParallelConfig(**parallel), mc, gpus, model=meta)  # EP's checks on the model too
+    assert resolved.ep == parallel["ep"] and "ep=" in out.split("Lightning:\n", 1)[1].split("\n\n", 1)[0]
+
+
+def test_json_candidates_carry_the_plugin_fields(capsys):
+    code, out, _ = _plan(capsys, "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100-sxm-80gb", "--json",
+                         "--layout", "dp=8,zero=3,ep=4,mbs=1,ga=32,recompute=full")
+    assert code == 0
+    (only,) = json.loads(out)["candidates"]
+    assert only["ep"] == 4 and only["comm_gb_per_step"]["ep"] > 0 and only["runnable"]
