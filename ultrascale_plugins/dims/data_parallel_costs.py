@@ -98,15 +98,27 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
 def _view_shard(config, r, coords) -> int:
     """Elements of ``r`` (a parameter in a mesh view) this rank holds under FSDP2 over the view's last gradient
     axis: dim 0 in chunks, or dim 1 when dim 0 does not split evenly (``data_parallel.shard_view_modules``)."""
-    from ..interface.parallel_dims import ParallelDims
-
-    dims = ParallelDims(config)
+    dims = _dims_of(config)
     axis = dims.view_grad_axes(r.view)[-1]
     shards, index = dims.degree(axis), coords.get(axis, 0)
     dim = 1 if len(r.local) > 1 and r.local[0] % shards else 0
     cut = list(r.local)
     cut[dim] = chunk_size(cut[dim], shards, index)
     return math.prod(cut)
+
+
+_DIMS: dict = {}
+
+
+def _dims_of(config):
+    """The layout's ``ParallelDims`` (no mesh), once per layout: the planner costs many records of each."""
+    from ..interface.parallel_dims import ParallelDims
+
+    key = repr(config.to_dict())
+    if key not in _DIMS:
+        _DIMS.clear()
+        _DIMS[key] = ParallelDims(config)
+    return _DIMS[key]
 
 
 def _n_layers(records) -> int:
