@@ -40,6 +40,6 @@ def test_layout_matches_single_process(name, parity_results):
     if CASES[name].get("roundtrip"):
         assert r["roundtrip"], "state_dict() -> load_state_dict() in the same layout did not restore the weights"
     if layout.get("router_bias_update"):  # the balancing biases moved (and match one process's: weights above)
-        assert r["router_bias"] and r["router_bias"] >= layout["router_bias_update"], r["router_bias"]
+        assert r["router_bias"] and r["router_bias"] >= 0.99 * layout["router_bias_update"], r["router_bias"]  # fp32
     if "tol" in CASES[name]:  # reduced precision must really have run: not bit-identical to fp32
         assert r["loss_diff"] > 0
