@@ -85,14 +85,20 @@ def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path):
     """An architecture outside the Llama family: Qwen3's per-head q_norm/k_norm are replicated over TP and see
     only this rank's heads (their gradients must be summed over TP, also when FSDP shards them over dp)."""
     env = {"TEST_ARCH": "qwen3"}
+    reference = one_process_losses(tmp_path, env)
+    out = tmp_path / "out.json"
+    proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra=env)
+    check(proc, out, {(2, 1, "for_loop"): reference}, replicas=2)
+
+
+def one_process_losses(tmp_path, env) -> list:
+    """The worker's reference run (the same model on one process without Accelerate, two replicas' batches)."""
     ref_path = tmp_path / "ref.json"
     proc = subprocess.run([sys.executable, str(WORKER), str(ref_path), "--reference", "--replicas", "2"],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = tmp_path / "out.json"
-    proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra=env)
-    check(proc, out, {(2, 1, "for_loop"): json.loads(ref_path.read_text())["losses"]}, replicas=2)
+    return json.loads(ref_path.read_text())["losses"]
 
 
 @pytest.mark.slow
@@ -330,12 +336,8 @@ def test_expert_parallel_from_the_ep_size_key_matches_one_process(tmp_path):
     (Qwen3-MoE, 8 experts, top-2): each process holds 4 of every layer's experts, tokens go to them and back, and
     every step equals the same model on one process without Accelerate."""
     env = {"TEST_ARCH": "qwen3_moe"}
-    ref_path = tmp_path / "ref.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref_path), "--reference", "--replicas", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    reference = one_process_losses(tmp_path, env)
     out = tmp_path / "out.json"
-    r = check(launch(str(RECIPES / "ep_zero3.yaml"), out, env_extra=env), out,
-              {(2, 1, "for_loop"): json.loads(ref_path.read_text())["losses"]}, replicas=2)
+    r = check(launch(str(RECIPES / "ep_zero3.yaml"), out, env_extra=env), out, {(2, 1, "for_loop"): reference},
+              replicas=2)
     assert r["ep"] == 2, r
