@@ -36,24 +36,15 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-if TYPE_CHECKING:  # the types of the arguments and results, for readers and type checkers; nothing at run time
-    import torch
-    from torch import nn
-    from transformers import PretrainedConfig
-
-    from .config import ParallelConfig
-    from .estimates import Estimate, Shape
-    from .fields import Fields
-    from .parallel_dims import MeshAxis, MeshView
-    from .plan_edit import PlanEdit
-    from .presets import Preset
-    from .runtime import Runtime
-    # from the layers above, named here only: engine.ParallelContext / ParallelModel, models.plan.ModelPlan,
-    # checkpoints.sharded.PluginState, checkpoints.export.SavedCheckpoint
+# The annotations below are names only (this module imports nothing of the package, so every module may import
+# it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
+# PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Estimate / Shape
+# (interface.estimates), ModelPlan (models.plan), ParallelContext / ParallelModel (engine), PluginState
+# (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn), PretrainedConfig (transformers).
 
 PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
