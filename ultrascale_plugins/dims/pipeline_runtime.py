@@ -3,6 +3,7 @@ loss scaling that makes a pipelined step equal the unpipelined one, tied-weight 
 validation pass and per-step busy/idle timing."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -84,38 +85,29 @@ class Pipeline(Runtime):
 
     def _mark_stand_in(self, stage) -> None:
         """torch infers a stage's shapes by running it on inputs made from metadata (and its backward): the
-        context says so while it does (``ParallelContext.stand_in``). Wraps the stage's private helpers, where
-        they exist; nothing else changes."""
-        for name in ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"):
-            inner = getattr(stage, name, None)
-            if inner is None:
-                continue
+        context says so while it does (``ParallelContext.stand_in``)."""
+        @contextlib.contextmanager
+        def stand_in():
+            self.ctx.stand_in = True
+            try:
+                yield
+            finally:
+                self.ctx.stand_in = False
 
-            def marked(*args, _inner=inner, **kwargs):
-                self.ctx.stand_in = True
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    self.ctx.stand_in = False
-
-            setattr(stage, name, functools.wraps(inner)(marked))
+        _around(stage, ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"), stand_in)
 
     def _time_compute(self, stage) -> None:
         """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of
-        a step is bubble or communication. Wraps the stage's own methods; nothing else changes."""
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            inner = getattr(stage, name, None)
-            if inner is None:
-                continue
+        a step is bubble or communication."""
+        @contextlib.contextmanager
+        def timed():
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._busy += time.perf_counter() - start
 
-            def timed(*args, _inner=inner, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    self._busy += time.perf_counter() - start
-
-            setattr(stage, name, functools.wraps(inner)(timed))
+        _around(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"), timed)
 
     def _init_tie_group(self):
         """Ranks holding the first and the last stage with the same data/tensor coordinates sum the tied
@@ -284,6 +276,21 @@ class Pipeline(Runtime):
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
         return pmodel.reduce_loss(total, count)
+
+
+def _around(stage, names, context) -> None:
+    """Run each of the stage's methods ``names`` (those it has: torch's private helpers change between releases)
+    inside ``context()``; nothing else changes."""
+    for name in names:
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        def wrapped(*args, _inner=inner, **kwargs):
+            with context():
+                return _inner(*args, **kwargs)
+
+        setattr(stage, name, functools.wraps(inner)(wrapped))
 
 
 def _zero_inferred_inputs(stage) -> None:

@@ -226,9 +226,9 @@ def routed_logits_width(model) -> int:
     gradient of the auxiliary loss flows back through), and the last stage hands them to the loss; else 0."""
     if not getattr(model.config, "output_router_logits", False):
         return 0
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-                 if isinstance(getattr(text, n, None), int)), 0)
+    from ..router_loss import aux_loss_function
+
+    return aux_loss_function(model)[1]  # the expert count the auxiliary loss itself uses
 
 
 def _routed(previous, result, width: int, like: torch.Tensor) -> torch.Tensor:
