@@ -270,7 +270,35 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         # 4. around the whole: FSDP2 (ZeRO-2/3, HSDP) or DDP
         pm.hook.ultrascale_wrap_model(model=part, ctx=ctx)
     ctx.materialize()
+    if any(part is not model for part in ctx.modules):
+        release_unheld(model, ctx.modules)
     return ParallelModel(model, ctx, pm)
+
+
+def release_unheld(model: nn.Module, parts: list[nn.Module]) -> None:
+    """Move to the meta device every parameter of ``model`` whose storage none of ``parts`` holds: a pipeline
+    rank's stages are copies of the model (then sharded by TP and FSDP into storage of their own), and the model
+    as given would otherwise keep every other stage's weights, and its own unsharded ones, for the whole run. Names,
+    shapes and ``requires_grad`` stay (the front ends and checkpoints read them); a weight shared by several
+    modules stays shared."""
+    from torch.distributed.tensor import DTensor
+
+    held = set()
+    for part in parts:
+        for tensor in part.parameters():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if not local.is_meta and local.numel():
+                held.add(local.untyped_storage().data_ptr())
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.is_meta or isinstance(param, DTensor) or not param.numel():
+                continue
+            if id(param) not in replaced:
+                if param.untyped_storage().data_ptr() in held:
+                    continue
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
 
 
 def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device=None,

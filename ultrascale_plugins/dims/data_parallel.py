@@ -100,8 +100,10 @@ def ultrascale_wrap_model(model, ctx):
 
 @hookimpl
 def ultrascale_no_sync(pmodel):
-    """Gradient accumulation: FSDP2's reduce-scatters (every group, nested ones included) and DDP's all-reduce
-    wait for the last backward."""
+    """Gradient accumulation: DDP's all-reduce and HSDP's all-reduce over the replicas wait for the last backward;
+    FSDP2's reduce-scatters still run after every micro-batch's backward, so gradients accumulate sharded: deferring
+    them would keep every parameter's whole fp32 gradient on every rank until the last micro-batch (the model's
+    full size, not 1/dp_shard of it)."""
     import contextlib
 
     from torch.distributed.fsdp import FSDPModule
@@ -114,13 +116,13 @@ def ultrascale_no_sync(pmodel):
     @contextlib.contextmanager
     def local():
         for m in fsdp:
-            m.set_requires_gradient_sync(False)
+            m.set_requires_all_reduce(False)
         try:
             with (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
                 yield
         finally:
             for m in fsdp:
-                m.set_requires_gradient_sync(True)
+                m.set_requires_all_reduce(True)
 
     return local()
 

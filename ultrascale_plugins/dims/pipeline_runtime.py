@@ -259,6 +259,8 @@ class Pipeline(Runtime):
                 self.scale = float(pmodel.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                if _takes_return_outputs():  # else the last stage keeps every micro-batch's logits to merge them
+                    kwargs["return_outputs"] = False
                 self._busy, start = 0.0, time.perf_counter()
                 with pmodel.loss_context():  # around the schedule: its loss and its backward
                     self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
@@ -276,6 +278,18 @@ class Pipeline(Runtime):
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
         return pmodel.reduce_loss(total, count)
+
+
+@functools.cache
+def _takes_return_outputs() -> bool:
+    """Whether torch's schedules can be told not to merge and return the last stage's outputs (every
+    micro-batch's logits, kept to the end of the step): ``return_outputs``, in the releases that have it. The step
+    reads only the losses."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "return_outputs" in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
 def _around(stage, names, context) -> None:

@@ -19,9 +19,9 @@ class Runtime:
     backward_in_forward = False
 
     def train_step(self, pmodel, batch: dict, loss_scale: float) -> torch.Tensor:
-        output = pmodel.forward(batch)
-        pmodel.backward(output.loss * loss_scale)
-        return output.loss.detach()
+        loss = pmodel.forward(batch).loss  # the output's logits are dropped before the backward, not held through it
+        pmodel.backward(loss * loss_scale)
+        return loss.detach()
 
     @torch.no_grad()
     def eval_step(self, pmodel, batch: dict) -> torch.Tensor:
