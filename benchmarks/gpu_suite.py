@@ -1,6 +1,6 @@
 """The GPU suite: correctness checks, throughput and front-end overhead on one CUDA device, ready to run unattended.
 
-    python benchmarks/gpu_suite.py                         # one GPU, <= 8 minutes: benchmarks/results/gpu/
+    python benchmarks/gpu_suite.py                         # one GPU, <= 9 minutes: benchmarks/results/gpu/
     python benchmarks/gpu_suite.py --sections moe,checkpoint --out /tmp/gpu
     python benchmarks/gpu_suite.py --dry-run               # the same code on CPU, tiny sizes, a temp directory
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_sections import correctness, front_ends, throughput  # noqa: E402
+from gpu_sections import correctness, front_ends, memory, throughput  # noqa: E402
 from gpu_sections.common import Recorder, Sizes, read_rows, world_of_one_env  # noqa: E402
 
 # name -> (function(rec, sizes), budget on the GPU in s, budget in the CPU dry run in s). Cheap checks first; the
@@ -36,13 +36,14 @@ SECTIONS = {
     "adamw": (correctness.adamw, 30, 40),
     "moe": (correctness.moe, 30, 40),
     "ep_dispatch": (correctness.ep_dispatch, 20, 30),
+    "memory": (memory.memory, 40, 40),
     "cp_kernels": (correctness.cp_kernels, 40, 60),
     "compile": (correctness.compile_regional, 75, 90),
     "throughput_1b": (throughput.throughput_1b, 130, 90),
     "throughput_3b": (throughput.throughput_3b, 80, 60),
     "front_ends": (front_ends.front_ends, 110, 120),
 }
-TOTAL_BUDGET_S = {False: 470, True: 175}  # GPU: <= 8 min with start-up and writing; dry run: <= 3 min
+TOTAL_BUDGET_S = {False: 510, True: 215}  # GPU: <= 9 min with start-up and writing; dry run: <= 4 min
 MIN_SECTION_S = 10  # less time than this left: the section is recorded as not run
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 
@@ -53,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--sections", help=f"comma-separated subset of: {', '.join(SECTIONS)}")
     ap.add_argument("--out", help="directory for the JSON and markdown (default: benchmarks/results/gpu, or a "
                                   "temp dir with --dry-run)")
-    ap.add_argument("--total-budget", type=float, help="seconds for the whole suite (default 470; dry run 175)")
+    ap.add_argument("--total-budget", type=float, help="seconds for the whole suite (default 510; dry run 215)")
     ap.add_argument("--budget-scale", type=float, default=1.0,
                     help="multiply every time budget (a loaded or slow machine; the tests use it on shared CI)")
     ap.add_argument("--micro-batch-1b", type=int, default=4, help="rows per step of the 1B (seq 4096)")

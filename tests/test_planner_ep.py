@@ -138,11 +138,11 @@ def _rows(out: str) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line[:5].strip().isdigit()]
 
 
-@pytest.mark.parametrize("model, gpus, top", [("qwen3-30b-a3b", 8, 5), ("qwen3-30b-a3b", 64, 1),
+@pytest.mark.parametrize("model, gpus, top", [("qwen3-30b-a3b", 8, 1), ("qwen3-30b-a3b", 64, 3),
                                               ("deepseek-v3", 256, 1)])
 def test_the_plan_offers_expert_parallel_layouts_for_real_mixtures_of_experts(capsys, model, gpus, top):
     """Sequence 4096, 256 sequences per step, AdamW, H100 80 GB: an EP layout is among the ``top`` best that fit
-    (the best on 64 GPUs for Qwen3-30B-A3B and on 256 for DeepSeek-V3, which needs ~10.7 TB of fp32 weights,
+    (the best on 8 GPUs for Qwen3-30B-A3B and on 256 for DeepSeek-V3, which needs ~10.7 TB of fp32 weights,
     gradients and AdamW states: 64 H100 do not hold it), and the printed layout passes the pre-launch checks."""
     code, out, _ = _plan(capsys, "--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm-80gb", "--top", "10")
     assert code == 0, out

@@ -9,7 +9,8 @@ from __future__ import annotations
 from ..interface.estimates import Estimate, expert_share, flops_per_token, merge_flops
 
 
-def activation_bytes_per_token(mc, config, mode: str, element: int) -> tuple[float, float, float, float]:
+def activation_bytes_per_token(mc, config, mode: str, element: int,
+                               profile: str = "ultrascale") -> tuple[float, float, float, float]:
     """(bytes per token per layer saved for backward that TP shards, that only SP shards, that neither does, and
     one layer's working set while it is recomputed). Flash-style attention (no score matrix), Korthikanti's
     accounting per tensor: norm inputs/outputs, q/k/v, rotated q/k, attention output, MLP intermediates (4 of
@@ -23,10 +24,15 @@ def activation_bytes_per_token(mc, config, mode: str, element: int) -> tuple[flo
     gated = getattr(mc, "hidden_act", "gelu") in ("silu", "swiglu", "geglu", "gelu_pytorch_tanh") and \
         getattr(mc, "model_type", "") not in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi")
     mlp = (4 if gated else 2) * ffn
-    # the two norms' inputs (the residual stream) are split by SP; their outputs feed the column-parallel matmuls,
-    # which keep their input whole for the weight gradient (all-gathered under SP: torch's styles and nanotron
-    # alike), so TP never divides those
+    # the two norms' inputs (the residual stream) are split by SP; their outputs feed the column-parallel matmuls.
+    # torch's TP styles keep that input whole (all-gathered under SP) for the weight gradient, so TP never divides
+    # it; nanotron keeps the sequence shard and gathers it again in the backward (its tp_recompute_allgather,
+    # on by default), so there SP divides it too
     sp_only, whole = 3 * h, 1 * h
+    if profile == "nanotron":
+        sp_only, whole = 4 * h, 0
+    elif element == 2:  # under bf16 autocast the two norms compute in fp32 and keep an fp32 copy of their input
+        sp_only += 2 * 4 * h / element
     tp_part = (q + 2 * kv) + (q + kv) + q + mlp
     layer = element * (sp_only + whole + tp_part)
     if mode == "full":
@@ -57,7 +63,7 @@ def activation_terms(config, shape, est: Estimate) -> None:
     element = shape.activation_bytes(config)
     mode = config.activation_checkpointing
     tp = config.tp
-    tp_part, sp_part, whole, working = activation_bytes_per_token(mc, config, mode, element)
+    tp_part, sp_part, whole, working = activation_bytes_per_token(mc, config, mode, element, shape.profile)
     sp_div = tp if config.sequence_parallel else 1
     per_token = tp_part / tp + sp_part / sp_div + whole
     tokens = shape.tokens_per_micro_batch
@@ -66,20 +72,35 @@ def activation_terms(config, shape, est: Estimate) -> None:
     held, transient, head_trains = adapter_bytes(shape, element, mode, sp_div, max(1, layers))
     saved += held * shape.in_flight + transient
     if mode != "none":
-        saved += working / tp * tokens  # full recomputation: one layer's activations while it is recomputed
         est.factors["recompute_flops"] = recompute_factor(shape, mode)
     extra = merge_flops(shape.inventory) * (4 / 3 if mode == "full" else 1)  # the merge's forward, recomputed
     if extra:
         est.factors["extra_flops"] = est.factors.get("extra_flops", 0.0) + extra
-    est.add_memory("activations", saved)
+    logits = 0.0
     if shape.holds_head:
-        vocab_div = tp if (config.loss_parallel or shape.profile == "nanotron") else 1
-        # logits in the compute dtype, their fp32 copy for the loss and its gradient; the head's input, kept for
-        # its weight gradient (not when the head is frozen)
-        logits = (element + 8) * mc.vocab_size * tokens / vocab_div
-        if head_trains:
-            logits += element * mc.hidden_size * tokens
-        est.add_memory("activations", logits)
+        if shape.profile == "nanotron":
+            # nanotron's vocabulary-parallel loss: the fp32 copy of the logits and, made from it, the shifted
+            # exponentials it keeps as the softmax (the bf16 logits are freed at the copy); the final norm's and the
+            # head's inputs as sequence shards (tp_recompute_allgather)
+            logits = 8 * mc.vocab_size * tokens / tp + 2 * element * mc.hidden_size * tokens / sp_div
+        else:
+            vocab_div = tp if config.loss_parallel else 1
+            # at the start of the loss's backward (the peak of a step): the fp32 log-probabilities the loss keeps,
+            # their gradient and the gradient of the fp32 logits (the logits themselves are freed once the loss is
+            # computed: the step keeps only the loss, Runtime.train_step); the head's input, kept for its weight
+            # gradient (not when the head is frozen)
+            logits = 12 * mc.vocab_size * tokens / vocab_div
+            if config.pp > 1:  # torch's pipeline stage keeps its output, the logits, until the stage's backward
+                logits += element * mc.vocab_size * tokens / vocab_div
+            if head_trains:
+                saved += element * mc.hidden_size * tokens
+    # full recomputation re-runs one layer at a time inside the backward, after the loss's tensors are freed: its
+    # working set and the loss's are not alive together
+    est.add_memory("activations", saved + max(logits, working / tp * tokens if mode != "none" else 0.0))
+    if shape.profile == "nanotron" and tp > 1:
+        # nanotron's two all-gather buffers (MemoryBuffer "allgather"/"allgather2"), a gathered micro-batch each in
+        # the compute dtype, kept for the whole run
+        est.add_memory("other", 2 * element * mc.hidden_size * tokens)
 
 
 def recompute_factor(shape, mode: str) -> float:

@@ -54,32 +54,48 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
     step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
+    if profile == "ultrascale" and shape.optimizer in ("adam", "adamw"):
+        # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
+        # the square root of the second moments (the fused implementation needs none); see Estimate.peak_memory
+        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + 4 * opt_numel
     full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
-        n_layers = max(1, _n_layers(records))
-        per_layer = full / n_layers
         compute = 2 if config.mixed_precision == "bf16" else 4
+        layers, layers_trained = _layer_sizes(records)
+        largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
         if zero >= 2 and dp_shard > 1:
-            # FSDP2 gathers whole weights in the compute dtype for one layer plus the next (prefetched) under
-            # ZeRO-3, all of them under ZeRO-2; a layer's whole fp32 gradient waits for its reduce-scatter
-            est.add_memory("other", compute * (2 * per_layer if zero == 3 else full) + 4 * (full_local / n_layers))
+            if config.pp > 1 and shape.micro_batches > 1:
+                # torch's pipeline stages defer resharding and the reduce-scatter to a step's last micro-batch:
+                # every weight stays gathered (compute dtype) and every whole fp32 gradient is held until then
+                est.add_memory("other", compute * full + 4 * full_local)
+            else:
+                # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 the root group's (embedding,
+                # head, final norm: never resharded) plus a layer and the next (prefetched), under ZeRO-2 all of
+                # them; a layer's whole fp32 gradient waits for its reduce-scatter (every micro-batch's: the
+                # gradients accumulate sharded, see data_parallel.ultrascale_no_sync)
+                gathered = full - sum(layers.values()) + 2 * largest if zero == 3 else full
+                est.add_memory("other", compute * gathered + 4 * largest_trained)
         elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
             est.add_memory("other", 2 * full)
     if dp <= 1:
         return
     if profile == "ultrascale" and zero <= 1 and config.pp == 1:
         est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
+        est.factors["step_other"] = est.factors.get("step_other", 0.0) + 4 * full_local  # held through the step
+    elif profile == "nanotron" and zero == 0:
+        est.add_memory("other", 2 * full_local)  # torch DDP's buckets in the weights' dtype (nanotron: ZeRO-0 only)
     grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
     weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
     axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
     if zero >= 2:
-        # reduce-scatter of the gradients once per step (accumulated without sync); all-gathers of the weights,
-        # frozen ones too, before each forward and (ZeRO-3) each backward of every micro-batch, prefetched
+        # reduce-scatter of the gradients after every micro-batch (they accumulate sharded; a pipeline's stages
+        # reduce once per step); all-gathers of the weights, frozen ones too, before each forward and (ZeRO-3)
+        # each backward of every micro-batch, prefetched
         gathers = 2 if zero == 3 and config.pp == 1 else 1
-        est.add_comm("dp_shard", grad_wire * full_local, "reduce_scatter", calls=_n_layers(records) + 1,
-                     overlap=shape.dp_overlap)
         per = "micro_batch" if config.pp == 1 else "step"
+        est.add_comm("dp_shard", grad_wire * full_local, "reduce_scatter", calls=_n_layers(records) + 1,
+                     overlap=shape.dp_overlap, per=per)
         est.add_comm("dp_shard", gathers * weight_wire * full, "all_gather",
                      calls=gathers * (_n_layers(records) + 1), per=per, overlap=shape.gather_overlap)
         if dp_rep > 1:
@@ -119,6 +135,17 @@ def _dims_of(config):
         _DIMS.clear()
         _DIMS[key] = ParallelDims(config)
     return _DIMS[key]
+
+
+def _layer_sizes(records) -> tuple[dict, dict]:
+    """({layer: its TP-local elements}, {layer: those that train}): what FSDP2 gathers, and reduces, per layer."""
+    sizes: dict = {}
+    trained: dict = {}
+    for r in records:
+        if r.layer is not None:
+            sizes[r.layer] = sizes.get(r.layer, 0) + r.local_numel
+            trained[r.layer] = trained.get(r.layer, 0) + (r.local_numel if r.trainable else 0)
+    return sizes, trained
 
 
 def _n_layers(records) -> int:

@@ -33,6 +33,27 @@ def bubble(schedule: str, p: int, v: int, m: int) -> float:
     return (p - 1) / m
 
 
+def nanotron_split(mc, n_layers: int, p: int) -> tuple[list[int], int]:
+    """(decoder layers per pipeline rank, the rank holding the head) as nanotron splits a Llama: the blocks
+    (embedding, layers, final norm, head, loss) in order, each costing its matmul weights (a layer 4h² + 3hf,
+    GQA ignored; the head V·h; the rest nothing), each rank taking blocks until the running cost passes its share
+    (its ``PipelineBlock`` assignment from ``get_block_compute_costs``). Ranks past the head may be left empty."""
+    h = mc.hidden_size
+    f = getattr(mc, "intermediate_size", None) or 4 * h
+    costs = [0.0] + [4.0 * h * h + 3.0 * h * f] * n_layers + [0.0, float(mc.vocab_size * h)]
+    total, running, rank = sum(costs), 0.0, 0
+    counts, head = [0] * p, 0
+    for i, cost in enumerate(costs):
+        running += cost
+        if 1 <= i <= n_layers:
+            counts[rank] += 1
+        if i == len(costs) - 1:
+            head = rank
+        if running > total * (rank + 1) / p and rank < p - 1:
+            rank += 1
+    return counts, head
+
+
 def pipeline_terms(config, shape, est) -> None:
     n_layers = 1 + max((r.layer for r in shape.inventory if r.layer is not None), default=-1)
     if config.pp == 1:
@@ -42,15 +63,17 @@ def pipeline_terms(config, shape, est) -> None:
     m = shape.micro_batches
     rank = shape.coords.get("pp", 0)
     n_stages = p * v
-    if n_stages > n_layers:  # more stages than layers: this engine refuses it, the planner still costs it
+    last = n_stages - 1  # the stage holding the final norm and the head
+    if shape.profile == "nanotron" and v == 1 and not config.pp_split:
+        counts, last = nanotron_split(shape.model_config, n_layers, p)
+        if rank == p - 1:  # the pipeline's end, as the cost coordinates name it: the rank holding the head
+            rank = last
+    elif n_stages > n_layers:  # more stages than layers: this engine refuses it, the planner still costs it
         counts = [1] * n_layers + [0] * (n_stages - n_layers)
-    elif shape.profile == "nanotron" and not config.pp_split:  # layers in equal parts, the rest to the first
-        counts = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
     else:  # this engine's split: the embedding and the head count as a layer of work each
         counts = stage_layer_counts(config, n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     stages = stage_ids_for_rank(config, rank)
-    last = len(counts) - 1
     layers = set()
     for s in stages:
         layers.update(range(starts[s], starts[s] + counts[s]))
@@ -74,3 +97,6 @@ def pipeline_terms(config, shape, est) -> None:
         act /= config.tp
     # each micro-batch: activations to the next stage and their gradient back, on every stage boundary it crosses
     est.add_comm("pp", 2 * act * v, "p2p", calls=2 * v, per="micro_batch")
+    if shape.profile == "ultrascale" and 0 not in stages:
+        # torch's stages receive each micro-batch's input into a buffer of its own, made once and kept
+        est.add_memory("other", m * len(stages) * act)

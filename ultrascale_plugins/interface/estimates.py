@@ -84,8 +84,16 @@ class Estimate:
         return out
 
     @property
+    def optimizer_step_memory(self) -> float:
+        """Bytes held during the optimizer step: the model states, what stays held through it (``step_other``:
+        DDP's buckets) and the optimizer's temporaries (``step_temporary``); no activations."""
+        return (sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+                + self.factors.get("step_other", 0.0) + self.factors.get("step_temporary", 0.0))
+
+    @property
     def total_memory(self) -> float:
-        return sum(self.memory.values())
+        """The rank's peak: the backward's (every category at once) or the optimizer step's, whichever is larger."""
+        return max(sum(self.memory.values()), self.optimizer_step_memory)
 
 
 # ---- the parameter inventory --------------------------------------------------------------------------------

@@ -129,6 +129,9 @@ class Result:
     not_runnable_because: str = ""
     times_s: dict = dataclasses.field(default_factory=dict)
     comm_gb: dict = dataclasses.field(default_factory=dict)  # per optimizer step, by mesh axis (slowest rank)
+    # hardware FLOPs utilization: the MFU with recomputed forwards counted as work (Korthikanti et al.'s HFU; what
+    # Megatron-LM's printed TFLOP/s measure under activation checkpointing). Equal to the MFU without recomputation.
+    hfu: float = 0.0
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -140,6 +143,7 @@ class Result:
                 "sequence_parallel": bool(lay.fields().get("sequence_parallel", False)), **lay.extra,
                 "fits": self.fits, "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "mfu": round(self.mfu, 4),
+                "hfu": round(self.hfu, 4),
                 "step_s": round(self.step_s, 4), "dominant": self.dominant, "runnable": self.runnable,
                 **({"not_runnable_because": self.not_runnable_because} if not self.runnable else {}),
                 "times_s": {k: round(v, 5) for k, v in self.times_s.items()},
@@ -360,7 +364,7 @@ class CostModel:
         dominant = max(times, key=times.get)
         ok, why = self.runnable(lay)
         return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
-                      {k: v / GB for k, v in slowest_est.comm.items()})
+                      {k: v / GB for k, v in slowest_est.comm.items()}, hfu=mfu * recompute)
 
 
 def coordinates_to_cost(config, pm=None) -> list[dict]:
@@ -380,14 +384,20 @@ def coordinates_to_cost(config, pm=None) -> list[dict]:
 
 def peak_memory_gb(ests, constants: dict | None = None) -> dict:
     """GB per category of the most loaded of ``ests`` (one ``Estimate`` per rank), with the allocator's slack on
-    activations and its workspaces (``CONSTANTS``), and their ``total``."""
+    activations and its workspaces (``CONSTANTS``), and the ``total``: their sum, or the optimizer step's memory
+    when that is larger (``Estimate.total_memory``)."""
     c = {**CONSTANTS, **(constants or {})}
-    worst = max(ests, key=lambda e: e.total_memory)
-    mem = {k: v / GB for k, v in worst.memory.items()}
-    mem["activations"] *= c["fragmentation"]
-    mem["other"] += c["memory_overhead_gb"]
-    mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
-    return mem
+
+    def gb(est) -> dict:
+        mem = {k: v / GB for k, v in est.memory.items()}
+        mem["activations"] *= c["fragmentation"]
+        mem["other"] += c["memory_overhead_gb"]
+        backward = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+        # the optimizer step's peak, when it is the larger (small activations, foreach AdamW's temporary)
+        mem["total"] = max(backward, est.optimizer_step_memory / GB + c["memory_overhead_gb"])
+        return mem
+
+    return max((gb(e) for e in ests), key=lambda m: m["total"])
 
 
 def layout_from_string(text: str, world: int | None = None) -> Layout:
