@@ -14,6 +14,18 @@ Four figures, each with the target the project set (issue 13):
 
 Everything is predicted with the "nanotron" profile (bf16 weights, fp32 gradient accumulation and master weights,
 Adam) on the ``h100-sxm-80gb`` preset, with the global constants of ``cost.CONSTANTS``: nothing is fitted per row.
+
+What ran and what was recorded, from nanotron's code (``scripts/scaling_benchmarks.py``, "used in" the Playbook, and
+its trainer, commit e24d2483, February 2025):
+- the models: Llama blocks with as many key/value heads as query heads (the script sets no GQA: "we can't bench
+  tp>8 if we use 8 KV heads"), a 131,072-token vocabulary, tied embeddings below an FFN of 10,000; the 3B has 32
+  heads ("24heads -> 32heads"). ``MODELS`` holds the script's sizes, 8B to 405B included;
+- the memory column is ``torch.cuda.max_memory_reserved()`` in GiB (1024³ bytes), written by global rank 0 only,
+  which nanotron places at pipeline stage 0, data-parallel rank 0, tensor-parallel rank 0 (its rank matrix is
+  (pp, dp, tp), tp innermost). The peak *allocated* figure it logs beside it is reset after the forward/backward
+  passes, so it cannot be the column: that grows with the micro-batch. So the error is that of the first pipeline
+  stage's prediction (with the allocator's slack), converted to GiB; whether a run fits is judged on the most
+  loaded rank, since any rank running out of memory ends the run.
 """
 from __future__ import annotations
 
@@ -22,12 +34,26 @@ import csv
 import statistics
 from pathlib import Path
 
-from .cost import CostModel, Layout, Workload
+from .cost import CostModel, Layout, Workload, coordinates_to_cost
 from .hardware import PRESETS
 from .model_spec import ModelSpec, load_model_config
 
 DATA = Path(__file__).resolve().parent.parent / "resources" / "playbook_benchmarks_1B_3B.csv"
-MODELS = {"1B": "llama-3.2-1b", "3B": "llama-3.2-3b"}
+GIB = 2**30
+
+
+def _playbook_llama(layers: int, hidden: int, heads: int, ffn: int) -> dict:
+    """A model of the Playbook's benchmark script: Llama blocks, key/value heads = heads, vocabulary 131,072,
+    embeddings tied below an FFN width of 10,000."""
+    return dict(model_type="llama", vocab_size=131072, hidden_size=hidden, intermediate_size=ffn,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, hidden_act="silu",
+                rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=ffn < 10_000)
+
+
+# the sizes of nanotron's scripts/scaling_benchmarks.py (layers, hidden, heads, FFN)
+MODELS = {"1B": _playbook_llama(16, 2048, 32, 8192), "3B": _playbook_llama(28, 3072, 32, 8192),
+          "8B": _playbook_llama(32, 4096, 32, 14336), "70B": _playbook_llama(80, 8192, 64, 28672),
+          "405B": _playbook_llama(126, 16384, 128, 53248)}
 TARGETS = {"memory_median_error": 0.10, "memory_p90_error": 0.25, "oom_accuracy": 0.90,
            "spearman_median": 0.70, "top5_hit_rate": 0.70}
 
@@ -49,15 +75,31 @@ class _Models(dict):
     def __init__(self, constants):
         super().__init__()
         self.constants = constants
-        self.specs = {m: ModelSpec.of(load_model_config(name)) for m, name in MODELS.items()}
+        self.specs = {}
+
+    def spec(self, model: str) -> ModelSpec:
+        if model not in self.specs:
+            self.specs[model] = ModelSpec.of(load_model_config(MODELS[model]))
+        return self.specs[model]
 
     def for_row(self, row) -> CostModel:
         gbs = int(row["dp"]) * int(row["mbs"]) * int(row["grad_acc"])
         key = (row["model"], gbs)
         if key not in self:
-            self[key] = CostModel(self.specs[row["model"]], PRESETS["h100-sxm-80gb"],
+            self[key] = CostModel(self.spec(row["model"]), PRESETS["h100-sxm-80gb"],
                                   Workload(4096, gbs, "nanotron", "adamw"), self.constants)
         return self[key]
+
+
+def recorded_rank_gb(model: CostModel, layout: Layout) -> float:
+    """Predicted peak (GB, with the allocator's slack) of the rank whose memory the Playbook recorded: global rank
+    0, nanotron's first pipeline stage."""
+    from .cost import peak_memory_gb
+
+    ests = model.estimates(layout)
+    coords = coordinates_to_cost(layout.config(), model.pm)
+    first = [e for e, c in zip(ests, coords) if c.get("pp", 0) == 0]
+    return peak_memory_gb(first, model.c)["total"]
 
 
 def spearman(xs, ys) -> float:
@@ -98,16 +140,17 @@ def validate(rows: list[dict] | None = None, constants: dict | None = None, memo
     mem_errors, oom_hits, memory_only_hits, oom_total = [], 0, 0, 0
     cells = collections.defaultdict(list)
     for row in rows:
-        result = models.for_row(row).evaluate(row_layout(row))
-        predicted = result.memory_gb["total"]
+        model, layout = models.for_row(row), row_layout(row)
+        result = model.evaluate(layout)
+        predicted = result.memory_gb["total"]  # the most loaded rank, GB
         crashed = row["status"] != "ok"
-        unbuildable = int(row["pp"]) > models.specs[row["model"]].config.num_hidden_layers
+        unbuildable = int(row["pp"]) > models.spec(row["model"]).config.num_hidden_layers
         oom_total += 1
         oom_hits += (predicted > memory_gb or unbuildable) == crashed
         memory_only_hits += (predicted > memory_gb) == crashed
         if not crashed:
-            measured = float(row["mem_gb"])
-            mem_errors.append(abs(predicted - measured) / measured)
+            measured = float(row["mem_gb"]) * GIB  # bytes
+            mem_errors.append(abs(recorded_rank_gb(model, layout) * 1e9 - measured) / measured)
             cells[(row["model"], int(row["nodes"]))].append((result.tokens_per_s_per_gpu, float(row["tok_s_gpu"]),
                                                               predicted <= memory_gb))
     per_cell, rhos, hits = {}, [], 0
