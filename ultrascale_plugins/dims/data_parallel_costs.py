@@ -56,7 +56,8 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
     if profile == "ultrascale" and shape.optimizer in ("adam", "adamw"):
         # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
-        # the square root of the second moments (the fused implementation needs none); see Estimate.peak_memory
+        # the square root of the second moments (the fused implementation needs none); see
+        # Estimate.optimizer_step_memory
         est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + 4 * opt_numel
     full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients

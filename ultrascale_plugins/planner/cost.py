@@ -159,7 +159,6 @@ class CostModel:
         self.spec, self.hw, self.work = spec, hardware, workload
         self.c = {**CONSTANTS, **(constants or {})}
         self.pm = pm or get_plugin_manager()
-        self._memory: dict = {}
         self._runnable: dict = {}
         self._plans: dict = {}
         self._choices: dict = {}

@@ -34,7 +34,7 @@ import csv
 import statistics
 from pathlib import Path
 
-from .cost import CostModel, Layout, Workload, coordinates_to_cost
+from .cost import GB, CostModel, Layout, Workload, coordinates_to_cost, peak_memory_gb
 from .hardware import PRESETS
 from .model_spec import ModelSpec, load_model_config
 
@@ -94,8 +94,6 @@ class _Models(dict):
 def recorded_rank_gb(model: CostModel, layout: Layout) -> float:
     """Predicted peak (GB, with the allocator's slack) of the rank whose memory the Playbook recorded: global rank
     0, nanotron's first pipeline stage."""
-    from .cost import peak_memory_gb
-
     ests = model.estimates(layout)
     coords = coordinates_to_cost(layout.config(), model.pm)
     first = [e for e, c in zip(ests, coords) if c.get("pp", 0) == 0]
@@ -150,7 +148,7 @@ def validate(rows: list[dict] | None = None, constants: dict | None = None, memo
         memory_only_hits += (predicted > memory_gb) == crashed
         if not crashed:
             measured = float(row["mem_gb"]) * GIB  # bytes
-            mem_errors.append(abs(recorded_rank_gb(model, layout) * 1e9 - measured) / measured)
+            mem_errors.append(abs(recorded_rank_gb(model, layout) * GB - measured) / measured)
             cells[(row["model"], int(row["nodes"]))].append((result.tokens_per_s_per_gpu, float(row["tok_s_gpu"]),
                                                               predicted <= memory_gb))
     per_cell, rhos, hits = {}, [], 0
