@@ -44,16 +44,6 @@ from .layout import ACCELERATE_ENV_PREFIXES, compile_from_dynamo, layout_from_en
 STATE_FILE = "accelerate.pt"
 
 
-def _exit_once(exc: ConfigError) -> None:
-    """A layout error every launched worker finds alike: rank 0 says it in one line, and every rank exits with
-    status 2 (the launcher then reports the failed workers)."""
-    import sys
-
-    if os.environ.get("RANK", "0") == "0":
-        print(f"ultrascale: error: {exc}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 class UltraScalePlugin:
     """The layout for ``UltraScaleAccelerator``: a ``ParallelConfig`` / dict / YAML path, or ``None`` to read it
     from the launch (``$ULTRASCALE_CONFIG``, then Accelerate's own variables). ``init_from`` names a
@@ -72,7 +62,7 @@ class UltraScaleAccelerator(Accelerator):
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         from ..engine import causal_lm_of, validate
-        from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout
+        from ..launch import DEFAULT_TIMEOUT_S, exit_on_error, set_collective_timeout
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
@@ -101,7 +91,7 @@ class UltraScaleAccelerator(Accelerator):
                 validate(self.ultrascale_config, causal_lm_of(model).config, world, model=model)
         except ConfigError as exc:
             if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank
-                _exit_once(exc)
+                exit_on_error(exc)
             raise
         for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
             os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast

@@ -133,7 +133,7 @@ def test_expert_parallel_is_accepted_on_a_moe_and_refused_where_it_cannot_run(tm
 
 
 def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
-    from ultrascale_plugins.train import report_error
+    from ultrascale_plugins.launch import report_error
 
     error_file = tmp_path / "error"
     monkeypatch.setenv("ULTRASCALE_ERROR_FILE", str(error_file))

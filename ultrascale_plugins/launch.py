@@ -6,6 +6,7 @@ import atexit
 import datetime
 import os
 import re
+import sys
 import time
 
 import torch
@@ -124,3 +125,32 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+def report_error(exc: Exception) -> None:
+    """A configuration error every rank of a launched job finds alike, said once for the whole job rather than once
+    per rank: into the file ``ultrascale train`` (or another of the package's launchers) named in
+    ``ULTRASCALE_ERROR_FILE`` (the first rank to fail writes it; the launcher prints it after the workers exit),
+    else by global rank 0 on standard error, as one line."""
+    message = f"{exc}"
+    path = os.environ.get("ULTRASCALE_ERROR_FILE")
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        except OSError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(message)
+            return
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        print(f"ultrascale: error: {message}", file=sys.stderr, flush=True)
+
+
+def exit_on_error(exc: Exception, status: int = 2) -> None:
+    """``report_error``, then end this process with ``status`` (2: a usage error, as the command line's): the way
+    a front end's launched worker refuses a layout, without a traceback from any rank."""
+    report_error(exc)
+    raise SystemExit(status)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import _freeze_at_exit, _timing_mark, quiet_known_warnings
 from .interface.config import ConfigError
+from .launch import report_error
 from .recipe import Recipe, load_recipe
 
 
@@ -285,26 +286,6 @@ class EventLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def report_error(exc: Exception) -> None:
-    """A worker's ConfigError, said once for the whole job rather than once per rank: into the file ``ultrascale
-    train`` named (the first rank to fail writes it; the command prints it after the launch), else by rank 0."""
-    message = f"{exc}"
-    path = os.environ.get("ULTRASCALE_ERROR_FILE")
-    if path:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return
-        except OSError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(message)
-            return
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-        print(f"ultrascale: error: {message}", file=sys.stderr)
 
 
 def describe(cfg, pmodel) -> str:
