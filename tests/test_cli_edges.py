@@ -179,6 +179,17 @@ def test_defaulted_sizes_are_named_and_a_model_too_big_is_refused(tmp_path, monk
     assert set(defaulted_sizes(gpt2, model_config_of(gpt2))) == {"vocab_size", "max_position_embeddings"}
 
 
+# ---- issue 32: an attribute_map alias of a size counts as set ---------------------------------------------------
+def test_an_alias_of_a_size_counts_as_set():
+    """A qwen3_moe recipe that sets num_experts (an attribute_map alias of num_local_experts) was told it left
+    num_local_experts at transformers' defaults."""
+    from ultrascale_plugins.recipe import defaulted_sizes, model_config_of
+
+    assert defaulted_sizes(TINY_MOE, model_config_of(TINY_MOE)) == {}
+    left = defaulted_sizes({"model_type": "qwen3_moe"}, model_config_of({"model_type": "qwen3_moe"}))
+    assert left["num_local_experts"] == 128 and "num_experts" not in left  # one field, named once
+
+
 # ---- a, e, f. resume without --init-from; the resume line and the bar; TensorBoard ----------------------------
 def _hf_dir(path):
     import torch

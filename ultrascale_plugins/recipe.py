@@ -265,21 +265,23 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def defaulted_sizes(model: dict, config) -> dict:
     """The size fields ``config`` has that the recipe's ``model`` section does not set (under any of their
-    names), with the values transformers' defaults gave them; fields derived from others (default None) are left
-    out."""
+    names: an ``attribute_map`` alias and its target are one field, named once), with the values transformers'
+    defaults gave them; fields derived from others (default None) are left out."""
     import inspect
 
     aliases = getattr(config, "attribute_map", {}) or {}
-    given = set(model) | {name for name, target in aliases.items() if target in model}
+    given = {aliases.get(name, name) for name in model}  # each field the section sets, by its target name
     try:
         params = inspect.signature(type(config).__init__).parameters
     except (TypeError, ValueError):
         params = {}
-    out = {}
+    out, seen = {}, set()
     for name in SIZE_FIELDS:
-        if name in given or getattr(config, name, None) is None:
+        field = aliases.get(name, name)
+        if field in given or field in seen or getattr(config, name, None) is None:
             continue
-        if name in params and params[name].default is None:
+        seen.add(field)
+        if field in params and params[field].default is None:
             continue
         out[name] = getattr(config, name)
     return out
