@@ -45,6 +45,9 @@ def test_unknown_recipe_key_suggests(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("nproc: 1\nmodle: {}\n")
     assert_clean_error(ultrascale("train", str(recipe)), "modle", "did you mean 'model'")
+    # the model section too (issue 32): a typo beside the real key set nothing and said nothing
+    assert_clean_error(ultrascale("train", "--set", "model.hiden_size=64"), "unknown key 'model.hiden_size'",
+                       "did you mean 'hidden_size'?", "Fix: hidden_size: 64")
 
 
 def test_the_final_loss_line_says_what_it_compares():
