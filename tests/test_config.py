@@ -207,7 +207,7 @@ def test_every_model_type_accepts_the_keys_of_its_own_default_config():
     finally:
         hf_logging.set_verbosity(verbosity)
     assert not refused, refused
-    assert checked > 500 and len(unbuildable) < 10, (checked, unbuildable)
+    assert checked > 500 and len(unbuildable) < 30, (checked, unbuildable)  # 5.25: 2 of 831; 5.17: 14
 
 
 @pytest.mark.parametrize("section,words", [

@@ -299,7 +299,7 @@ def own_model_section(path, overrides: list[str] | None, model: dict) -> dict:
 def compare_with_checkpoint(own: dict, config, where: str) -> list[str]:
     """Refuse (ConfigError) a model section that disagrees with the checkpoint's model ``config`` in its type or
     a field that sizes a parameter; return the other disagreements as ``"key: recipe V, checkpoint W"``."""
-    return compare_model_section(own, config, where, "checkpoint",
+    return compare_model_section(own, config, where, "the checkpoint",
                                  "drop those keys from the model section (or set the checkpoint's values), or pass "
                                  "the --init-from directory the run started from")
 
@@ -314,17 +314,18 @@ def compare_with_pretrained(own: dict, config, where: str) -> list[str]:
 
 def compare_model_section(own: dict, config, where: str, source: str, fix: str) -> list[str]:
     """Refuse (ConfigError) a model section (what the user wrote: ``own``) that disagrees with ``config`` (the
-    model that is used: ``source``'s) in its type or in a field that changes a parameter's shape; return the other
-    disagreements as ``"key: recipe V, SOURCE W"``. Keys that agree pass silently; a legacy name (``rope_scaling``)
+    model that is used, which ``source`` holds: "the checkpoint", "config.json") in its type or in a field that
+    changes a parameter's shape; return the other disagreements as ``"key: recipe V, checkpoint W"``. Keys that agree pass silently; a legacy name (``rope_scaling``)
     is compared as the field transformers turns it into."""
     from .interface.estimates import meta_model
 
     own = dict(own)
+    label = source.removeprefix("the ")
     model_type = own.pop("model_type", None) or config.model_type
     if model_type != config.model_type:
-        raise ConfigError(f"{where}: the {source} holds a '{config.model_type}' model but the recipe's "
+        raise ConfigError(f"{where}: {source} holds a '{config.model_type}' model but the recipe's "
                           f"model.model_type is '{model_type}'. Fix: use the recipe the model was made with, or drop "
-                          f"the model section (the {source}'s config is the model)")
+                          f"the model section ({label}'s config is the model)")
     if not own:
         return []
     mine = model_config_of({"model_type": model_type, **own})
@@ -346,10 +347,10 @@ def compare_model_section(own: dict, config, where: str, source: str, fix: str) 
         except Exception:  # noqa: BLE001 - a value that does not even build a model is a size disagreement
             sizes.append(key)
     if sizes:
-        what = ", ".join(f"model.{k}={differ[k][0]!r} ({source}: {differ[k][1]!r})" for k in sizes)
-        raise ConfigError(f"{where}: the recipe's {what} does not match the model the {source} holds, whose "
-                          f"config is used. Fix: {fix}")
-    return [f"{k}: recipe {v!r}, {source} {w!r}" for k, (v, w) in differ.items()]
+        what = ", ".join(f"model.{k}={differ[k][0]!r} ({label}: {differ[k][1]!r})" for k in sizes)
+        raise ConfigError(f"{where}: the recipe's {what} does not match the model {source} holds, whose config is "
+                          f"used. Fix: {fix}")
+    return [f"{k}: recipe {v!r}, {label} {w!r}" for k, (v, w) in differ.items()]
 
 
 def _fields_set(config, own: dict) -> list[str]:
