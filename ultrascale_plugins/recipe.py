@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -229,7 +231,7 @@ class Recipe:
     data: DataSpec
     train: TrainSpec
     parallel: ParallelConfig
-    init_from: str = ""  # a pretrained directory: its config.json is the model (the model section is ignored)
+    init_from: str = ""  # a pretrained directory: its config.json is the model (a model section must agree in sizes)
     resume_from: str = ""  # a checkpoint (without init_from): the config it was saved with is the model
     peft: PeftSpec | None = None  # adapters on the model (the base frozen); None: every parameter trains
 
@@ -265,21 +267,23 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def defaulted_sizes(model: dict, config) -> dict:
     """The size fields ``config`` has that the recipe's ``model`` section does not set (under any of their
-    names), with the values transformers' defaults gave them; fields derived from others (default None) are left
-    out."""
+    names: an ``attribute_map`` alias and its target are one field, named once), with the values transformers'
+    defaults gave them; fields derived from others (default None) are left out."""
     import inspect
 
     aliases = getattr(config, "attribute_map", {}) or {}
-    given = set(model) | {name for name, target in aliases.items() if target in model}
+    given = {aliases.get(name, name) for name in model}  # each field the section sets, by its target name
     try:
         params = inspect.signature(type(config).__init__).parameters
     except (TypeError, ValueError):
         params = {}
-    out = {}
+    out, seen = {}, set()
     for name in SIZE_FIELDS:
-        if name in given or getattr(config, name, None) is None:
+        field = aliases.get(name, name)
+        if field in given or field in seen or getattr(config, name, None) is None:
             continue
-        if name in params and params[name].default is None:
+        seen.add(field)
+        if field in params and params[field].default is None:
             continue
         out[name] = getattr(config, name)
     return out
@@ -295,38 +299,77 @@ def own_model_section(path, overrides: list[str] | None, model: dict) -> dict:
 def compare_with_checkpoint(own: dict, config, where: str) -> list[str]:
     """Refuse (ConfigError) a model section that disagrees with the checkpoint's model ``config`` in its type or
     a field that sizes a parameter; return the other disagreements as ``"key: recipe V, checkpoint W"``."""
+    return compare_model_section(own, config, where, "the checkpoint",
+                                 "drop those keys from the model section (or set the checkpoint's values), or pass "
+                                 "the --init-from directory the run started from")
+
+
+def compare_with_pretrained(own: dict, config, where: str) -> list[str]:
+    """As ``compare_with_checkpoint``, for ``--init-from``'s config.json: the pretrained weights fix the sizes, and
+    its config is the model."""
+    return compare_model_section(own, config, where, "config.json",
+                                 "drop those keys from the model section (or set config.json's values): the "
+                                 "pretrained weights have config.json's sizes")
+
+
+def compare_model_section(own: dict, config, where: str, source: str, fix: str) -> list[str]:
+    """Refuse (ConfigError) a model section (what the user wrote: ``own``) that disagrees with ``config`` (the
+    model that is used, which ``source`` holds: "the checkpoint", "config.json") in its type or in a field that
+    changes a parameter's shape; return the other disagreements as ``"key: recipe V, checkpoint W"``. Keys that agree pass silently; a legacy name (``rope_scaling``)
+    is compared as the field transformers turns it into."""
     from .interface.estimates import meta_model
 
     own = dict(own)
+    label = source.removeprefix("the ")
     model_type = own.pop("model_type", None) or config.model_type
     if model_type != config.model_type:
-        raise ConfigError(f"{where}: the checkpoint holds a '{config.model_type}' model but the recipe's "
-                          f"model.model_type is '{model_type}'. Fix: resume with the recipe the run used, or drop "
-                          "the model section (the checkpoint's config is the model)")
+        raise ConfigError(f"{where}: {source} holds a '{config.model_type}' model but the recipe's "
+                          f"model.model_type is '{model_type}'. Fix: use the recipe the model was made with, or drop "
+                          f"the model section ({label}'s config is the model)")
     if not own:
         return []
     mine = model_config_of({"model_type": model_type, **own})
-    differ = {k: (getattr(mine, k, v), getattr(config, k, None)) for k, v in own.items()
-              if getattr(mine, k, v) != getattr(config, k, None)}
+    differ = {k: (getattr(mine, k, None), getattr(config, k, None)) for k in _fields_set(mine, own)
+              if getattr(mine, k, None) != getattr(config, k, None)}
+    if not differ:
+        return []
 
     def shapes(cfg):
         return {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
 
     theirs = shapes(config)
     sizes = []
-    for key, (value, saved) in differ.items():
+    for key, (value, _) in differ.items():
         try:
-            trial = model_config_of({**config.to_dict(), "model_type": model_type, key: value})
+            trial = model_config_of({**config.to_dict(), "model_type": model_type, key: value}, check=False)
             if shapes(trial) != theirs:
                 sizes.append(key)
         except Exception:  # noqa: BLE001 - a value that does not even build a model is a size disagreement
             sizes.append(key)
     if sizes:
-        what = ", ".join(f"model.{k}={differ[k][0]!r} (checkpoint: {differ[k][1]!r})" for k in sizes)
-        raise ConfigError(f"{where}: the recipe's {what} does not match the model the checkpoint holds, whose "
-                          "config is used on resume. Fix: drop those keys from the model section (or set the "
-                          "checkpoint's values), or pass the --init-from directory the run started from")
-    return [f"{k}: recipe {v!r}, checkpoint {w!r}" for k, (v, w) in differ.items()]
+        what = ", ".join(f"model.{k}={differ[k][0]!r} ({label}: {differ[k][1]!r})" for k in sizes)
+        raise ConfigError(f"{where}: the recipe's {what} does not match the model {source} holds, whose config is "
+                          f"used. Fix: {fix}")
+    return [f"{k}: recipe {v!r}, {label} {w!r}" for k, (v, w) in differ.items()]
+
+
+def _fields_set(config, own: dict) -> list[str]:
+    """The fields of ``config`` (built from the model section ``own``) that the section sets: its keys, with each
+    alias as its target and each legacy name as the fields it changes (``rope_theta``: ``rope_parameters``)."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    known, _ = config_keys(type(config))
+    out = []
+    for key, value in own.items():
+        if key in known:
+            names = [aliases.get(key, key)]
+        else:  # a legacy name: what it changes against the class's defaults
+            try:
+                base, alone = type(config)().to_dict(), type(config)(**{key: value}).to_dict()
+                names = [k for k in alone if alone[k] != base.get(k)]
+            except Exception:  # noqa: BLE001 - compared under its own name then
+                names = [key]
+        out += [n for n in names if n not in out]
+    return out
 
 
 PEFT_SHAPES = ("method", "r", "target_modules", "modules_to_save", "use_dora")  # what decides the parameters
@@ -390,19 +433,220 @@ def pretrained_config(directory: str):
     return AutoConfig.from_pretrained(directory)
 
 
-def model_config_of(model: dict):
-    """The transformers config of a recipe's ``model`` section."""
+def model_config_of(model: dict, check: bool = True):
+    """The transformers config of a recipe's ``model`` section, after checking its keys (``check_model_section``;
+    ``check=False``: a config's own ``to_dict``, which may hold the extra keys a config.json brought)."""
     from transformers import AutoConfig
 
+    if check:
+        check_model_section(model)
     spec = dict(model)
     model_type = spec.pop("model_type", None)
     if not model_type:
         raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
     try:
         return AutoConfig.for_model(model_type, **spec)
-    except ValueError as exc:
-        raise ConfigError(f"model.model_type={model_type!r}: {exc}. Fix: use a transformers model type such "
-                          "as llama, qwen2, mistral or gpt2") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a value: ValueError, TypeError, strict checks
+        said = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        raise ConfigError(f"the model section does not make a {model_type} config: transformers says: {said}. "
+                          "Fix: correct the field it names") from None
+
+
+# ---- the model section against its model type's config class ----------------------------------------------------
+# transformers keeps a key its config class does not know as a plain attribute nobody reads (the model then gets
+# the default of the field that was meant), so the recipe checks the keys itself, as it does every other section's.
+
+
+def check_model_section(model: dict, where: str = "model") -> None:
+    """Refuse (ConfigError, naming the key and the likely fix) a key of a recipe's ``model`` section that the model
+    type's config class neither has nor takes: its fields (the base class's too), their ``attribute_map`` aliases,
+    settable properties, the attributes its default instance carries (``config_keys``), the attributes its model
+    code reads without declaring them (``code_reads``: Qwen3-MoE's ``head_dim``), and the legacy names transformers
+    itself still turns into fields (``rope_scaling``, ``rope_theta``, ``torch_dtype``, ...). Generation settings, which
+    transformers drops from a model's config, are refused too. A sub-config given as a mapping (``text_config``)
+    is checked against its own class."""
+    model_type = model.get("model_type")
+    if not model_type:
+        raise ConfigError(f"{where}.model_type is missing. Fix: add e.g. model_type: llama to the model section")
+    _check_keys(config_class(model_type, where), model, where)
+
+
+def _check_keys(cls, section: dict, where: str, default=None) -> None:
+    """``section``'s keys against ``cls``; ``default``: the instance a composite config makes of this sub-config,
+    whose attributes count as known too (a composite hands its sub-configs keys of its own, e.g. LLaVA's vision
+    config gets the vocabulary size)."""
+    known, subconfigs = config_keys(cls)
+    if default is not None:
+        known = known | _instance_keys(default)
+        subconfigs = {**subconfigs, **_subconfigs_of(default)}
+    for key, value in section.items():
+        if key == "model_type":
+            continue
+        if key in subconfigs and isinstance(value, dict):
+            sub, inner = subconfigs[key], value.get("model_type")
+            if inner and inner != getattr(sub, "model_type", None):  # another class than the default's
+                _check_keys(config_class(inner, f"{where}.{key}"), value, f"{where}.{key}")
+            else:
+                _check_keys(type(sub), value, f"{where}.{key}", sub)
+        elif key not in known and key not in code_reads(cls) and not _taken_as_legacy(cls, key, value):
+            raise ConfigError(_unknown_key_line(cls, where, key, value, known))
+
+
+# getattr(config, "head_dim", ...) / hasattr(self.config, "x"): an attribute the model reads if a config has it
+_READS = re.compile(r"""(?:get|has)attr\(\s*[\w.]*config\w*\s*,\s*["'](\w+)["']""")
+# transformers' modules every model's code runs through (RoPE, masks, loading, attention kernels)
+_SHARED_CODE = ("modeling_rope_utils.py", "modeling_utils.py", "masking_utils.py", "integrations/*.py")
+
+
+def code_reads(cls) -> frozenset:
+    """The attributes transformers' code reads from a config of ``cls`` without declaring them as fields (e.g.
+    Qwen3-MoE's ``head_dim``: ``getattr(config, "head_dim", hidden_size // heads)``): the names its model
+    directory's modules and the shared modeling modules ask ``getattr``/``hasattr`` for. Read as text, nothing is
+    imported."""
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    folder = Path(module.__file__).parent if getattr(module, "__file__", None) else None
+    own = tuple(str(f) for f in folder.glob("*.py") if not f.name.startswith("modular_")) if folder else ()
+    return _reads_in(own) | _shared_reads()
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_reads() -> frozenset:
+    import transformers
+
+    root = Path(transformers.__file__).parent
+    return _reads_in(tuple(str(f) for pattern in _SHARED_CODE for f in sorted(root.glob(pattern))))
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_in(files: tuple) -> frozenset:
+    names = set()
+    for file in files:
+        try:
+            names |= set(_READS.findall(Path(file).read_text(encoding="utf-8")))
+        except OSError:
+            pass
+    return frozenset(names)
+
+
+def _instance_keys(config) -> set:
+    """The attributes a config instance carries and the keys its ``to_dict`` writes (config.json's keys: a few
+    classes write names only their ``from_dict`` reads, e.g. timm's ``num_classes``)."""
+    try:
+        written = set(config.to_dict())
+    except Exception:  # noqa: BLE001 - a config that does not serialize: its attributes are what it has
+        written = set()
+    return set(vars(config)) | written
+
+
+def _subconfigs_of(config) -> dict:
+    from transformers import PretrainedConfig
+
+    return {name: value for name, value in vars(config).items() if isinstance(value, PretrainedConfig)}
+
+
+def config_class(model_type, where: str = "model"):
+    """transformers' config class of ``model_type`` (``CONFIG_MAPPING``); an unknown type is refused with the
+    closest known one."""
+    import difflib
+
+    from transformers import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "not a transformers model type"
+    raise ConfigError(f"{where}.model_type={model_type!r}: {hint} Fix: use a transformers model type such as llama, "
+                      "qwen2, qwen3_moe, mistral or gpt2")
+
+
+@functools.lru_cache(maxsize=None)
+def config_keys(cls) -> tuple[frozenset, dict]:
+    """(every key ``cls`` has a place for, {sub-config key: the default instance's sub-config}). transformers 5
+    configs are dataclasses (5.17 and 5.25 alike): their fields, the base class's included; older ones name theirs
+    in ``__init__``. Both are read, with ``attribute_map`` (aliases and their targets), properties with a setter
+    (``rope_scaling``, ``num_labels``, ``torch_dtype``), class-level settings an instance may override
+    (``base_model_tp_plan``) and what a default instance carries (attributes set by
+    ``__post_init__``, e.g. derived fields, and the keys its ``to_dict`` writes)."""
+    import inspect
+
+    names = set()
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    for klass in cls.__mro__:
+        try:
+            names |= {n for n, p in inspect.signature(klass.__init__).parameters.items()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+        except (TypeError, ValueError):
+            pass
+        names |= {n for n, v in vars(klass).items() if isinstance(v, property) and v.fset is not None}
+        if klass is not object:  # class-level settings an instance may override: base_model_tp_plan, ...
+            names |= {n for n, v in vars(klass).items() if not n.startswith("_") and not callable(v)
+                      and not isinstance(v, (property, classmethod, staticmethod))}
+    aliases = getattr(cls, "attribute_map", None) or {}
+    names |= set(aliases) | set(aliases.values())
+    subconfigs = {}
+    try:  # transformers' own defaults, which every config class has
+        default = cls()
+    except Exception:  # noqa: BLE001 - a class without a default instance is checked by its declared names
+        default = None
+    if default is not None:
+        names |= _instance_keys(default)
+        subconfigs = _subconfigs_of(default)
+    return frozenset(names), subconfigs
+
+
+def _taken_as_legacy(cls, key: str, value) -> bool:
+    """Whether transformers' ``cls`` takes ``key`` by a name it does not keep (a legacy name it turns into a field,
+    e.g. ``rope_theta`` into ``rope_parameters``): built with it alone, the config does not hold it as an
+    attribute of its own. Generation settings are taken but dropped: they count as not taken."""
+    if key in generation_keys() or isinstance(getattr(cls, key, None), property):  # read-only: use_return_dict
+        return False
+    import logging
+
+    said = logging.getLogger("transformers")
+    level = said.level
+    said.setLevel(logging.CRITICAL)  # a trial, not the user's config: transformers' logs are noise
+    try:
+        built = cls(**{key: value})
+    except (AttributeError, TypeError):  # a class that takes no such key
+        return False
+    except Exception:  # noqa: BLE001 - transformers read the key and refused its value: said when the config is built
+        return True
+    finally:
+        said.setLevel(level)
+    return key not in vars(built)
+
+
+@functools.lru_cache(maxsize=None)
+def generation_keys() -> frozenset:
+    """The generation settings transformers drops from a model's config (they live in ``generation_config.json``)."""
+    try:
+        from transformers import GenerationConfig
+
+        return frozenset(GenerationConfig._get_default_generation_params())
+    except Exception:  # noqa: BLE001 - a transformers without that list: nothing is known to be dropped
+        return frozenset()
+
+
+def _unknown_key_line(cls, where: str, key: str, value, known: frozenset) -> str:
+    import difflib
+
+    if key in generation_keys():
+        return (f"{where}.{key}={value!r}: a generation setting, which transformers drops from a model's config "
+                f"({cls.__name__}): it would change nothing. Fix: remove it from the model section")
+    public = sorted(n for n in known if not n.startswith("_"))
+    close = difflib.get_close_matches(str(key), public, n=1)
+    if close:
+        hint, fix = f"did you mean '{close[0]}'?", f"{close[0]}: {value} (--set {where}.{close[0]}={value})"
+    else:  # the fields and their aliases: what a model section sets (not every name transformers would take)
+        fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(public))
+        fields |= set(getattr(cls, "attribute_map", None) or {})
+        listed = sorted(n for n in fields if not n.startswith("_"))
+        hint, fix = f"valid keys: {', '.join(listed)}", "remove it, or use one of the valid keys"
+    return (f"unknown key '{where}.{key}': {hint} (transformers' {cls.__name__} has no such field: it would keep the "
+            f"value unused and give the model that field's default). Fix: {fix}")
 
 
 def _typed(section: str, cls, data: dict[str, Any]):
@@ -434,8 +678,9 @@ def default_recipe_dict() -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``key=value`` (a parallel field, e.g. ``tp=2``) or ``section.key=value`` (e.g. ``train.steps=20``);
-    values are parsed as YAML scalars."""
+    """``key=value`` (a parallel field, e.g. ``tp=2``) or ``section.key=value`` (e.g. ``train.steps=20``; deeper
+    keys set a field inside a mapping, e.g. ``model.rope_parameters.factor=8``); values are parsed as YAML
+    scalars."""
     data = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
@@ -452,9 +697,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set {key}: unknown section '{section}': {suggest(section, SECTIONS)}")
         if field is None:
             data[section] = value
-        else:
-            data.setdefault(section, {})
-            data[section][field] = value
+        else:  # section.a.b=value sets b inside a (a sub-config: model.text_config.hidden_size=64)
+            *path, last = field.split(".")
+            at, where = data, []
+            for name in (section, *path):
+                where.append(name)
+                if at.get(name) is None:
+                    at[name] = {}
+                elif not isinstance(at[name], dict):
+                    raise ConfigError(f"--set {key}: {'.'.join(where)} is {at[name]!r}, not a mapping of fields. "
+                                      f"Fix: make it a mapping in the recipe, or set it whole: --set "
+                                      f"{'.'.join(where)}=VALUE")
+                at = at[name]
+            at[last] = value
     return data
 
 
@@ -576,9 +831,13 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     recipe = Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel,
                     init_from=str(init_from or ""), resume_from="" if init_from else str(resume_from or ""),
                     peft=peft)
-    if recipe.resume_from:
-        compare_with_checkpoint(own_model_section(path, overrides, model), recipe.model_config(),
-                                f"--resume {resume_from}")
+    own = own_model_section(path, overrides, model)
+    if not (init_from or resume_from):
+        check_model_section(model)
+    elif recipe.init_from and own:  # the pretrained weights' config.json is the model
+        compare_with_pretrained(own, recipe.model_config(), f"--init-from {init_from}")
+    elif recipe.resume_from:
+        compare_with_checkpoint(own, recipe.model_config(), f"--resume {resume_from}")
     if resume_from:
         compare_peft_with_checkpoint(peft, resume_from, init_from)
     if getattr(parallel, "layout", "manual") == "auto":

@@ -198,16 +198,27 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         events.close()
     if bar is not None and losses:
         bar.close()
-        first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
         val_text = f"validation loss {result['val_loss']:.3f}" if val else "no validation data"
-        print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), {val_text}, "
-              f"{result['tokens_per_s']:,.0f} tok/s, {elapsed:.1f}s", flush=True)
+        print(f"ultrascale: {loss_summary(losses)}, {val_text}, {result['tokens_per_s']:,.0f} tok/s, "
+              f"{elapsed:.1f}s", flush=True)
         if metrics_path:
             with open(metrics_path, "w") as f:
                 json.dump(result, f)
     dist.destroy_process_group()
     _timing_mark("run_done")
     return result
+
+
+def loss_summary(losses: list[float], window: int = 5) -> str:
+    """The run's loss in the final line: the mean of the first and of the last ``window`` steps, each window at
+    most half the run so the two never share a step (a 2-step run compares its first step with its last; one step
+    is just its loss)."""
+    if len(losses) == 1:
+        return f"loss {losses[0]:.3f} (one step)"
+    n = min(window, len(losses) // 2)
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    said = "first/last step" if n == 1 else f"mean of first/last {n} steps"
+    return f"loss {first:.3f} -> {last:.3f} ({said} of {len(losses)})"
 
 
 def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
