@@ -202,7 +202,7 @@ def test_the_model_section_plan_prints_from_a_real_config_passes_the_check():
     from pathlib import Path
 
     from ultrascale_plugins.planner.command import build
-    from ultrascale_plugins.recipe import check_model_section
+    from ultrascale_plugins.model_section import check_model_section
 
     config = Path(__file__).parent.parent / "recipes" / "sft" / "configs" / "qwen3-30b-a3b.json"
     args = cli.build_parser().parse_args(["plan", "--model", str(config), "--gpus", "8", "--gpu", "h100-sxm-80gb"])

@@ -187,7 +187,7 @@ def test_every_model_type_accepts_the_keys_of_its_own_default_config():
     from transformers import CONFIG_MAPPING
     from transformers.utils import logging as hf_logging
 
-    from ultrascale_plugins.recipe import check_model_section
+    from ultrascale_plugins.model_section import check_model_section
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # several default configs warn about their own token ids
