@@ -62,7 +62,7 @@ class UltraScaleAccelerator(Accelerator):
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         from ..engine import causal_lm_of, validate
-        from ..launch import DEFAULT_TIMEOUT_S, exit_on_error, set_collective_timeout
+        from ..launch import DEFAULT_TIMEOUT_S, exit_on_error, set_collective_timeout, world_size
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
@@ -74,7 +74,7 @@ class UltraScaleAccelerator(Accelerator):
                 raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
                                   "with UltraScalePlugin / the accelerate config file instead")
         plugin = ultrascale_plugin or UltraScalePlugin()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()  # the launch's (or the process group's): Accelerate's state may not know it yet
         mixed = kwargs.pop("mixed_precision", None)
         config = plugin.config
         try:
@@ -101,7 +101,16 @@ class UltraScaleAccelerator(Accelerator):
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=timeout)))
         kwargs.setdefault("cpu", not torch.cuda.is_available() or os.environ.get("ULTRASCALE_DEVICE") == "cpu")
+        if kwargs["cpu"]:
+            forget_a_single_process_state(world)
         super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
+        if self.num_processes != world:
+            exc = ConfigError(f"Accelerate set itself up for {self.num_processes} process(es) "
+                              f"({self.distributed_type}) but the launch started {world}, so every rank would train "
+                              "on the same data. Fix: on a machine without a GPU leave cpu unset (or pass cpu=True)")
+            if world > 1:
+                exit_on_error(exc)
+            raise exc
         self.ultrascale_plugin = plugin
         self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far
 
@@ -112,14 +121,17 @@ class UltraScaleAccelerator(Accelerator):
 
     @property
     def data_parallel_rank(self) -> int:
-        """This process's data-parallel replica: the mesh's, once a model is prepared; before that, from the
-        layout's axis order (a data loader may be prepared first)."""
+        """This process's data-parallel replica: the mesh's, once a model is prepared; before that (a data loader
+        may be prepared first), this process's global rank in the layout's axis order. The rank and world size
+        are the process group's (or the launcher's), never Accelerate's ``process_index``: whatever Accelerate
+        decided about the device, data-parallel replicas read disjoint shards."""
         if self.ultrascale_models:
             return self.ultrascale_models[0].pmodel.data_parallel_rank
         from ..interface.parallel_dims import ParallelDims
+        from ..launch import global_rank, world_size
 
-        dims = ParallelDims(self.ultrascale_config, self.num_processes)
-        return dims.coordinate(self.process_index, dims.row_axes)
+        dims = ParallelDims(self.ultrascale_config, world_size())
+        return dims.coordinate(global_rank(), dims.row_axes)
 
     def prepare(self, *args, device_placement=None):
         from ..engine import causal_lm_of
@@ -343,6 +355,24 @@ class UltraScaleAccelerator(Accelerator):
         from ..launch import broadcast_object
 
         return broadcast_object(str(path))
+
+
+def forget_a_single_process_state(world: int) -> None:
+    """Let Accelerate set itself up again when what set it up first saw one process where the launch has ``world``.
+
+    ``TrainingArguments`` sets up Accelerate's shared state when it is built. On a machine without a GPU and
+    without ``use_cpu=True`` (its default) that state is ``DistributedType.NO`` -- process index 0 of 1 -- on every
+    rank of a torchrun / ``accelerate launch`` job, although Accelerate has started the job's process group: every
+    rank would take the first data shard and call itself the main process (logging, ``trainer_state.json``,
+    checkpoint rotation, one ``rng_state.pth`` for all). A user's own ``PartialState()`` before the Accelerator
+    does the same. The state is one dictionary shared by every ``PartialState`` (``TrainingArguments``' included),
+    so clearing it lets this Accelerator build it again, on CPU, from the process group, and everything that
+    reads it -- Trainer's ``args.world_size`` and ``args.process_index`` too -- sees the real job."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    state = PartialState._shared_state
+    if world > 1 and state and state.get("distributed_type") == DistributedType.NO:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class _ReplicaScheduler(AcceleratedScheduler):

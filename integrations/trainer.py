@@ -104,6 +104,12 @@ class UltraScaleTrainer(Trainer):
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
 
+    def get_total_train_batch_size(self, args) -> int:
+        """The distinct rows of one optimizer step over the whole job, which ``train_samples_per_second`` and the
+        epoch count are made of: the data-parallel replicas' (TP, context and pipeline peers read the same rows),
+        where Trainer would multiply by every process but the tensor-parallel ones it knows of."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.data_parallel_size
+
     def _ultrascale_adapter(self):
         adapters = self.accelerator.ultrascale_models
         if len(adapters) > 1:
