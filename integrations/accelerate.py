@@ -22,6 +22,11 @@ parallelizes the Hugging Face model through the engine and hands back a ``Parall
 returns the exact global-mean loss); the optimizer is re-pointed at the sharded parameters, the data loader is
 sharded over data-parallel replicas only (TP/CP/pipeline peers read the same batches).
 
+A layout that cannot run -- found when the Accelerator is built, or in ``prepare`` against the model -- is refused
+in launched workers with one line for the whole job and exit status 2 (``refuse``). On a machine without a GPU,
+Accelerate's state is set up again for the launched job when something before it (``TrainingArguments``, a
+``PartialState()``) set it up for one process (``forget_a_single_process_state``).
+
 Pipeline parallel: the schedule runs forward and backward together inside ``model(**batch)``;
 ``accelerator.backward(loss)`` then adds those gradients, so the loop above is unchanged. Calling
 ``loss.backward()`` directly on a pipelined loss raises an error naming ``accelerator.backward``.
@@ -32,6 +37,7 @@ import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -61,38 +67,19 @@ class UltraScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from ..engine import causal_lm_of, validate
-        from ..launch import DEFAULT_TIMEOUT_S, exit_on_error, set_collective_timeout, world_size
+        from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout, world_size
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
         # loop makes its model after the Accelerator, and prepare checks it)
         model = kwargs.pop("_ultrascale_model", None)
         relaunch_cpu_workers()  # `accelerate launch --cpu --num_processes N` started one process: start N
-        for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
-            if kwargs.get(taken) is not None:
-                raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
-                                  "with UltraScalePlugin / the accelerate config file instead")
         plugin = ultrascale_plugin or UltraScalePlugin()
         world = world_size()  # the launch's (or the process group's): Accelerate's state may not know it yet
-        mixed = kwargs.pop("mixed_precision", None)
-        config = plugin.config
         try:
-            if config is None:
-                config = layout_from_environment(os.environ, world)
-            if mixed is not None and str(mixed) != "no":
-                config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
-            compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)
-            if compiled is not None and config.compile == "none":
-                config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
-            self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
-            if causal_lm_of(model) is not None and getattr(self.ultrascale_config, "layout", "manual") != "auto":
-                # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
-                validate(self.ultrascale_config, causal_lm_of(model).config, world, model=model)
+            self.ultrascale_config = self._checked_layout(plugin, world, model, kwargs)
         except ConfigError as exc:
-            if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank
-                exit_on_error(exc)
-            raise
+            refuse(exc, world)
         for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
             os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast
         timeout = plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S
@@ -105,14 +92,37 @@ class UltraScaleAccelerator(Accelerator):
             forget_a_single_process_state(world)
         super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
         if self.num_processes != world:
-            exc = ConfigError(f"Accelerate set itself up for {self.num_processes} process(es) "
-                              f"({self.distributed_type}) but the launch started {world}, so every rank would train "
-                              "on the same data. Fix: on a machine without a GPU leave cpu unset (or pass cpu=True)")
-            if world > 1:
-                exit_on_error(exc)
-            raise exc
+            refuse(ConfigError(f"Accelerate set itself up for {self.num_processes} process(es) "
+                               f"({self.distributed_type}) but the launch started {world}, so every rank would "
+                               "train on the same data. Fix: on a machine without a GPU leave cpu unset (or pass "
+                               "cpu=True)"), world)
         self.ultrascale_plugin = plugin
         self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far
+
+    @staticmethod
+    def _checked_layout(plugin: UltraScalePlugin, world: int, model, kwargs: dict) -> ParallelConfig:
+        """The layout, resolved against the world size and, when the model is known (UltraScaleTrainer's), checked
+        against it, before any process group; ``mixed_precision`` is taken out of ``kwargs`` (it is the layout's)."""
+        from ..engine import causal_lm_of, validate
+
+        for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
+            if kwargs.get(taken) is not None:
+                raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
+                                  "with UltraScalePlugin / the accelerate config file instead")
+        mixed = kwargs.pop("mixed_precision", None)
+        config = plugin.config
+        if config is None:
+            config = layout_from_environment(os.environ, world)
+        if mixed is not None and str(mixed) != "no":
+            config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
+        compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)
+        if compiled is not None and config.compile == "none":
+            config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
+        resolved = config.resolve(world)  # degrees vs world size
+        if causal_lm_of(model) is not None and getattr(resolved, "layout", "manual") != "auto":
+            # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
+            validate(resolved, causal_lm_of(model).config, world, model=model)
+        return resolved
 
     # ---- prepare -----------------------------------------------------------------------------------------
     @property
@@ -134,6 +144,16 @@ class UltraScaleAccelerator(Accelerator):
         return dims.coordinate(global_rank(), dims.row_axes)
 
     def prepare(self, *args, device_placement=None):
+        """Accelerate's ``prepare``, with Hugging Face causal LMs parallelized (and checked against the layout: a
+        model the layout cannot run is refused once for the whole job in launched workers, see ``refuse``)."""
+        from ..launch import world_size
+
+        try:
+            return self._prepare(*args, device_placement=device_placement)
+        except ConfigError as exc:
+            refuse(exc, world_size())
+
+    def _prepare(self, *args, device_placement=None):
         from ..engine import causal_lm_of
 
         # models first: the optimizer must be re-pointed at the sharded parameters
@@ -355,6 +375,17 @@ class UltraScaleAccelerator(Accelerator):
         from ..launch import broadcast_object
 
         return broadcast_object(str(path))
+
+
+def refuse(exc: ConfigError, world: int) -> NoReturn:
+    """A configuration error: in launched workers (several processes, or one under a launcher of this package that
+    says a worker's error itself) one line for the whole job and exit status 2 (``launch.exit_on_error``) rather
+    than a traceback from every rank; in a single process, raised as any exception."""
+    from ..launch import exit_on_error
+
+    if world > 1 or os.environ.get("ULTRASCALE_ERROR_FILE"):
+        exit_on_error(exc)
+    raise exc
 
 
 def forget_a_single_process_state(world: int) -> None:

@@ -273,3 +273,21 @@ def test_expert_parallel_is_checked_against_trainers_model_before_accelerates_pr
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ultrascale")]
         assert len(lines) == 1 and lines[0].startswith(f"ultrascale: error: {said}"), lines
     assert lines[0].endswith("Fix: use zero_stage: 2 or 3, or ep: 1")
+
+
+@pytest.mark.slow
+def test_a_layout_the_trainer_cannot_run_is_one_line_under_plain_torchrun(tmp_path):
+    """UltraScalePlugin(tp=3) on 2 processes under plain torchrun, TrainingArguments' defaults: rank 0 says one line
+    naming the degrees and the fix, no rank prints a traceback, every worker exits with status 2. What follows is
+    torchrun's own report of failed workers (its ChildFailedError block, under a traceback of torchrun itself), and
+    torchrun's exit status is 1, which it gives whenever a worker fails -- as docs/trainer.md says."""
+    import re
+
+    from conftest import torchrun
+
+    proc = torchrun(2, WORKER, str(tmp_path / "out.json"), "tp=3", timeout=300)
+    said = [line for line in proc.stderr.splitlines() if "ultrascale: error:" in line]
+    assert said == ["ultrascale: error: pp*dp_replicate*cp*tp = 1*1*1*3 = 3 does not divide the world size 2. Fix: "
+                    "pick degrees whose product divides 2"], proc.stderr[-4000:]
+    assert "ConfigError" not in proc.stderr and not re.search(r"\[rank\d\]: *Traceback", proc.stderr), proc.stderr
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr and "exitcode  : 2" in proc.stderr

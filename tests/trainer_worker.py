@@ -110,11 +110,14 @@ def run(argv):
     if reference:
         cls, extra, dp = Trainer, {}, 1
     else:
-        from ultrascale_plugins.config import ParallelConfig
+        from ultrascale_plugins.config import ConfigError, ParallelConfig
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
 
-        dp = ParallelConfig(**fields).resolve(int(os.environ["WORLD_SIZE"])).dp
+        try:  # the per-device batch; a layout that cannot run is UltraScaleTrainer's to refuse (test_trainer.py)
+            dp = ParallelConfig(**fields).resolve(int(os.environ["WORLD_SIZE"])).dp
+        except ConfigError:
+            dp = 1
         cls, extra = UltraScaleTrainer, {"ultrascale_plugin": UltraScalePlugin(**fields)}
     checkpoints = {}
     if "--save-steps" in opts:
