@@ -91,7 +91,7 @@ class UltraScaleAccelerator(Accelerator):
         if kwargs["cpu"]:
             forget_a_single_process_state(world)
         super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
-        if self.num_processes != world:
+        if world > 1 and self.num_processes != world:
             refuse(ConfigError(f"Accelerate set itself up for {self.num_processes} process(es) "
                                f"({self.distributed_type}) but the launch started {world}, so every rank would "
                                "train on the same data. Fix: on a machine without a GPU leave cpu unset (or pass "

@@ -75,8 +75,8 @@ class UltraScaleTrainer(Trainer):
         from ..launch import world_size
 
         if self.args.fsdp_plugin_args is not None:
-            refuse(ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. Fix: "
-                              "drop fsdp / fsdp_config and describe the layout with UltraScalePlugin (e.g. "
+            refuse(ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. "
+                               "Fix: drop fsdp / fsdp_config and describe the layout with UltraScalePlugin (e.g. "
                                "UltraScalePlugin(dp_shard=N) for ZeRO-3)"), world_size())
         grad_acc_kwargs = dict(self.args.accelerator_config.gradient_accumulation_kwargs or {})
         if "num_steps" in grad_acc_kwargs:
