@@ -22,6 +22,11 @@ parallelizes the Hugging Face model through the engine and hands back a ``Parall
 returns the exact global-mean loss); the optimizer is re-pointed at the sharded parameters, the data loader is
 sharded over data-parallel replicas only (TP/CP/pipeline peers read the same batches).
 
+A layout that cannot run -- found when the Accelerator is built, or in ``prepare`` against the model -- is refused
+in launched workers with one line for the whole job and exit status 2 (``refuse``). On a machine without a GPU,
+Accelerate's state is set up again for the launched job when something before it (``TrainingArguments``, a
+``PartialState()``) set it up for one process (``forget_a_single_process_state``).
+
 Pipeline parallel: the schedule runs forward and backward together inside ``model(**batch)``;
 ``accelerator.backward(loss)`` then adds those gradients, so the loop above is unchanged. Calling
 ``loss.backward()`` directly on a pipelined loss raises an error naming ``accelerator.backward``.
@@ -32,6 +37,7 @@ import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -61,38 +67,19 @@ class UltraScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from ..engine import causal_lm_of, validate
-        from ..launch import DEFAULT_TIMEOUT_S, exit_on_error, set_collective_timeout
+        from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout, world_size
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
         # loop makes its model after the Accelerator, and prepare checks it)
         model = kwargs.pop("_ultrascale_model", None)
         relaunch_cpu_workers()  # `accelerate launch --cpu --num_processes N` started one process: start N
-        for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
-            if kwargs.get(taken) is not None:
-                raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
-                                  "with UltraScalePlugin / the accelerate config file instead")
         plugin = ultrascale_plugin or UltraScalePlugin()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        mixed = kwargs.pop("mixed_precision", None)
-        config = plugin.config
+        world = world_size()  # the launch's (or the process group's): Accelerate's state may not know it yet
         try:
-            if config is None:
-                config = layout_from_environment(os.environ, world)
-            if mixed is not None and str(mixed) != "no":
-                config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
-            compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)
-            if compiled is not None and config.compile == "none":
-                config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
-            self.ultrascale_config = config.resolve(world)  # degrees vs world size, before any process group
-            if causal_lm_of(model) is not None and getattr(self.ultrascale_config, "layout", "manual") != "auto":
-                # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
-                validate(self.ultrascale_config, causal_lm_of(model).config, world, model=model)
+            self.ultrascale_config = self._checked_layout(plugin, world, model, kwargs)
         except ConfigError as exc:
-            if world > 1:  # launched workers: one line for the whole job, not a traceback from every rank
-                exit_on_error(exc)
-            raise
+            refuse(exc, world)
         for key in [k for k in os.environ if k.startswith(ACCELERATE_ENV_PREFIXES)]:
             os.environ.pop(key)  # Accelerate must not build its own FSDP / ParallelismConfig / autocast
         timeout = plugin.timeout if plugin.timeout is not None else DEFAULT_TIMEOUT_S
@@ -101,9 +88,41 @@ class UltraScaleAccelerator(Accelerator):
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=timeout)))
         kwargs.setdefault("cpu", not torch.cuda.is_available() or os.environ.get("ULTRASCALE_DEVICE") == "cpu")
+        if kwargs["cpu"]:
+            forget_a_single_process_state(world)
         super().__init__(*args, kwargs_handlers=handlers, mixed_precision="no", **kwargs)
+        if world > 1 and self.num_processes != world:
+            refuse(ConfigError(f"Accelerate set itself up for {self.num_processes} process(es) "
+                               f"({self.distributed_type}) but the launch started {world}, so every rank would "
+                               "train on the same data. Fix: on a machine without a GPU leave cpu unset (or pass "
+                               "cpu=True)"), world)
         self.ultrascale_plugin = plugin
         self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far
+
+    @staticmethod
+    def _checked_layout(plugin: UltraScalePlugin, world: int, model, kwargs: dict) -> ParallelConfig:
+        """The layout, resolved against the world size and, when the model is known (UltraScaleTrainer's), checked
+        against it, before any process group; ``mixed_precision`` is taken out of ``kwargs`` (it is the layout's)."""
+        from ..engine import causal_lm_of, validate
+
+        for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
+            if kwargs.get(taken) is not None:
+                raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
+                                  "with UltraScalePlugin / the accelerate config file instead")
+        mixed = kwargs.pop("mixed_precision", None)
+        config = plugin.config
+        if config is None:
+            config = layout_from_environment(os.environ, world)
+        if mixed is not None and str(mixed) != "no":
+            config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
+        compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)
+        if compiled is not None and config.compile == "none":
+            config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
+        resolved = config.resolve(world)  # degrees vs world size
+        if causal_lm_of(model) is not None and getattr(resolved, "layout", "manual") != "auto":
+            # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
+            validate(resolved, causal_lm_of(model).config, world, model=model)
+        return resolved
 
     # ---- prepare -----------------------------------------------------------------------------------------
     @property
@@ -112,16 +131,29 @@ class UltraScaleAccelerator(Accelerator):
 
     @property
     def data_parallel_rank(self) -> int:
-        """This process's data-parallel replica: the mesh's, once a model is prepared; before that, from the
-        layout's axis order (a data loader may be prepared first)."""
+        """This process's data-parallel replica: the mesh's, once a model is prepared; before that (a data loader
+        may be prepared first), this process's global rank in the layout's axis order. The rank and world size
+        are the process group's (or the launcher's), never Accelerate's ``process_index``: whatever Accelerate
+        decided about the device, data-parallel replicas read disjoint shards."""
         if self.ultrascale_models:
             return self.ultrascale_models[0].pmodel.data_parallel_rank
         from ..interface.parallel_dims import ParallelDims
+        from ..launch import global_rank, world_size
 
-        dims = ParallelDims(self.ultrascale_config, self.num_processes)
-        return dims.coordinate(self.process_index, dims.row_axes)
+        dims = ParallelDims(self.ultrascale_config, world_size())
+        return dims.coordinate(global_rank(), dims.row_axes)
 
     def prepare(self, *args, device_placement=None):
+        """Accelerate's ``prepare``, with Hugging Face causal LMs parallelized (and checked against the layout: a
+        model the layout cannot run is refused once for the whole job in launched workers, see ``refuse``)."""
+        from ..launch import world_size
+
+        try:
+            return self._prepare(*args, device_placement=device_placement)
+        except ConfigError as exc:
+            refuse(exc, world_size())
+
+    def _prepare(self, *args, device_placement=None):
         from ..engine import causal_lm_of
 
         # models first: the optimizer must be re-pointed at the sharded parameters
@@ -343,6 +375,35 @@ class UltraScaleAccelerator(Accelerator):
         from ..launch import broadcast_object
 
         return broadcast_object(str(path))
+
+
+def refuse(exc: ConfigError, world: int) -> NoReturn:
+    """A configuration error: in launched workers (several processes, or one under a launcher of this package that
+    says a worker's error itself) one line for the whole job and exit status 2 (``launch.exit_on_error``) rather
+    than a traceback from every rank; in a single process, raised as any exception."""
+    from ..launch import exit_on_error
+
+    if world > 1 or os.environ.get("ULTRASCALE_ERROR_FILE"):
+        exit_on_error(exc)
+    raise exc
+
+
+def forget_a_single_process_state(world: int) -> None:
+    """Let Accelerate set itself up again when what set it up first saw one process where the launch has ``world``.
+
+    ``TrainingArguments`` sets up Accelerate's shared state when it is built. On a machine without a GPU and
+    without ``use_cpu=True`` (its default) that state is ``DistributedType.NO`` -- process index 0 of 1 -- on every
+    rank of a torchrun / ``accelerate launch`` job, although Accelerate has started the job's process group: every
+    rank would take the first data shard and call itself the main process (logging, ``trainer_state.json``,
+    checkpoint rotation, one ``rng_state.pth`` for all). A user's own ``PartialState()`` before the Accelerator
+    does the same. The state is one dictionary shared by every ``PartialState`` (``TrainingArguments``' included),
+    so clearing it lets this Accelerator build it again, on CPU, from the process group, and everything that
+    reads it -- Trainer's ``args.world_size`` and ``args.process_index`` too -- sees the real job."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    state = PartialState._shared_state
+    if world > 1 and state and state.get("distributed_type") == DistributedType.NO:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class _ReplicaScheduler(AcceleratedScheduler):

@@ -5,12 +5,12 @@ used (it only sets MASTER_ADDR/MASTER_PORT when more processes were asked for). 
 (torchrun) runs on CPU with gloo when ``ACCELERATE_USE_CPU`` is set, so the lone process hands over to it: it
 re-runs the user's own ``accelerate launch`` arguments with ``--multi_gpu`` in place of ``--cpu`` and exits with
 the workers' status. This is the pattern of Lightning's subprocess launcher (re-run the script once per worker);
-the arguments are read back from the launcher process and parsed with Accelerate's own parser.
+the arguments are read back from the launcher process and parsed with Accelerate's own parser. A configuration
+error the workers find is said once by this process, which exits with status 2 (``launcher.py``).
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -77,5 +77,12 @@ def relaunch_cpu_workers() -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "ULTRASCALE_DEVICE": "cpu"}
     print("ultrascale: `accelerate launch --cpu` starts one process; starting the workers through Accelerate's "
           "multi-process launcher (torchrun, gloo on CPU)", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *options, *script], env=env)
-    sys.exit(proc.returncode)
+    from ..interface.config import ConfigError
+    from ..launch import exit_on_error
+    from .launcher import run_accelerate_launch
+
+    try:
+        code = run_accelerate_launch([*options, *script], env)
+    except ConfigError as exc:  # a worker's, said once here (or to the launcher above that collects it) instead
+        exit_on_error(exc)
+    sys.exit(code)

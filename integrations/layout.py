@@ -138,15 +138,17 @@ def _fsdp_fields(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
 
 def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfig:
     """The layout of an ``accelerate launch``-ed (or torchrun-ed) worker: ``$ULTRASCALE_CONFIG`` if set, else
-    what Accelerate's launcher exported, else ZeRO-3 over every process."""
+    what Accelerate's launcher exported, else ZeRO-3 over every process. A layout whose degrees do not multiply to
+    the processes launched is refused naming what set them; a launcher file whose ``ultrascale`` block or plugin
+    sizes did not reach the workers is refused naming those (the usual cause of such a mismatch)."""
     path = env.get("ULTRASCALE_CONFIG")
+    exported = not path and str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true"
     if path:
         config = read_layout_file(path)
     else:
         fields: dict[str, Any] = {}
-        if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
-            fields = sizes_to_fields({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()
-                                      if k.startswith(ENV_PREFIX) and k.endswith("_SIZE")}, "accelerate launch")
+        if exported:
+            fields = sizes_to_fields(exported_sizes(env), "accelerate launch")
         fields.update(_fsdp_fields(env, str(env.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"))
         config = ParallelConfig.from_dict(fields)
     mixed = str(env.get("ACCELERATE_MIXED_PRECISION", "no"))
@@ -154,24 +156,38 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
         config = config.replace(mixed_precision=mixed)  # the data-parallel plugin checks the value
     axes = declared_axes(config)
     product = math.prod(a.degree for a in axes)
-    if all(a.degree != -1 for a in axes) and product != world:
+    mismatch = (f"asks for {'*'.join(a.name for a in axes)} = {'*'.join(str(a.degree) for a in axes)} = {product} "
+                f"processes but {world} {'was' if world == 1 else 'were'} launched") if all(a.degree != -1 for a in axes) and product != world \
+        else ""
+    file = launcher_config_file() if exported else None
+    dropped = dropped_by_the_launcher(file, env) if file else []
+    if dropped:
+        seen = (f", so the layout the workers see {mismatch}" if mismatch
+                else ", so this run would silently leave them out")
+        raise ConfigError(f"{file}: {' and '.join(dropped)} did not reach the workers (Accelerate's launcher "
+                          f"exports its own sizes only){seen}. Fix: launch with `ultrascale accelerate-launch "
+                          f"{file} SCRIPT`, or set ULTRASCALE_CONFIG={file}")
+    if mismatch:
+        if path:
+            named = f"{path}: " + ", ".join(f"{a.name}={a.degree}" for a in axes if a.degree > 1)
+        else:
+            named = ", ".join(f"{YAML_PREFIX}{key}={value}" for key, value in sorted(exported_sizes(env).items())
+                              if int(value or 1) > 1) or "the layout"
         hint = (" One process was launched: give `accelerate launch --cpu` the process count "
                 "(`--num_processes N`), or a file with num_processes (as `ultrascale accelerate-config` writes it)."
                 if world == 1 else "")
-        missing = "" if path else (" The pipeline degree and other ultrascale fields travel in the file's "
-                                   f"'{SECTION}' block: set ULTRASCALE_CONFIG=FILE (or use `ultrascale "
-                                   "accelerate-launch`).")
-        raise ConfigError(f"the layout asks for {'*'.join(a.name for a in axes)} = {product} processes but "
-                          f"{world} were launched.{missing}{hint} Fix: make num_processes equal the product")
-    if not path and str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
-        file = launcher_config_file()
-        dropped = dropped_by_the_launcher(file, env) if file else []
-        if dropped:
-            raise ConfigError(f"{file}: {' and '.join(dropped)} did not reach the workers (Accelerate's launcher "
-                              "exports its own sizes only), so this run would silently leave them out. Fix: "
-                              f"launch with `ultrascale accelerate-launch {file} SCRIPT`, or set "
-                              f"ULTRASCALE_CONFIG={file}")
+        unknown = (f" (an '{SECTION}' block in the launcher's file reaches the workers only through "
+                   "ULTRASCALE_CONFIG=FILE)" if exported and file is None else "")
+        raise ConfigError(f"{named}: the layout {mismatch}{unknown}.{hint} Fix: make num_processes {product}, or "
+                          f"the sizes' product {world}")
     return config
+
+
+def exported_sizes(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``parallelism_config`` sizes Accelerate's launcher exported (``PARALLELISM_CONFIG_TP_SIZE`` ->
+    ``tp_size``)."""
+    return {k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()
+            if k.startswith(ENV_PREFIX) and k.endswith("_SIZE")}
 
 
 def launcher_config_file(parent_cmdline: list[str] | None = None) -> str | None:

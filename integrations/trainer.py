@@ -42,7 +42,7 @@ import torch
 from transformers import Trainer
 
 from ..interface.config import ConfigError
-from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
+from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin, refuse
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
 SCHEDULER_NAME = "scheduler.pt"
@@ -72,10 +72,12 @@ class UltraScaleTrainer(Trainer):
         from ``accelerator_config``, the rest from ``Trainer._build_accelerator_args``."""
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
+        from ..launch import world_size
+
         if self.args.fsdp_plugin_args is not None:
-            raise ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. Fix: "
-                              "drop fsdp / fsdp_config and describe the layout with UltraScalePlugin (e.g. "
-                              "UltraScalePlugin(dp_shard=N) for ZeRO-3)")
+            refuse(ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. "
+                               "Fix: drop fsdp / fsdp_config and describe the layout with UltraScalePlugin (e.g. "
+                               "UltraScalePlugin(dp_shard=N) for ZeRO-3)"), world_size())
         grad_acc_kwargs = dict(self.args.accelerator_config.gradient_accumulation_kwargs or {})
         if "num_steps" in grad_acc_kwargs:
             if self.args.gradient_accumulation_steps > 1:
@@ -103,6 +105,12 @@ class UltraScaleTrainer(Trainer):
         # UltraScaleAccelerator refuses DeepSpeed and FSDP plugins: neither of Trainer's code paths for them applies
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
+
+    def get_total_train_batch_size(self, args) -> int:
+        """The distinct rows of one optimizer step over the whole job, which ``train_samples_per_second`` and the
+        epoch count are made of: the data-parallel replicas' (TP, context and pipeline peers read the same rows),
+        where Trainer would multiply by every process but the tensor-parallel ones it knows of."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.data_parallel_size
 
     def _ultrascale_adapter(self):
         adapters = self.accelerator.ultrascale_models

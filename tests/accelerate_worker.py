@@ -5,8 +5,10 @@
     python accelerate_worker.py OUT.json --reference --replicas DP [--accumulate N]
                                               one process, no Accelerate: the loop the parallel runs must equal
 
-The loop is what an Accelerate user writes: prepare(model, optimizer, loader, scheduler), accumulate, backward,
-clip_grad_norm_ on sync steps, optimizer/scheduler step, gather for the logged loss, save_state / load_state.
+The loop is what an Accelerate user writes: data prepared under PartialState().main_process_first() before the
+Accelerator exists (Accelerate's own pattern; on a machine without a GPU that PartialState sets Accelerate up for one
+process), prepare(model, optimizer, loader, scheduler), accumulate, backward, clip_grad_norm_ on sync steps,
+optimizer/scheduler step, gather for the logged loss, save_state / load_state.
 """
 import argparse
 import json
@@ -84,13 +86,17 @@ class Position:
 
 
 def train(args) -> dict:
+    from accelerate import PartialState
+
     from ultrascale_plugins.integrations.accelerate import UltraScaleAccelerator
 
+    with PartialState().main_process_first():  # a user's data preparation, before the Accelerator
+        rows = list(ROWS)
     accelerator = UltraScaleAccelerator(gradient_accumulation_steps=args.accumulate)
     model = build_model(args, seed=7 if args.resume else 0)  # a resumed run must take everything from the state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    loader = DataLoader(ROWS, batch_size=GLOBAL_BATCH // accelerator.data_parallel_size)
+    loader = DataLoader(rows, batch_size=GLOBAL_BATCH // accelerator.data_parallel_size)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     position = Position()
     accelerator.register_for_checkpointing(position)

@@ -172,13 +172,52 @@ def test_plain_accelerate_launch_cpu_with_the_environment_variable(tmp_path, ref
 @pytest.mark.slow
 def test_pipeline_degree_without_the_file_fails_clearly(tmp_path):
     """Plain `accelerate launch` of a file whose pp lives in the ultrascale block, without ULTRASCALE_CONFIG: the
-    exported sizes cover 2 of 4 processes; the workers stop with an error naming the mechanism, not a hang."""
+    exported sizes cover 2 of 4 processes; the workers read the launcher's file and rank 0 says in one line what did
+    not reach them and the fix, not a hang, and no rank prints a traceback. Accelerate's launcher then reports the
+    failed workers itself (torchrun's ChildFailedError, under its traceback) and exits with status 1, as it does
+    whenever a worker fails -- as docs/accelerate.md says."""
+    import re
+
     proc = launch(str(RECIPES / "pp_tp.yaml"), tmp_path / "out.json", through_cli=False, timeout=300)
-    assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if "ultrascale: error:" in line]
-    assert len(said) == 1 and "ULTRASCALE_CONFIG" in said[0] and "2 processes but 4 were launched" in said[0], \
-        proc.stderr
-    assert "ConfigError" not in proc.stderr  # no worker's traceback
+    assert len(said) == 1 and "pp_tp.yaml: the 'ultrascale' block (pp) did not reach the workers" in said[0] and \
+        "2 processes but 4 were launched" in said[0] and "ULTRASCALE_CONFIG" in said[0], proc.stderr
+    assert "ConfigError" not in proc.stderr and not re.search(r"\[rank\d\]: *Traceback", proc.stderr)
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr  # Accelerate's launcher's own report
+
+
+@pytest.mark.slow
+def test_a_layout_refused_under_accelerate_launch_cpu_is_said_once_by_its_first_process(tmp_path):
+    """`accelerate launch --cpu --num_processes 2` with a layout for 3 processes (ULTRASCALE_CONFIG): the process
+    Accelerate starts re-launches the workers (cpu_relaunch.py), says their error in one line and exits with status
+    2; the re-launched torchrun's report of failed workers is not shown, no rank prints a traceback. Accelerate's
+    own launcher then reports that process's failure -- a CalledProcessError traceback quoting the end of its
+    standard error, the line included -- and exits with status 1, as docs/accelerate.md says."""
+    import re
+
+    tp3 = tp3_file(tmp_path)
+    proc = launch(None, tmp_path / "out.json", through_cli=False, launcher_args=["--cpu", "--num_processes", "2"],
+                  env_extra={"ULTRASCALE_CONFIG": str(tp3)}, timeout=300)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ultrascale: error:")]
+    assert said and set(said) == {f"ultrascale: error: {tp3}: tp=3: the layout asks for pp*dp_replicate*dp_shard*cp*"
+                                  "tp = 1*1*1*1*3 = 3 processes but 2 were launched. Fix: make num_processes 3, or "
+                                  "the sizes' product 2"}, proc.stderr[-4000:]
+    assert "ChildFailedError" not in proc.stderr and "ConfigError" not in proc.stderr, proc.stderr[-4000:]
+    assert not re.search(r"\[rank\d\]: *Traceback", proc.stderr)
+    assert proc.returncode == 1 and "returned non-zero exit status 2" in proc.stderr  # Accelerate's own report
+
+
+@pytest.mark.slow
+def test_a_model_the_layout_cannot_run_is_one_line_through_ultrascale_accelerate_launch(tmp_path):
+    """ep_zero3.yaml (ep=2) with the test's dense model: the workers find it in prepare(model, ...), after the
+    launch, and write it to the launcher's error file; `ultrascale accelerate-launch` says it once, as its last
+    line, with exit status 2: no traceback from a rank, no report of failed workers from Accelerate's launcher."""
+    proc = launch(str(RECIPES / "ep_zero3.yaml"), tmp_path / "out.json", timeout=300)
+    said = [line for line in proc.stderr.splitlines() if "ultrascale: error:" in line]
+    assert said == ["ultrascale: error: ep=2: model type 'llama' has no routed experts. Fix: use ep: 1"], \
+        proc.stderr[-4000:]
+    assert proc.returncode == 2 and proc.stderr.rstrip().endswith(said[0])
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-4000:]
 
 
 def test_accelerate_config_writes_a_file_accelerate_accepts(tmp_path):
@@ -243,6 +282,40 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
                            str(RECIPES / "pp_tp.yaml").replace("pp_tp", "missing"), "x.py"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def tp3_file(tmp_path) -> Path:
+    """zero3.yaml with parallelism_config_tp_size: 3 (and dp_shard 1) for its 2 processes."""
+    data = yaml.safe_load((RECIPES / "zero3.yaml").read_text())
+    data["parallelism_config"].update(parallelism_config_dp_shard_size=1, parallelism_config_tp_size=3)
+    path = tmp_path / "tp3.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_size_that_does_not_fit_the_processes_is_blamed_on_itself(tmp_path, monkeypatch):
+    """A file with parallelism_config_tp_size: 3 for 2 processes: a plain `accelerate launch` worker names
+    Accelerate's tp_size key (the file has no 'ultrascale' block to blame); through ULTRASCALE_CONFIG the message
+    names the file and tp=3; `ultrascale accelerate-launch` refuses the file before starting anything, exit 2."""
+    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.integrations import layout
+
+    tp3 = tp3_file(tmp_path)
+    exported = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
+                "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "3",
+                "PARALLELISM_CONFIG_CP_SIZE": "1"}
+    monkeypatch.setattr(layout, "launcher_config_file", lambda: str(tp3))
+    with pytest.raises(ConfigError) as exc:
+        layout.layout_from_environment(exported, 2)
+    assert str(exc.value) == ("parallelism_config_tp_size=3: the layout asks for pp*dp_replicate*dp_shard*cp*tp = "
+                              "1*1*1*1*3 = 3 processes but 2 were launched. Fix: make num_processes 3, or the sizes' "
+                              "product 2")
+    with pytest.raises(ConfigError, match=f"^{tp3}: tp=3: the layout asks for .* = 3 processes but 2 were launched"):
+        layout.layout_from_environment({**exported, "ULTRASCALE_CONFIG": str(tp3)}, 2)
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch", str(tp3), "x.py"],
+                          capture_output=True, text=True, timeout=120)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ultrascale")]
+    assert proc.returncode == 2 and len(said) == 1 and said[0].startswith(f"ultrascale: error: {tp3} "), proc.stderr
 
 
 def test_an_ep_size_that_accelerates_launcher_drops_is_refused_not_ignored(monkeypatch):

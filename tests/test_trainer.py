@@ -1,7 +1,9 @@
 """UltraScaleTrainer with TrainingArguments' defaults (its fused AdamW): Trainer's gradient accumulation in every
 layout against a plain Trainer on one process; checkpoints: save_strategy="steps" writes the package's sharded
 checkpoint as Trainer's ``checkpoint-N`` (rotated by save_total_limit), and ``resume_from_checkpoint`` continues
-with the uninterrupted run's losses. Every layout's runs share a launch (tests/trainer_worker.py)."""
+with the uninterrupted run's losses. Every layout's runs share a launch (tests/trainer_worker.py). No test passes
+use_cpu=True: on CPU, TrainingArguments' defaults set Accelerate up for one process on every rank, and every launch
+checks that the Trainer sees the real job anyway (``_one_job``)."""
 import json
 import os
 from pathlib import Path
@@ -13,6 +15,7 @@ LAYOUTS = {"zero3": ["dp_shard=2"], "pp": ["pp=2"], "tp": ["tp=2"]}
 # 6 steps over 4 global batches (two epochs), a checkpoint every 2 steps, the newest 2 kept, evaluation every 2
 # steps with load_best_model_at_end (the best checkpoint is never rotated away)
 RUN = ["--max-steps", "6", "--save-steps", "2", "--save-limit", "2", "--eval-steps", "2", "--no-save-model"]
+GLOBAL_BATCH = 8  # rows per optimizer step (tests/trainer_worker.py)
 SAME = 1e-6   # resumed vs uninterrupted, same layout (fp32, CPU)
 ACROSS = 1e-5  # another layout (reduction order differs), as tests/test_accelerate.py
 
@@ -26,7 +29,36 @@ def _launch(cases):
         args += [*case, "--then"]
     proc = torchrun(2, WORKER, *args[:-1])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
-    return [json.loads(Path(case[0]).read_text()) for case in cases]
+    runs = [json.loads(Path(case[0]).read_text()) for case in cases]
+    _one_job(runs, proc.stdout)
+    return runs
+
+
+def _one_job(runs, stdout: str) -> None:
+    """With TrainingArguments' defaults on CPU, the Trainer sees the two processes torchrun started: one main
+    process (the only writer of trainer_state.json), Trainer's metrics printed once per train(), not per rank."""
+    for run in runs:
+        ranks = run["ranks"]
+        assert [r["world_size"] for r in ranks] == [2, 2] and [r["main"] for r in ranks] == [True, False], ranks
+        assert ranks[1]["state_writes"] == 0, ranks  # rank 0 alone writes trainer_state.json
+    finished = [run for run in runs if "samples" in run]  # (a run whose save fails on purpose does not finish)
+    printed = [line for line in stdout.splitlines() if "'train_runtime'" in line]
+    assert len(printed) == len(finished), printed
+
+
+def _reads_disjoint_shards(run, dp: int, steps: int) -> None:
+    """Each global batch of 8 rows (step k: rows 8k .. 8k+7) is split over the data-parallel replicas, disjoint
+    and complete; the ranks of one replica (TP, CP, pipeline peers) read the same rows. Trainer counts those rows
+    once in train_samples_per_second."""
+    share = GLOBAL_BATCH // dp
+    for step in range(steps):
+        by_replica = {}
+        for r in run["ranks"]:
+            rows = r["rows"][step * share:(step + 1) * share]
+            assert by_replica.setdefault(r["dp_rank"], rows) == rows, (step, run["ranks"])
+        read = [i for rows in by_replica.values() for i in rows]
+        assert len(by_replica) == dp and sorted(read) == list(range(step * 8, step * 8 + 8)), (step, by_replica)
+    assert abs(run["samples"] - GLOBAL_BATCH * steps) < 0.5, run["samples"]
 
 
 def _close(a, b, tol):
@@ -76,6 +108,7 @@ def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
     for name, run in zip(ACCUMULATION_LAYOUTS, runs):
         want, ref_weight = wants[_arch(ACCUMULATION_LAYOUTS[name])], ref_weights[_arch(ACCUMULATION_LAYOUTS[name])]
         assert run["steps"] == [1, 2, 3, 4], (name, run)
+        _reads_disjoint_shards(run, dp=2 if "dp_shard=2" in ACCUMULATION_LAYOUTS[name] else 1, steps=4)
         if "--torch-compile" in ACCUMULATION_LAYOUTS[name]:  # mapped onto compile: regional, which compiled
             assert run["compile"] == "regional" and run["compiled_graphs"] > 0, run
         assert _close(run["losses"], want["losses"], ACROSS), (name, run["losses"], want["losses"])
@@ -240,3 +273,21 @@ def test_expert_parallel_is_checked_against_trainers_model_before_accelerates_pr
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ultrascale")]
         assert len(lines) == 1 and lines[0].startswith(f"ultrascale: error: {said}"), lines
     assert lines[0].endswith("Fix: use zero_stage: 2 or 3, or ep: 1")
+
+
+@pytest.mark.slow
+def test_a_layout_the_trainer_cannot_run_is_one_line_under_plain_torchrun(tmp_path):
+    """UltraScalePlugin(tp=3) on 2 processes under plain torchrun, TrainingArguments' defaults: rank 0 says one line
+    naming the degrees and the fix, no rank prints a traceback, every worker exits with status 2. What follows is
+    torchrun's own report of failed workers (its ChildFailedError block, under a traceback of torchrun itself), and
+    torchrun's exit status is 1, which it gives whenever a worker fails -- as docs/trainer.md says."""
+    import re
+
+    from conftest import torchrun
+
+    proc = torchrun(2, WORKER, str(tmp_path / "out.json"), "tp=3", timeout=300)
+    said = [line for line in proc.stderr.splitlines() if "ultrascale: error:" in line]
+    assert said == ["ultrascale: error: pp*dp_replicate*cp*tp = 1*1*1*3 = 3 does not divide the world size 2. Fix: "
+                    "pick degrees whose product divides 2"], proc.stderr[-4000:]
+    assert "ConfigError" not in proc.stderr and not re.search(r"\[rank\d\]: *Traceback", proc.stderr), proc.stderr
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr and "exitcode  : 2" in proc.stderr

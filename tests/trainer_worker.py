@@ -20,9 +20,15 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
+TrainingArguments are the defaults a user has (no use_cpu=True: on a machine without a GPU transformers sets
+Accelerate up for one process, which UltraScaleAccelerator corrects).
+
 Every run but one with --no-save-model ends with trainer.save_model(OUT.json's directory/hf).
 OUT.json: {"losses": [...], "grad_norms": [...], "steps": [...] (the step of each logged loss), "eval": [[step, eval_loss], ...],
-"best": the best checkpoint or null; with --fail-at-save also "failed" and "untouched"}.
+"best": the best checkpoint or null, "samples": train_samples_per_second x train_runtime (the samples Trainer
+counted), "ranks": per rank {"rank", "dp_rank", "rows": the training rows it read (indices into ROWS, in order),
+"world_size" and "main" as Trainer sees them, "state_writes": trainer_state.json files it wrote}; with
+--fail-at-save also "failed" and "untouched"}.
 """
 import json
 import os
@@ -32,6 +38,8 @@ import warnings
 
 import torch
 import yaml
+from transformers.data.data_collator import default_data_collator
+from transformers.trainer_callback import TrainerState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import make_model, padded_batches  # noqa: E402
@@ -39,6 +47,8 @@ from models import make_model, padded_batches  # noqa: E402
 warnings.filterwarnings("ignore")
 GLOBAL_BATCH, STEPS = 8, 4
 ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(STEPS, GLOBAL_BATCH) for i in range(GLOBAL_BATCH)]
+ROW_INDEX = {tuple(row["input_ids"].tolist()): i for i, row in enumerate(ROWS)}
+assert len(ROW_INDEX) == len(ROWS)
 EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_BATCH, seed=7)
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
@@ -81,15 +91,33 @@ def run(argv):
             if keep and state.global_step == int(keep[0]) and rank == 0:
                 shutil.copytree(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), keep[1])
 
+    rows_read = []
+
+    def collate(rows):
+        """Trainer's default collator, noting which training rows this rank reads (evaluation rows are not noted)."""
+        rows_read.extend(i for i in (ROW_INDEX.get(tuple(r["input_ids"].tolist())) for r in rows) if i is not None)
+        return default_data_collator(rows)
+
+    state_writes = []
+    save_state = TrainerState.save_to_json
+
+    def counted_save(self, json_path):
+        state_writes.append(json_path)
+        return save_state(self, json_path)
+
+    TrainerState.save_to_json = counted_save
     reference = "--reference" in opts
     if reference:
         cls, extra, dp = Trainer, {}, 1
     else:
-        from ultrascale_plugins.config import ParallelConfig
+        from ultrascale_plugins.config import ConfigError, ParallelConfig
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
 
-        dp = ParallelConfig(**fields).resolve(int(os.environ["WORLD_SIZE"])).dp
+        try:  # the per-device batch; a layout that cannot run is UltraScaleTrainer's to refuse (test_trainer.py)
+            dp = ParallelConfig(**fields).resolve(int(os.environ["WORLD_SIZE"])).dp
+        except ConfigError:
+            dp = 1
         cls, extra = UltraScaleTrainer, {"ultrascale_plugin": UltraScalePlugin(**fields)}
     checkpoints = {}
     if "--save-steps" in opts:
@@ -109,7 +137,7 @@ def run(argv):
                              gradient_accumulation_steps=accumulate,
                              max_steps=int(opts.get("--max-steps", [STEPS])[0]), learning_rate=1e-3,
                              weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
-                             logging_steps=1, report_to=[], train_sampling_strategy="sequential", use_cpu=True,
+                             logging_steps=1, report_to=[], train_sampling_strategy="sequential",
                              disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
     model = make_model(opts.get("--arch", ["llama8_tied"])[0], seed=0)
@@ -118,7 +146,7 @@ def run(argv):
 
         torch.manual_seed(1)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
-    trainer = cls(model=model, args=args, train_dataset=ROWS, callbacks=[Record()],
+    trainer = cls(model=model, args=args, train_dataset=ROWS, callbacks=[Record()], data_collator=collate,
                   eval_dataset=EVAL_ROWS if evaluation else None, **extra)
     result = {}
     if "--fail-at-save" in opts:
@@ -134,13 +162,21 @@ def run(argv):
 
         trainer._save_rng_state = failing
     try:
-        trainer.train(resume_from_checkpoint=opts["--resume"][0] if "--resume" in opts else None)
+        metrics = trainer.train(resume_from_checkpoint=opts["--resume"][0] if "--resume" in opts else None).metrics
+        result["samples"] = metrics["train_samples_per_second"] * metrics["train_runtime"]
     except RuntimeError as exc:
         if "--fail-at-save" not in opts or "injected" not in str(exc):
             raise
         result.update(failed=str(exc), untouched=before is not None and _snapshot(existing) == before)
     if "--no-save-model" not in opts and "failed" not in result:
         trainer.save_model(os.path.dirname(out) + "/hf")
+    TrainerState.save_to_json = save_state
+    if not reference:
+        mine = {"rank": rank, "dp_rank": trainer.accelerator.data_parallel_rank, "rows": rows_read,
+                "world_size": trainer.args.world_size, "main": trainer.is_world_process_zero(),
+                "state_writes": len(state_writes)}
+        result["ranks"] = [None] * int(os.environ["WORLD_SIZE"])
+        torch.distributed.all_gather_object(result["ranks"], mine)
     if rank == 0:
         result.update(losses=losses, grad_norms=norms, steps=steps, eval=evals,
                       best=trainer.state.best_model_checkpoint)

@@ -340,20 +340,24 @@ def _has_gpu() -> bool:
 
 
 def cmd_accelerate_launch(args) -> int:
-    """``accelerate launch --config_file F script`` with ``ULTRASCALE_CONFIG=F``, after checking F."""
+    """``accelerate launch --config_file F script`` with ``ULTRASCALE_CONFIG=F``, after checking F. A configuration
+    error a worker finds (its model against the layout, ...) is said here once too, with exit status 2
+    (``integrations/launcher.py``)."""
     import yaml
 
+    from .integrations.launcher import run_accelerate_launch
     from .integrations.layout import read_layout_file
 
     config = read_layout_file(args.config_file)
     data = yaml.safe_load(open(args.config_file)) or {}
     num_processes = int(data.get("num_processes", 1))
-    config.resolve(num_processes)
+    try:
+        config.resolve(num_processes)
+    except ConfigError as exc:
+        raise ConfigError(f"{args.config_file} (num_processes: {num_processes}): {exc}") from None
     env = {**os.environ, "ULTRASCALE_CONFIG": os.path.abspath(args.config_file)}
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file, args.script,
-           *args.script_args]
-    return subprocess.call(cmd, env=env)
+    return run_accelerate_launch(["--config_file", args.config_file, args.script, *args.script_args], env)
 
 
 def cmd_plan(args) -> int:
