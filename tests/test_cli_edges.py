@@ -27,6 +27,7 @@ def refused_before_launch(monkeypatch, capsys, argv, *words):
         raise AssertionError(f"a worker was started: {a}")
 
     monkeypatch.setattr(cli.subprocess, "call", no_launch)
+    monkeypatch.setattr(cli.subprocess, "Popen", no_launch)  # how ultrascale train starts its processes
     code = cli.main(argv)
     out, err = capsys.readouterr()
     lines = [line for line in err.strip().splitlines() if line.startswith("ultrascale")]
