@@ -164,14 +164,13 @@ def _train(args, supervisor: Supervisor) -> int:
         error_file = os.path.join(tmp, "error")  # a worker's ConfigError, said once here rather than once per rank
         stop_file = os.path.join(tmp, "stopped")  # how the workers stopped on a signal, said once here
         env = {**os.environ, "ULTRASCALE_ERROR_FILE": error_file, STOP_FILE_ENV: stop_file}
-        if "RANK" in os.environ:  # one command per rank under another launcher: rank 0's worker says it, once
-            env.pop(STOP_FILE_ENV)
         env.pop(VALIDATED_ENV, None)
         if validated:  # the module-tree checks passed here: the workers skip their meta-device dry runs
             env[VALIDATED_ENV] = validated
         code = _launch(args, recipe, nodes, worker, env, supervisor)
         _timing_mark("workers_exited")
-        stopped = supervisor.signum and supervisor.line(env.get(STOP_FILE_ENV))
+        # one command per rank under another launcher: rank 0's says it (each says when its worker was killed)
+        stopped = supervisor.signum and supervisor.line(stop_file, quiet=os.environ.get("RANK", "0") != "0")
         if code and not supervisor.signum and os.path.isfile(error_file):
             raise ConfigError(open(error_file).read().strip())
     if supervisor.signum:
@@ -227,17 +226,23 @@ def end_by_signal(signum: int) -> None:
 
 
 def say_stopped(line: str) -> None:
-    """A worker's one line on how it stopped: into the file ``ultrascale train`` named (each node's command
-    prints it once its workers are gone, and says so itself when they had to be killed), else on stdout."""
+    """A worker's one line on how it stopped: into the file ``ultrascale train`` named (the first of its local
+    workers; the command prints it once they are gone, and says so itself when they had to be killed), else by
+    global rank 0 on stdout."""
     path = os.environ.get(STOP_FILE_ENV)
     if path:
         try:
-            with open(path, "w") as f:
-                f.write(line)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # another local rank said it
             return
         except OSError:
             pass
-    print(line, flush=True)
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(line)
+            return
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 def torchrun_main(argv: list[str]) -> int:
@@ -339,19 +344,18 @@ class Supervisor:
                     self.killed = True
                     kill_process_tree(self.child.pid)
 
-    def line(self, stop_file: str | None) -> str | None:
-        """What to say once the workers are gone: their line (``stop_file``), else that they were killed, else
-        that they stopped at once without saving (None where no line was asked for: under another launcher, a
-        worker prints its own)."""
-        if stop_file and os.path.isfile(stop_file):
-            return open(stop_file).read().strip()
+    def line(self, stop_file: str, quiet: bool = False) -> str | None:
+        """What to say once the workers are gone: that they were killed, else their line (``stop_file``), else that
+        they stopped at once without saving; with ``quiet`` only the first (None otherwise)."""
         name = signal.Signals(self.signum).name
         waited = time.monotonic() - (self.forwarded_at or time.monotonic())
         if self.killed or waited >= self.grace:
             return (f"\nultrascale: {name}: the workers had not stopped {self.grace} s after it and were killed "
                     "(train.signal_grace_s: raise it to give them time to finish a step and save)")
-        if not stop_file:
+        if quiet:
             return None
+        if os.path.isfile(stop_file):
+            return open(stop_file).read().strip()
         if self.signum != signal.SIGTERM:
             why = " (only SIGTERM saves first, with train.save_on_signal)" if self.save_on_signal else ""
         else:

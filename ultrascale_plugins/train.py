@@ -294,9 +294,8 @@ class StopSignals:
         return bool(self.signum and not self.saving)
 
     def end(self, stopped: dict | None = None) -> None:
-        """Say once (each node's local rank 0 to ``ultrascale train``, else global rank 0) how this worker stopped,
-        then end this process by the signal."""
-        from .cli import STOP_FILE_ENV, end_by_signal, say_stopped
+        """Say once how the workers stopped (``cli.say_stopped``), then end this process by the signal."""
+        from .cli import end_by_signal, say_stopped
 
         name = signal.Signals(self.signum).name
         if stopped:
@@ -308,9 +307,7 @@ class StopSignals:
             where = "stopped outside the training steps, without a checkpoint of its own"
         if self.bar is not None:
             self.bar.close()
-        said_by = "LOCAL_RANK" if os.environ.get(STOP_FILE_ENV) else "RANK"  # the command's file is per node
-        if int(os.environ.get(said_by, "0")) == 0:
-            say_stopped(f"ultrascale: {name}: {where}")
+        say_stopped(f"ultrascale: {name}: {where}")
         end_by_signal(self.signum)
 
 
