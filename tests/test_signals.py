@@ -143,3 +143,34 @@ def test_the_signal_settings_are_checked_before_launch(monkeypatch, capsys):
     assert cli.main(["train", "--set", "train.stepz=1"]) == 2
     assert {s: signal.getsignal(s) for s in cli.STOP_SIGNALS} == before
     assert "did you mean 'steps'" in capsys.readouterr().err
+
+
+def test_every_rank_takes_the_vote_not_its_own_late_signal(monkeypatch):
+    """``StopSignals.agreed``: the all-reduced vote decides on every rank alike. A peer's SIGTERM stops this rank
+    too; this rank's own SIGTERM noted while the vote was in flight is kept for the next step's vote, not acted on
+    alone (that rank would save while the others train on, and wait for them for ever)."""
+    import torch
+
+    from ultrascale_plugins import train
+
+    stop = train.StopSignals()
+    stop.installed = True  # as install() leaves it, without touching this process's handlers
+
+    def peers_vote(tensor, op):  # another rank has had a SIGTERM
+        tensor.fill_(int(signal.SIGTERM))
+
+    monkeypatch.setattr(train.dist, "all_reduce", peers_vote)
+    assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGTERM
+
+    stop = train.StopSignals()
+    stop.installed = True
+
+    def own_signal_meanwhile(tensor, op):  # nobody had voted; this rank's handler runs before the vote returns
+        stop._note(signal.SIGTERM, None)
+
+    monkeypatch.setattr(train.dist, "all_reduce", own_signal_meanwhile)
+    assert stop.agreed(torch.device("cpu")) is False
+    monkeypatch.setattr(train.dist, "all_reduce", lambda tensor, op: None)  # its vote goes out with the next step
+    assert stop.agreed(torch.device("cpu")) is True
+    stop.installed = False
+    assert stop.agreed(torch.device("cpu")) is False  # without save_on_signal nothing is exchanged

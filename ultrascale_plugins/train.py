@@ -285,8 +285,9 @@ class StopSignals:
             return False
         vote = torch.tensor([self.signum], dtype=torch.int32, device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        self.signum = int(vote)  # another rank's SIGTERM when this one's is still on its way
-        return bool(self.signum)
+        agreed = int(vote)  # the same on every rank: this rank's own SIGTERM, noted after its vote, waits a step
+        self.signum = self.signum or agreed  # another rank's, when this one's is still on its way
+        return bool(agreed)
 
     def explains(self, exc: BaseException) -> bool:
         """Whether ``exc`` comes from the stop rather than a fault: any error once a SIGTERM was noted (a peer
