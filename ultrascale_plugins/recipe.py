@@ -64,6 +64,20 @@ class TrainSpec:
     save_every: int = 0  # steps between checkpoints (0 = only at the end, when save_dir is set)
     keep_last_n: int = 0  # 0 = keep all
     async_save: bool = False  # write checkpoints in the background while training goes on (committed when done)
+    # SIGTERM (a scheduler's scancel, `kill`): finish the step every rank is in, save a checkpoint to save_dir, then
+    # stop; off: stop at once without saving. SIGINT (Ctrl-C) and SIGHUP always stop at once
+    save_on_signal: bool = False
+    # seconds the workers get after a stop signal before they are killed (torchrun's --shutdown-timeout, the
+    # command's own bound): at least one step plus a save with save_on_signal, and within the scheduler's grace
+    signal_grace_s: int = 30
+
+    def __post_init__(self):
+        if self.save_on_signal and not self.save_dir:
+            raise ConfigError("train.save_on_signal=true needs train.save_dir (where the checkpoint goes). Fix: set "
+                              "train.save_dir, or train.save_on_signal: false")
+        if self.signal_grace_s < 1:
+            raise ConfigError(f"train.signal_grace_s={self.signal_grace_s!r}: must be at least 1 second. Fix: e.g. "
+                              "signal_grace_s: 30")
 
 
 PEFT_METHODS = ("lora",)

@@ -11,17 +11,21 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+if __name__ == "__main__":  # a worker: Ctrl-C ends it at once, not with KeyboardInterrupt's traceback (StopSignals)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from . import _freeze_at_exit, _timing_mark, quiet_known_warnings
-from .interface.config import ConfigError
-from .launch import report_error
-from .recipe import Recipe, load_recipe
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from . import _freeze_at_exit, _timing_mark, quiet_known_warnings  # noqa: E402
+from .interface.config import ConfigError  # noqa: E402
+from .launch import report_error  # noqa: E402
+from .recipe import Recipe, load_recipe  # noqa: E402
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -39,7 +43,10 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
-        init_from: str | None = None, log_dir: str | None = None) -> dict:
+        init_from: str | None = None, log_dir: str | None = None, stop: StopSignals | None = None) -> dict:
+    """Train ``recipe``; returns the run's figures. ``stop`` (the worker's ``StopSignals``, installed with
+    ``train.save_on_signal``): a SIGTERM on any rank ends the loop after the step every rank agrees on, with a
+    checkpoint of it (``result["stopped"]``)."""
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()
@@ -140,7 +147,11 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     start = time.perf_counter()
     window_start, window_steps = start, 0
     saving = None  # a checkpoint being written in the background (train.async_save)
+    stop = stop or StopSignals()
+    stopped = None  # (the signal, the steps done, the checkpoint saved) once every rank agreed to stop
+    stop.bar = bar
     for step in range(first_step, recipe.train.steps):
+        stop.step = step
         if saving is not None and saving.poll():
             saving = None
         for group in optimizer.param_groups:
@@ -175,7 +186,8 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                                     + ",".join(str(p) for p in peaks), refresh=False)
                 bar.update((step + 1) - bar.n)
         t = recipe.train
-        if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps):
+        stop_here = stop.agreed(device)  # every rank's vote, so that all of them save and stop at this step
+        if t.save_dir and ((t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps or stop_here):
             from .checkpoints.sharded import save_checkpoint
 
             if saving is not None:  # one checkpoint in flight at a time
@@ -187,16 +199,30 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
                                       keep_last_n=t.keep_last_n or None, asynchronous=t.async_save,
                                       assets={"tokenizer": data.tokenizer} if data.tokenizer is not None else None)
             saving = written if t.async_save else None
+        if stop_here:  # the step's checkpoint (save_on_signal needs a save_dir) committed, then out
+            stop.saving = True  # a failure from here on is the save's, not the signal's
+            if saving is not None:
+                written, saving = saving.wait(), None
+            stopped = (stop.signum, step + 1, str(written))
+            stop.saving = False
+            break
+    stop.step = None
     if saving is not None:
         saving.wait()
+    stop.uninstall()  # the loop is over: a SIGTERM from here on (validation) ends the worker at once
     elapsed = time.perf_counter() - start
     _timing_mark("loop_done")
-    val = [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe) for i in range(data.eval_batches)]
+    val = [] if stopped else [eval_batch(pmodel, data.val_rows(i, dp_rank, dp_size), recipe)
+                              for i in range(data.eval_batches)]
     result = {"losses": losses, "val_loss": sum(val) / len(val) if val else None, "seconds": elapsed,
               "tokens_per_s": tokens_per_step * len(losses) / elapsed, "world_size": world}
+    if stopped:
+        result["stopped"] = {"signal": stopped[0], "step": stopped[1], "checkpoint": stopped[2]}
     if events is not None:
         events.close()
-    if bar is not None and losses:
+    if bar is not None and stopped:
+        bar.close()
+    elif bar is not None and losses:
         bar.close()
         val_text = f"validation loss {result['val_loss']:.3f}" if val else "no validation data"
         print(f"ultrascale: {loss_summary(losses)}, {val_text}, {result['tokens_per_s']:,.0f} tok/s, "
@@ -219,6 +245,71 @@ def loss_summary(losses: list[float], window: int = 5) -> str:
     first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
     said = "first/last step" if n == 1 else f"mean of first/last {n} steps"
     return f"loss {first:.3f} -> {last:.3f} ({said} of {len(losses)})"
+
+
+class StopSignals:
+    """A worker's SIGTERM with ``train.save_on_signal`` (from ``ultrascale train`` through torchrun, torchrun
+    itself, SLURM's scancel): noted by the handler (``install``), and asked for after every step by ``agreed``,
+    which takes the largest vote of every rank (one all-reduce of one integer), so that all ranks stop after the
+    same step and save it, and none waits forever for the others in the save.
+
+    Every other stop keeps the signal's default action, which ends the process at once wherever it is (a
+    collective that blocks in C++ included, where a Python handler would wait for it to return) and prints
+    nothing: SIGTERM without the setting, SIGINT (set back from Python's ``KeyboardInterrupt`` as soon as the
+    worker's module starts), SIGHUP."""
+
+    def __init__(self):
+        self.signum = 0  # the SIGTERM noted; 0: none
+        self.installed = False
+        self.saving = False  # inside the save of a stop: a failure there is the save's own
+        self.step = None  # the step being trained (0-based), for the line that says where the run stopped
+        self.bar = None  # rank 0's progress bar, closed before the line
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._note)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """The loop is over (its last checkpoint written): a SIGTERM from now on ends the worker at once."""
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.installed = False
+
+    def _note(self, signum: int, frame) -> None:
+        self.signum = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank has been asked to stop (collective: with the handler installed, every
+        rank calls it after every step; without, there is nothing to agree on and nothing is exchanged)."""
+        if not self.installed:
+            return False
+        vote = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        agreed = int(vote)  # the same on every rank: this rank's own SIGTERM, noted after its vote, waits a step
+        self.signum = self.signum or agreed  # another rank's, when this one's is still on its way
+        return bool(agreed)
+
+    def explains(self, exc: BaseException) -> bool:
+        """Whether ``exc`` comes from the stop rather than a fault: any error once a SIGTERM was noted (a peer
+        that ended at once, on a SIGINT, breaks the collective this rank waits in), but a failure of the save."""
+        return bool(self.signum and not self.saving)
+
+    def end(self, stopped: dict | None = None) -> None:
+        """Say once how the workers stopped (``cli.say_stopped``), then end this process by the signal."""
+        from .cli import end_by_signal, say_stopped
+
+        name = signal.Signals(self.signum).name
+        if stopped:
+            where = (f"stopped after step {stopped['step']} and saved {stopped['checkpoint']} (continue with "
+                     f"--resume {os.path.dirname(stopped['checkpoint'])})")
+        elif self.step is not None:
+            where = f"stopped during step {self.step + 1}, without saving it (another process ended first)"
+        else:
+            where = "stopped outside the training steps, without a checkpoint of its own"
+        if self.bar is not None:
+            self.bar.close()
+        say_stopped(f"ultrascale: {name}: {where}")
+        end_by_signal(self.signum)
 
 
 def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
@@ -320,14 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _timing_mark("worker_main")
     _freeze_at_exit()
+    stop = StopSignals()
     try:
         recipe = load_recipe(args.recipe, args.overrides, world_size=launched_world_size(), init_from=args.init_from,
                              resume_from=args.resume)
         _timing_mark("worker_recipe")
-        run(recipe, args.metrics, args.resume, args.init_from, args.log_dir)
+        if recipe.train.save_on_signal:
+            stop.install()
+        result = run(recipe, args.metrics, args.resume, args.init_from, args.log_dir, stop=stop)
+        if stop.signum:  # the loop's agreed stop, or a SIGTERM that came after its last vote
+            stop.end(result.get("stopped"))
     except ConfigError as exc:
         report_error(exc)
         return 2
+    except BaseException as exc:
+        if stop.explains(exc):
+            stop.end()
+        raise
     return 0
 
 
