@@ -232,6 +232,9 @@ def test_every_printed_snippet_passes_the_prelaunch_checks_at_the_planned_size(c
     assert recipe.nproc == gpus // nodes and recipe.data.dataset == DATASET_PLACEHOLDER
     assert (f"--nnodes {nodes} " in recipe_text) == (nodes > 1)
     check_recipe(recipe, nnodes=nodes, memory_gb=gpu_gb)
+    from test_planner_presets import PUBLISHED, view  # the recipe trains the published model, not a sketch of it
+
+    assert view(recipe.model_config(), PUBLISHED[model]) == PUBLISHED[model]
 
     model_config = load_model_config(model)
     with torch.device("meta"):

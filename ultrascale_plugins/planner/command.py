@@ -11,6 +11,14 @@ from .hardware import PRESETS as GPU_PRESETS
 from .model_spec import PRESETS as MODEL_PRESETS
 
 
+# config.json keys the printed recipe's model: section leaves out: the writer's library and dtype, the class names
+# (the model type says them); auto_map names remote code this package never runs (transformers has the model
+# type); quantization_config says how the published weights are stored (DeepSeek-V3's fp8 blocks), not what a
+# training run holds: the plan costs fp32 weights computing in bf16
+NOT_IN_RECIPE = frozenset({"transformers_version", "architectures", "torch_dtype", "dtype", "auto_map",
+                           "quantization_config"})
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a Hugging Face config.json (or its directory), or one of: "
                    + ", ".join(MODEL_PRESETS))
@@ -71,8 +79,7 @@ def build(args):
         raise ConfigError("--lora-r / --lora-target / --lora-alpha without --peft lora. Fix: add --peft lora")
     work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
                     "bf16" if args.precision == "bf16" else "no", adapters)
-    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k not in (
-        "transformers_version", "architectures", "torch_dtype", "dtype")}
+    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k not in NOT_IN_RECIPE}
     fields["model_type"] = mc.model_type
     return CostModel(spec, hw, work), fields
 
