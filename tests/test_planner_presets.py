@@ -118,3 +118,11 @@ def test_the_printed_recipe_trains_the_published_model(name):
     assert not {"auto_map", "quantization_config", "architectures", "transformers_version"} & set(fields)
     config = model_config_of(yaml.safe_load(yaml.safe_dump({"model": fields}, sort_keys=False))["model"])
     assert view(config, PUBLISHED[name]) == PUBLISHED[name]
+
+
+def test_the_checkpoints_dtype_does_not_change_what_the_plan_prices():
+    """A published config.json says its weights are stored in bfloat16; transformers keeps DeepSeek-V3's routers in
+    fp32 beside them. The plan prices every weight by its precision profile (fp32 held, bf16 compute) all the same,
+    not as a model of mixed dtypes whose bf16 weights keep bf16 gradients and optimizer states."""
+    spec = ModelSpec.of(load_model_config("deepseek-v3"))
+    assert not [r.name for r in spec.records() if r.held_bytes] and spec.config.dtype is None

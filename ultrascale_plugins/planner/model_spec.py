@@ -2,6 +2,7 @@
 meta device (no weights, no download), and its training FLOPs per token."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -63,6 +64,19 @@ def load_model_config(spec):
         raise ConfigError(f"--model {spec}: {exc}") from None
 
 
+def without_storage_dtype(model_config):
+    """``model_config`` without the dtype its checkpoint is stored in (a copy, when it has one). The plan prices
+    weights by its precision profile (this package holds them in fp32 and computes in bf16); a meta model built in
+    a published config's ``torch_dtype`` (bfloat16) with a few modules transformers keeps in fp32 (DeepSeek-V3's
+    routers) would be read as a model of mixed dtypes, whose bf16 parameters are held, with their gradients and
+    optimizer states, in bf16."""
+    if getattr(model_config, "dtype", None) is None:
+        return model_config
+    config = copy.deepcopy(model_config)
+    config.dtype = None
+    return config
+
+
 @dataclasses.dataclass
 class ModelSpec:
     """What the planner needs to know of a model beyond its config: parameter counts (total, what one token uses,
@@ -78,6 +92,7 @@ class ModelSpec:
     def of(cls, model_config, name: str = "") -> "ModelSpec":
         from ..interface.estimates import inventory
 
+        model_config = without_storage_dtype(model_config)
         model = meta_model(model_config)
         records = inventory(model)
         total = sum(r.numel for r in records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import yaml
 
@@ -75,10 +76,9 @@ def headroom_line(best: Result, results: list[Result], memory_gb: float, margin:
     if margin <= 0:
         return f"{free}; ranked by speed alone (--memory-margin 0)"
     if not has_headroom(best, memory_gb, margin):
-        alone = (f"; no layout within {tolerance:.0%} of its speed leaves that room" if searched else "")
         return (f"at the edge: {free}, less than the memory estimate's {margin:.1%} margin (a prediction up to "
-                f"{memory_gb * (1 - margin):.1f} GB){alone}. It may run out of memory: try it first, or plan for "
-                "more GPUs, a smaller --global-batch-size or a shorter --seq-len")
+                f"{memory_gb * (1 - margin):.1f} GB){roomier(best, results, memory_gb, margin, tolerance, searched)}"
+                ". It may run out of memory: try it first, or plan for more GPUs or a shorter --seq-len")
     faster = [r for r in results if r.fits and r.runnable and r.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu]
     line = f"fits with {free}: room for the memory estimate's {margin:.1%} margin"
     if faster:
@@ -87,6 +87,22 @@ def headroom_line(best: Result, results: list[Result], memory_gb: float, margin:
         line += (f"; chosen over {len(faster)} faster layout{'s' if len(faster) > 1 else ''} at the edge, the "
                  f"fastest {gain:.1%} faster at {top.memory_gb['total']:.1f} GB ({top.layout.label()})")
     return line
+
+
+def roomier(best: Result, results: list[Result], memory_gb: float, margin: float, tolerance: float,
+            searched: bool) -> str:
+    """For a choice at the edge: the fastest costed layout with headroom and the --speed-tolerance that chooses
+    it, or that none has."""
+    if not searched:
+        return ""
+    roomy = [r for r in results if r.runnable and has_headroom(r, memory_gb, margin)]
+    if not roomy:
+        return "; none of the costed layouts leaves that room"
+    alt = max(roomy, key=lambda r: r.tokens_per_s_per_gpu)
+    slower = 1 - alt.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
+    return (f"; none within {tolerance:.0%} of its speed does: the fastest that does is {slower:.1%} slower at "
+            f"{alt.memory_gb['total']:.1f} GB ({alt.layout.label()}), chosen with --speed-tolerance "
+            f"{math.ceil(slower * 100) / 100:g}")
 
 
 def breakdown(r: Result) -> str:
