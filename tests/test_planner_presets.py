@@ -126,3 +126,9 @@ def test_the_checkpoints_dtype_does_not_change_what_the_plan_prices():
     not as a model of mixed dtypes whose bf16 weights keep bf16 gradients and optimizer states."""
     spec = ModelSpec.of(load_model_config("deepseek-v3"))
     assert not [r.name for r in spec.records() if r.held_bytes] and spec.config.dtype is None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # a model built from a preset (the GPU suite's) holds fp32 weights, as trained here
+        model = AutoModelForCausalLM.from_config(load_model_config("llama-3.2-1b"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -38,14 +38,16 @@ def preset_fields(name: str) -> dict:
 
 
 def load_model_config(spec):
-    """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config."""
+    """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config; from
+    a ``config.json``, without the dtype its checkpoint is stored in (``without_storage_dtype``), so a model built
+    from it holds fp32 weights, as this package trains them."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
         return spec
     if isinstance(spec, dict):
         fields = dict(spec)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return without_storage_dtype(AutoConfig.for_model(fields.pop("model_type"), **fields))
     key = str(spec).lower()
     if key in PRESETS:
         return load_model_config(preset_fields(key))
@@ -66,10 +68,10 @@ def load_model_config(spec):
 
 def without_storage_dtype(model_config):
     """``model_config`` without the dtype its checkpoint is stored in (a copy, when it has one). The plan prices
-    weights by its precision profile (this package holds them in fp32 and computes in bf16); a meta model built in
-    a published config's ``torch_dtype`` (bfloat16) with a few modules transformers keeps in fp32 (DeepSeek-V3's
-    routers) would be read as a model of mixed dtypes, whose bf16 parameters are held, with their gradients and
-    optimizer states, in bf16."""
+    weights by its precision profile (this package holds them in fp32 and computes in bf16), and transformers builds
+    a model in its config's dtype: in a published config's ``torch_dtype`` (bfloat16), with a few modules it keeps
+    in fp32 (DeepSeek-V3's routers), the planner would read a model of mixed dtypes, whose bf16 parameters are held,
+    with their gradients and optimizer states, in bf16."""
     if getattr(model_config, "dtype", None) is None:
         return model_config
     config = copy.deepcopy(model_config)
