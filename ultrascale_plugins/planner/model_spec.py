@@ -11,10 +11,11 @@ from ..interface.config import ConfigError
 from ..interface.estimates import meta_model
 
 # Architectures people plan for most often: the Hugging Face repository each preset is, whose config.json is
-# shipped in ultrascale_plugins/resources/models/<preset>.json as published (less its transformers_version, the
-# writer's library, not the model). One source of truth: the planner, its printed recipe and ``--init-from`` users
-# see the real model (tokens, rope scaling, context length), not a sketch of its sizes. tests/test_planner_presets.py
-# pins the fields that change cost and behaviour against the published values.
+# shipped as ultrascale_plugins/resources/config-<preset>.json, as published (less its transformers_version, the
+# writer's library, not the model). One source of truth: the planner and the recipe it prints (which a run with
+# ``--init-from`` starts beside the real checkpoint) see the real model (tokens, rope scaling, context length), not a
+# sketch of its sizes. tests/test_planner_presets.py pins the fields that change cost and behaviour against the
+# published values.
 PRESETS = {
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
@@ -33,7 +34,7 @@ def preset_fields(name: str) -> dict:
     """The published ``config.json`` of preset ``name`` (a key of ``PRESETS``), as a dict."""
     from importlib import resources
 
-    text = resources.files("ultrascale_plugins").joinpath(f"resources/models/{name}.json").read_text()
+    text = resources.files("ultrascale_plugins").joinpath(f"resources/config-{name}.json").read_text()
     return json.loads(text)
 
 
