@@ -1,7 +1,7 @@
 """Sharded checkpoint save/load vs torch.save / torch.load of a full state dict, same model, same run.
 
 Model and Adam state of a ~134M-parameter Llama under ZeRO-3 on N CPU ranks. "Sharded" is
-ultrascale_plugins.checkpoint (every rank writes its shards in parallel); "full" gathers the full model and
+ultrascale_plugins.checkpoints.sharded (every rank writes its shards in parallel); "full" gathers the full model and
 optimizer state to rank 0 and writes one torch.save file, the common single-writer approach. Peak host memory is
 the largest rise in resident memory of any rank during the operation (sampled every 5 ms).
 
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ultrascale_plugins as us
-from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint
+from ultrascale_plugins.checkpoints.sharded import load_checkpoint, save_checkpoint
 
 warnings.filterwarnings("ignore")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -42,7 +42,7 @@ def worker(method: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: F401 (imported now)
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.pretrained import weights_for
+    from ultrascale_plugins.checkpoints.pretrained import weights_for
 
     warnings.filterwarnings("ignore")
     us.init_distributed(timeout=1800)

@@ -21,7 +21,7 @@ A type is ``apart`` only when it is apart under every implementation it supports
 measured (no GPU here); they take the same position_ids path in transformers.
 
 Writes benchmarks/results/packing_by_model_type.json (details) and ultrascale_plugins/resources/packing_support.json
-(the verdicts shipped with the package, read by ``ultrascale_plugins.packing_support``). The script prints its
+(the verdicts shipped with the package, read by ``ultrascale_plugins.data.packing_support``). The script prints its
 own duration.
 """
 from __future__ import annotations

@@ -30,12 +30,17 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from .layout import make_config
-from .lightning_common import _UltraScalePrecisionMixin, _UltraScaleStrategyMixin, find_causal_lm
+from .lightning_common import (_UltraScaleLauncherMixin, _UltraScalePrecisionMixin, _UltraScaleStrategyMixin,
+                               find_causal_lm)
 
 
 class UltraScalePrecision(_UltraScalePrecisionMixin, Precision):
     """Lightning's precision flags mapped onto the layout's mixed-precision policy; autocast, if any, runs
     inside the engine (FSDP's policy or the model call), so this plugin's contexts are empty."""
+
+
+class UltraScaleLauncher(_UltraScaleLauncherMixin, _SubprocessScriptLauncher):
+    """Lightning's launcher, checking the layout against the model before it starts the other ranks."""
 
 
 class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
@@ -50,7 +55,7 @@ class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
     """
 
     _precision_class = UltraScalePrecision
-    _launcher_class = _SubprocessScriptLauncher
+    _launcher_class = UltraScaleLauncher
     _init_dist_connection = staticmethod(fabric_distributed._init_dist_connection)
     _sync_ddp_if_available = staticmethod(fabric_distributed._sync_ddp_if_available)
     _rank_zero_only = staticmethod(fabric_rank_zero.rank_zero_only)
@@ -63,4 +68,4 @@ if importlib.util.find_spec("pytorch_lightning") is not None:
     # the standalone package: its own base classes and registry get their own pair of classes
     from . import pytorch_lightning as _pytorch_lightning  # noqa: E402,F401  (registers the names)
 
-__all__ = ["UltraScaleStrategy", "UltraScalePrecision", "find_causal_lm", "make_config"]
+__all__ = ["UltraScaleStrategy", "UltraScalePrecision", "UltraScaleLauncher", "find_causal_lm", "make_config"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,49 @@ from .layout import make_config
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 STATE_FILE = "lightning.pt"
+# set by the strategy's launcher in the environment of the ranks it starts: its process id (see _wait_to_be_ended)
+LAUNCHER_ENV = "ULTRASCALE_LIGHTNING_LAUNCHER"
+# how long a rank that Lightning's launcher started waits, once it has refused, for the launcher to end it
+LAUNCHED_RANK_WAIT_S = 30.0
+
+
+def check_precision(precision) -> None:
+    if str(precision) not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: not available with the ultrascale strategy. Fix: use "
+                          f"one of {', '.join(k for k in PRECISIONS if k != '32')}")
+
+
+def launched_world() -> int:
+    """The processes torchrun, SLURM or Lightning's launcher started for this job, from their variables (1 in a
+    process nobody launched: the user's own, before Lightning starts any other)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    return 1
+
+
+def refuse_in_launched_job(exc: ConfigError) -> None:
+    """A refusal before the strategy knows its devices (its own arguments): in a process torchrun or SLURM
+    started, one line from rank 0 and status 2 (every rank finds the same error), else the exception."""
+    from ..launch import exit_on_error
+
+    if launched_world() > 1:
+        exit_on_error(exc)
+    raise exc
+
+
+def _wait_to_be_ended() -> None:
+    """In a rank Lightning's launcher started: wait (bounded) for the launcher to end this process. The launcher,
+    rank 0, refuses the same layout and ends its ranks itself; a rank that exited first, with a failure status,
+    would be taken by Lightning's process observer for a crash, and the observer kills rank 0 (SIGKILL) before it
+    can say why."""
+    parent = os.environ.get(LAUNCHER_ENV)
+    if parent is None or not parent.isdigit():
+        return
+    deadline = time.monotonic() + LAUNCHED_RANK_WAIT_S
+    while os.getppid() == int(parent) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
@@ -52,10 +97,9 @@ class _UltraScalePrecisionMixin:
     the package's ``Precision`` in the bases (see ``UltraScalePrecision``)."""
 
     def __init__(self, precision: str = "32-true"):
+        # the value is checked by the strategy (``check_precision``) when the Trainer is built, where the number of
+        # processes is known: how a refusal is said depends on it
         super().__init__()
-        if str(precision) not in PRECISIONS:
-            raise ConfigError(f"precision={precision!r}: not available with the ultrascale strategy. Fix: use "
-                              f"one of {', '.join(k for k in PRECISIONS if k != '32')}")
         self.precision = str(precision)
         self.strategy = None
 
@@ -90,12 +134,15 @@ class _UltraScaleStrategyMixin:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if preset is not None and preset not in presets():
-            raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(presets())}")
-        if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
-            config, preset = os.environ["ULTRASCALE_CONFIG"], None
-        self.preset = preset if (config is None and not fields) else None
-        self.config = make_config(config, fields)
+        try:
+            if preset is not None and preset not in presets():
+                raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(presets())}")
+            if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
+                config, preset = os.environ["ULTRASCALE_CONFIG"], None
+            self.preset = preset if (config is None and not fields) else None
+            self.config = make_config(config, fields)
+        except ConfigError as exc:
+            refuse_in_launched_job(exc)
         self.init_from = init_from
         from ..launch import DEFAULT_TIMEOUT_S
 
@@ -105,6 +152,7 @@ class _UltraScaleStrategyMixin:
         self.pmodel = None
         self.adapter = None
         self._attr = None
+        self._checked_module = None  # the LightningModule whose model the layout was checked against
 
     # ---- processes ------------------------------------------------------------------------------------
     @property
@@ -120,12 +168,60 @@ class _UltraScaleStrategyMixin:
         return self.num_nodes * self.num_processes
 
     def _configure_launcher(self) -> None:
-        # the layout is checked against the world size here, in the launching process, before any worker
-        # or process group exists
-        if self.preset is None:
-            self.config.resolve(self.world)
+        # the precision and the layout are checked against the world size here, when the Trainer is built: in the
+        # launching process, before any other rank or process group exists
+        try:
+            check_precision(self.precision_plugin.precision)
+            if self.preset is None:
+                self.config.resolve(self.world)
+        except ConfigError as exc:
+            self._refuse(exc)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = self._launcher_class(self, self.cluster_environment, self.num_processes,
+                                                  self.num_nodes)
+
+    # ---- refusals ----------------------------------------------------------------------------------------
+    def _refuse(self, exc: ConfigError) -> None:
+        """A layout this job cannot run, said as every front end says it: in a job of several processes one line
+        from global rank 0 (``launch.exit_on_error``) and status 2 from every process, with no traceback; the
+        ranks Lightning's launcher started end before the command returns. In a single process, the
+        ``ConfigError`` itself, for a caller to catch (as ``UltraScaleAccelerator`` does)."""
+        from ..launch import exit_on_error
+
+        if self.world <= 1:
+            raise exc
+        self._end_launched_ranks()
+        if self._job_rank() != 0:
+            _wait_to_be_ended()
+            raise SystemExit(2)  # rank 0 says it (report_error reads RANK, which Lightning's launcher does not set)
+        exit_on_error(exc)
+
+    def _job_rank(self) -> int:
+        """This process's global rank, with or without a process group, whoever started it."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return self.node_rank * self.num_processes + self.local_rank
+
+    def _end_launched_ranks(self) -> None:
+        """End the ranks this process started with Lightning's launcher (they would only say the refusal again,
+        or wait in a collective for this one) and wait for them, so none outlives the command. Lightning's process
+        observer watches the launcher's list of processes and kills this process when one of them fails: the list
+        is emptied first."""
+        procs = list(getattr(self._launcher, "procs", None) or [])
+        if not procs:
+            return
+        self._launcher.procs.clear()
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning calls this for any exception in fit / validate / test / predict, on every rank: a refusal from
+        # the layout's checks (before or after the process group, the engine's included) is said once
+        super().on_exception(exception)
+        if isinstance(exception, ConfigError):
+            self._refuse(exception)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -138,7 +234,7 @@ class _UltraScaleStrategyMixin:
         from ..launch import collective_timeout, set_collective_timeout
 
         self.set_world_ranks()
-        self._check_model_before_processes()
+        self._check_model_before_processes()  # done already by this package's launcher in the launching process
         set_collective_timeout(self._timeout)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         kwargs = {"timeout": collective_timeout()}
@@ -155,9 +251,12 @@ class _UltraScaleStrategyMixin:
         from ..engine import causal_lm_of, validate
 
         module = self.lightning_module
-        found = [c for _, c in module.named_children() if causal_lm_of(c) is not None] if module is not None else []
+        if module is None or module is self._checked_module:
+            return
+        found = [c for _, c in module.named_children() if causal_lm_of(c) is not None]
         if len(found) != 1:
             return  # none yet (configure_model), or several: find_causal_lm says so in setup
+        self._checked_module = module
         model_config = causal_lm_of(found[0]).config
         config = self.layout_for(model_config)
         if getattr(config, "layout", "manual") == "auto":
@@ -214,7 +313,9 @@ class _UltraScaleStrategyMixin:
         if self.precision_plugin.precision == "bf16-true":
             hf.to(torch.bfloat16)
         weights = weights_for(hf, self.init_from)
+        n_params = sum(p.numel() for p in hf.parameters())  # the whole model's (meta parameters included)
         self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_weights=weights)
+        self._log_layout(hf, n_params)
         self.adapter = ParallelCausalLM(self.pmodel)
         setattr(lm, self._attr, self.adapter)
         self.model = lm
@@ -224,6 +325,19 @@ class _UltraScaleStrategyMixin:
             self.setup_optimizers(trainer)
             self._prepare_optimizers()
         self.setup_precision_plugin()
+
+    def _log_layout(self, hf, n_params: int) -> None:
+        """The layout that runs, once for the job (global rank 0), as the command line logs it: a preset's or the
+        planner's choice is visible, not only an explicit layout."""
+        if self._job_rank() != 0:
+            return
+        chosen = f', chosen by strategy="{self._strategy_key()}"' if self.preset is not None else ""
+        source = f" from {self.init_from}" if self.init_from else ""
+        print(f"ultrascale: {self.world} processes, layout {self.pmodel.dims.describe()}{chosen}, model "
+              f"{hf.config.model_type}{source} {n_params / 1e6:.2f}M params", file=sys.stderr, flush=True)
+
+    def _strategy_key(self) -> str:
+        return "ultrascale" if self.preset == "default" else f"ultrascale_{self.preset}"
 
     def _prepare_optimizers(self) -> None:
         """The user's optimizers go through the engine's optimizer path (``ParallelModel.prepare_optimizer``):
@@ -355,3 +469,25 @@ class _UltraScaleStrategyMixin:
         for name, preset in presets().items():  # the dimension plugins' presets: ultrascale_<name>
             key = "ultrascale" if name == "default" else f"ultrascale_{name}"
             registry.register(key, cls, description=preset.description, preset=name)
+
+
+class _UltraScaleLauncherMixin:
+    """Lightning's own launcher (rank 0 is the user's process, which runs the script again for the other ranks of
+    its node), put before the package's ``_SubprocessScriptLauncher`` in the bases: it checks the layout against
+    the LightningModule's model before it starts any other process, so a refusal is said by the only process
+    there is, and it tells the ranks it starts who started them (``LAUNCHER_ENV``)."""
+
+    def __init__(self, strategy, *args):
+        super().__init__(*args)
+        self.strategy = strategy
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self.strategy._check_model_before_processes()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # copied into each child's environment
+        try:
+            super()._call_children_scripts()
+        finally:
+            os.environ.pop(LAUNCHER_ENV, None)

@@ -1,5 +1,5 @@
 """``UltraScaleDataModule``: a recipe's ``data`` section as a ``LightningDataModule`` — the command line's
-tokenization, chat labels and packed rows (``ultrascale_plugins.data_loaders``), tokenized once per node in
+tokenization, chat labels and packed rows (``ultrascale_plugins.data.data_loaders``), tokenized once per node in
 ``prepare_data`` (Lightning calls it on each node's local rank 0) and memory-mapped by every rank in ``setup``.
 
     dm = UltraScaleDataModule({"dataset": "sft.jsonl", "format": "chat", "seq_len": 2048}, "path/to/model",
@@ -11,7 +11,7 @@ from __future__ import annotations
 import lightning.pytorch as L
 from torch.utils.data import DataLoader
 
-from ultrascale_plugins.data_loaders import build_datasets, data_spec
+from ultrascale_plugins.data.data_loaders import build_datasets, data_spec
 
 
 class UltraScaleDataModule(L.LightningDataModule):

@@ -17,7 +17,7 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from .lightning_common import _UltraScalePrecisionMixin, _UltraScaleStrategyMixin
+from .lightning_common import _UltraScaleLauncherMixin, _UltraScalePrecisionMixin, _UltraScaleStrategyMixin
 
 
 class UltraScalePrecision(_UltraScalePrecisionMixin, Precision):
@@ -25,12 +25,16 @@ class UltraScalePrecision(_UltraScalePrecisionMixin, Precision):
     ``Precision``); see ``ultrascale_plugins.integrations.lightning.UltraScalePrecision``."""
 
 
+class UltraScaleLauncher(_UltraScaleLauncherMixin, _SubprocessScriptLauncher):
+    """Lightning's launcher, checking the layout against the model before it starts the other ranks."""
+
+
 class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
     """A ``pytorch_lightning`` strategy for any layout of ultrascale-plugins; arguments as
     ``ultrascale_plugins.integrations.lightning.UltraScaleStrategy``."""
 
     _precision_class = UltraScalePrecision
-    _launcher_class = _SubprocessScriptLauncher
+    _launcher_class = UltraScaleLauncher
     _init_dist_connection = staticmethod(fabric_distributed._init_dist_connection)
     _sync_ddp_if_available = staticmethod(fabric_distributed._sync_ddp_if_available)
     _rank_zero_only = staticmethod(fabric_rank_zero.rank_zero_only)
@@ -39,4 +43,4 @@ class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
 
 UltraScaleStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["UltraScaleStrategy", "UltraScalePrecision"]
+__all__ = ["UltraScaleStrategy", "UltraScalePrecision", "UltraScaleLauncher"]

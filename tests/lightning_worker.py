@@ -4,6 +4,9 @@
     torchrun --nproc_per_node N lightning_worker.py runs OUT.json RUN [RUN ...]
                                                                each RUN (a name from RUNS) on N ranks, one fit each
     torchrun ... lightning_worker.py resume OUT.json DIR       fit 1 epoch with ModelCheckpoint, resume to 2 epochs
+    python lightning_worker.py refuse MARKER in_init|in_configure_model
+                                                               Lightning's own launcher, devices=2, ep=2 on a dense
+                                                               model (held from __init__ or built in configure_model)
 
 $HF_DIR names a save_pretrained directory of the same initial model, for the runs that load pretrained weights.
 
@@ -146,6 +149,18 @@ class CausalLM(L.LightningModule):
         return self._loader(VAL, shuffle=False)
 
 
+class LateRankZero(CausalLM):
+    """Rank 0 builds its model later than the others (as a loaded machine may): the other ranks refuse a layout
+    first, and for longer than Lightning's process observer takes to notice a rank that ended (5 s)."""
+
+    def configure_model(self):
+        super().configure_model()
+        if self.trainer.global_rank == 0:
+            import time
+
+            time.sleep(6)
+
+
 def trainer(strategy, devices: int, **kwargs) -> L.Trainer:
     if isinstance(strategy, dict):
         from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
@@ -192,6 +207,9 @@ def main():
             result[reference_key(kwargs)] = fit("auto", 1, **kwargs)
     elif mode == "resume":
         result = resume(sys.argv[3], int(os.environ["WORLD_SIZE"]))
+    elif mode == "refuse":  # refused: nothing is written
+        module = CausalLM() if sys.argv[3] == "in_init" else LateRankZero(os.environ["HF_DIR"])
+        trainer({"ep": 2}, 2, max_steps=1).fit(module)
     elif mode == "runs":
         devices = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = int(os.environ["WORLD_SIZE"]) // devices

@@ -45,6 +45,21 @@ def test_unknown_recipe_key_suggests(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("nproc: 1\nmodle: {}\n")
     assert_clean_error(ultrascale("train", str(recipe)), "modle", "did you mean 'model'")
+    # the model section too (issue 32): a typo beside the real key set nothing and said nothing
+    assert_clean_error(ultrascale("train", "--set", "model.hiden_size=64"), "unknown key 'model.hiden_size'",
+                       "did you mean 'hidden_size'?", "Fix: hidden_size: 64")
+
+
+def test_the_final_loss_line_says_what_it_compares():
+    """A 2-step run printed "loss 5.337 -> 5.337 (mean of first/last 5 steps)": both means were of the same two
+    steps. Each window is now at most half the run, and says how many steps it holds."""
+    from ultrascale_plugins.train import loss_summary
+
+    assert loss_summary([5.337, 5.1]) == "loss 5.337 -> 5.100 (first/last step of 2)"
+    assert loss_summary([4.0]) == "loss 4.000 (one step)"
+    assert loss_summary([6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.5]) == "loss 5.000 -> 1.167 (mean of first/last 3 steps of 7)"
+    assert loss_summary([float(i) for i in range(60, 0, -1)]) == ("loss 58.000 -> 3.000 (mean of first/last 5 steps "
+                                                                 "of 60)")
 
 
 def test_plugins_lists_builtins_with_hooks():
@@ -80,6 +95,7 @@ def test_pipeline_schedule_from_the_command_line(tmp_path):
     assert "pp=2 (interleaved_1f1b, 2 stages/rank)" in proc.stdout
     assert "pipeline idle" in proc.stdout
     assert "0.85M params" in proc.stdout  # the whole model's size, not the first stage's
+    assert "(mean of first/last 3 steps of 6)" in proc.stdout  # windows that do not overlap (issue 32)
     losses = json.loads(metrics.read_text())["losses"]
     assert len(losses) == 6
     # --log-dir: a JSON line per logged step, with what a user watches

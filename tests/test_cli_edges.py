@@ -179,6 +179,82 @@ def test_defaulted_sizes_are_named_and_a_model_too_big_is_refused(tmp_path, monk
     assert set(defaulted_sizes(gpt2, model_config_of(gpt2))) == {"vocab_size", "max_position_embeddings"}
 
 
+# ---- issue 32: a typo in the model section; a model section that --init-from overrides; MoE aliases --------------
+def test_a_typo_in_the_model_section_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    """hiden_size: 128 trained a 222M-parameter model at transformers' defaults; with hidden_size also set,
+    --set model.hiden_size=64 said nothing. Both are one line naming the key, the likely one and the fix."""
+    recipe = write_recipe(tmp_path / "typo.yaml", {"model_type": "llama", "hiden_size": 128}, {"dp_shard": 2})
+    refused_before_launch(monkeypatch, capsys, ["train", recipe], "unknown key 'model.hiden_size'",
+                          "did you mean 'hidden_size'?", "Fix: hidden_size: 128")
+    refused_before_launch(monkeypatch, capsys, ["train", "--set", "model.hiden_size=64"],
+                          "unknown key 'model.hiden_size'", "did you mean 'hidden_size'?",
+                          "--set model.hidden_size=64")
+    # a sub-config's keys are checked against its own class, and --set reaches into it
+    llava = write_recipe(tmp_path / "llava.yaml", {"model_type": "llava", "text_config": TINY}, {"dp_shard": 2})
+    refused_before_launch(monkeypatch, capsys, ["train", llava, "--set", "model.text_config.hiden_size=64"],
+                          "unknown key 'model.text_config.hiden_size'", "did you mean 'hidden_size'?")
+
+
+def test_the_model_section_plan_prints_from_a_real_config_passes_the_check():
+    """Qwen3-30B-A3B's published config.json holds head_dim (read by the model code, not declared by
+    Qwen3MoeConfig) and max_window_layers (read by nothing in transformers 5): `ultrascale plan --model` prints a
+    recipe model section with the first and without the second, and the check accepts it."""
+    from pathlib import Path
+
+    from ultrascale_plugins.planner.command import build
+    from ultrascale_plugins.model_section import check_model_section
+
+    config = Path(__file__).parent.parent / "recipes" / "sft" / "configs" / "qwen3-30b-a3b.json"
+    args = cli.build_parser().parse_args(["plan", "--model", str(config), "--gpus", "8", "--gpu", "h100-sxm-80gb"])
+    _, fields = build(args)
+    assert fields["head_dim"] == 128 and "max_window_layers" not in fields
+    check_model_section(fields)
+    with pytest.raises(ConfigError, match="unknown key 'model.max_window_layers'"):
+        check_model_section({**fields, "max_window_layers": 48})
+
+
+def until_launch(monkeypatch, capsys, argv) -> str:
+    """``ultrascale ARGV`` in this process up to the launch (which is not made): what it printed."""
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0 and len(launched) == 1, out + err
+    return out
+
+
+def test_a_model_section_that_init_from_overrides_is_refused_or_said(tmp_path, monkeypatch, capsys):
+    """--init-from's config.json is the model: a recipe's model section (the one `ultrascale plan` prints, say)
+    that disagrees with it in a size is refused before launch; one that agrees passes without a word; other
+    disagreements are named on one line as not used (it was silently ignored)."""
+    hf = _hf_dir(tmp_path / "hf")  # TINY: hidden_size 64, rms_norm_eps at llama's default 1e-6
+    bigger = write_recipe(tmp_path / "bigger.yaml", {**TINY, "hidden_size": 128}, {"dp_shard": 2}, global_batch=16)
+    refused_before_launch(monkeypatch, capsys, ["train", bigger, "--init-from", hf], f"--init-from {hf}",
+                          "model.hidden_size=128 (config.json: 64)", "Fix: drop those keys")
+    refused_before_launch(monkeypatch, capsys, ["train", "--init-from", hf, "--set", "model.num_hidden_layers=4"],
+                          "model.num_hidden_layers=4 (config.json: 2)")
+    refused_before_launch(monkeypatch, capsys, ["train", "--init-from", hf, "--set", "model.model_type=qwen2"],
+                          "holds a 'llama' model", "model.model_type is 'qwen2'")
+    same = write_recipe(tmp_path / "same.yaml", TINY, {"dp_shard": 2}, global_batch=16)
+    out = until_launch(monkeypatch, capsys, ["train", same, "--init-from", hf])
+    assert "model" not in out.replace("model.safetensors", ""), out  # agreeing keys pass silently
+    other = write_recipe(tmp_path / "other.yaml", {**TINY, "rms_norm_eps": 1e-5}, {"dp_shard": 2}, global_batch=16)
+    out = until_launch(monkeypatch, capsys, ["train", other, "--init-from", hf])
+    said = [line for line in out.splitlines() if "is not used" in line]
+    assert len(said) == 1 and "config.json is the model (--init-from)" in said[0], out
+    assert "rms_norm_eps: recipe 1e-05, config.json 1e-06" in said[0], said
+
+
+def test_an_alias_of_a_size_counts_as_set():
+    """A qwen3_moe recipe that sets num_experts (an attribute_map alias of num_local_experts) was told it left
+    num_local_experts at transformers' defaults."""
+    from ultrascale_plugins.recipe import defaulted_sizes, model_config_of
+
+    assert defaulted_sizes(TINY_MOE, model_config_of(TINY_MOE)) == {}
+    left = defaulted_sizes({"model_type": "qwen3_moe"}, model_config_of({"model_type": "qwen3_moe"}))
+    assert left["num_local_experts"] == 128 and "num_experts" not in left  # one field, named once
+
+
 # ---- a, e, f. resume without --init-from; the resume line and the bar; TensorBoard ----------------------------
 def _hf_dir(path):
     import torch

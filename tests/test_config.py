@@ -178,3 +178,75 @@ def test_accelerate_and_trainer_compile_settings_map_onto_regional_compilation()
     with pytest.raises(ConfigError, match="dynamo_mode='reduce-overhead'.*default"):
         compile_from_dynamo(None, None, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR",
                                          "ACCELERATE_DYNAMO_MODE": "reduce-overhead"})
+
+
+# ---- the recipe's model section against its model type's config class (issue 32, silent failure 4) -----------
+def test_every_model_type_accepts_the_keys_of_its_own_default_config():
+    """No false refusals: for every model type transformers ships (CONFIG_MAPPING), the keys its default config
+    writes (``to_dict``, what a config.json holds; sub-configs as nested mappings) are all accepted."""
+    from transformers import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    from ultrascale_plugins.model_section import check_model_section
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # several default configs warn about their own token ids
+    refused, checked, unbuildable = {}, 0, []
+    try:
+        for model_type, cls in CONFIG_MAPPING.items():
+            try:
+                section = {**cls().to_dict(), "model_type": model_type}
+            except Exception:  # noqa: BLE001 - a class transformers itself cannot build with its defaults
+                unbuildable.append(model_type)
+                continue
+            try:
+                check_model_section(section)
+                checked += 1
+            except ConfigError as exc:
+                refused[model_type] = str(exc)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    assert not refused, refused
+    assert checked > 500 and len(unbuildable) < 30, (checked, unbuildable)  # 5.25: 2 of 831; 5.17: 14
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"hiden_size": 128}, ["unknown key 'model.hiden_size'", "did you mean 'hidden_size'?", "LlamaConfig",
+                           "Fix: hidden_size: 128"]),
+    ({"num_hidden_layer": 2}, ["model.num_hidden_layer", "did you mean 'num_hidden_layers'?"]),
+    ({"temperature": 0.7}, ["model.temperature=0.7", "generation setting", "Fix: remove it"]),
+    ({"use_return_dict": False}, ["model.use_return_dict", "did you mean 'return_dict'?"]),
+    ({"model_type": "lama"}, ["model.model_type='lama'", "did you mean 'llama'?", "Fix:"]),
+    ({"xyzzy": 1}, ["unknown key 'model.xyzzy': valid keys: ", "hidden_size", "Fix: remove it"]),
+])
+def test_a_model_section_typo_is_refused_with_the_likely_key(section, words):
+    from ultrascale_plugins.recipe import model_config_of
+
+    with pytest.raises(ConfigError) as info:
+        model_config_of({"model_type": "llama", **section})
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_names_transformers_takes_without_declaring_them_are_accepted():
+    """Legacy names transformers turns into fields (rope_scaling, rope_theta, torch_dtype), aliases
+    (attribute_map: gpt2's hidden_size, qwen3_moe's num_experts), class-level settings (base_model_tp_plan), an
+    attribute only the model code reads (Qwen3-MoE's head_dim: its real config.json has it) and sub-configs."""
+    import torch
+
+    from ultrascale_plugins.recipe import model_config_of
+
+    config = model_config_of({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                              "rope_theta": 50000.0, "torch_dtype": "bfloat16"})
+    assert config.rope_parameters["factor"] == 4.0 and config.rope_parameters["rope_theta"] == 50000.0
+    assert config.dtype == torch.bfloat16
+    assert model_config_of({"model_type": "gpt2", "hidden_size": 64, "n_head": 4}).n_embd == 64
+    assert model_config_of({"model_type": "qwen3_moe", "num_experts": 4}).num_local_experts == 4
+    assert model_config_of({"model_type": "qwen3_moe", "head_dim": 16}).head_dim == 16
+    assert model_config_of({"model_type": "llama", "base_model_tp_plan": {}}).base_model_tp_plan == {}
+    llava = model_config_of({"model_type": "llava", "text_config": {"model_type": "llama", "hidden_size": 32,
+                                                                      "num_attention_heads": 4}})
+    assert llava.text_config.hidden_size == 32
+    with pytest.raises(ConfigError, match=r"unknown key 'model\.vision_config\.hiden_size': did you mean "
+                                          r"'hidden_size'\?.*CLIPVisionConfig"):
+        model_config_of({"model_type": "llava", "vision_config": {"hiden_size": 32}})

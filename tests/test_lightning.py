@@ -39,10 +39,16 @@ def reference(tmp_path_factory):
 
 
 def run(nproc, tmp_path, hf_dir, *names, env=None):
+    """{run name: its results}, and the job's standard error."""
     out = tmp_path / f"runs{nproc}.json"
     proc = torchrun(nproc, WORKER, "runs", str(out), *names, env={"HF_DIR": str(hf_dir), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stderr
+
+
+def layout_lines(stderr: str, world: int) -> list[str]:
+    """The strategy's ``ultrascale: N processes, layout ...`` lines, in the order of the fits."""
+    return [line for line in stderr.splitlines() if line.startswith(f"ultrascale: {world} processes, layout ")]
 
 
 def assert_parity(results, reference, names, tol=TOL):
@@ -61,8 +67,18 @@ def assert_parity(results, reference, names, tol=TOL):
 def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, reference, hf_dir):
     exact = NAMES + ["zero3_accumulate2", "pp_accumulate2", "pretrained_meta_tp_sp", "pretrained_init_from_zero3",
                      "zero1", "tp_fused", "tp_sp_foreach", "peft_zero3", "ultrascale_ep", "ep2_zero2"]
-    results = run(2, tmp_path, hf_dir, *exact, "zero3_bf16_mixed", "tp_bf16_true")
+    names = [*exact, "zero3_bf16_mixed", "tp_bf16_true"]
+    results, stderr = run(2, tmp_path, hf_dir, *names)
     assert_parity(results, reference, exact)
+    # the layout each fit applied, logged once (rank 0), the presets' as well as explicit ones, with the name
+    # that chose it
+    lines = dict(zip(names, layout_lines(stderr, 2), strict=True))
+    assert lines["ultrascale_tp"].endswith('layout tp=2, chosen by strategy="ultrascale_tp", model llama 0.31M params')
+    assert 'dp_shard=2 (ZeRO-3) x experts over efsdp=1, ep=2 (the ranks of dp_shard*cp*tp), chosen by strategy="' \
+           'ultrascale_ep", model qwen3_moe' in lines["ultrascale_ep"]
+    assert "dp_shard=2 (ZeRO-2) x experts over efsdp=1, ep=2" in lines["ep2_zero2"]
+    assert "chosen by" not in lines["ep2_zero2"]  # an explicit UltraScaleStrategy(...)
+    assert 'layout dp_shard=2 (ZeRO-3) x bf16, chosen by strategy="ultrascale_zero3"' in lines["zero3_bf16_mixed"]
     # expert parallel on the MoE: strategy="ultrascale_ep" picked ep=2 (the devices of the node) under ZeRO-3, and
     # UltraScaleStrategy(ep=2, zero_stage=2) ran as given
     picked = results["ultrascale_ep"]["layout"]
@@ -82,12 +98,12 @@ def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tm
 
     names = NAMES + ["pp2_tp2", "pp2_tp2_fused", "qwen3_dp2_tp2", "cp2_ulysses_dp2", "outside_acme_dp2_zero3_dp2"]
     env = {"PYTHONPATH": outside_plugin_env()["PYTHONPATH"]}
-    assert_parity(run(4, tmp_path, hf_dir, *names, env=env), reference, names)
+    assert_parity(run(4, tmp_path, hf_dir, *names, env=env)[0], reference, names)
 
 
 @pytest.mark.slow
 def test_eight_devices_three_dimensional_layout(tmp_path, reference, hf_dir):
-    assert_parity(run(8, tmp_path, hf_dir, "pp2_tp2_dp2_sp"), reference, ["pp2_tp2_dp2_sp"])
+    assert_parity(run(8, tmp_path, hf_dir, "pp2_tp2_dp2_sp")[0], reference, ["pp2_tp2_dp2_sp"])
 
 
 @pytest.mark.slow
@@ -127,25 +143,48 @@ def test_two_nodes_of_two_processes(tmp_path, reference, hf_dir):
     assert_parity(json.loads(out.read_text()), reference, ["ultrascale_tp"])
 
 
-def test_invalid_layout_fails_when_the_trainer_is_built():
+def refused_trainer(capsys, **kwargs) -> str:
+    """The one line ``L.Trainer(**kwargs)`` refuses with (status 2, no exception), without its prefix."""
+    import lightning.pytorch as L
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        L.Trainer(accelerator="cpu", logger=False, **kwargs)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ultrascale: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0].removeprefix("ultrascale: error: ")
+
+
+def test_invalid_layout_fails_when_the_trainer_is_built(capsys):
+    """Before any other process starts: with several devices one line and status 2, as every front end refuses;
+    with one device (no other process to say it again) the ConfigError itself, for a caller to catch."""
+    import re
+
     import lightning.pytorch as L
 
     from ultrascale_plugins.config import ConfigError
     from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
 
-    with pytest.raises(ConfigError, match="does not divide the world size 3"):
-        L.Trainer(accelerator="cpu", devices=3, strategy=UltraScaleStrategy(tp=2), logger=False)
-    with pytest.raises(ConfigError, match="precision=.16-true."):
-        L.Trainer(accelerator="cpu", devices=2, strategy="ultrascale_tp", precision="16-true", logger=False)
+    assert "does not divide the world size 3" in refused_trainer(capsys, devices=3, strategy=UltraScaleStrategy(tp=2))
+    assert refused_trainer(capsys, devices=2, strategy="ultrascale_tp", precision="16-true").startswith(
+        "precision='16-true': not available with the ultrascale strategy. Fix: use one of")
     # expert parallel: ep must divide the dp_shard*cp*tp ranks it borrows
-    with pytest.raises(ConfigError, match=r"^ep=3: .* 4\*1\*1 = 4, which 3 does not divide\. Fix: pick an ep that"):
-        L.Trainer(accelerator="cpu", devices=4, strategy=UltraScaleStrategy(ep=3), logger=False)
+    assert re.match(r"ep=3: .* 4\*1\*1 = 4, which 3 does not divide\. Fix: pick an ep that",
+                    refused_trainer(capsys, devices=4, strategy=UltraScaleStrategy(ep=3)))
+    with pytest.raises(ConfigError, match="precision=.16-true."):
+        L.Trainer(accelerator="cpu", devices=1, strategy="ultrascale_tp", precision="16-true", logger=False)
+    with pytest.raises(ConfigError, match="does not divide the world size 1"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=UltraScaleStrategy(tp=2), logger=False)
 
 
-def test_expert_parallel_is_checked_against_the_model_before_the_process_group():
+def test_expert_parallel_is_checked_against_the_model_before_the_process_group(capsys):
     """What needs the model (its experts, and zero_stage 2 or 3 for them) is checked when fit() reaches the
     strategy's setup_environment, before this process joins a process group; strategy="ultrascale_ep" picks the
     devices of a node for ep, halved until it divides the experts and the world."""
+    import re
+
     import lightning.pytorch as L
     import torch
 
@@ -155,8 +194,8 @@ def test_expert_parallel_is_checked_against_the_model_before_the_process_group()
     from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
     from ultrascale_plugins.presets import presets
 
-    with pytest.raises(ConfigError, match=r"^zero_stage=1: ep=2 shards the experts.* Fix: use zero_stage: 2 or 3"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ep=2, zero_stage=1), logger=False)
+    assert re.match(r"zero_stage=1: ep=2 shards the experts.* Fix: use zero_stage: 2 or 3",
+                    refused_trainer(capsys, devices=2, strategy=UltraScaleStrategy(ep=2, zero_stage=1)))
     assert not torch.distributed.is_initialized()  # refused from the layout alone, before the model is known
     cases = [(UltraScaleStrategy(ep=2), "llama", r"^ep=2: model type 'llama' has no routed experts\. Fix: use ep: 1"),
              ("ultrascale_ep", "llama", r"^ep=2: model type 'llama' has no routed experts")]
@@ -189,6 +228,8 @@ def test_recipe_script_through_lightnings_own_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     chose = [line for line in proc.stderr.splitlines() if "layout: auto chose" in line]
     assert len(chose) == 1 and "assumed auto_seq_len=" in chose[0], proc.stderr[-4000:]
+    applied = layout_lines(proc.stderr, 2)  # and the layout that ran, once for the job
+    assert len(applied) == 1 and ', chosen by strategy="ultrascale", model llama ' in applied[0], applied
     last = tmp_path / "ckpt" / "last.ckpt"
     assert (last / "ultrascale.json").is_file()
     proc = subprocess.run([*common, "--max-steps", "9", "--resume", str(last)], capture_output=True, text=True,
@@ -202,6 +243,35 @@ def test_recipe_script_through_lightnings_own_launcher(tmp_path):
 
     export_hf(last, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("built", ["in_init", "in_configure_model"])
+def test_a_refused_layout_is_said_once_through_lightnings_own_launcher(tmp_path, hf_dir, built):
+    """`python script.py` with Trainer(devices=2, strategy=UltraScaleStrategy(ep=2)) on a dense model: the user's
+    process is rank 0 and Lightning's launcher runs the script again for rank 1. A model the LightningModule holds
+    from __init__ is refused before rank 1 starts; one built in configure_model is refused by both ranks after the
+    process group (rank 1 first, by 6 s: Lightning's process observer would kill rank 0 if rank 1 ended then), and
+    rank 0 ends rank 1. Either way: one line, status 2, no traceback, and no process of the job left when the
+    command returns (none prints after it)."""
+    import psutil
+
+    marker = str(tmp_path / "refused")  # in the command line of every rank of this job
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DIR": str(hf_dir)}
+    proc = subprocess.Popen([sys.executable, str(WORKER), "refuse", marker, built], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        status = proc.wait(timeout=600)
+        left = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+        for p in left:
+            p.kill()
+        _, err = proc.communicate(timeout=120)  # to the end: what any rank printed after the command returned too
+    finally:
+        proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("ultrascale: error: ")]
+    assert (status, [p.pid for p in left]) == (2, []), err[-6000:]
+    assert errors == ["ultrascale: error: ep=2: model type 'llama' has no routed experts. Fix: use ep: 1"], err[-6000:]
+    assert "Traceback" not in err, err[-6000:]
 
 
 PL_SCRIPT = """

@@ -216,3 +216,32 @@ print(type(A.get("ultrascale_tp")).__module__, type(B.get("ultrascale_tp")).__mo
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ultrascale_plugins.integrations.lightning",
                                   "ultrascale_plugins.integrations.pytorch_lightning"]
+
+
+# ---- a user's own script prints nothing of torchao's import --------------------------------------------------------
+USER_SCRIPT = """
+import logging, sys
+{imports}
+from transformers import AutoModelForCausalLM, LlamaConfig
+AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=100))
+logging.getLogger("torchao").warning("another torchao note")  # the filters drop two notes, nothing else
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (the float8 extra)")
+def test_a_users_script_prints_no_torchao_import_notes(tmp_path):
+    """transformers imports torchao with every model; on a CPU machine torchao's import logs that its CUDA
+    libraries did not load and torch notes how torchao registers its enums: 3 lines in every process of a user's
+    Lightning, Accelerate or Trainer script. Importing a front end drops exactly those notes."""
+    def stderr_of(imports: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", USER_SCRIPT.format(imports=imports)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    plain = stderr_of("")  # what the same script prints without the package: the notes are there to drop
+    assert "Failed to load" in plain or "natively supported" in plain, plain
+    quiet = stderr_of("from ultrascale_plugins.integrations.trainer import UltraScaleTrainer")
+    assert "Failed to load" not in quiet and "natively supported" not in quiet, quiet
+    assert "another torchao note" in quiet, quiet

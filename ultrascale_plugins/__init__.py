@@ -79,14 +79,55 @@ _freezing_at_exit = False
 def quiet_known_warnings() -> None:
     """Silence warnings that fire on every run and say nothing actionable to a user: FSDP2's note that the
     root returns a view (our step does no in-place op on the logits), DTensor's note that a norm over a 2-D
-    mesh takes two all-reduces, and, where torchao is installed (transformers imports it with every model), its
-    note that a CUDA-only library did not load and torch's note on how it registers its enums."""
+    mesh takes two all-reduces, and, where torchao is installed, the notes of its import
+    (``_quiet_torchao_import``, also done when the package is imported)."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    for name in ("torch.distributed.tensor._redistribute", "torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    _quiet_torchao_import()
+
+
+class _DropNotes:
+    """A ``logging.Filter`` that drops the records of one logger whose message matches ``drop(record)``."""
+
+    def __init__(self, drop):
+        self.drop = drop
+
+    def filter(self, record) -> bool:
+        try:
+            return not self.drop(record)
+        except Exception:  # noqa: BLE001 - a filter must never break a log call
+            return True
+
+
+def _cpu_only_library_failed(record) -> bool:
+    """torchao's import note that one of its compiled libraries did not load, on a machine without a usable GPU:
+    the libraries it ships are CUDA kernels (MX / float8 GEMMs, CUTLASS) that such a machine cannot run anyway."""
+    torch = _sys.modules.get("torch")
+    return (str(record.msg).startswith("Failed to load") and torch is not None
+            and not torch.cuda.is_available())
+
+
+def _enum_registration_note(record) -> bool:
+    """torch's deprecation note, addressed to library authors, that a library (torchao) registers its enums with
+    ``register_constant``: nothing a user can act on."""
+    return "is an Enum subclass and is now natively supported" in str(record.msg)
+
+
+def _quiet_torchao_import() -> None:
+    """transformers imports torchao with every model when it is installed (its quantizer registry), and torchao's
+    import then logs, in every process, that CUDA-only libraries did not load (on CPU) and torch notes how torchao
+    registers its enums. Those two notes alone are dropped, by filters on their own loggers, from the moment the
+    package is imported (a user's Lightning, Accelerate or Trainer script imports it before building its model);
+    every other record of those loggers passes. Idempotent."""
+    import logging
+
+    for name, drop in (("torchao", _cpu_only_library_failed), ("torch.utils._pytree", _enum_registration_note)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotes) for f in logger.filters):
+            logger.addFilter(_DropNotes(drop))
 
 
 def _freeze_at_exit() -> None:
@@ -106,6 +147,7 @@ def _freeze_at_exit() -> None:
         atexit.register(gc.freeze)
 
 
+_quiet_torchao_import()
 _timing_mark("package_import")  # the start of every process that imports the package (workers: their first mark)
 
 __all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec",

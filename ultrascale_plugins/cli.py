@@ -194,19 +194,26 @@ def _resume_path(path: str) -> str:
 
 def _model_line(args, overrides: list[str], recipe) -> None:
     """One line saying where the model's sizes come from, when the recipe does not give them all: the checkpoint
-    (--resume without --init-from), or transformers' defaults for what the model section leaves out."""
-    from .recipe import compare_with_checkpoint, defaulted_sizes, own_model_section
+    (--resume without --init-from), or transformers' defaults for what the model section leaves out; with
+    --init-from, one line naming the recipe's model keys that config.json overrides (sizes were refused before)."""
+    from .recipe import compare_with_checkpoint, compare_with_pretrained, defaulted_sizes, own_model_section
 
     config = recipe.model_config()
+    own = own_model_section(args.recipe, overrides, recipe.model)
     if recipe.resume_from:
         sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("hidden_size", "num_hidden_layers", "vocab_size")
                           if getattr(config, k, None) is not None)
-        other = compare_with_checkpoint(own_model_section(args.recipe, overrides, recipe.model), config,
-                                        f"--resume {args.resume}")
+        other = compare_with_checkpoint(own, config, f"--resume {args.resume}")
         ignored = f"; the recipe's {'; '.join(other)} is not used" if other else ""
         print(f"ultrascale: model: {config.model_type} ({sizes}) as saved in {recipe.resume_from} (--resume "
               f"without --init-from: the checkpoint's config is the model){ignored}", flush=True)
-    elif not recipe.init_from:
+    elif recipe.init_from:
+        other = compare_with_pretrained(own, config, f"--init-from {args.init_from}") if own else []
+        if other:
+            where = os.path.join(args.init_from, "config.json")
+            print(f"ultrascale: model: {where} is the model (--init-from); the recipe's {'; '.join(other)} is not "
+                  "used", flush=True)
+    else:
         left = defaulted_sizes(recipe.model, config)
         if left:
             print(f"ultrascale: the recipe's model section leaves {', '.join(f'{k}={v}' for k, v in left.items())} "
@@ -378,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the one the checkpoint holds")
     train.add_argument("--init-from", metavar="HF_DIR",
                        help="start from pretrained weights (a save_pretrained directory, safetensors); the model "
-                            "section of the recipe is replaced by its config.json; each rank reads only its shards")
+                            "section of the recipe may be left out: its config.json is the model (a model section must "
+                            "agree with it in every size); each rank reads only its shards")
     train.set_defaults(func=cmd_train)
     export = sub.add_parser("export", help="write a Hugging Face directory from a sharded checkpoint")
     export.add_argument("checkpoint", help="a step-XXXXXXXX checkpoint directory (any layout)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import yaml
 
 from .interface.config import ConfigError, ParallelConfig, load_yaml, suggest
+from .model_section import check_model_section, config_keys
 
 SECTIONS = {"nproc", "model", "data", "train", "parallel", "peft"}
 
@@ -229,7 +231,7 @@ class Recipe:
     data: DataSpec
     train: TrainSpec
     parallel: ParallelConfig
-    init_from: str = ""  # a pretrained directory: its config.json is the model (the model section is ignored)
+    init_from: str = ""  # a pretrained directory: its config.json is the model (a model section must agree in sizes)
     resume_from: str = ""  # a checkpoint (without init_from): the config it was saved with is the model
     peft: PeftSpec | None = None  # adapters on the model (the base frozen); None: every parameter trains
 
@@ -265,21 +267,23 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def defaulted_sizes(model: dict, config) -> dict:
     """The size fields ``config`` has that the recipe's ``model`` section does not set (under any of their
-    names), with the values transformers' defaults gave them; fields derived from others (default None) are left
-    out."""
+    names: an ``attribute_map`` alias and its target are one field, named once), with the values transformers'
+    defaults gave them; fields derived from others (default None) are left out."""
     import inspect
 
     aliases = getattr(config, "attribute_map", {}) or {}
-    given = set(model) | {name for name, target in aliases.items() if target in model}
+    given = {aliases.get(name, name) for name in model}  # each field the section sets, by its target name
     try:
         params = inspect.signature(type(config).__init__).parameters
     except (TypeError, ValueError):
         params = {}
-    out = {}
+    out, seen = {}, set()
     for name in SIZE_FIELDS:
-        if name in given or getattr(config, name, None) is None:
+        field = aliases.get(name, name)
+        if field in given or field in seen or getattr(config, name, None) is None:
             continue
-        if name in params and params[name].default is None:
+        seen.add(field)
+        if field in params and params[field].default is None:
             continue
         out[name] = getattr(config, name)
     return out
@@ -295,38 +299,77 @@ def own_model_section(path, overrides: list[str] | None, model: dict) -> dict:
 def compare_with_checkpoint(own: dict, config, where: str) -> list[str]:
     """Refuse (ConfigError) a model section that disagrees with the checkpoint's model ``config`` in its type or
     a field that sizes a parameter; return the other disagreements as ``"key: recipe V, checkpoint W"``."""
+    return compare_model_section(own, config, where, "the checkpoint",
+                                 "drop those keys from the model section (or set the checkpoint's values), or pass "
+                                 "the --init-from directory the run started from")
+
+
+def compare_with_pretrained(own: dict, config, where: str) -> list[str]:
+    """As ``compare_with_checkpoint``, for ``--init-from``'s config.json: the pretrained weights fix the sizes, and
+    its config is the model."""
+    return compare_model_section(own, config, where, "config.json",
+                                 "drop those keys from the model section (or set config.json's values): the "
+                                 "pretrained weights have config.json's sizes")
+
+
+def compare_model_section(own: dict, config, where: str, source: str, fix: str) -> list[str]:
+    """Refuse (ConfigError) a model section (what the user wrote: ``own``) that disagrees with ``config`` (the
+    model that is used, which ``source`` holds: "the checkpoint", "config.json") in its type or in a field that
+    changes a parameter's shape; return the other disagreements as ``"key: recipe V, checkpoint W"``. Keys that agree pass silently; a legacy name (``rope_scaling``)
+    is compared as the field transformers turns it into."""
     from .interface.estimates import meta_model
 
     own = dict(own)
+    label = source.removeprefix("the ")
     model_type = own.pop("model_type", None) or config.model_type
     if model_type != config.model_type:
-        raise ConfigError(f"{where}: the checkpoint holds a '{config.model_type}' model but the recipe's "
-                          f"model.model_type is '{model_type}'. Fix: resume with the recipe the run used, or drop "
-                          "the model section (the checkpoint's config is the model)")
+        raise ConfigError(f"{where}: {source} holds a '{config.model_type}' model but the recipe's "
+                          f"model.model_type is '{model_type}'. Fix: use the recipe the model was made with, or drop "
+                          f"the model section ({label}'s config is the model)")
     if not own:
         return []
     mine = model_config_of({"model_type": model_type, **own})
-    differ = {k: (getattr(mine, k, v), getattr(config, k, None)) for k, v in own.items()
-              if getattr(mine, k, v) != getattr(config, k, None)}
+    differ = {k: (getattr(mine, k, None), getattr(config, k, None)) for k in _fields_set(mine, own)
+              if getattr(mine, k, None) != getattr(config, k, None)}
+    if not differ:
+        return []
 
     def shapes(cfg):
         return {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
 
     theirs = shapes(config)
     sizes = []
-    for key, (value, saved) in differ.items():
+    for key, (value, _) in differ.items():
         try:
-            trial = model_config_of({**config.to_dict(), "model_type": model_type, key: value})
+            trial = model_config_of({**config.to_dict(), "model_type": model_type, key: value}, check=False)
             if shapes(trial) != theirs:
                 sizes.append(key)
         except Exception:  # noqa: BLE001 - a value that does not even build a model is a size disagreement
             sizes.append(key)
     if sizes:
-        what = ", ".join(f"model.{k}={differ[k][0]!r} (checkpoint: {differ[k][1]!r})" for k in sizes)
-        raise ConfigError(f"{where}: the recipe's {what} does not match the model the checkpoint holds, whose "
-                          "config is used on resume. Fix: drop those keys from the model section (or set the "
-                          "checkpoint's values), or pass the --init-from directory the run started from")
-    return [f"{k}: recipe {v!r}, checkpoint {w!r}" for k, (v, w) in differ.items()]
+        what = ", ".join(f"model.{k}={differ[k][0]!r} ({label}: {differ[k][1]!r})" for k in sizes)
+        raise ConfigError(f"{where}: the recipe's {what} does not match the model {source} holds, whose config is "
+                          f"used. Fix: {fix}")
+    return [f"{k}: recipe {v!r}, {label} {w!r}" for k, (v, w) in differ.items()]
+
+
+def _fields_set(config, own: dict) -> list[str]:
+    """The fields of ``config`` (built from the model section ``own``) that the section sets: its keys, with each
+    alias as its target and each legacy name as the fields it changes (``rope_theta``: ``rope_parameters``)."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    known, _ = config_keys(type(config))
+    out = []
+    for key, value in own.items():
+        if key in known:
+            names = [aliases.get(key, key)]
+        else:  # a legacy name: what it changes against the class's defaults
+            try:
+                base, alone = type(config)().to_dict(), type(config)(**{key: value}).to_dict()
+                names = [k for k in alone if alone[k] != base.get(k)]
+            except Exception:  # noqa: BLE001 - compared under its own name then
+                names = [key]
+        out += [n for n in names if n not in out]
+    return out
 
 
 PEFT_SHAPES = ("method", "r", "target_modules", "modules_to_save", "use_dora")  # what decides the parameters
@@ -390,19 +433,23 @@ def pretrained_config(directory: str):
     return AutoConfig.from_pretrained(directory)
 
 
-def model_config_of(model: dict):
-    """The transformers config of a recipe's ``model`` section."""
+def model_config_of(model: dict, check: bool = True):
+    """The transformers config of a recipe's ``model`` section, after checking its keys (``check_model_section``;
+    ``check=False``: a config's own ``to_dict``, which may hold the extra keys a config.json brought)."""
     from transformers import AutoConfig
 
+    if check:
+        check_model_section(model)
     spec = dict(model)
     model_type = spec.pop("model_type", None)
     if not model_type:
         raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
     try:
         return AutoConfig.for_model(model_type, **spec)
-    except ValueError as exc:
-        raise ConfigError(f"model.model_type={model_type!r}: {exc}. Fix: use a transformers model type such "
-                          "as llama, qwen2, mistral or gpt2") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a value: ValueError, TypeError, strict checks
+        said = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        raise ConfigError(f"the model section does not make a {model_type} config: transformers says: {said}. "
+                          "Fix: correct the field it names") from None
 
 
 def _typed(section: str, cls, data: dict[str, Any]):
@@ -434,8 +481,9 @@ def default_recipe_dict() -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``key=value`` (a parallel field, e.g. ``tp=2``) or ``section.key=value`` (e.g. ``train.steps=20``);
-    values are parsed as YAML scalars."""
+    """``key=value`` (a parallel field, e.g. ``tp=2``) or ``section.key=value`` (e.g. ``train.steps=20``; deeper
+    keys set a field inside a mapping, e.g. ``model.rope_parameters.factor=8``); values are parsed as YAML
+    scalars."""
     data = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
@@ -452,9 +500,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set {key}: unknown section '{section}': {suggest(section, SECTIONS)}")
         if field is None:
             data[section] = value
-        else:
-            data.setdefault(section, {})
-            data[section][field] = value
+        else:  # section.a.b=value sets b inside a (a sub-config: model.text_config.hidden_size=64)
+            *path, last = field.split(".")
+            at, where = data, []
+            for name in (section, *path):
+                where.append(name)
+                if at.get(name) is None:
+                    at[name] = {}
+                elif not isinstance(at[name], dict):
+                    raise ConfigError(f"--set {key}: {'.'.join(where)} is {at[name]!r}, not a mapping of fields. "
+                                      f"Fix: make it a mapping in the recipe, or set it whole: --set "
+                                      f"{'.'.join(where)}=VALUE")
+                at = at[name]
+            at[last] = value
     return data
 
 
@@ -576,9 +634,13 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     recipe = Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel,
                     init_from=str(init_from or ""), resume_from="" if init_from else str(resume_from or ""),
                     peft=peft)
-    if recipe.resume_from:
-        compare_with_checkpoint(own_model_section(path, overrides, model), recipe.model_config(),
-                                f"--resume {resume_from}")
+    own = own_model_section(path, overrides, model)
+    if not (init_from or resume_from):
+        check_model_section(model)
+    elif recipe.init_from and own:  # the pretrained weights' config.json is the model
+        compare_with_pretrained(own, recipe.model_config(), f"--init-from {init_from}")
+    elif recipe.resume_from:
+        compare_with_checkpoint(own, recipe.model_config(), f"--resume {resume_from}")
     if resume_from:
         compare_peft_with_checkpoint(peft, resume_from, init_from)
     if getattr(parallel, "layout", "manual") == "auto":

@@ -125,7 +125,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         if trainable is not None:
             adapters = (f", {recipe.peft.describe()}: {trainable / 1e6:.2f}M trainable "
                         f"({100 * trainable / n_params:.2f} %), the base frozen")
-        print(f"ultrascale: {world} processes, layout {describe(pmodel.config, pmodel)}, "
+        print(f"ultrascale: {world} processes, layout {pmodel.dims.describe()}, "
               f"model {model.config.model_type}{source} {n_params / 1e6:.2f}M params ({held}){adapters}, "
               f"{recipe.train.steps} steps, batch {recipe.train.global_batch} = {dp_size} x micro-batch "
               f"{recipe.train.micro_batch_size} x {recipe.train.grad_accum} (data parallel x rows x accumulation)",
@@ -198,16 +198,27 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         events.close()
     if bar is not None and losses:
         bar.close()
-        first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
         val_text = f"validation loss {result['val_loss']:.3f}" if val else "no validation data"
-        print(f"ultrascale: loss {first:.3f} -> {last:.3f} (mean of first/last 5 steps), {val_text}, "
-              f"{result['tokens_per_s']:,.0f} tok/s, {elapsed:.1f}s", flush=True)
+        print(f"ultrascale: {loss_summary(losses)}, {val_text}, {result['tokens_per_s']:,.0f} tok/s, "
+              f"{elapsed:.1f}s", flush=True)
         if metrics_path:
             with open(metrics_path, "w") as f:
                 json.dump(result, f)
     dist.destroy_process_group()
     _timing_mark("run_done")
     return result
+
+
+def loss_summary(losses: list[float], window: int = 5) -> str:
+    """The run's loss in the final line: the mean of the first and of the last ``window`` steps, each window at
+    most half the run so the two never share a step (a 2-step run compares its first step with its last; one step
+    is just its loss)."""
+    if len(losses) == 1:
+        return f"loss {losses[0]:.3f} (one step)"
+    n = min(window, len(losses) // 2)
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    said = "first/last step" if n == 1 else f"mean of first/last {n} steps"
+    return f"loss {first:.3f} -> {last:.3f} ({said} of {len(losses)})"
 
 
 def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
@@ -286,32 +297,6 @@ class EventLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def describe(cfg, pmodel) -> str:
-    parts = []
-    if cfg.pp > 1:
-        v = f", {cfg.pp_virtual_stages} stages/rank" if cfg.pp_virtual_stages > 1 else ""
-        parts.append(f"pp={cfg.pp} ({cfg.pp_schedule}{v})")
-    if cfg.dp_replicate > 1:
-        parts.append(f"dp_replicate={cfg.dp_replicate}")
-    if cfg.dp_shard > 1:
-        parts.append(f"dp_shard={cfg.dp_shard} " + ("(plain data parallel: DDP, a whole copy per rank)"
-                                                     if cfg.zero_stage == 0 else f"(ZeRO-{cfg.zero_stage})"))
-    if cfg.tp > 1:
-        parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
-    for axis in pmodel.dims.live_axes:  # the other plugins' axes (context parallel, third parties')
-        if axis.name not in ("pp", "dp_replicate", "dp_shard", "tp"):
-            method = getattr(cfg, f"{axis.name}_method", None)
-            parts.append(f"{axis.name}={axis.degree}" + (f" ({method})" if method else ""))
-    for view in pmodel.dims.views.values():  # axes carved from the layout's ranks (expert parallel: efsdp x ep)
-        parts.append(f"{view.name} over {', '.join(f'{a.name}={a.degree}' for a in view.axes)} "
-                     f"(the ranks of {'*'.join(view.source)})")
-    if cfg.activation_checkpointing != "none":
-        parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
-    if cfg.mixed_precision != "no":
-        parts.append(cfg.mixed_precision)
-    return " x ".join(parts) or "single process"
 
 
 def launched_world_size() -> int | None:

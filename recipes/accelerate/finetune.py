@@ -27,7 +27,7 @@ import math
 import torch
 from torch.utils.data import DataLoader
 
-from ultrascale_plugins.corpus import TokenWindows, load_tokens, tiny_llama
+from ultrascale_plugins.data.corpus import TokenWindows, load_tokens, tiny_llama
 from ultrascale_plugins.integrations.accelerate import UltraScaleAccelerator
 
 
@@ -60,7 +60,7 @@ def main(argv=None):
 
     accelerator = UltraScaleAccelerator(gradient_accumulation_steps=args.accumulate)
     if args.dataset:  # the command line's data path; each node's first process tokenizes, the others wait
-        from ultrascale_plugins.data_loaders import build_dataloaders
+        from ultrascale_plugins.data.data_loaders import build_dataloaders
 
         data = {"dataset": args.dataset, "format": args.format, "seq_len": args.seq_len, "packing": args.packing}
         with accelerator.local_main_process_first():

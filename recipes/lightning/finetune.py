@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import ultrascale_plugins.integrations.lightning as ul  # registers the strategy names
-from ultrascale_plugins.corpus import TokenWindows, load_tokens, tiny_llama
+from ultrascale_plugins.data.corpus import TokenWindows, load_tokens, tiny_llama
 
 class FineTune(L.LightningModule):
     def __init__(self, model_dir: str | None, lr: float):

@@ -253,6 +253,33 @@ class ParallelDims:
             index = index * self.degree(name) + (rank // strides[name]) % self.degree(name)
         return index
 
+    def describe(self) -> str:
+        """The layout in one line, as every front end logs the one it applied (``ultrascale: N processes, layout
+        ...``): the built-in axes with their settings, then any other plugin's axes and views."""
+        cfg, parts = self.config, []
+        if cfg.pp > 1:
+            v = f", {cfg.pp_virtual_stages} stages/rank" if cfg.pp_virtual_stages > 1 else ""
+            parts.append(f"pp={cfg.pp} ({cfg.pp_schedule}{v})")
+        if cfg.dp_replicate > 1:
+            parts.append(f"dp_replicate={cfg.dp_replicate}")
+        if cfg.dp_shard > 1:
+            parts.append(f"dp_shard={cfg.dp_shard} " + ("(plain data parallel: DDP, a whole copy per rank)"
+                                                         if cfg.zero_stage == 0 else f"(ZeRO-{cfg.zero_stage})"))
+        if cfg.tp > 1:
+            parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
+        for axis in self.live_axes:  # the other plugins' axes (context parallel, third parties')
+            if axis.name not in ("pp", "dp_replicate", "dp_shard", "tp"):
+                method = getattr(cfg, f"{axis.name}_method", None)
+                parts.append(f"{axis.name}={axis.degree}" + (f" ({method})" if method else ""))
+        for view in self.views.values():  # axes carved from the layout's ranks (expert parallel: efsdp x ep)
+            parts.append(f"{view.name} over {', '.join(f'{a.name}={a.degree}' for a in view.axes)} "
+                         f"(the ranks of {'*'.join(view.source)})")
+        if cfg.activation_checkpointing != "none":
+            parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
+        if cfg.mixed_precision != "no":
+            parts.append(cfg.mixed_precision)
+        return " x ".join(parts) or "single process"
+
     # ---- the mesh -------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str):
         from .mesh import build_mesh

@@ -91,7 +91,11 @@ def build(args):
         raise ConfigError("--lora-r / --lora-target / --lora-alpha without --peft lora. Fix: add --peft lora")
     work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
                     "bf16" if args.precision == "bf16" else "no", adapters)
-    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k not in NOT_IN_RECIPE}
+    from ..model_section import code_reads, config_keys
+
+    known = config_keys(type(mc))[0] | code_reads(type(mc))  # not a config.json's keys transformers does not use
+    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k in known
+              and k not in NOT_IN_RECIPE}
     fields["model_type"] = mc.model_type
     return CostModel(spec, hw, work), fields
 

@@ -1,0 +1,87 @@
+"""The recipes at the top of ``recipes/`` as a user runs them: each passes every pre-launch check; the tiny
+mixture-of-experts recipe trains with expert parallelism; a tokenizer made offline by
+``recipes/tokenizer/train_tokenizer.py`` trains a model on a chat dataset."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def ultrascale(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("path", TOP_RECIPES, ids=lambda p: p.name)
+def test_top_level_recipes_pass_the_checks(path):
+    from ultrascale_plugins.cli import check_recipe
+    from ultrascale_plugins.recipe import load_recipe
+
+    check_recipe(load_recipe(str(path)))
+
+
+def test_the_tiny_moe_recipe_is_there():
+    assert (ROOT / "recipes" / "tiny_moe.yaml") in TOP_RECIPES
+
+
+@pytest.mark.slow
+def test_tiny_moe_recipe_trains_with_expert_parallelism(tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = ultrascale("train", str(ROOT / "recipes" / "tiny_moe.yaml"), "--set", "train.steps=3",
+                      "--set", "train.log_every=3", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ep=2" in proc.stdout and "model qwen3_moe" in proc.stdout, proc.stdout
+    losses = json.loads(metrics.read_text())["losses"]
+    assert len(losses) == 3 and all(0 < v < 10 for v in losses)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_made_offline_trains_a_chat_model(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(60)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made = subprocess.run([sys.executable, str(ROOT / "recipes" / "tokenizer" / "train_tokenizer.py"), "sft.jsonl",
+                           "tok", "--format", "chat", "--vocab-size", "400"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0 and "400 tokens" in made.stdout, made.stdout + made.stderr[-3000:]
+    recipe = {"nproc": 1, "model": {"model_type": "llama", "vocab_size": 400, "hidden_size": 32,
+                                    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                    "num_key_value_heads": 2},
+              "data": {"dataset": "sft.jsonl", "format": "chat", "tokenizer": "tok", "seq_len": 32,
+                       "cache_dir": str(tmp_path / "cache")},
+              "train": {"steps": 2, "global_batch": 2, "log_every": 1}}
+    (tmp_path / "sft.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+    proc = ultrascale("train", "sft.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sft.jsonl (chat): 60 samples" in proc.stdout, proc.stdout
+
+
+def test_recipes_and_docs_name_modules_by_their_current_names():
+    """Modules that moved keep their old names only for code already written against them (a later release drops
+    them): the recipes, docs, benchmarks and front ends use the current ones."""
+    import re
+
+    from ultrascale_plugins import _MOVED
+
+    old = re.compile(r"ultrascale_plugins\.(" + "|".join(_MOVED) + r")\b(?!\.py)")
+    places = [*(ROOT / "recipes").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
+              *(ROOT / "benchmarks").rglob("*.py"), ROOT / "benchmarks" / "README.md", *(ROOT / "integrations").glob("*.py")]
+    places.remove(ROOT / "docs" / "architecture.md")  # its paragraph on the old names names three of them
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in places for m in old.finditer(p.read_text())]
+    assert not found, found
+
+
+def test_the_corpus_example_in_the_data_docs_runs():
+    text = (ROOT / "docs" / "data.md").read_text()
+    section = text[text.index("## The bundled corpus in your own scripts"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    scope: dict = {}
+    exec(compile(code, "docs/data.md", "exec"), scope)
+    batch = next(iter(scope["loader"]))
+    assert batch["input_ids"].shape == (4, 64) and scope["model"].config.vocab_size == 256
