@@ -79,9 +79,12 @@ PLANNED = {"layout", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
 
 
 def choose_layout(config, model_config, world_size: int, hardware=None):
-    """(the concrete ``ParallelConfig``, the chosen planner ``Result``, a one-line reason) for an auto layout."""
+    """(the concrete ``ParallelConfig``, the chosen planner ``Result``, a one-line reason) for an auto layout: the
+    planner's ranking, so a layout with room for the memory estimate's error is preferred to a slightly faster one at
+    the edge (``headroom``)."""
     from ..interface.config import ParallelConfig
     from .cost import CostModel, Workload
+    from .headroom import MEMORY_MARGIN, has_headroom
     from .model_spec import ModelSpec
     from .search import best_layout, search
 
@@ -104,11 +107,18 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     note = (f" (assumed {' and '.join(assumed)}: set them to the run's sequence length and sequences per step, "
             "e.g. UltraScaleStrategy(layout='auto', auto_seq_len=2048, auto_global_batch=64); recipes set them "
             "from data.seq_len and train.global_batch)") if assumed else ""
+    def edge(result) -> str:
+        return "" if has_headroom(result, hw.memory_gb) or not result.fits else ": at the edge"
+
+    room = (f"with room for the memory estimate's {MEMORY_MARGIN:.1%} margin" if has_headroom(best, hw.memory_gb)
+            else f"at the edge: less free than the memory estimate's {MEMORY_MARGIN:.1%} margin, it may run out of "
+            "memory")
     why = (f"layout: auto chose {best.layout.label()} for {world_size} x {hw.name}, sequence {seq}, "
-           f"global batch {batch}{note}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device, "
+           f"global batch {batch}{note}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device "
+           f"({room}), "
            f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/device, mostly {best.dominant}; best of {len(ranked)} "
-           "costed layouts" + (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s)"
-                               if runner else ""))
+           "costed layouts" + (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s, "
+                               f"{runner.memory_gb['total']:.1f} GB{edge(runner)})" if runner else ""))
     return ParallelConfig(**fields), best, why
 
 

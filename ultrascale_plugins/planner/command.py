@@ -8,7 +8,16 @@ import sys
 from ..interface.config import ConfigError
 from ..interface.estimates import OPTIMIZERS, PROFILES
 from .hardware import PRESETS as GPU_PRESETS
+from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE
 from .model_spec import PRESETS as MODEL_PRESETS
+
+
+# config.json keys the printed recipe's model: section leaves out: the writer's library and dtype, the class names
+# (the model type says them); auto_map names remote code this package never runs (transformers has the model
+# type); quantization_config says how the published weights are stored (DeepSeek-V3's fp8 blocks), not what a
+# training run holds: the plan costs fp32 weights computing in bf16
+NOT_IN_RECIPE = frozenset({"transformers_version", "architectures", "torch_dtype", "dtype", "auto_map",
+                           "quantization_config"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "changes neither memory nor time")
     p.add_argument("--layout", help='cost exactly one layout, e.g. "dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,'
                    'recompute=none" (also schedule=, virtual=, dp_replicate=, sp=)')
+    p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN, help="rank first the layouts whose "
+                   "predicted memory leaves this share of the GPU's free (default: the memory estimate's "
+                   f"90th-percentile error against measured runs, {MEMORY_MARGIN}), when within --speed-tolerance "
+                   "of the fastest; 0: by speed alone")
+    p.add_argument("--speed-tolerance", type=float, default=SPEED_TOLERANCE, help="the share of tokens/s given up "
+                   f"at most for that headroom (default {SPEED_TOLERANCE})")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--all", action="store_true", help="rank layouts this engine cannot run too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -52,6 +67,11 @@ def build(args):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1. Fix: give a "
                               "positive number")
+    for name in ("memory_margin", "speed_tolerance"):
+        value = getattr(args, name, 0.0)
+        if not 0 <= value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a fraction, at least 0 and below 1. "
+                              "Fix: e.g. 0.1 for 10 %")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
                           "multiple of --gpus-per-node")
@@ -74,8 +94,8 @@ def build(args):
     from ..model_section import code_reads, config_keys
 
     known = config_keys(type(mc))[0] | code_reads(type(mc))  # not a config.json's keys transformers does not use
-    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k in known and k not in (
-        "transformers_version", "architectures", "torch_dtype", "dtype")}
+    fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k in known
+              and k not in NOT_IN_RECIPE}
     fields["model_type"] = mc.model_type
     return CostModel(spec, hw, work), fields
 
@@ -90,7 +110,8 @@ def run_plan(args, accelerate_yaml) -> int:
     hw = cost.hw
     header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
               "gpus": args.gpus, "hardware": dataclasses.asdict(hw), "seq_len": args.seq_len,
-              "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer}
+              "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer,
+              "memory_margin": args.memory_margin, "speed_tolerance": args.speed_tolerance}
     adapters = cost.work.adapters
     trainable = cost.spec.trainable_params(adapters)
     if adapters is not None:
@@ -101,7 +122,8 @@ def run_plan(args, accelerate_yaml) -> int:
         lay = dataclasses.replace(layout_from_string(args.layout, args.gpus), mixed_precision=cost.work.precision)
         results = [cost.evaluate(lay)]
     else:
-        results = search(cost, args.gpus, include_unrunnable=args.all)
+        results = search(cost, args.gpus, include_unrunnable=args.all, margin=args.memory_margin,
+                         tolerance=args.speed_tolerance)
     if not results:
         raise ConfigError(f"no layout of {args.gpus} GPUs is possible for this model and batch. Fix: check that the "
                           "global batch divides over the GPUs")
@@ -111,7 +133,7 @@ def run_plan(args, accelerate_yaml) -> int:
 
         plot_plan(results, best, args.plot, hw.memory_gb, top=min(args.top, 8))
     if args.json:
-        print(render.as_json(results, args.top, {**header, "fits": best.fits}))
+        print(render.as_json(results, args.top, {**header, "fits": best.fits}, hw.memory_gb, args.memory_margin))
         return 0 if best.fits else 1
     print(f"ultrascale plan: {args.model} ({cost.spec.total_params / 1e9:.2f}B parameters"
           + (f", {cost.spec.active_params / 1e9:.2f}B active" if cost.spec.active_params != cost.spec.total_params
@@ -122,7 +144,7 @@ def run_plan(args, accelerate_yaml) -> int:
         print(f"PEFT: {adapters.describe()}: {trainable / 1e6:,.1f}M trainable parameters "
               f"({trainable / cost.spec.total_params:.2%}); the frozen base is held (and sharded) without gradients "
               "or optimizer states; MFU counts the FLOPs LoRA needs (4 per frozen weight, 6 per trained one)\n")
-    print(render.table(results, hw.memory_gb, args.top))
+    print(render.table(results, hw.memory_gb, args.top, args.memory_margin, args.speed_tolerance))
     print()
     if not best.fits:
         print(f"ultrascale plan: no layout of {args.gpus} GPUs fits {hw.memory_gb:g} GB per GPU (the closest needs "
@@ -131,7 +153,9 @@ def run_plan(args, accelerate_yaml) -> int:
         return 1
     if not best.runnable:
         print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
-    print(f"Chosen: {best.layout.label()}\n  {render.breakdown(best)}\n")
+    room = render.headroom_line(best, results, hw.memory_gb, args.memory_margin, args.speed_tolerance,
+                                searched=not args.layout)
+    print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n")
     if adapters is not None:
         print(render.peft_note(adapters, getattr(args, "lora_alpha", None)) + "\n")
     print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")

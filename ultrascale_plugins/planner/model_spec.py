@@ -2,6 +2,7 @@
 meta device (no weights, no download), and its training FLOPs per token."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -9,53 +10,48 @@ from pathlib import Path
 from ..interface.config import ConfigError
 from ..interface.estimates import meta_model
 
-# Architectures people plan for most often, as their published config.json fields (the ones that size the model).
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
-               max_position_embeddings=131072)
+# Architectures people plan for most often: the Hugging Face repository each preset is, whose config.json is
+# shipped as ultrascale_plugins/resources/config-<preset>.json, as published (less its transformers_version, the
+# writer's library, not the model). One source of truth: the planner and the recipe it prints (which a run with
+# ``--init-from`` starts beside the real checkpoint) see the real model (tokens, rope scaling, context length), not a
+# sketch of its sizes. tests/test_planner_presets.py pins the fields that change cost and behaviour against the
+# published values.
 PRESETS = {
-    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "llama-3.1-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
-    "llama-3.1-405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                           num_attention_heads=128, num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
-                       tie_word_embeddings=False),
-    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
-                       tie_word_embeddings=False, sliding_window=None),
-    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
-                         num_experts_per_tok=2, hidden_act="silu", tie_word_embeddings=False),
-    # Qwen/Qwen3-30B-A3B's config.json: 128 experts of width 768 in every layer, 8 per token
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu",
-                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-                          tie_word_embeddings=False),
-    # deepseek-ai/DeepSeek-V3: transformers' DeepseekV3Config defaults are the real model's (61 layers, the first 3
-    # dense; 256 routed experts of width 2048, 8 per token, and one shared; multi-head latent attention)
-    "deepseek-v3": dict(model_type="deepseek_v3"),
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.1-405b": "meta-llama/Llama-3.1-405B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.3",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 
+
+def preset_fields(name: str) -> dict:
+    """The published ``config.json`` of preset ``name`` (a key of ``PRESETS``), as a dict."""
+    from importlib import resources
+
+    text = resources.files("ultrascale_plugins").joinpath(f"resources/config-{name}.json").read_text()
+    return json.loads(text)
+
+
 def load_model_config(spec):
-    """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config."""
+    """A transformers config from a preset name, a path to a ``config.json`` (or its directory), or a config; from
+    a ``config.json``, without the dtype its checkpoint is stored in (``without_storage_dtype``), so a model built
+    from it holds fp32 weights, as this package trains them."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
         return spec
     if isinstance(spec, dict):
         fields = dict(spec)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return without_storage_dtype(AutoConfig.for_model(fields.pop("model_type"), **fields))
     key = str(spec).lower()
     if key in PRESETS:
-        return load_model_config(PRESETS[key])
+        return load_model_config(preset_fields(key))
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
@@ -69,6 +65,19 @@ def load_model_config(spec):
         return load_model_config(fields)
     except ValueError as exc:
         raise ConfigError(f"--model {spec}: {exc}") from None
+
+
+def without_storage_dtype(model_config):
+    """``model_config`` without the dtype its checkpoint is stored in (a copy, when it has one). The plan prices
+    weights by its precision profile (this package holds them in fp32 and computes in bf16), and transformers builds
+    a model in its config's dtype: in a published config's ``torch_dtype`` (bfloat16), with a few modules it keeps
+    in fp32 (DeepSeek-V3's routers), the planner would read a model of mixed dtypes, whose bf16 parameters are held,
+    with their gradients and optimizer states, in bf16."""
+    if getattr(model_config, "dtype", None) is None:
+        return model_config
+    config = copy.deepcopy(model_config)
+    config.dtype = None
+    return config
 
 
 @dataclasses.dataclass
@@ -86,6 +95,7 @@ class ModelSpec:
     def of(cls, model_config, name: str = "") -> "ModelSpec":
         from ..interface.estimates import inventory
 
+        model_config = without_storage_dtype(model_config)
         model = meta_model(model_config)
         records = inventory(model)
         total = sum(r.numel for r in records)

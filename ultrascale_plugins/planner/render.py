@@ -2,11 +2,14 @@
 strategy call, Accelerate config and ``ultrascale train`` recipe."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import yaml
 
 from .cost import Result
+from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, explain, free_fraction, has_headroom, status
 
 _SHORT = {"compute": "compute", "bubble": "pipeline bubble"}
 
@@ -15,16 +18,91 @@ def dominant_name(key: str) -> str:
     return _SHORT.get(key, key.replace("comm_", "communication on ") if key.startswith("comm_") else key)
 
 
-def table(results: list[Result], memory_gb: float, top: int) -> str:
+def table(results: list[Result], memory_gb: float, top: int, margin: float = MEMORY_MARGIN,
+          tolerance: float = SPEED_TOLERANCE) -> str:
+    """The ranked rows: whether each fits with room for the memory estimate's error ('yes'), only as predicted
+    ('edge') or not ('NO'), the share of memory it leaves free, and a note where a row's figures are another's."""
     width = max([74] + [len(r.layout.label()) for r in results[:top]])
-    head = (f"{'#':>3}  {'layout':<{width}} {'fits':<4} {'GB/GPU':>7} {'tok/s/GPU':>10} {'MFU':>6}  dominant cost")
+    head = (f"{'#':>3}  {'layout':<{width}} {'fits':<4} {'GB/GPU':>7} {'free':>6} {'tok/s/GPU':>10} {'MFU':>6}  "
+            "dominant cost")
     lines = [head, "-" * len(head)]
+    notes = twin_notes(results, top)
     for i, r in enumerate(results[:top], 1):
         mark = "" if r.runnable else "  (not runnable here)"
-        lines.append(f"{i:>3}  {r.layout.label():<{width}} {'yes' if r.fits else 'NO':<4} {r.memory_gb['total']:>7.1f} "
-                     f"{r.tokens_per_s_per_gpu:>10,.0f} {r.mfu:>6.1%}  {dominant_name(r.dominant)}{mark}")
-    lines.append(f"(memory limit {memory_gb:g} GB per GPU; {len(results)} layouts costed)")
+        note = f"; {notes[i - 1]}" if i - 1 in notes else ""
+        lines.append(f"{i:>3}  {r.layout.label():<{width}} {status(r, memory_gb, margin):<4} "
+                     f"{r.memory_gb['total']:>7.1f} {free_fraction(r, memory_gb):>6.1%} "
+                     f"{r.tokens_per_s_per_gpu:>10,.0f} {r.mfu:>6.1%}  {dominant_name(r.dominant)}{note}{mark}")
+    lines.append(f"(memory limit {memory_gb:g} GB per GPU; {len(results)} layouts costed)\n "
+                 + explain(margin, tolerance, memory_gb))
+    if any(PIPELINE_ZERO3 in n for n in notes.values()):
+        lines.append(" 'ZeRO-3 runs as ZeRO-2 in a pipeline': inside a pipeline this engine keeps each stage's "
+                     "weights gathered between micro-batches (one all-gather per step, as torchtitan does), so ZeRO-3 "
+                     "holds and moves what ZeRO-2 does")
     return "\n".join(lines)
+
+
+PIPELINE_ZERO3 = "ZeRO-3 runs as ZeRO-2 in a pipeline"
+
+
+def twin_notes(results: list[Result], top: int) -> dict[int, str]:
+    """{row index: note} for the first ``top`` rows whose layout differs from another costed one only in a higher
+    ZeRO stage and whose memory and time are the same: inside a pipeline the engine keeps each stage's weights
+    gathered between micro-batches (``dims/data_parallel.py``), so ZeRO-3 runs as ZeRO-2 does."""
+    rows = {}
+    for i, r in enumerate(results):
+        key = (dataclasses.replace(r.layout, zero_stage=0).label(), round(r.memory_gb["total"], 6), round(r.step_s, 9))
+        rows.setdefault(key, []).append(i)
+    notes = {}
+    for twins in rows.values():
+        for i in twins:
+            lower = [j for j in twins if results[j].layout.zero_stage < results[i].layout.zero_stage]
+            if i >= top or not lower:
+                continue
+            j = min(lower, key=lambda k: results[k].layout.zero_stage)
+            other = results[j].layout.zero_stage
+            where = f"#{j + 1}" if j < top else f"zero={other}, not shown"
+            pipeline = results[i].layout.pp > 1 and (other, results[i].layout.zero_stage) == (2, 3)
+            notes[i] = f"same as {where}: " + (PIPELINE_ZERO3 if pipeline else f"the same figures as zero={other}")
+    return notes
+
+
+def headroom_line(best: Result, results: list[Result], memory_gb: float, margin: float = MEMORY_MARGIN,
+                  tolerance: float = SPEED_TOLERANCE, searched: bool = True) -> str:
+    """What the chosen layout leaves free, and what it was chosen over (``headroom``); ``searched``: chosen by the
+    search, not given (``--layout``)."""
+    left = memory_gb - best.memory_gb["total"]
+    free = f"{free_fraction(best, memory_gb):.1%} of the GPU's memory free ({left:.1f} GB)"
+    if margin <= 0:
+        return f"{free}; ranked by speed alone (--memory-margin 0)"
+    if not has_headroom(best, memory_gb, margin):
+        return (f"at the edge: {free}, less than the memory estimate's {margin:.1%} margin (a prediction up to "
+                f"{memory_gb * (1 - margin):.1f} GB){roomier(best, results, memory_gb, margin, tolerance, searched)}"
+                ". It may run out of memory: try it first, or plan for more GPUs or a shorter --seq-len")
+    faster = [r for r in results if r.fits and r.runnable and r.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu]
+    line = f"fits with {free}: room for the memory estimate's {margin:.1%} margin"
+    if faster:
+        top = max(faster, key=lambda r: r.tokens_per_s_per_gpu)
+        gain = top.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu - 1
+        line += (f"; chosen over {len(faster)} faster layout{'s' if len(faster) > 1 else ''} at the edge, the "
+                 f"fastest {gain:.1%} faster at {top.memory_gb['total']:.1f} GB ({top.layout.label()})")
+    return line
+
+
+def roomier(best: Result, results: list[Result], memory_gb: float, margin: float, tolerance: float,
+            searched: bool) -> str:
+    """For a choice at the edge: the fastest costed layout with headroom and the --speed-tolerance that chooses
+    it, or that none has."""
+    if not searched:
+        return ""
+    roomy = [r for r in results if r.runnable and has_headroom(r, memory_gb, margin)]
+    if not roomy:
+        return "; none of the costed layouts leaves that room"
+    alt = max(roomy, key=lambda r: r.tokens_per_s_per_gpu)
+    slower = 1 - alt.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
+    return (f"; none within {tolerance:.0%} of its speed does: the fastest that does is {slower:.1%} slower at "
+            f"{alt.memory_gb['total']:.1f} GB ({alt.layout.label()}), chosen with --speed-tolerance "
+            f"{math.ceil(slower * 100) / 100:g}")
 
 
 def breakdown(r: Result) -> str:
@@ -97,5 +175,18 @@ def peft_note(adapters, alpha: float | None = None) -> str:
             "# from peft; docs/peft.md")
 
 
-def as_json(results: list[Result], top: int, extra: dict) -> str:
-    return json.dumps({**extra, "candidates": [r.to_json() for r in results[:top]]}, indent=1)
+def as_json(results: list[Result], top: int, extra: dict, memory_gb: float | None = None,
+            margin: float = MEMORY_MARGIN) -> str:
+    """``{**extra, "candidates": [...]}``; with ``memory_gb``, each candidate's ``fits_with_margin`` and
+    ``memory_free`` (the share of the GPU's memory its prediction leaves) and ``note`` where it has one."""
+    notes = twin_notes(results, top)
+    candidates = []
+    for i, r in enumerate(results[:top]):
+        row = r.to_json()
+        if memory_gb is not None:
+            row.update(fits_with_margin=has_headroom(r, memory_gb, margin),
+                       memory_free=round(free_fraction(r, memory_gb), 4))
+        if i in notes:
+            row["note"] = notes[i]
+        candidates.append(row)
+    return json.dumps({**extra, "candidates": candidates}, indent=1)

@@ -5,13 +5,15 @@ keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global
 1F1B, interleaved and zero-bubble V schedules; with each, every combination of the values the plugins offer for
 their own layout fields (``ultrascale_search_choices``: expert parallelism's degrees). Recomputation is tried only
 when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
-time otherwise.
+time otherwise. Among the layouts that fit, those with room for the memory estimate's error rank first when they
+cost little speed (``headroom``).
 """
 from __future__ import annotations
 
 import math
 
 from .cost import CostModel, Layout, Result
+from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, prefer_headroom
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -75,9 +77,12 @@ def layouts(world: int, cost: CostModel):
                         yield group
 
 
-def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None) -> list[Result]:
-    """Costed layouts, best first: those that fit before those that don't, then by predicted tokens/s/GPU.
-    Layouts this engine cannot run are left out unless ``include_unrunnable``."""
+def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None,
+           margin: float = MEMORY_MARGIN, tolerance: float = SPEED_TOLERANCE) -> list[Result]:
+    """Costed layouts, best first: those that fit before those that don't, then by predicted tokens/s/GPU, except
+    that layouts leaving room for the memory estimate's error (``margin``) within ``tolerance`` of the fastest go
+    first (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
+    ``include_unrunnable``."""
     results: list[Result] = []
     for group in layouts(world, cost):
         for variants in group:  # one micro-batch size, each recomputation mode
@@ -97,6 +102,7 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
             if fitted is None:
                 break  # a larger micro-batch needs more memory still
     results.sort(key=rank_key(results))
+    results = prefer_headroom(results, cost.hw.memory_gb, margin, tolerance)
     return results[:limit] if limit else results
 
 

@@ -9,8 +9,11 @@ Four figures, each with the target the project set (issue 13):
   522 failed runs, which no engine can build); the accuracy from memory alone is reported beside it;
 - ranking: Spearman correlation of predicted vs measured tokens/s/GPU inside each (model, nodes) cell (median
   >= 0.7);
-- choice: the cell's measured best layout among the planner's top 5 of that cell's completed layouts
-  (>= 70 % of cells).
+- choice: the cell's measured best layout among the planner's top 5 of that cell's completed layouts, ranked as
+  ``ultrascale plan`` ranks (with the headroom rule, ``headroom.prefer_headroom``; >= 70 % of cells).
+
+And what the headroom rule does to each cell's first choice among all its runs (``headroom_choice``): the cells
+where it changes, whether the choices completed, and their measured throughput against the speed-only choice's.
 
 Everything is predicted with the "nanotron" profile (bf16 weights, fp32 gradient accumulation and master weights,
 Adam) on the ``h100-sxm-80gb`` preset, with the global constants of ``cost.CONSTANTS``: nothing is fitted per row.
@@ -31,11 +34,13 @@ from __future__ import annotations
 
 import collections
 import csv
+import dataclasses
 import statistics
 from pathlib import Path
 
 from .cost import GB, CostModel, Layout, Workload, coordinates_to_cost, peak_memory_gb
 from .hardware import PRESETS
+from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, prefer_headroom
 from .model_spec import ModelSpec, load_model_config
 
 DATA = Path(__file__).resolve().parent.parent / "resources" / "playbook_benchmarks_1B_3B.csv"
@@ -131,12 +136,43 @@ def percentile(values, q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def planner_order(results: list, memory_gb: float) -> list:
+    """``results`` ranked as ``ultrascale plan`` ranks them: those that fit first, by predicted tokens/s/GPU, then
+    the headroom rule. Every measured layout counts as runnable: it ran (under nanotron)."""
+    ranked = sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+    return prefer_headroom([dataclasses.replace(r, runnable=True) for r in ranked], memory_gb)
+
+
+def headroom_choice(runs: dict, memory_gb: float) -> dict:
+    """{cell: the first choice by speed alone and with the headroom rule, among every buildable run of the cell}:
+    for each, how many runs of that layout the file has and how many completed (19 layouts ran twice, once to the
+    end and once out of memory), their largest memory (GiB reserved) and mean tokens/s/GPU."""
+    out = {}
+    for key, cell in sorted(runs.items()):
+        measured = collections.defaultdict(list)
+        for r, row in cell:
+            measured[r.layout].append(row)
+        by_speed = sorted((r for r, _ in cell), key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+        pick = {"speed": by_speed[0], "headroom": planner_order([r for r, _ in cell], memory_gb)[0]}
+        out[f"{key[0]}/{key[1]} nodes"] = {name: _measured_choice(r, measured[r.layout]) for name, r in pick.items()}
+    return out
+
+
+def _measured_choice(result, rows: list[dict]) -> dict:
+    done = [row for row in rows if row["status"] == "ok"]
+    return {"layout": result.layout.label(), "predicted_gb": round(result.memory_gb["total"], 1), "runs": len(rows),
+            "completed": len(done), "measured_gib": max((float(row["mem_gb"]) for row in done), default=None),
+            "measured_tok_s_gpu": statistics.fmean(float(row["tok_s_gpu"]) for row in done) if done else None}
+
+
 def validate(rows: list[dict] | None = None, constants: dict | None = None, memory_gb: float = 80.0) -> dict:
-    """The four figures over ``rows`` (default: the whole file), with per-cell details."""
+    """The four figures over ``rows`` (default: the whole file), with per-cell details, and what the headroom rule
+    changes in each cell's first choice."""
     rows = load_rows() if rows is None else rows
     models = _Models(constants)
     mem_errors, oom_hits, memory_only_hits, oom_total = [], 0, 0, 0
     cells = collections.defaultdict(list)
+    buildable = collections.defaultdict(list)
     for row in rows:
         model, layout = models.for_row(row), row_layout(row)
         result = model.evaluate(layout)
@@ -146,18 +182,20 @@ def validate(rows: list[dict] | None = None, constants: dict | None = None, memo
         oom_total += 1
         oom_hits += (predicted > memory_gb or unbuildable) == crashed
         memory_only_hits += (predicted > memory_gb) == crashed
+        if not unbuildable:
+            buildable[(row["model"], int(row["nodes"]))].append((result, row))
         if not crashed:
             measured = float(row["mem_gb"]) * GIB  # bytes
             mem_errors.append(abs(recorded_rank_gb(model, layout) * GB - measured) / measured)
-            cells[(row["model"], int(row["nodes"]))].append((result.tokens_per_s_per_gpu, float(row["tok_s_gpu"]),
-                                                              predicted <= memory_gb))
+            cells[(row["model"], int(row["nodes"]))].append((result, float(row["tok_s_gpu"])))
     per_cell, rhos, hits = {}, [], 0
     for key in sorted(cells):
         runs = cells[key]
-        rho = spearman([p for p, _, _ in runs], [m for _, m, _ in runs])
+        rho = spearman([r.tokens_per_s_per_gpu for r, _ in runs], [m for _, m in runs])
         best = max(range(len(runs)), key=lambda i: runs[i][1])
-        # the planner ranks the completed layouts it predicts to fit first, by predicted throughput
-        order = sorted(range(len(runs)), key=lambda i: (not runs[i][2], -runs[i][0]))
+        # the planner's ranking of the completed layouts (planner_order), as positions in ``runs``
+        position = {(r.layout, r.tokens_per_s_per_gpu): i for i, (r, _) in enumerate(runs)}
+        order = [position[(r.layout, r.tokens_per_s_per_gpu)] for r in planner_order([r for r, _ in runs], memory_gb)]
         hit = best in order[:5]
         rhos.append(rho)
         hits += hit
@@ -173,4 +211,6 @@ def validate(rows: list[dict] | None = None, constants: dict | None = None, memo
     }
     met = {k: (figures[k] <= TARGETS[k] if k.startswith("memory") else figures[k] >= TARGETS[k]) for k in TARGETS}
     return {"rows": len(rows), "completed": len(mem_errors), "cells": len(cells), "figures": figures,
-            "targets": TARGETS, "met": met, "per_cell": per_cell}
+            "targets": TARGETS, "met": met, "per_cell": per_cell,
+            "headroom": {"memory_margin": MEMORY_MARGIN, "speed_tolerance": SPEED_TOLERANCE,
+                         "first_choice": headroom_choice(buildable, memory_gb)}}
