@@ -26,7 +26,6 @@ def refused_before_launch(monkeypatch, capsys, argv, *words):
     def no_launch(*a, **k):
         raise AssertionError(f"a worker was started: {a}")
 
-    monkeypatch.setattr(cli.subprocess, "call", no_launch)
     monkeypatch.setattr(cli.Supervisor, "run", no_launch)  # how ultrascale train starts its processes
     code = cli.main(argv)
     out, err = capsys.readouterr()
@@ -217,7 +216,7 @@ def test_the_model_section_plan_prints_from_a_real_config_passes_the_check():
 def until_launch(monkeypatch, capsys, argv) -> str:
     """``ultrascale ARGV`` in this process up to the launch (which is not made): what it printed."""
     launched = []
-    monkeypatch.setattr(cli.Supervisor, "run", lambda self, cmd, env, grace, own_session: launched.append(cmd) or 0)
+    monkeypatch.setattr(cli.Supervisor, "run", lambda self, cmd, env, grace, own_session, error_file=None: launched.append(cmd) or 0)
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 0 and len(launched) == 1, out + err

@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from ultrascale_plugins import cli
-from ultrascale_plugins.config import ConfigError
+from ultrascale_plugins import cli, supervisor
+from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.recipe import load_recipe
 
 TINY = ["--set", "pp=1", "--set", "tp=1", "--set", "sequence_parallel=false", "--set", "train.steps=100000",
@@ -124,7 +124,7 @@ def test_the_signal_settings_are_checked_before_launch(monkeypatch, capsys):
         load_recipe(None, ["train.save_on_signal=true"])
     with pytest.raises(ConfigError, match=r"^train.signal_grace_s=0: must be at least 1 second\. Fix:"):
         load_recipe(None, ["train.signal_grace_s=0"])
-    assert cli._shutdown_timeout(45) == ["--shutdown-timeout", "45"]  # torch 2.13's torchrun has the flag
+    assert supervisor.shutdown_timeout(45) == ["--shutdown-timeout", "45"]  # torch 2.13's torchrun has the flag
 
     class OldParser:  # a torchrun from before --shutdown-timeout
         def parse_args(self, args):
@@ -135,13 +135,13 @@ def test_the_signal_settings_are_checked_before_launch(monkeypatch, capsys):
     import torch.distributed.run
 
     monkeypatch.setattr(torch.distributed.run, "get_args_parser", OldParser)
-    assert cli._shutdown_timeout(30) == []
+    assert supervisor.shutdown_timeout(30) == []
     with pytest.raises(ConfigError, match=r"^train.signal_grace_s=45: .* has no --shutdown-timeout .* Fix: set "
                                           r"train.signal_grace_s: 30"):
-        cli._shutdown_timeout(45)
-    before = {s: signal.getsignal(s) for s in cli.STOP_SIGNALS}
+        supervisor.shutdown_timeout(45)
+    before = {s: signal.getsignal(s) for s in supervisor.STOP_SIGNALS}
     assert cli.main(["train", "--set", "train.stepz=1"]) == 2
-    assert {s: signal.getsignal(s) for s in cli.STOP_SIGNALS} == before
+    assert {s: signal.getsignal(s) for s in supervisor.STOP_SIGNALS} == before
     assert "did you mean 'steps'" in capsys.readouterr().err
 
 
@@ -174,3 +174,20 @@ def test_every_rank_takes_the_vote_not_its_own_late_signal(monkeypatch):
     assert stop.agreed(torch.device("cpu")) is True
     stop.installed = False
     assert stop.agreed(torch.device("cpu")) is False  # without save_on_signal nothing is exchanged
+
+
+def test_what_a_launcher_prints_after_a_workers_error_is_dropped(tmp_path, capfd):
+    """A worker that refuses writes the error file; the launcher's report of the failed workers that follows (torchrun's
+    ChildFailedError) is dropped, so the command's one line is all that is said; what came before passes through."""
+    error = tmp_path / "error"
+    script = ("import sys, time; sys.stderr.write('progress before\\n'); sys.stderr.flush(); "
+              f"open({str(error)!r}, 'w').write('tp=3: bad'); time.sleep(0.3); "
+              "sys.stderr.write('Traceback: ChildFailedError\\n'); sys.exit(1)")
+    watcher = supervisor.Supervisor()
+    try:
+        code = watcher.run([sys.executable, "-c", script], dict(os.environ), 30, own_session=True,
+                           error_file=str(error))
+    finally:
+        watcher.restore()
+    err = capfd.readouterr().err
+    assert code == 1 and "progress before" in err and "ChildFailedError" not in err, err

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 
 from . import _freeze_at_exit, _timing_mark, quiet_known_warnings
 from .interface.config import ConfigError
+from .supervisor import STOP_FILE_ENV, TORCHRUN, Supervisor, end_by_signal, shutdown_timeout
 
 
 def _free_port() -> int:
@@ -172,6 +169,8 @@ def _train(args, supervisor: Supervisor) -> int:
         # one command per rank under another launcher: rank 0's says it (each says when its worker was killed)
         stopped = supervisor.signum and supervisor.line(stop_file, quiet=os.environ.get("RANK", "0") != "0")
         if code and not supervisor.signum and os.path.isfile(error_file):
+            if os.environ.get("RANK", "0") != "0":  # one command per rank: rank 0's says it
+                return 2
             raise ConfigError(open(error_file).read().strip())
     if supervisor.signum:
         if stopped:
@@ -186,201 +185,22 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict, supervisor: 
     grace = recipe.train.signal_grace_s
     supervisor.save_on_signal = recipe.train.save_on_signal
     if "RANK" in os.environ:  # already under torchrun / SLURM: its signals reach the worker (our process group) too
-        return supervisor.run(worker, env, grace, own_session=False)
+        return supervisor.run(worker, env, grace, own_session=False, error_file=env["ULTRASCALE_ERROR_FILE"])
     if recipe.nproc == 1:  # one process: in a session of its own, so that each signal reaches it once, through us
-        return supervisor.run(worker, env, grace, own_session=True)
+        return supervisor.run(worker, env, grace, own_session=True, error_file=env["ULTRASCALE_ERROR_FILE"])
     if nodes == 1:
         rendezvous = ["--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}"]
     else:  # torchrun's static rendezvous: this node's ranks are node_rank x nproc + local rank, as given
         rendezvous = ["--nnodes", str(nodes), "--node_rank", str(args.node_rank), "--rdzv_backend", "static",
                       "--rdzv_endpoint", args.rdzv_endpoint]
     launcher = [sys.executable, "-c", TORCHRUN, "--nproc_per_node", str(recipe.nproc), *rendezvous,
-                *_shutdown_timeout(grace), "--max_restarts", "0", "--module", "ultrascale_plugins.train", *worker[3:]]
+                *shutdown_timeout(grace), "--max_restarts", "0", "--module", "ultrascale_plugins.train", *worker[3:]]
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     _timing_mark("spawn")
-    return supervisor.run(launcher, env, grace, own_session=True)
-
-
-# ---- stopping on a signal: SIGTERM (kill, a scheduler), SIGINT (Ctrl-C), SIGHUP (the terminal closed) ----------
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-STOP_FILE_ENV = "ULTRASCALE_STOP_FILE"
-TORCHRUN_DEFAULT_GRACE_S = 30  # torchrun's wait between the signal it forwards and its SIGKILL, when not set
-KILL_MARGIN_S = 10  # after the grace: for torchrun's own SIGKILL of the workers and its exit
-# torchrun (torch.distributed.run), ended by the signal it stopped on instead of with its SignalException's traceback
-TORCHRUN = "import sys; from ultrascale_plugins.cli import torchrun_main; sys.exit(torchrun_main(sys.argv[1:]))"
-
-
-def end_by_signal(signum: int) -> None:
-    """End this process by ``signum``, as one that does not handle it ends: no traceback, no exit handlers, and
-    its parent sees the signal (a shell's status 128 + its number: 143 for SIGTERM, 130 for SIGINT, 129 for
-    SIGHUP; a shell script stops on a Ctrl-C that ended its command this way, and continues after one that
-    exited normally)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-    signal.raise_signal(signum)
-    os._exit(128 + signum)  # not reached: the signal's default action ended the process
-
-
-def say_stopped(line: str) -> None:
-    """A worker's one line on how it stopped: into the file ``ultrascale train`` named (the first of its local
-    workers; the command prints it once they are gone, and says so itself when they had to be killed), else by
-    global rank 0 on stdout."""
-    path = os.environ.get(STOP_FILE_ENV)
-    if path:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # another local rank said it
-            return
-        except OSError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(line)
-            return
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, flush=True)
-
-
-def torchrun_main(argv: list[str]) -> int:
-    """torchrun for ``ultrascale train``: on a stop signal torchrun passes it to the workers, waits for them up to
-    its ``--shutdown-timeout`` (then kills them) and raises ``SignalException``, which ends it here by that
-    signal, without a traceback. A worker's failure is torchrun's to report, as before."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # until torchrun's handlers: a SIGINT ends it, without a traceback
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
-
-    # its notes on passing the signal on and killing (warnings of loggers that LOGLEVEL does not reach)
-    logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("LOGLEVEL", "WARNING"))
-    try:
-        main(argv)
-    except SignalException as exc:
-        end_by_signal(exc.sigval)
-    return 0
-
-
-def _shutdown_timeout(grace: int) -> list[str]:
-    """torchrun's flag for ``train.signal_grace_s``; a torch whose torchrun has no such flag waits 30 s, so any
-    other grace is refused there, before launch."""
-    from torch.distributed.run import get_args_parser
-
-    try:
-        supported = "shutdown_timeout" in vars(get_args_parser().parse_args(["-"]))
-    except SystemExit:  # torchrun's own PET_* variables malformed: it says so itself when it starts
-        supported = False
-    if supported:
-        return ["--shutdown-timeout", str(grace)]
-    if grace != TORCHRUN_DEFAULT_GRACE_S:
-        import torch
-
-        raise ConfigError(f"train.signal_grace_s={grace}: torch {torch.__version__}'s torchrun has no "
-                          f"--shutdown-timeout and kills the workers {TORCHRUN_DEFAULT_GRACE_S} s after a signal. Fix: "
-                          f"set train.signal_grace_s: {TORCHRUN_DEFAULT_GRACE_S}, or use a torch whose torchrun has "
-                          "--shutdown-timeout")
-    return []
-
-
-class Supervisor:
-    """``ultrascale train``'s SIGTERM, SIGINT and SIGHUP. Before anything starts the command just ends. Once it has
-    started its process (torchrun, or the one worker), the first signal is passed to it: torchrun passes it on to
-    the workers, which stop (at once, or after saving the step with ``train.save_on_signal``), kills those still
-    running after ``--shutdown-timeout`` (``train.signal_grace_s``) and exits. Whatever is left a margin after
-    that is killed here. Later signals add nothing. The command then ends by the first signal (``end_by_signal``)."""
-
-    def __init__(self):
-        self.signum = 0
-        self.child: subprocess.Popen | None = None
-        self.launching = False
-        self.grace = TORCHRUN_DEFAULT_GRACE_S
-        self.forwarded_at: float | None = None
-        self.killed = False
-        self.save_on_signal = False  # the recipe's: what a stop without the workers' own line was
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # (only the main thread may set handlers)
-            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-
-    def restore(self) -> None:
-        """The handlers there were before (``cli.main`` called in a process that goes on, e.g. a test's)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum: int, frame) -> None:
-        if self.signum:
-            return
-        self.signum = signum
-        if self.child is None and not self.launching:
-            line = f"ultrascale: {signal.Signals(signum).name}: stopped before any worker started\n"
-            os.write(sys.stderr.fileno(), line.encode())  # (not print: the main thread may be inside one)
-            end_by_signal(signum)
-        self._forward()
-
-    def _forward(self) -> None:
-        if self.child is None or self.forwarded_at is not None:
-            return
-        self.forwarded_at = time.monotonic()
-        try:
-            self.child.send_signal(self.signum)
-        except ProcessLookupError:
-            pass
-
-    def run(self, cmd: list[str], env: dict, grace: int, own_session: bool) -> int:
-        """``cmd``'s exit status, with a signal passed on and bounded (see the class)."""
-        self.grace = grace
-        self.launching = True  # a signal now is passed on as soon as the process exists
-        self.child = subprocess.Popen(cmd, env=env, start_new_session=own_session)
-        self.launching = False
-        if self.signum:
-            self._forward()
-        while True:
-            try:
-                return self.child.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                if self.forwarded_at is not None and time.monotonic() > self.forwarded_at + grace + KILL_MARGIN_S:
-                    self.killed = True
-                    kill_process_tree(self.child.pid)
-
-    def line(self, stop_file: str, quiet: bool = False) -> str | None:
-        """What to say once the workers are gone: that they were killed, else their line (``stop_file``), else that
-        they stopped at once without saving; with ``quiet`` only the first (None otherwise)."""
-        name = signal.Signals(self.signum).name
-        waited = time.monotonic() - (self.forwarded_at or time.monotonic())
-        if self.killed or waited >= self.grace:
-            return (f"\nultrascale: {name}: the workers had not stopped {self.grace} s after it and were killed "
-                    "(train.signal_grace_s: raise it to give them time to finish a step and save)")
-        if quiet:
-            return None
-        if os.path.isfile(stop_file):
-            return open(stop_file).read().strip()
-        if self.signum != signal.SIGTERM:
-            why = " (only SIGTERM saves first, with train.save_on_signal)" if self.save_on_signal else ""
-        else:
-            why = " (they were outside their training steps)" if self.save_on_signal else \
-                " (train.save_on_signal is off)"
-        return f"\nultrascale: {name}: stopped the workers at once, without saving{why}"
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it (torchrun's workers live in sessions of their own)."""
-    try:
-        import psutil  # installed with Accelerate
-
-        pids = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    except Exception:  # noqa: BLE001 - psutil missing or the process gone: at least the process and its group
-        pids = [pid]
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
+    # torchrun's report of the workers that failed on a configuration error is dropped: the error is said once here
+    return supervisor.run(launcher, env, grace, own_session=True, error_file=env["ULTRASCALE_ERROR_FILE"])
 
 
 def _resume_path(path: str) -> str:

@@ -127,13 +127,11 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def report_error(exc: Exception) -> None:
-    """A configuration error every rank of a launched job finds alike, said once for the whole job rather than once
-    per rank: into the file ``ultrascale train`` (or another of the package's launchers) named in
-    ``ULTRASCALE_ERROR_FILE`` (the first rank to fail writes it; the launcher prints it after the workers exit),
-    else by global rank 0 on standard error, as one line."""
-    message = f"{exc}"
-    path = os.environ.get("ULTRASCALE_ERROR_FILE")
+def say_once(message: str, env_name: str, printed: str, stream) -> None:
+    """Say ``message`` once for a whole launched job rather than once per rank: into the file the launcher named in
+    the environment variable ``env_name`` (the first rank to get there writes it; the launcher says it after the
+    workers exit), else ``printed`` by global rank 0 on ``stream``."""
+    path = os.environ.get(env_name)
     if path:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -146,7 +144,14 @@ def report_error(exc: Exception) -> None:
                 f.write(message)
             return
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-        print(f"ultrascale: error: {message}", file=sys.stderr, flush=True)
+        print(printed, file=stream, flush=True)
+
+
+def report_error(exc: Exception) -> None:
+    """A configuration error every rank of a launched job finds alike, said once (``say_once``): into
+    ``ULTRASCALE_ERROR_FILE`` when one of the package's launchers (``ultrascale train``, ``ultrascale
+    accelerate-launch``) named it, else by global rank 0 as one line on standard error."""
+    say_once(f"{exc}", "ULTRASCALE_ERROR_FILE", f"ultrascale: error: {exc}", sys.stderr)
 
 
 def exit_on_error(exc: Exception, status: int = 2) -> None:

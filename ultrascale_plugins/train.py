@@ -295,8 +295,8 @@ class StopSignals:
         return bool(self.signum and not self.saving)
 
     def end(self, stopped: dict | None = None) -> None:
-        """Say once how the workers stopped (``cli.say_stopped``), then end this process by the signal."""
-        from .cli import end_by_signal, say_stopped
+        """Say once how the workers stopped (``supervisor.say_stopped``), then end this process by the signal."""
+        from .supervisor import end_by_signal, say_stopped
 
         name = signal.Signals(self.signum).name
         if stopped:
