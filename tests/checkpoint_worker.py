@@ -3,7 +3,8 @@
     save_and_reshard OUT_DIR   (4 ranks) train layout dp_shard=4, save at step 3, continue to step 6; resume in the
                                same layout (must be bit-exact), in tp2 x dp2 + SP; save from pp2 x tp2 and resume
                                in dp_shard=4. Writes OUT_DIR/result.json.
-                               ZeRO-1 (partitioned optimizer state) saves and resumes too.
+                               ZeRO-1 (partitioned optimizer state) saves and resumes too. Checksums: which files
+                               each rank hashes at save and verifies at load; a flipped shard refused on every rank.
     reshard_world OUT_DIR      (2 ranks) resume the 4-rank dp_shard=4 checkpoint with tp=2.
     pretrained OUT_DIR         (4 ranks) load a sharded save_pretrained directory into several layouts from the
                                meta device; compare weights, logits and loss with transformers' own load.
@@ -61,6 +62,40 @@ def async_save(layout: dict, directory: Path) -> dict:
     pending.wait()
     return {"async_hidden_until_committed": hidden, "async_uninterrupted": first + rest,
             "async_same_layout": resumed(layout, pending.final)}
+
+
+def checksum_shares(directory: Path) -> dict:
+    """Who hashes what: at save each rank its own files (rank 0 also DCP's .metadata); at load each rank a disjoint
+    share; a shard with flipped bytes (same size) refused on every rank, naming it, before anything is loaded."""
+    from ultrascale_plugins.checkpoints import checksums
+    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+
+    real, hashed = checksums.file_digest, []
+    checksums.file_digest = lambda p: (hashed.append(str(p).split(f"step-{1:08d}/", 1)[1]), real(p))[1]
+    try:
+        pmodel, opt = build({"dp_shard": 4})
+        train(pmodel, opt, range(1))
+        ckpt = save_checkpoint(pmodel, opt, directory, step=1)
+        saved, hashed[:] = sorted(hashed), []
+        load_checkpoint(pmodel, opt, ckpt)
+        verified = sorted(hashed)
+    finally:
+        checksums.file_digest = real
+    shard = ckpt / "__2_0.distcp"
+    if dist.get_rank() == 0:
+        data = bytearray(shard.read_bytes())
+        data[64:4064] = bytes(b ^ 0x5A for b in data[64:4064])
+        shard.write_bytes(data)
+    dist.barrier()
+    refused = None
+    try:
+        load_checkpoint(pmodel, opt, ckpt)
+    except CheckpointError as exc:
+        refused = str(exc)
+    mine = {"saved": saved, "verified": verified, "refused": refused}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"checksums": every}
 
 
 PRETRAINED_LAYOUTS = {
@@ -131,6 +166,7 @@ def main():
         result["zero1_uninterrupted"] = first + train(pmodel, opt, range(SAVE_AT, STEPS))
         result["zero1_same_layout"] = resumed({"zero_stage": 1}, ckpt_z1)
         result["zero1_to_tp2_dp2"] = resumed({"dp_shard": 2, "tp": 2}, ckpt_z1)
+        result.update(checksum_shares(out / "checksums"))
     elif mode == "pretrained":
         result = pretrained(out)
     else:

@@ -1,7 +1,11 @@
-"""Sharded checkpoints: exact resume, resharding across layouts and world sizes, crash safety, safe loading."""
+"""Sharded checkpoints: exact resume, resharding across layouts and world sizes, crash safety, safe loading,
+checksums."""
 import json
 import os
 import pickle
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,38 @@ def test_resume_is_exact_and_reshards_across_layouts_and_world_sizes(sharded_run
         assert max(abs(a - b) for a, b in zip(r[name], expected)) <= 1e-5, (name, r[name], expected)
 
 
+def crc32(path: Path) -> str:
+    return f"{zlib.crc32(path.read_bytes()):08x}"
+
+
+def assert_checksums_match(ckpt: Path) -> None:
+    """Every file the checkpoint lists has the CRC-32 its ultrascale.json records (computed here independently)."""
+    meta = json.loads((ckpt / "ultrascale.json").read_text())
+    assert meta["checksums"]["algorithm"] == "crc32"
+    assert set(meta["checksums"]["files"]) == set(meta["files"]) and meta["files"], ckpt
+    for name, digest in meta["checksums"]["files"].items():
+        assert crc32(ckpt / name) == digest, (ckpt, name)
+
+
+@pytest.mark.slow
+def test_checksums_each_rank_hashes_its_own_files_and_verifies_a_share(sharded_run):
+    """4 ranks: every checkpoint written (blocking, in the background, PP x TP, ZeRO-1) records a checksum per file
+    that matches it; at save each rank hashed only the files it wrote; at load each file was verified by exactly one
+    rank (a rank's shard by that rank); flipped bytes in rank 2's shard are refused on every rank, naming it."""
+    for ckpt in ("dp4", "async", "pp2tp2", "zero1"):
+        assert_checksums_match(sharded_run / ckpt / "step-00000003")
+    every = json.loads((sharded_run / "save_and_reshard.json").read_text())["checksums"]
+    names = set(json.loads((sharded_run / "checksums" / "step-00000001" / "ultrascale.json").read_text())["files"])
+    for rank, r in enumerate(every):
+        own = {f"__{rank}_0.distcp", f"rank_local/rank{rank:05d}.pt"} | ({".metadata"} if rank == 0 else set())
+        assert set(r["saved"]) == own, (rank, r["saved"])
+        assert f"__{rank}_0.distcp" in r["verified"], (rank, r["verified"])
+        assert "__2_0.distcp" in r["refused"] and "corrupted" in r["refused"], r["refused"]
+    verified = [name for r in every for name in r["verified"]]
+    assert sorted(verified) == sorted(names)  # each file once, by one rank: no rank re-reads another's share
+    assert len({r["refused"] for r in every}) == 1  # every rank refuses with the same line
+
+
 @pytest.mark.slow
 def test_pretrained_weights_load_into_every_layout_from_the_meta_device(tmp_path):
     from checkpoint_worker import PRETRAINED_LAYOUTS
@@ -82,8 +118,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, one_process, mo
 
     real_save = dcp.save
 
-    def crash(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # shards written, then the job dies before committing
+    def crash(state, **kwargs):
+        real_save(state, **kwargs)  # shards written, then the job dies before committing
         raise RuntimeError("killed during save")
 
     monkeypatch.setattr(dcp, "save", crash)
@@ -136,7 +172,11 @@ def test_loading_never_unpickles_objects(tmp_path, one_process):
     with pytest.raises(CheckpointError, match="rank00000.pt"):  # the size check notices first
         load_checkpoint(pmodel, opt, path)
     meta = json.loads((path / "ultrascale.json").read_text())
-    meta["files"]["rank_local/rank00000.pt"] = rng_file.stat().st_size  # a forger who also edits the metadata
+    meta["files"]["rank_local/rank00000.pt"] = rng_file.stat().st_size  # a forger who also edits the sizes
+    (path / "ultrascale.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="rank00000.pt' is corrupted"):  # the checksum notices then
+        load_checkpoint(pmodel, opt, path)
+    meta["checksums"]["files"]["rank_local/rank00000.pt"] = crc32(rng_file)  # ... and the checksums
     (path / "ultrascale.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="could not be read safely"):  # refused, never executed
         load_checkpoint(pmodel, opt, path)
@@ -228,3 +268,121 @@ def test_a_hugging_face_directory_is_not_taken_for_a_broken_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="Hugging Face model directory.*--init-from"):
         read_meta(tmp_path)
+
+
+def flip_bytes(shard: Path, count: int = 4000) -> None:
+    """``count`` bytes inverted in the middle of ``shard``: the same size, other contents."""
+    data = bytearray(shard.read_bytes())
+    start = len(data) // 2 - count // 2
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    shard.write_bytes(data)
+
+
+def test_flipped_bytes_in_a_shard_are_refused_by_load_and_export(tmp_path, one_process):
+    """The issue's corruption (bytes flipped inside a shard, same size) resumed silently: now load_checkpoint, the
+    load every front end goes through (Accelerate's load_state, Lightning's load_checkpoint, Trainer's resume and
+    best model), and export refuse it naming the file, before anything is loaded or written."""
+    from ultrascale_plugins.export import export_hf
+
+    pmodel, opt = one_process
+    path = save_checkpoint(pmodel, opt, tmp_path / "ckpt", step=1)
+    assert_checksums_match(path)
+    before = {k: v.clone() for k, v in pmodel.full_state_dict().items()}
+    shard = next(path.glob("*.distcp"))
+    flip_bytes(shard)
+    with pytest.raises(CheckpointError, match=f"'{shard.name}' is corrupted.*Fix:"):
+        load_checkpoint(pmodel, opt, path)
+    after = pmodel.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # nothing was loaded
+    with pytest.raises(CheckpointError, match=f"'{shard.name}' is corrupted"):
+        export_hf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_checkpoints_without_checksums_load_with_a_note(tmp_path, one_process, capsys, monkeypatch):
+    """A checkpoint written before checksums (no "checksums" in ultrascale.json) still loads, saying once that its
+    contents were not verified; ULTRASCALE_SKIP_CHECKSUMS=1 skips the verification (no file is hashed), saying so
+    too."""
+    from ultrascale_plugins.checkpoints import checksums
+
+    pmodel, opt = one_process
+    path = save_checkpoint(pmodel, opt, tmp_path, step=1)
+    meta = json.loads((path / "ultrascale.json").read_text())
+    del meta["checksums"]
+    (path / "ultrascale.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert load_checkpoint(pmodel, opt, path)["step"] == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "written before checkpoints carried checksums" in out[0], out
+    path = save_checkpoint(pmodel, opt, tmp_path, step=2)
+    monkeypatch.setenv("ULTRASCALE_SKIP_CHECKSUMS", "1")
+    monkeypatch.setattr(checksums, "file_digest", lambda p: pytest.fail(f"{p} was hashed"))
+    capsys.readouterr()
+    assert load_checkpoint(pmodel, opt, path)["step"] == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "not verified (ULTRASCALE_SKIP_CHECKSUMS=1)" in out[0], out
+
+
+def test_what_dcp_refuses_is_one_line_naming_the_tensor(tmp_path, one_process):
+    """DCP's own refusals (a CheckpointException, which is not an Exception) escaped every front end's error
+    handling as a traceback listing each rank's; now they are the CheckpointError of the first failing rank."""
+    pmodel, opt = one_process
+    path = save_checkpoint(pmodel, opt, tmp_path, step=1)
+    emb = pmodel.module.get_input_embeddings()
+    emb.weight.data = torch.zeros(emb.weight.shape[0] + 1, emb.weight.shape[1])  # a model of another shape
+    with pytest.raises(CheckpointError, match=r"could not be read: Size mismatch .*embed_tokens\.weight") as info:
+        load_checkpoint(pmodel, None, path)
+    assert "\n" not in str(info.value)
+
+
+def ultrascale(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line(proc, *words):
+    """Exit status 2 and one line on standard error, no traceback (as the command line refuses bad input)."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ultrascale: error:"), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_a_malformed_ultrascale_json_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """It was a 24-line JSONDecodeError traceback and exit 1; now `ultrascale train --resume` (before any worker
+    starts) and `ultrascale export` refuse it in one line, with exit 2."""
+    from ultrascale_plugins import cli
+
+    monkeypatch.setattr(cli.Supervisor, "run", lambda *a, **k: pytest.fail(f"a worker was started: {a}"))
+    ckpt = tmp_path / "ckpt" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    for text, argv, words in (
+            ('{"format": 1, "step": 1,', ["train", "--resume", str(tmp_path / "ckpt")], ["not valid JSON"]),
+            ('{"format": 1, "step": "one", "world_size": 1}', ["export", str(ckpt), str(tmp_path / "hf")],
+             ["is malformed", "'step'"])):
+        (ckpt / "ultrascale.json").write_text(text)
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("ultrascale: error:"), err
+        for word in [str(ckpt), "ultrascale.json", "Fix:", *words]:
+            assert word in err[0], err[0]
+
+
+@pytest.mark.slow
+def test_a_corrupted_shard_is_refused_by_resume_from_the_command_line(tmp_path):
+    """A run saving in the background (train.async_save) writes checksums that match its files; bytes flipped
+    inside the shard (same size) are then refused by `ultrascale train --resume` (found by the worker that verifies
+    that shard, said once by the command line) in one line with exit 2. (Export: tested above, in this process.)"""
+    one = ["--nproc", "1", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=1", "--set", "sequence_parallel=false",
+           "--set", "train.steps=1", "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--set", "train.async_save=true"]
+    proc = ultrascale("train", *one)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ckpt = tmp_path / "ckpt" / "step-00000001"
+    assert_checksums_match(ckpt)
+    shard = next(ckpt.glob("*.distcp"))
+    flip_bytes(shard)
+    proc = ultrascale("train", *one, "--resume", str(ckpt))
+    assert_one_line(proc, str(ckpt), shard.name, "corrupted", "Fix:")
+    assert "resumed from" not in proc.stdout

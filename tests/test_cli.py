@@ -217,10 +217,11 @@ class _Payload:
 
 @pytest.mark.slow
 def test_a_forged_checkpoint_runs_no_code(tmp_path):
-    """A checkpoint whose DCP .metadata is replaced by a malicious pickle (its size in ultrascale.json edited to
-    match) is refused with one line by export and by --resume (the path every front end's load takes), and the
-    payload never runs."""
+    """A checkpoint whose DCP .metadata is replaced by a malicious pickle (its size and checksum in ultrascale.json
+    edited to match) is refused with one line by export and by --resume (the path every front end's load takes),
+    and the payload never runs."""
     import pickle
+    import zlib
 
     one = ["--nproc", "1", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=1", "--set", "sequence_parallel=false",
            "--set", "train.steps=1", "--set", f"train.save_dir={tmp_path / 'ckpt'}"]
@@ -232,6 +233,7 @@ def test_a_forged_checkpoint_runs_no_code(tmp_path):
     (ckpt / ".metadata").write_bytes(forged)
     meta = json.loads((ckpt / "ultrascale.json").read_text())
     meta["files"][".metadata"] = len(forged)
+    meta["checksums"]["files"][".metadata"] = f"{zlib.crc32(forged):08x}"  # a forger edits those too
     (ckpt / "ultrascale.json").write_text(json.dumps(meta))
     assert_clean_error(ultrascale("export", str(ckpt), str(tmp_path / "hf")), "metadata", "nothing in it ran")
     assert not marker.exists() and not (tmp_path / "hf").exists()

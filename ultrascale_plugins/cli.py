@@ -204,15 +204,19 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict, supervisor: 
 
 
 def _resume_path(path: str) -> str:
-    """The checkpoint ``--resume`` names (a step-XXXXXXXX directory, or a save_dir: its newest), checked: missing,
-    incomplete or truncated checkpoints are refused before any worker starts."""
+    """The checkpoint ``--resume`` names (a step-XXXXXXXX directory, or a save_dir: its newest), checked before any
+    worker starts: missing, incomplete, truncated checkpoints and a malformed ultrascale.json are refused, and the
+    shared files' checksums verified (small); the shards and rank-local files, one per rank, are verified by the
+    workers, each rank its share, in parallel (``checkpoints/checksums.py``)."""
+    from .checkpoints.checksums import check, shared
     from .checkpoints.sharded import META, read_meta, resolve_checkpoint
 
     resume = resolve_checkpoint(os.path.abspath(path))
     if not (resume / META).is_file():
         raise ConfigError(f"--resume {path}: no complete checkpoint there. Fix: pass a step-XXXXXXXX "
                           "directory or a save_dir holding one")
-    read_meta(resume)
+    meta = read_meta(resume)
+    check(resume, meta, shared(meta.get("files", {})))  # sizes only with ULTRASCALE_SKIP_CHECKSUMS=1
     return str(resume)
 
 

@@ -154,7 +154,8 @@ class ParallelCausalLM(nn.Module):
         try:
             write_checkpoint(self.pmodel, None, staging / "ckpt", step=0)
             if dist.get_rank() == 0:
-                export_hf(staging / "ckpt", staging / "hf", max_shard_bytes=size_in_bytes(max_shard_size))
+                export_hf(staging / "ckpt", staging / "hf", max_shard_bytes=size_in_bytes(max_shard_size),
+                          verify=False)
                 target.mkdir(parents=True, exist_ok=True)
                 for old in target.glob("model*.safetensors*"):
                     old.unlink()

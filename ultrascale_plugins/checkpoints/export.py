@@ -56,6 +56,15 @@ def _check_names(names: list[str], model, checkpoint: Path) -> None:
                               "export --merged [--base DIR]` a plain model with the adapters merged into the base")
 
 
+def verify_contents(checkpoint: Path, meta: dict) -> None:
+    """Every file of the checkpoint against its checksum (export is one process and reads every shard), before
+    anything is written."""
+    from .checksums import check, say_once, unverified_note
+
+    say_once(unverified_note(checkpoint, meta))
+    check(checkpoint, meta, meta.get("files", {}))
+
+
 class SavedCheckpoint:
     """A sharded checkpoint as a plugin's ``ultrascale_export`` sees it: ``path``, ``meta`` (its
     ``ultrascale.json``), ``config`` (the transformers config it was saved with), ``names`` (the model tensors it
@@ -65,6 +74,7 @@ class SavedCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         self.meta = read_meta(path)
+        verify_contents(path, self.meta)
         self.config = saved_model_config(self.meta, path)
         self._md = SafeReader(str(path)).read_metadata()  # refuses a forged .metadata before anything is written
         self.names = sorted(k[len(MODEL_PREFIX):] for k, v in self._md.state_dict_metadata.items()
@@ -175,14 +185,17 @@ def saved_format_groups(model, names: list[str]) -> list[tuple[list[str], object
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 2**30,
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None, verify: bool = True) -> Path:
     """Write ``out_dir`` so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the trained model.
-    Runs in one process, no process group needed."""
+    Runs in one process, no process group needed. ``verify=False``: the caller has just written the checkpoint
+    (``save_pretrained``'s staging), its files are not re-read for their checksums."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = read_meta(checkpoint)
+    if verify:
+        verify_contents(checkpoint, meta)
     config = saved_model_config(meta, checkpoint)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "

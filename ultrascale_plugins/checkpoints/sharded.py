@@ -5,9 +5,10 @@ DTensors by their global shape).
 A checkpoint directory ``step-00000042`` holds the DCP shards of the model (less what a plugin leaves out: a PEFT
 model's frozen base, which the model being resumed supplies), the optimizer and the plugins' shared state, one
 file per rank of the plugins' rank-local state (the step's RNG) and ``ultrascale.json`` (step, layout, optimizer
-hyper-parameters, caller's extra state, the plugins' JSON values, file sizes). It is written under a temporary
-name and renamed when every rank has finished, so a crash during a save leaves the previous checkpoints untouched
-and no partial directory ever looks complete. Loading never unpickles objects:
+hyper-parameters, caller's extra state, the plugins' JSON values, every file's size and CRC-32). It is written under
+a temporary name and renamed when every rank has finished, so a crash during a save leaves the previous checkpoints
+untouched and no partial directory ever looks complete. A load verifies the files before it reads them, each rank
+its share (``checksums``: who hashes and who verifies what). Loading never unpickles objects:
 tensors come from DCP and ``torch.load(weights_only=True)``, the rest from JSON, and DCP's own ``.metadata``
 (a pickle that torch's reader loads with plain ``pickle.load``) is read by ``SafeReader``, whose unpickler admits
 only DCP's metadata classes: a checkpoint from an untrusted source runs no code.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..interface.config import ConfigError
@@ -316,19 +318,26 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
     model_state = {k: v for k, v in _model_state(pmodel).items() if k not in left_out}
     optim_tensors, groups = _optimizer_state(pmodel, optimizer) if optimizer is not None else ({}, [])
     tensors = _dcp_view({"model": model_state, "optim": optim_tensors, "plugins": plugin_tensors}, pmodel.pm)
+    from .checksums import HashingWriter, digests_of, gather_digests, record
+
+    writer = HashingWriter(tmp)  # hashes this rank's shards as they are written (in the background thread if async)
     writing = None
     if asynchronous:
         # the background thread's collectives (DCP's save plan) get a process group of their own: on the training
         # group they would interleave with the step's collectives in a different order on each rank
-        writing = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_background_group())
+        writing = dcp.async_save(tensors, storage_writer=writer, process_group=_background_group())
     else:
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        dcp.save(tensors, storage_writer=writer)
     torch.save(rank_local, _rank_file(tmp, rank))
+    own = [_rank_file(tmp, rank)]  # the files this rank writes, hashed by it (its shards: by the writer)
     if rank == 0:
         for name, obj in (files or {}).items():
             torch.save(obj, tmp / name)
+            own.append(tmp / name)
         for name, obj in (assets or {}).items():
             obj.save_pretrained(str(tmp / name))
+            own.append(tmp / name)
+    own_digests = digests_of(tmp, own)
     if before_commit is not None:
         before_commit(tmp)
     meta = {"format": 1, "step": step, "world_size": dist.get_world_size(), "layout": pmodel.config.to_dict(),
@@ -337,10 +346,11 @@ def write_checkpoint(pmodel, optimizer, final: str | Path, *, step: int, extra: 
             "model_config": json.loads(pmodel.modules[0].config.to_json_string(use_diff=False))}
 
     def finish() -> Path:
-        dist.barrier()
+        claimed = gather_digests({**own_digests, **writer.digests})  # every rank's files are written by now
         if rank == 0:
             meta["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*"))
                              if p.is_file()}
+            meta["checksums"] = record(tmp, claimed, meta["files"])
             (tmp / META).write_text(json.dumps(meta, indent=1))
         dist.barrier()
         if rank == 0:
@@ -408,7 +418,10 @@ def read_file(path: str | Path, name: str) -> Any:
                               ) from exc
 
 
-def read_meta(path: str | Path) -> dict:
+def read_meta(path: str | Path, check_files: bool = True) -> dict:
+    """A checkpoint's ``ultrascale.json``, refused in one line when it is missing or malformed; with
+    ``check_files``, every file it lists is checked to be there at the size written (a stat each: cheap; contents
+    are verified by ``load_checkpoint`` and ``export``, see ``checksums``)."""
     path = Path(path)
     recover(path.parent)
     meta_file = path / META
@@ -421,16 +434,50 @@ def read_meta(path: str | Path) -> dict:
                                   "directory that `ultrascale train` saved")
         raise CheckpointError(f"checkpoint '{path}' is incomplete (no {META}: the save did not finish). Fix: "
                               "resume from an earlier checkpoint")
-    meta = json.loads(meta_file.read_text())
-    for name, size in meta.get("files", {}).items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' is missing. Fix: restore it or resume "
-                                  "from another checkpoint")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' is truncated or corrupted ({f.stat().st_size} "
-                                  f"bytes, {size} written). Fix: resume from another checkpoint")
+    meta = _parse_meta(path, meta_file)
+    if check_files:
+        from .checksums import problem_with
+
+        for name in meta.get("files", {}):
+            problem = problem_with(path, meta, name, None)
+            if problem:
+                raise CheckpointError(problem)
     return meta
+
+
+def _parse_meta(path: Path, meta_file: Path) -> dict:
+    """``ultrascale.json`` as this package writes it (the entries a load relies on, of the right types)."""
+    fix = f"Fix: restore {META} from a copy, or use another checkpoint"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"checkpoint '{path}': {META} is not valid JSON ({str(exc).splitlines()[0][:160]}). "
+                              f"{fix}") from None
+    wrong = _malformed(meta)
+    if wrong:
+        raise CheckpointError(f"checkpoint '{path}': {META} is malformed ({wrong}). {fix}")
+    return meta
+
+
+def _malformed(meta) -> str | None:
+    """What in a parsed ``ultrascale.json`` is not as written, or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    for key in ("step", "world_size"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            return f"'{key}' is {meta.get(key)!r}, not an integer"
+    for key in ("extra", "optimizer", "files"):
+        if key in meta and not isinstance(meta[key], dict):
+            return f"'{key}' is {type(meta[key]).__name__}, not an object"
+    if not isinstance(meta.get("optimizer", {}).get("param_groups", []), list):
+        return "'optimizer.param_groups' is not a list"
+    if not all(isinstance(k, str) and isinstance(v, int) for k, v in meta.get("files", {}).items()):
+        return "'files' maps names to something other than sizes"
+    checksums = meta.get("checksums")
+    if checksums is not None and not (isinstance(checksums, dict) and isinstance(checksums.get("files"), dict)
+                                      and all(isinstance(v, str) for v in checksums["files"].values())):
+        return "'checksums' is not an algorithm with a digest per file"
+    return None
 
 
 def saved_model_config(meta: dict, path: str | Path = ""):
@@ -444,6 +491,28 @@ def saved_model_config(meta: dict, path: str | Path = ""):
     return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
 
 
+def _verify_before_loading(path: Path, meta: dict, device: torch.device) -> None:
+    """Every file of the checkpoint at its size and (when recorded, unless skipped) its checksum, before anything is
+    read: each rank its share, then all agree, so every rank refuses alike, naming the file (``checksums``)."""
+    from .checksums import agree, say_once, share, unverified_note, verify
+
+    say_once(unverified_note(path, meta))
+    mine = share(meta.get("files", {}), dist.get_rank(), dist.get_world_size())
+    problem = agree(verify(path, meta, mine), device)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (which lists every failing rank's traceback): the first
+    rank's."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
 def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, directory: str | Path | None = None
                     ) -> dict:
     """Restore model, optimizer (and RNG when the world size is unchanged) in the current layout, whatever the
@@ -455,7 +524,8 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
             raise CheckpointError(f"no complete checkpoint in '{directory}'. Fix: pass a checkpoint path")
         path = found[-1]
     path = Path(path)
-    meta = read_meta(path)
+    meta = read_meta(path, check_files=False)  # the files: each rank checks its share, below
+    _verify_before_loading(path, meta, pmodel.device)
     SafeReader(str(path)).read_metadata()  # a forged .metadata is refused here, with its own message
     try:  # this layout's tensors, filled in place by the load; a plugin may refuse the checkpoint here
         plugin_tensors, _, _, left_out = _plugin_state(pmodel, loading=meta)
@@ -471,8 +541,9 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     try:
         # in place: the views write into ``state``
         dcp.load(_dcp_view(state, pmodel.pm), storage_reader=SafeReader(str(path)))
-    except Exception as exc:  # DCP reports the failing rank's error; say which checkpoint
-        raise CheckpointError(f"checkpoint '{path}' could not be read: {exc}".splitlines()[0]) from exc
+    except (Exception, CheckpointException) as exc:  # DCP reports the failing rank's error; say which checkpoint
+        raise CheckpointError(f"checkpoint '{path}' could not be read: {_first_failure(exc)}".splitlines()[0]
+                              ) from exc
     for part in pmodel.modules:
         own = set(get_model_state_dict(part))
         set_model_state_dict(part, {k: v for k, v in model_state.items() if k in own},
