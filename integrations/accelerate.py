@@ -23,7 +23,7 @@ returns the exact global-mean loss); the optimizer is re-pointed at the sharded 
 sharded over data-parallel replicas only (TP/CP/pipeline peers read the same batches).
 
 A layout that cannot run -- found when the Accelerator is built, or in ``prepare`` against the model -- is refused
-in launched workers with one line for the whole job and exit status 2 (``refuse``). On a machine without a GPU,
+in launched workers with one line for the whole job and exit status 2 (``launch.refuse``). On a machine without a GPU,
 Accelerate's state is set up again for the launched job when something before it (``TrainingArguments``, a
 ``PartialState()``) set it up for one process (``forget_a_single_process_state``).
 
@@ -37,7 +37,6 @@ import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -67,7 +66,7 @@ class UltraScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from ..launch import DEFAULT_TIMEOUT_S, set_collective_timeout, world_size
+        from ..launch import DEFAULT_TIMEOUT_S, refuse, set_collective_timeout, world_size
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
@@ -145,8 +144,8 @@ class UltraScaleAccelerator(Accelerator):
 
     def prepare(self, *args, device_placement=None):
         """Accelerate's ``prepare``, with Hugging Face causal LMs parallelized (and checked against the layout: a
-        model the layout cannot run is refused once for the whole job in launched workers, see ``refuse``)."""
-        from ..launch import world_size
+        model the layout cannot run is refused once for the whole job in launched workers, see ``launch.refuse``)."""
+        from ..launch import refuse, world_size
 
         try:
             return self._prepare(*args, device_placement=device_placement)
@@ -375,17 +374,6 @@ class UltraScaleAccelerator(Accelerator):
         from ..launch import broadcast_object
 
         return broadcast_object(str(path))
-
-
-def refuse(exc: ConfigError, world: int) -> NoReturn:
-    """A configuration error: in launched workers (several processes, or one under a launcher of this package that
-    says a worker's error itself) one line for the whole job and exit status 2 (``launch.exit_on_error``) rather
-    than a traceback from every rank; in a single process, raised as any exception."""
-    from ..launch import exit_on_error
-
-    if world > 1 or os.environ.get("ULTRASCALE_ERROR_FILE"):
-        exit_on_error(exc)
-    raise exc
 
 
 def forget_a_single_process_state(world: int) -> None:

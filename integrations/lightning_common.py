@@ -17,6 +17,7 @@ import torch
 
 from ..interface.config import ConfigError, ParallelConfig
 from ..interface.presets import config_for_preset, presets
+from ..launch import refuse
 from .layout import make_config
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
@@ -31,26 +32,6 @@ def check_precision(precision) -> None:
     if str(precision) not in PRECISIONS:
         raise ConfigError(f"precision={precision!r}: not available with the ultrascale strategy. Fix: use "
                           f"one of {', '.join(k for k in PRECISIONS if k != '32')}")
-
-
-def launched_world() -> int:
-    """The processes torchrun, SLURM or Lightning's launcher started for this job, from their variables (1 in a
-    process nobody launched: the user's own, before Lightning starts any other)."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if "SLURM_PROCID" in os.environ:
-        return int(os.environ.get("SLURM_NTASKS", "1"))
-    return 1
-
-
-def refuse_in_launched_job(exc: ConfigError) -> None:
-    """A refusal before the strategy knows its devices (its own arguments): in a process torchrun or SLURM
-    started, one line from rank 0 and status 2 (every rank finds the same error), else the exception."""
-    from ..launch import exit_on_error
-
-    if launched_world() > 1:
-        exit_on_error(exc)
-    raise exc
 
 
 def _wait_to_be_ended() -> None:
@@ -142,7 +123,7 @@ class _UltraScaleStrategyMixin:
             self.preset = preset if (config is None and not fields) else None
             self.config = make_config(config, fields)
         except ConfigError as exc:
-            refuse_in_launched_job(exc)
+            refuse(exc)  # its own arguments, before it knows its devices: one line in a launched job
         self.init_from = init_from
         from ..launch import DEFAULT_TIMEOUT_S
 

@@ -42,7 +42,7 @@ import torch
 from transformers import Trainer
 
 from ..interface.config import ConfigError
-from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin, refuse
+from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
 SCHEDULER_NAME = "scheduler.pt"
@@ -72,7 +72,7 @@ class UltraScaleTrainer(Trainer):
         from ``accelerator_config``, the rest from ``Trainer._build_accelerator_args``."""
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
-        from ..launch import world_size
+        from ..launch import refuse, world_size
 
         if self.args.fsdp_plugin_args is not None:
             refuse(ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. "

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -159,3 +160,24 @@ def exit_on_error(exc: Exception, status: int = 2) -> None:
     a front end's launched worker refuses a layout, without a traceback from any rank."""
     report_error(exc)
     raise SystemExit(status)
+
+
+def launched_world_size() -> int | None:
+    """The number of processes torchrun or SLURM started (on every node), or None outside a launcher (read from
+    their variables: no process group is needed)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    return None
+
+
+def refuse(exc: Exception, world: int | None = None) -> NoReturn:
+    """A configuration error, as every front end says it: in a launched job of ``world`` processes (default: what
+    the launcher started), or under one of the package's launchers that says a worker's error itself, one line for
+    the whole job and exit status 2 (``exit_on_error``) rather than a traceback from every rank; in a single
+    process, raised as any exception, for a caller to catch."""
+    world = world if world is not None else (launched_world_size() or 1)
+    if world > 1 or os.environ.get("ULTRASCALE_ERROR_FILE"):
+        exit_on_error(exc)
+    raise exc

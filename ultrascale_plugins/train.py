@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from . import _freeze_at_exit, _timing_mark, quiet_known_warnings  # noqa: E402
 from .interface.config import ConfigError  # noqa: E402
-from .launch import report_error  # noqa: E402
+from .launch import launched_world_size, report_error  # noqa: E402
 from .recipe import Recipe, load_recipe  # noqa: E402
 
 
@@ -388,16 +388,6 @@ class EventLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def launched_world_size() -> int | None:
-    """The number of processes torchrun or SLURM started (on every node), or None outside a launcher: the recipe's
-    batch split is derived from the real world size, which on several nodes is not the recipe's ``nproc``."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if "SLURM_PROCID" in os.environ:
-        return int(os.environ.get("SLURM_NTASKS", "1"))
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
