@@ -47,9 +47,9 @@ elif mode == "kill_in_save":
     directory = sys.argv[3]
     real_save = ckpt.dcp.save
 
-    def dying_save(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)
-        if rank == 1 and "00000005" in str(checkpoint_id):
+    def dying_save(state, **kwargs):  # the save's own arguments (its storage writer names the directory)
+        real_save(state, **kwargs)
+        if rank == 1 and "00000005" in str(kwargs["storage_writer"].path):
             os._exit(17)  # shards written, commit not reached
 
     ckpt.dcp.save = dying_save

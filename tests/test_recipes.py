@@ -85,3 +85,15 @@ def test_the_corpus_example_in_the_data_docs_runs():
     exec(compile(code, "docs/data.md", "exec"), scope)
     batch = next(iter(scope["loader"]))
     assert batch["input_ids"].shape == (4, 64) and scope["model"].config.vocab_size == 256
+
+
+@pytest.mark.slow
+def test_the_trainer_script_trains_as_one_job(tmp_path):
+    """``recipes/trainer/finetune.py`` under torchrun with TrainingArguments' defaults: one job of two processes
+    (Trainer's summary printed once, by the main process), ZeRO-3 over both."""
+    from conftest import torchrun
+
+    proc = torchrun(2, ROOT / "recipes" / "trainer" / "finetune.py", "--set", "dp_shard=2", "--steps", "4",
+                    "--output-dir", str(tmp_path / "out"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("train_runtime") == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
