@@ -121,7 +121,7 @@ def end_to_end(directory: Path, args) -> dict:
     import ultrascale_plugins as us
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint
+    from ultrascale_plugins.checkpoints.sharded import load_checkpoint, save_checkpoint
     from ultrascale_plugins.checkpoints import checksums
 
     us.init_distributed(timeout=1800)

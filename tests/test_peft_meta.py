@@ -242,7 +242,7 @@ def test_resuming_with_other_adapters_is_refused_before_launch(tmp_path):
     step = tmp_path / "ckpt" / "step-00000010"
     step.mkdir(parents=True)
     model_config = json.loads(saved.model_config().to_json_string(use_diff=False))
-    meta = {"format": 1, "step": 10, "files": {}, "model_config": model_config,
+    meta = {"format": 1, "step": 10, "world_size": 1, "files": {}, "model_config": model_config,
             "extra": {"recipe": saved.to_dict(), "init_from": ""}}
     (step / "ultrascale.json").write_text(json.dumps(meta))
     assert load_recipe(None, [*SMALL, "peft.r=8", "peft.target_modules=[q_proj]", "peft.alpha=8"],
@@ -267,7 +267,7 @@ def test_resuming_a_peft_run_reads_its_base_from_the_recorded_directory(tmp_path
     step.mkdir(parents=True)
     model_config = json.loads(saved.model_config().to_json_string(use_diff=False))
     for base, refused in ((tmp_path / "moved", True), (tmp_path / "base", False)):
-        meta = {"format": 1, "step": 10, "files": {}, "model_config": model_config,
+        meta = {"format": 1, "step": 10, "world_size": 1, "files": {}, "model_config": model_config,
                 "extra": {"recipe": saved.to_dict(), "init_from": str(base)}}
         (step / "ultrascale.json").write_text(json.dumps(meta))
         if not refused:

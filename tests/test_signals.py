@@ -176,18 +176,22 @@ def test_every_rank_takes_the_vote_not_its_own_late_signal(monkeypatch):
     assert stop.agreed(torch.device("cpu")) is False  # without save_on_signal nothing is exchanged
 
 
-def test_what_a_launcher_prints_after_a_workers_error_is_dropped(tmp_path, capfd):
+def test_what_a_launcher_prints_after_a_workers_error_is_dropped(tmp_path, monkeypatch):
     """A worker that refuses writes the error file; the launcher's report of the failed workers that follows (torchrun's
     ChildFailedError) is dropped, so the command's one line is all that is said; what came before passes through."""
+    import io
+
     error = tmp_path / "error"
     script = ("import sys, time; sys.stderr.write('progress before\\n'); sys.stderr.flush(); "
               f"open({str(error)!r}, 'w').write('tp=3: bad'); time.sleep(0.3); "
               "sys.stderr.write('Traceback: ChildFailedError\\n'); sys.exit(1)")
+    said = io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(said))  # the command's standard error
     watcher = supervisor.Supervisor()
     try:
         code = watcher.run([sys.executable, "-c", script], dict(os.environ), 30, own_session=True,
                            error_file=str(error))
     finally:
         watcher.restore()
-    err = capfd.readouterr().err
+    err = said.getvalue().decode()
     assert code == 1 and "progress before" in err and "ChildFailedError" not in err, err
