@@ -201,6 +201,8 @@ def main(argv=None) -> int:
                                     "--set tp=3"))
     story(results, "a bad layout in a Trainer script is one line", trainer_bad_layout)
 
+    for r in results:  # the clone's temporary path says nothing to a reader
+        r["detail"] = r["detail"].replace(str(root), "<clone>")
     record = {"script": "benchmarks/first_hour.py", "command": " ".join(["python", "benchmarks/first_hour.py", *(argv or sys.argv[1:])]),
               "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip(),
