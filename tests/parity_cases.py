@@ -221,7 +221,7 @@ ADAMW_CASES = {
     "zero3_dp2", "zero1_dp2", "ddp_dp2", "tp2", "tp2_sp_loss_parallel", "tied_tp2", "tied_zero3_dp2", "gpt2_tp2",
     "qwen2_tp2", "bf16_zero3_dp2", "hsdp_2x2", "dp2_tp2", "dp2_tp2_sp", "zero2_dp2_tp2", "tied_dp2_tp2_sp",
     "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
-    "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "pp2_tp2_dp2_sp", "cp2_ring_padded", "cp2_dp2_ring_packed",
+    "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "cp2_ring_padded", "cp2_dp2_ring_packed",
     "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", *EP_ADAMW,
 }
 for _name, _case in CASES.items():
