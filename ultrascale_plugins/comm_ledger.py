@@ -198,7 +198,8 @@ def axis_labels(meshes) -> dict[str, str]:
 
 class GroupLabels:
     """Names process groups by mesh axis, rebuilding its table when it meets a group it does not know yet (a
-    flattened axis made during the step); a group of no mesh is named by its ranks."""
+    flattened axis made during the step). A group of no mesh takes the name of a mesh axis over the same ranks (a
+    plugin's own group over the tensor-parallel ranks is "tp"), else it is named by its ranks."""
 
     def __init__(self, meshes: Callable[[], list] | None = None):
         self.meshes = meshes or (lambda: [])
@@ -209,8 +210,17 @@ class GroupLabels:
         if name not in self.table:
             self.table = axis_labels(self.meshes())
         if name not in self.table:
-            self.table[name] = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+            self.table[name] = self._by_ranks(dist.get_process_group_ranks(group))
         return self.table[name]
+
+    def _by_ranks(self, ranks: list[int]) -> str:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for known, label in list(self.table.items()):
+            if label != WORLD and not label.startswith("ranks ") and \
+                    dist.get_process_group_ranks(_resolve_process_group(known)) == ranks:
+                return label
+        return "ranks " + ",".join(map(str, ranks))
 
 
 # ---- the recorder ----------------------------------------------------------------------------------------------
@@ -226,7 +236,7 @@ class CommLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
+        if any(_dispatches(t) for t in types):
             return NotImplemented  # a tensor subclass (DTensor) first turns the op into its collectives (seen next)
         known = self._names.get(func, False)
         if known is False:
@@ -237,6 +247,12 @@ class CommLedger(TorchDispatchMode):
             bound.update(kwargs)
             self.records.extend(records_of(name, bound, self.labels))
         return func(*args, **kwargs)
+
+
+def _dispatches(cls) -> bool:
+    """Whether tensors of ``cls`` have a ``__torch_dispatch__`` of their own (DTensor; not ``nn.Parameter``, whose
+    dispatch is the plain tensor's)."""
+    return cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
 
 
 def _describe(func):

@@ -105,13 +105,22 @@ def merge_rows(measured: list[dict], estimate: list[tuple], minimum: list[tuple]
                      "ranks": {rank: v["payload"] for rank, v in sorted(ranks.items())}}
     for field, terms in (("estimate", estimate), ("minimum", minimum)):
         for axis, op, calls, payload in terms:
-            key = (axis, op, calls > 0 and payload / calls < SMALL_BYTES)
+            key = (_measured_axis(axis, per_rank), op, calls > 0 and payload / calls < SMALL_BYTES)
             row = rows.setdefault(key, {"axis": axis, "op": op, "small": key[2], "calls": 0, "payload": 0,
                                         "wire": 0.0, "estimate": None, "minimum": None, "ranks": {}})
             row[field] = row[field] or {"calls": 0, "payload": 0.0}
             row[field]["calls"] += calls
             row[field]["payload"] += payload
     return sorted(rows.values(), key=lambda r: (r["small"], r["axis"], r["op"]))
+
+
+def _measured_axis(axis: str, measured: dict) -> str:
+    """The ledger's name for an axis of the estimate: a process group that is two axes at once (ep over the same
+    ranks as dp_shard) is named "dp_shard|ep" by the ledger."""
+    for label, _, _ in measured:
+        if axis in label.split("|"):
+            return label
+    return axis
 
 
 def human(n: float) -> str:
