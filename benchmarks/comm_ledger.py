@@ -3,7 +3,7 @@ every rank (``ParallelModel.profile_step``), its bytes per mesh axis beside the 
 minimum. A layout the engine refuses today is recorded with the one line it refuses with.
 
     python benchmarks/comm_ledger.py                      # every layout: one launch per world size
-    python benchmarks/comm_ledger.py --only tp2 zero3_m1  # some of them
+    python benchmarks/comm_ledger.py --only tp2 zero3_m1  # some of them: printed, no file written
 
 Writes benchmarks/results/comm_ledger.json and benchmarks/results/comm_ledger.md (the table docs/performance.md
 shows). To add a layout, add a line to LAYOUTS: (name, world size, layout, micro-batches accumulated per step,
@@ -123,28 +123,42 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
-def markdown(results: list[dict]) -> str:
-    """The table docs/performance.md shows: per layout and axis, measured / estimate / minimum payload."""
+def _figures(row: dict) -> str:
     from ultrascale_plugins.comm_report import human
 
-    lines = ["| layout | axis | op | calls | measured payload | wire | estimate | minimum | measured / minimum | "
-             "estimate / measured | command |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    est, low = row["estimate"] or {}, row["minimum"] or {}
+    return (f"{human(row['payload'])} | {human(row['wire'])} | {human(est['payload']) if est else '-'} | "
+            f"{human(low['payload']) if low else '-'} | {ratio(row['payload'], low.get('payload'))} | "
+            f"{ratio(row['wire'], low.get('wire'))} | {ratio(est.get('payload'), row['payload'])}")
+
+
+def markdown(results: list[dict], per_op: bool = False) -> str:
+    """Per layout and mesh axis (``per_op``: and collective), the measured payload and wire bytes beside the
+    estimate and the minimum; the table docs/performance.md shows is the per-axis one."""
+    from ultrascale_plugins.comm_report import axis_totals
+
+    lines = [f"| layout | axis | {'op | calls' if per_op else 'calls'} | measured payload | wire | estimate | "
+             "minimum | measured / minimum | wire: measured / minimum | estimate / measured | command |",
+             "| --- " * (12 if per_op else 11) + "|"]
     for r in results:
         command = f"`{r['command']}`"
         if "refused" in r:
-            lines.append(f"| {r['name']} | refused: {r['refused']} | | | | | | | | | {command} |")
+            lines.append(f"| {r['name']} | refused: {r['refused']} |{' |' * (9 if per_op else 8)} {command} |")
             continue
-        for row in (x for x in r["rows"] if not x["small"]):
-            est = row["estimate"]["payload"] if row["estimate"] else 0
-            low = row["minimum"]["payload"] if row["minimum"] else 0
-            lines.append(f"| {r['name']} | {row['axis']} | {row['op']} | {row['calls']} | {human(row['payload'])} | "
-                         f"{human(row['wire'])} | {human(est) if row['estimate'] else '-'} | "
-                         f"{human(low) if row['minimum'] else '-'} | {ratio(row['payload'], low)} | "
-                         f"{ratio(est, row['payload'])} | {command} |")
+        if per_op:
+            for row in (x for x in r["rows"] if not x["small"]):
+                lines.append(f"| {r['name']} | {row['axis']} | {row['op']} | {row['calls']} | {_figures(row)} | "
+                             f"{command} |")
+        else:
+            for total in axis_totals(r["rows"], least=1):
+                calls = ", ".join(f"{x['calls']} {x['op']}" for x in r["rows"]
+                                  if x["axis"] == total["axis"] and not x["small"] and x["calls"])
+                lines.append(f"| {r['name']} | {total['axis']} | {calls or 0} | {_figures(total)} | {command} |")
         small = sum(x["calls"] for x in r["rows"] if x["small"])
         differ = r["flight_recorder"].get("differ")
         fr = "agrees" if differ == {} else f"differs: {differ}" if differ else "off"
-        lines.append(f"| {r['name']} | scalar exchanges | | {small} | | | | | | | flight recorder {fr} |")
+        lines.append(f"| {r['name']} | scalar exchanges |{' |' * (1 if per_op else 0)} {small} |"
+                     f"{' |' * 7} flight recorder {fr} |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,11 +187,12 @@ def main() -> None:
     record = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} CPU "
               f"cores, gloo", "torch": torch.__version__, "seq_len": SEQ, "rows_per_micro_batch": ROWS,
               "units": "bytes per rank per optimizer step, the most loaded rank per row", "layouts": results}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "" if not args.only else "_" + "_".join(names)
-    (RESULTS / f"comm_ledger{suffix}.json").write_text(json.dumps(record, indent=1, default=str))
-    (RESULTS / f"comm_ledger{suffix}.md").write_text(markdown(results))
-    print(markdown(results))
+    print(markdown(results, per_op=True))
+    if not args.only:  # the record is of every layout; --only prints its rows
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "comm_ledger.json").write_text(json.dumps(record, indent=1, default=str))
+        (RESULTS / "comm_ledger.md").write_text("Per mesh axis:\n\n" + markdown(results) + "\nPer collective:\n\n"
+                                                + markdown(results, per_op=True))
 
 
 if __name__ == "__main__":

@@ -80,14 +80,14 @@ def test_rows_are_the_most_loaded_rank_beside_the_estimate_and_minimum():
 
     measured = [rec("pp", "send", 8, 8, 0), rec("pp", "recv", 8, 8, 0), rec("pp", "send", 16, 16, 1),
                 rec("dp_shard|ep", "all_to_all", 4, 40, 0)]
-    rows = merge_rows(measured, [("pp", "p2p", 16, 15 * kb), ("ep", "all_to_all", 4, 30 * kb)],
-                      [("pp", "p2p", 16, 16 * kb), ("ep", "all_to_all", 4, 40 * kb)])
+    rows = merge_rows(measured, [("pp", "p2p", 16, 15 * kb, 0), ("ep", "all_to_all", 4, 30 * kb, 0)],
+                      [("pp", "p2p", 16, 16 * kb, 8 * kb), ("ep", "all_to_all", 4, 40 * kb, 20 * kb)])
     by = {(r["axis"], r["op"]): r for r in rows}
     # a pipeline's sends and receives are one row (the estimate counts both ends), the most loaded rank's
     assert by["pp", "p2p"]["payload"] == 16 * kb and by["pp", "p2p"]["ranks"] == {0: 16 * kb, 1: 16 * kb}
-    assert by["pp", "p2p"]["estimate"] == {"calls": 16, "payload": 15 * kb}
+    assert by["pp", "p2p"]["estimate"] == {"calls": 16, "payload": 15 * kb, "wire": 0}
     # a group that is two axes at once (ep over dp_shard's ranks): the estimate's "ep" is that row
-    assert by["dp_shard|ep", "all_to_all"]["minimum"] == {"calls": 4, "payload": 40 * kb}
+    assert by["dp_shard|ep", "all_to_all"]["minimum"] == {"calls": 4, "payload": 40 * kb, "wire": 20 * kb}
     assert ("ep", "all_to_all") not in by
 
 

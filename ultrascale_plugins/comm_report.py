@@ -9,9 +9,11 @@ they get rows of their own, marked ``small``, so that they do not blur the bytes
 """
 from __future__ import annotations
 
+import math
+
 import torch.distributed as dist
 
-from .comm_ledger import SMALL_BYTES, flight_recorder_check, summarise
+from .comm_ledger import SMALL_BYTES, flight_recorder_check, summarise, wire_bytes
 
 P2P = ("send", "recv")  # one row: the estimate and the minimum count a pipeline's transfers at both ends
 
@@ -23,7 +25,7 @@ def _key(axis: str, op: str, small: bool) -> tuple:
 class StepProfile:
     """What ``ParallelModel.profile_step`` yields. ``rows``: one dict per (axis, collective, small) with the
     measured ``calls``, ``payload`` and ``wire`` bytes, the ``estimate`` and the ``minimum`` (each ``{"calls",
-    "payload"}``, or None where it has no term), and ``ranks`` (every rank's payload); ``table``: the rows as text;
+    "payload", "wire"}``, or None where it has no term), and ``ranks`` (every rank's payload); ``table``: the rows as text;
     ``flight_recorder``: the flight recorder's count beside the ledger's on rank 0 (``{"on": False}`` when it is off);
     ``step``: the shape of the step that was recorded. All are filled when the block ends."""
 
@@ -63,8 +65,8 @@ def step_shape(config, batches: list[tuple[int, int]]) -> dict:
 
 
 def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
-    """The estimate's and the minimum's terms for this step, as (axis, op, calls, payload) per step, for the most
-    loaded rank (no coordinates)."""
+    """The estimate's and the minimum's terms for this step, as (axis, op, calls, payload, wire) per step, for the
+    most loaded rank (no coordinates). Their wire bytes are the ring's for their payload (``wire_bytes``)."""
     from .engine import estimate_with_shape
     from .interface.comm_minimum import minimum_terms
 
@@ -72,9 +74,17 @@ def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
     est, shape = estimate_with_shape(pmodel.config, model.config, world_size=dist.get_world_size(),
                                      model=_meta_model(model), check=False, **step)
     m = step["micro_batches"]
-    terms = [(t.axis, t.collective, t.calls * (m if t.per == "micro_batch" else 1),
-              t.nbytes * (m if t.per == "micro_batch" else 1)) for t in est.terms]
-    return terms, [(t.axis, t.op, t.calls, t.payload) for t in minimum_terms(pmodel.config, shape)]
+    size = lambda axis: math.prod(pmodel.dims.degree(a) for a in axis.split("+"))  # noqa: E731
+    terms = [_with_wire(t.axis, t.collective, t.calls * (m if t.per == "micro_batch" else 1),
+                        t.nbytes * (m if t.per == "micro_batch" else 1), size(t.axis)) for t in est.terms]
+    return terms, [_with_wire(t.axis, t.op, t.calls, t.payload, size(t.axis))
+                   for t in minimum_terms(pmodel.config, shape)]
+
+
+def _with_wire(axis: str, op: str, calls: int, payload: float, size: int) -> tuple:
+    # "p2p" counts both ends of each transfer in its payload; the wire, the sends
+    wire = payload / 2 if op == "p2p" else wire_bytes(op, payload, size)
+    return axis, op, calls, payload, wire
 
 
 def _meta_model(model):
@@ -104,14 +114,39 @@ def merge_rows(measured: list[dict], estimate: list[tuple], minimum: list[tuple]
         rows[key] = {"axis": key[0], "op": key[1], "small": key[2], **top, "estimate": None, "minimum": None,
                      "ranks": {rank: v["payload"] for rank, v in sorted(ranks.items())}}
     for field, terms in (("estimate", estimate), ("minimum", minimum)):
-        for axis, op, calls, payload in terms:
+        for axis, op, calls, payload, wire in terms:
             key = (_measured_axis(axis, per_rank), op, calls > 0 and payload / calls < SMALL_BYTES)
             row = rows.setdefault(key, {"axis": axis, "op": op, "small": key[2], "calls": 0, "payload": 0,
                                         "wire": 0.0, "estimate": None, "minimum": None, "ranks": {}})
-            row[field] = row[field] or {"calls": 0, "payload": 0.0}
+            row[field] = row[field] or {"calls": 0, "payload": 0.0, "wire": 0.0}
             row[field]["calls"] += calls
             row[field]["payload"] += payload
+            row[field]["wire"] += wire
     return sorted(rows.values(), key=lambda r: (r["small"], r["axis"], r["op"]))
+
+
+def axis_totals(rows: list[dict], least: int = 2) -> list[dict]:
+    """Per axis of ``least`` bytes rows or more, their sum (op "total"): where the layout runs other collectives
+    than the minimum (ZeRO-1 as DDP's all-reduce and a broadcast of the updated shards, not a reduce-scatter and an
+    all-gather), the axis's totals still compare."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["axis"]] = counts.get(r["axis"], 0) + (not r["small"])
+    rows = [r for r in rows if counts[r["axis"]] >= least]
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["small"]:
+            continue
+        total = out.setdefault(r["axis"], {"axis": r["axis"], "op": "total", "small": False, "calls": 0, "payload": 0,
+                                           "wire": 0.0, "estimate": None, "minimum": None, "ranks": {}})
+        for k in ("calls", "payload", "wire"):
+            total[k] += r[k]
+        for field in ("estimate", "minimum"):
+            if r[field]:
+                total[field] = total[field] or {"calls": 0, "payload": 0.0, "wire": 0.0}
+                for k in ("calls", "payload", "wire"):
+                    total[field][k] += r[field][k]
+    return list(out.values())
 
 
 def _measured_axis(axis: str, measured: dict) -> str:
@@ -139,17 +174,16 @@ def format_table(rows: list[dict], layout: str, step: dict) -> str:
     shape = (f"{step['micro_batches']} micro-batch(es) of {step['micro_batch']} x {step['seq_len']} tokens"
              if step else "no batch seen: no estimate")
     head = (f"{'axis':<14}{'op':<16}{'calls':>6}{'payload':>12}{'wire':>12}{'estimate':>12}{'minimum':>12}"
-            f"{'meas/min':>10}{'est/meas':>10}")
-    lines = [f"communication of one optimizer step, layout {layout}, {shape} (payload and wire bytes per rank, "
-             "the most loaded rank per row)", head]
-    for r in rows:
-        if r["small"]:
-            continue
-        est = r["estimate"]["payload"] if r["estimate"] else 0
-        low = r["minimum"]["payload"] if r["minimum"] else 0
+            f"{'meas/min':>10}{'wire/min':>10}{'est/meas':>10}")
+    lines = [f"communication of one optimizer step, layout {layout}, {shape} (bytes per rank; each row the most "
+             "loaded rank's; meas/min: payload measured / minimum, wire/min: the same of wire bytes, est/meas: the "
+             "estimate's payload / measured)", head]
+    for r in [r for r in rows if not r["small"]] + axis_totals(rows):
+        est, low = r["estimate"] or {}, r["minimum"] or {}
         lines.append(f"{r['axis']:<14}{r['op']:<16}{r['calls']:>6}{human(r['payload']):>12}{human(r['wire']):>12}"
-                     f"{human(est) if r['estimate'] else '-':>12}{human(low) if r['minimum'] else '-':>12}"
-                     f"{ratio(r['payload'], low):>10}{ratio(est, r['payload']):>10}")
+                     f"{human(est['payload']) if est else '-':>12}{human(low['payload']) if low else '-':>12}"
+                     f"{ratio(r['payload'], low.get('payload')):>10}{ratio(r['wire'], low.get('wire')):>10}"
+                     f"{ratio(est.get('payload'), r['payload']):>10}")
     small = [r for r in rows if r["small"]]
     if small:
         lines.append(f"scalar exchanges (under {SMALL_BYTES} bytes a call: token counts, loss, norms):")
