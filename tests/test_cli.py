@@ -127,11 +127,6 @@ def test_resume_from_the_command_line_continues_exactly(tmp_path):
     assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][3:]
 
 
-def test_a_profile_step_beyond_the_run_is_one_line():
-    assert_clean_error(ultrascale("train", "--set", "train.steps=3", "--profile-step", "9"), "--profile-step=9",
-                       "3 optimizer steps")
-
-
 def test_resume_from_a_bad_path_is_one_line(tmp_path):
     assert_clean_error(ultrascale("train", "--resume", str(tmp_path)), "no complete checkpoint")
 
