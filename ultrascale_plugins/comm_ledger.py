@@ -325,7 +325,7 @@ def flight_recorder_check(records: list[CommRecord], after: int, labels: Callabl
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     entries = [e for e in flight_recorder_entries() if e["record_id"] > after]
-    if entries and after >= 0 and entries[0]["record_id"] > after + 1:  # the ring buffer dropped the window's first entries
+    if entries and after >= 0 and entries[0]["record_id"] > after + 1:  # the ring buffer dropped the step's first
         return {"on": True, "error": f"the flight recorder kept only the last {len(entries)} entries of the step. "
                                      f"Fix: raise {FR_ENV[0]}"}
     theirs: dict[str, int] = {}

@@ -25,9 +25,9 @@ def _key(axis: str, op: str, small: bool) -> tuple:
 class StepProfile:
     """What ``ParallelModel.profile_step`` yields. ``rows``: one dict per (axis, collective, small) with the
     measured ``calls``, ``payload`` and ``wire`` bytes, the ``estimate`` and the ``minimum`` (each ``{"calls",
-    "payload", "wire"}``, or None where it has no term), and ``ranks`` (every rank's payload); ``table``: the rows as text;
-    ``flight_recorder``: the flight recorder's count beside the ledger's on rank 0 (``{"on": False}`` when it is off);
-    ``step``: the shape of the step that was recorded. All are filled when the block ends."""
+    "payload", "wire"}``, or None where it has no term), and ``ranks`` (every rank's payload); ``table``: the rows
+    as text; ``flight_recorder``: the flight recorder's count beside this rank's ledger (``{"on": False}`` when it
+    is off); ``step``: the shape of the step that was recorded. All are filled when the block ends."""
 
     def __init__(self, pmodel):
         self.pmodel = pmodel

@@ -45,10 +45,10 @@ def lr_at(step: int, recipe: Recipe) -> float:
 def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
         init_from: str | None = None, log_dir: str | None = None, stop: StopSignals | None = None,
         profile_step: int = 0) -> dict:
-    """Train ``recipe``; returns the run's figures. ``profile_step``: the optimizer step (1 = the first) whose
-    communication ``ParallelModel.profile_step`` records, rank 0 printing its table (0: none). ``stop`` (the worker's ``StopSignals``, installed with
+    """Train ``recipe``; returns the run's figures. ``stop`` (the worker's ``StopSignals``, installed with
     ``train.save_on_signal``): a SIGTERM on any rank ends the loop after the step every rank agrees on, with a
-    checkpoint of it (``result["stopped"]``)."""
+    checkpoint of it (``result["stopped"]``). ``profile_step``: the optimizer step (1 = the first) whose
+    communication ``ParallelModel.profile_step`` records, rank 0 printing its table (0: none)."""
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()

@@ -145,10 +145,11 @@ def _context(config, shape) -> list[MinimumTerm]:
         chunk = 2 * kv / tp * width  # this rank's keys and values
         passes = 3 + (1 if recompute else 0)  # forward k/v, backward k/v and dk/dv (+ the recomputed forward)
         calls = 2 * passes * (cp - 1) * layers * m
+        again = " (+ the recomputed forward)" if recompute else ""
         return [MinimumTerm("cp", "p2p", calls, calls * chunk,
                             f"per layer and micro-batch: keys and values passed cp-1 times forward, and keys, values "
-                            f"and their gradients cp-1 times each backward{' (+ the recomputed forward)' if recompute else ''}; "
-                            f"each of b·(s/cp)·2·h_kv·d, counted at both ends")]
+                            f"and their gradients cp-1 times each backward{again}; each of b·(s/cp)·2·h_kv·d, "
+                            "counted at both ends")]
     per_layer = 2 * (2 * heads + 2 * kv) / tp * width  # q, k, v and the output, forward and backward
     calls = 8 * layers * m
     extra = (4 * layers * m, (2 * heads + 2 * kv) / tp * width * layers * m) if recompute else (0, 0)
@@ -211,7 +212,7 @@ def _data_terms(config, shape, dims, records, axes: list[str]) -> list[MinimumTe
         return [MinimumTerm(name, "all_reduce", 1, grads, "the gradients, Ψg, once per step")]
     n = dims.degree(shard)
     per_step = zero == 1 or pp > 1  # ZeRO-1 keeps whole gradients; a pipeline's stages keep them for the step
-    reductions = 1 if per_step or zero == 1 else m
+    reductions = 1 if per_step else m
     out.append(MinimumTerm(shard, "reduce_scatter", reductions, reductions * grads,
                            "the gradients, Ψg, " + ("once per step" if reductions == 1 else
                                                     "every micro-batch (they accumulate sharded)")))
