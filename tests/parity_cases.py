@@ -95,7 +95,7 @@ for _method in ("ring", "ulysses"):
         for _data in ("padded", "packed"):
             CASES[f"cp{_cp}_{_method}_{_data}"] = {"world": _cp, "arch": "llama", "seq": 256, "data": _data,
                                                    "layout": {"cp": _cp, "cp_method": _method}}
-# compositions: each with both methods, on padded and packed batches
+# compositions: each with both methods, on padded and packed batches (see below for 8 ranks)
 CP_COMPOSITIONS = {
     "cp2_dp2": (4, "llama", {"cp": 2, "dp_shard": 2}),
     "cp2_tp2_sp": (4, "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
@@ -103,9 +103,13 @@ CP_COMPOSITIONS = {
     "dp2_cp2_tp2": (8, "llama", {"dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True}),
     "cp2_tp2_pp2": (8, "llama8_tied", {"cp": 2, "tp": 2, "pp": 2}),
 }
+# on 8 ranks (16 processes' worth of gloo traffic timeshared on CI's 2 cores) each method runs once, ring on packed and
+# Ulysses on padded rows: every method x data pair already runs in each 4-rank composition
 for _name, (_world, _arch, _layout) in CP_COMPOSITIONS.items():
     for _method in ("ring", "ulysses"):
         for _data in ("padded", "packed"):
+            if _world == 8 and (_method, _data) not in (("ring", "packed"), ("ulysses", "padded")):
+                continue
             CASES[f"{_name}_{_method}_{_data}"] = {"world": _world, "arch": _arch, "seq": 256, "data": _data,
                                                    "layout": {**_layout, "cp_method": _method}}
 # the portable ring (matmul + softmax in fp32) chosen by the layout instead of the SDPA kernels
