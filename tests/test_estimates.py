@@ -133,8 +133,8 @@ def test_activations_match_what_autograd_saves_on_this_machine():
 @pytest.mark.parametrize("tp, recompute", [(1, "none"), (1, "full"), (2, "selective")])
 def test_expert_parallel_prices_its_all_to_all(tp, recompute):
     """ep=2: per MoE layer and micro-batch, dispatch and combine in the forward and again in the backward (and in a
-    recomputed forward), each moving tokens x top_k x hidden x activation bytes x (ep-1)/ep over "ep"; the tokens
-    are this rank's (tensor parallel ranks hold the same ones and each send a slice). ep=1 moves nothing."""
+    recomputed forward), each handed tokens x top_k x hidden x activation bytes over "ep" (the planner's time counts
+    the (ep-1)/ep of them that leave the rank); the tokens are this rank's (tensor parallel ranks hold the same ones and each send a slice). ep=1 moves nothing."""
     mc = make_config("qwen3_moe")  # 2 layers, 8 experts, top-2, hidden 64
     seq, mbs, ep = 32, 2, 2
 
@@ -148,7 +148,7 @@ def test_expert_parallel_prices_its_all_to_all(tp, recompute):
     passes = 4 + (2 if recompute != "none" else 0)
     tokens = seq * mbs // tp
     assert term.collective == "all_to_all" and term.per == "micro_batch"
-    assert term.nbytes == pytest.approx(mc.num_hidden_layers * passes * tokens * 2 * 64 * 2 * (ep - 1) / ep)
+    assert term.nbytes == pytest.approx(mc.num_hidden_layers * passes * tokens * 2 * 64 * 2)  # handed to it
     assert with_ep.comm["ep"] == pytest.approx(3 * term.nbytes)  # three micro-batches per step
     assert not [t for t in without.terms if t.axis == "ep"] and "ep" not in without.comm
     assert with_ep.factors["expert_matmul_gflop"] > 0  # each local expert sees ep ranks' rows

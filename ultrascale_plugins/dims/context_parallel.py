@@ -109,8 +109,12 @@ def ultrascale_shard_batch(batch, ctx):
 
 @hookimpl(wrapper=True)
 def ultrascale_estimate(config, model_config, shape, estimate):
-    """Every other dimension's per-rank terms are those of ``seq_len / cp`` tokens; the ring sends each layer's
-    keys and values (and their gradients) round the ring, Ulysses all-to-alls q, k, v and the output."""
+    """Every other dimension's per-rank terms are those of ``seq_len / cp`` tokens. The attention exchanges (bytes
+    handed to the collectives, sends and receives both counted for the ring's point-to-point transfers): the ring
+    (``cp_attention``) passes each layer's keys and values one hop per step, cp - 1 hops in the forward, again in
+    the backward (and in a recomputed forward), and their fp32 gradients cp hops home; Ulysses all-to-alls q, k, v
+    and the output forward and their gradients backward. The parameters are whole on every cp rank, so the engine
+    all-reduces their gradients over cp once per step (what is left of them after data parallel's sharding)."""
     if config.cp == 1:
         return (yield)
     full = shape["seq_len"]
@@ -125,15 +129,21 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     layers = shape["layers_here"] if shape["layers_here"] is not None else model_config.num_hidden_layers
     width = 2 if config.mixed_precision == "bf16" or shape["profile"] == "nanotron" else 4
     tp = getattr(config, "tp", 1)
-    if config.cp_method == "ring":  # forward: k, v over cp-1 hops; backward: again, plus dk, dv over cp hops
-        per_layer = 2 * kv * head_dim * tokens * width * (3 * (config.cp - 1) + 2)
-        calls = 3 * (config.cp - 1) + 2
-        # each hop's transfer runs while the previous block is attended
-        estimate.add_comm("cp", per_layer * layers / tp, "p2p", calls=calls * layers, per="micro_batch",
-                          overlap=0.8)
-    else:  # q, k, v, out forward and their gradients backward, each moving (cp-1)/cp of itself
-        per_layer = 2 * (2 * heads + 2 * kv) * head_dim * tokens * width * (config.cp - 1) / config.cp
-        estimate.add_comm("cp", per_layer * layers / tp, "all_to_all", calls=8 * layers, per="micro_batch")
+    recomputed = 1 if config.activation_checkpointing == "full" else 0  # the forward's exchanges once more
+    if config.cp_method == "ring":
+        block = 2 * kv * head_dim * tokens  # this rank's keys and values, concatenated: elements
+        kv_hops = (config.cp - 1) * (2 + recomputed)
+        sent = block * (width * kv_hops + 4 * config.cp)  # the gradients travel in fp32
+        # each hop's transfer runs while the previous block is attended; a hop is one send and one receive
+        estimate.add_comm("cp", 2 * sent * layers / tp, "p2p", calls=2 * (kv_hops + config.cp) * layers,
+                          per="micro_batch", overlap=0.8)
+    else:  # q, k, v and the output, each handed whole to an all-to-all, forward and backward
+        per_layer = (2 + recomputed) * (2 * heads + 2 * kv) * head_dim * tokens * width
+        estimate.add_comm("cp", per_layer * layers / tp, "all_to_all", calls=4 * (2 + recomputed) * layers,
+                          per="micro_batch")
+    grads = estimate.memory.get("grads", 0.0)
+    if grads:
+        estimate.add_comm("cp", grads, "all_reduce", calls=1, per="step")
     return result
 
 

@@ -93,13 +93,29 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     if zero >= 2:
         # reduce-scatter of the gradients after every micro-batch (they accumulate sharded; a pipeline's stages
         # reduce once per step); all-gathers of the weights, frozen ones too, before each forward and (ZeRO-3)
-        # each backward of every micro-batch, prefetched
-        gathers = 2 if zero == 3 and config.pp == 1 else 1
+        # each backward of every micro-batch, prefetched. The root group (embedding, final norm, head) stays
+        # gathered from its forward to its backward. Parameters in a mesh view (experts) are sharded over the
+        # view's own last gradient axis, in groups of their own: their collectives run there (none on one rank).
         per = "micro_batch" if config.pp == 1 else "step"
-        est.add_comm("dp_shard", grad_wire * full_local, "reduce_scatter", calls=_n_layers(records) + 1,
-                     overlap=shape.dp_overlap, per=per)
-        est.add_comm("dp_shard", gathers * weight_wire * full, "all_gather",
-                     calls=gathers * (_n_layers(records) + 1), per=per, overlap=shape.gather_overlap)
+        again = zero == 3 and config.pp == 1  # ZeRO-3 gathers each layer again for its backward
+        groups = {"": ("dp_shard", dp_shard)}
+        if any(r.view for r in records):
+            dims = _dims_of(config)
+            for view in {r.view for r in records if r.view}:
+                axis = dims.view_grad_axes(view)[-1]
+                groups[view] = (axis, dims.degree(axis))
+        for view, (axis, degree) in groups.items():
+            mine = [r for r in records if r.view == view]
+            if degree <= 1 or not mine:
+                continue
+            sizes, _ = _layer_sizes(mine)
+            weights = sum(r.local_numel for r in mine)
+            root = weights - sum(sizes.values())
+            n = len(sizes) + (1 if root else 0)
+            est.add_comm(axis, grad_wire * sum(r.local_numel for r in mine if r.trainable), "reduce_scatter",
+                         calls=n, overlap=shape.dp_overlap, per=per)
+            est.add_comm(axis, weight_wire * (weights + (weights - root if again else 0)), "all_gather",
+                         calls=n + (len(sizes) if again else 0), per=per, overlap=shape.gather_overlap)
         if dp_rep > 1:
             est.add_comm("dp_replicate", grad_wire * full_local / dp_shard, "all_reduce", overlap=shape.dp_overlap)
         return

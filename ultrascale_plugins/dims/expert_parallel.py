@@ -245,7 +245,8 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     for degree in same:
         sharing *= degree
     tokens = -(-shape.tokens_per_micro_batch // sharing)  # this rank's slice (the most loaded one)
-    volume = tokens * top_k * text.hidden_size * shape.activation_bytes(config) * (config.ep - 1) / config.ep
+    # the bytes handed to each all-to-all (the planner's time counts the (ep - 1) / ep of them that leave the rank)
+    volume = tokens * top_k * text.hidden_size * shape.activation_bytes(config)
     recompute = config.activation_checkpointing != "none"  # selective re-runs the exchange too (not saved)
     passes = 4 + (2 if recompute else 0)  # dispatch + combine: forward, backward, recomputed forward
     calls = 5 + (3 if recompute else 0)  # and each forward's exchange of the split sizes

@@ -284,8 +284,10 @@ class CostModel:
         degree, n_nodes = nodes.get(term.axis, (2, 1))
         if degree <= 1:
             return 0.0
+        # a term's bytes are those handed to the collective; these shares of them leave each rank
         factor = {"all_reduce": 2 * (degree - 1) / degree, "all_gather": (degree - 1) / degree,
-                  "reduce_scatter": (degree - 1) / degree}.get(term.collective, 1.0)
+                  "reduce_scatter": (degree - 1) / degree, "all_to_all": (degree - 1) / degree,
+                  }.get(term.collective, 1.0)
         bw = self.hw.bus_bandwidth(term.collective, n_nodes)
         if term.collective == "p2p":
             latency = self.c["p2p_latency_s" if n_nodes <= 1 else "p2p_latency_inter_node_s"]
