@@ -101,6 +101,26 @@ def micro_batches(batch: dict, dp: int, m: int) -> list[tuple[float, dict]]:
     return [(c / sum(counts), p) for c, p in zip(counts, parts)]
 
 
+def step(pmodel, batch: dict, spec: dict) -> torch.Tensor:
+    """One optimizer step's forward and backward on this rank's rows. With ``accumulate`` (dp, m) outside a
+    pipeline (whose schedule runs its own micro-batches): m micro-batches, each weighted by its share of the step's
+    valid tokens, all but the last inside ``no_sync``, as every front end accumulates."""
+    import contextlib
+
+    mine = rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)
+    m = spec.get("accumulate", (1, 1))[1] if not spec["layout"].get("pp") else 1
+    if m == 1:
+        return pmodel.train_step(mine)
+    size = mine["input_ids"].shape[0] // m
+    chunks = [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(m)]
+    shares = pmodel.token_shares(chunks)
+    total = 0.0
+    for i, chunk in enumerate(chunks):
+        with (contextlib.nullcontext() if i == m - 1 else pmodel.no_sync()):
+            total = total + shares[i] * pmodel.train_step(chunk, loss_scale=shares[i])
+    return total
+
+
 def make_batches(spec: dict) -> list[dict]:
     """Right-padded batches (16 tokens unless the case says ``seq``), or packed ones (``data: packed``)."""
     seq = spec.get("seq", 16)
@@ -118,7 +138,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
     for batch in batches:
-        loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
+        loss = step(pmodel, batch, spec)
         norms.append(float(pmodel.clip_grad_norm_(CLIP)))
         opt.step()
         if len(losses) == len(batches) - 1:  # gradients and optimizer states all exist now
@@ -144,7 +164,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     graphs = compiled_graphs() - graphs_before  # compile: regional must really have compiled
     breaks = graph_breaks() - breaks_before  # ... the whole layer, not pieces of it
     # the optimizer implementations are independent of compilation: compiled cases skip them (compile time)
-    adamw = adamw_implementations_agree(arch, layout, batches) if spec.get("adamw", True) else {}
+    adamw = adamw_implementations_agree(arch, spec, batches) if spec.get("adamw", True) else {}
     if dist.get_rank() != 0:
         return None
     accumulate = spec.get("accumulate")
@@ -192,17 +212,17 @@ ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": 
 ADAMW_STEPS, ADAMW_LR = 2, 1e-4
 
 
-def adamw_implementations_agree(arch: str, layout: dict, batches) -> dict:
+def adamw_implementations_agree(arch: str, spec: dict, batches) -> dict:
     """The same layout trained with torch's AdamW as a for-loop, foreach (the CUDA default) and fused (the
     Trainer's default): {implementation: (max |loss - for-loop loss|, max |weight - for-loop weight|)}. All
     three must run: foreach and fused refuse a mix of DTensor and plain parameters."""
     runs = {}
     for kind, flags in ADAMW.items():
-        pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
+        pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**spec["layout"]))
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=ADAMW_LR, **flags)
         losses = []
         for batch in batches[:ADAMW_STEPS]:
-            losses.append(pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
+            losses.append(step(pmodel, batch, spec).item())
             pmodel.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()
