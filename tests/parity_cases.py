@@ -220,3 +220,20 @@ CASES.update({
                         "layout": {"cp": 2, "dp_shard": 2, "ep": 2, "activation_checkpointing": "full",
                                    "router_bias_update": BIAS_RATE}},
 })
+
+# torch's AdamW as for-loop, foreach and fused (tests/parity_worker.py: adamw_implementations_agree). An optimizer
+# sees only the parameters and their gradients, so what decides whether foreach and fused run, and agree, is how a
+# layout places its parameters: plain tensors (DDP, ZeroRedundancyOptimizer's partitions, a pipeline's stages, context
+# parallel's replicas), FSDP2's shards on a 1-D or 2-D mesh, tensor-parallel DTensors (with and without the
+# sequence-parallel norms, tied, Conv1D, biases), and their compositions. One case per placement runs it; the
+# layouts that only change what runs between the optimizer steps (other schedules, recomputation, bf16 compute,
+# context-parallel methods and data) skip it, as the compiled cases do (suite time: three more trainings each).
+ADAMW_CASES = {
+    "zero3_dp2", "zero1_dp2", "ddp_dp2", "tp2", "tp2_sp_loss_parallel", "tied_tp2", "tied_zero3_dp2", "gpt2_tp2",
+    "qwen2_tp2", "bf16_zero3_dp2", "hsdp_2x2", "dp2_tp2", "dp2_tp2_sp", "zero2_dp2_tp2", "tied_dp2_tp2_sp",
+    "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
+    "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "pp2_tp2_dp2_sp", "cp2_ring_padded", "cp2_dp2_ring_packed",
+    "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", *EP_ADAMW,
+}
+for _name, _case in CASES.items():
+    _case["adamw"] = _name in ADAMW_CASES

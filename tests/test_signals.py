@@ -181,12 +181,24 @@ def test_what_a_launcher_prints_after_a_workers_error_is_dropped(tmp_path, monke
     ChildFailedError) is dropped, so the command's one line is all that is said; what came before passes through."""
     import io
 
-    error = tmp_path / "error"
-    script = ("import sys, time; sys.stderr.write('progress before\\n'); sys.stderr.flush(); "
+    error, seen = tmp_path / "error", tmp_path / "seen"
+
+    class CommandStderr(io.BytesIO):
+        """The command's standard error; it marks that the progress line reached it, so that the worker writes its
+        error file only then (the order a real launch has; without it a slow machine's reader thread could wake
+        after the file exists and rightly drop the line)."""
+
+        def write(self, data):
+            n = super().write(data)
+            seen.touch()
+            return n
+
+    script = ("import os, sys, time; sys.stderr.write('progress before\\n'); sys.stderr.flush(); "
+              f"end = time.time() + 30\nwhile not os.path.exists({str(seen)!r}) and time.time() < end: time.sleep(0.01)\n"
               f"open({str(error)!r}, 'w').write('tp=3: bad'); time.sleep(0.3); "
               "sys.stderr.write('Traceback: ChildFailedError\\n'); sys.exit(1)")
-    said = io.BytesIO()
-    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(said))  # the command's standard error
+    said = CommandStderr()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(said))
     watcher = supervisor.Supervisor()
     try:
         code = watcher.run([sys.executable, "-c", script], dict(os.environ), 30, own_session=True,
