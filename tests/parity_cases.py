@@ -5,9 +5,11 @@ CASES = {
     "zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 3}, "roundtrip": True},
     # gradient accumulation ("accumulate": (dp, micro-batches): no_sync before the last, token-weighted): ZeRO-2
     # keeps the weights gathered over the step; grad_sync: step reduces once, after the last micro-batch
-    "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}, "accumulate": (2, 2)},
+    # (the c10d all-gathers and reduce-scatters of the last step are counted: tests/test_parity.py)
+    "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}, "accumulate": (2, 4),
+                  "count_collectives": True},
     "zero3_dp2_step_sync": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "grad_sync": "step"},
-                            "accumulate": (2, 2)},
+                            "accumulate": (2, 4), "count_collectives": True},
     # explicit FSDP2 prefetch: the targets each layer was given are counted (tests/test_parity.py)
     "zero3_dp2_prefetch": {"world": 2, "arch": "llama8",
                            "layout": {"dp_shard": 2, "fsdp_forward_prefetch": 2, "fsdp_backward_prefetch": 1}},
@@ -233,7 +235,7 @@ ADAMW_CASES = {
     "qwen2_tp2", "bf16_zero3_dp2", "hsdp_2x2", "dp2_tp2", "dp2_tp2_sp", "zero2_dp2_tp2", "tied_dp2_tp2_sp",
     "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
     "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "pp2_tp2_dp2_sp", "cp2_ring_padded", "cp2_dp2_ring_packed",
-    "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", *EP_ADAMW,
+    "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", "ddp_dp2_tp2", "zero1_dp2_tp2_sp", *EP_ADAMW,
 }
 for _name, _case in CASES.items():
     _case["adamw"] = _name in ADAMW_CASES

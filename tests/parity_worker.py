@@ -8,6 +8,7 @@ records the largest loss and weight differences. Usage (see tests/test_parity.py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,8 +107,6 @@ def step(pmodel, batch: dict, spec: dict) -> torch.Tensor:
     """One optimizer step's forward and backward on this rank's rows. With ``accumulate`` (dp, m) outside a
     pipeline (whose schedule runs its own micro-batches): m micro-batches, each weighted by its share of the step's
     valid tokens, all but the last inside ``no_sync``, as every front end accumulates."""
-    import contextlib
-
     mine = rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)
     m = spec.get("accumulate", (1, 1))[1] if not spec["layout"].get("pp") else 1
     if m == 1:
@@ -137,11 +137,14 @@ def run_case(name: str, spec: dict) -> dict | None:
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
+    counter = CollectiveCounter()
     for batch in batches:
-        loss = step(pmodel, batch, spec)
-        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
-        opt.step()
-        if len(losses) == len(batches) - 1:  # gradients and optimizer states all exist now
+        last = len(losses) == len(batches) - 1
+        with (counter if last and spec.get("count_collectives") else contextlib.nullcontext()):
+            loss = step(pmodel, batch, spec)
+            norms.append(float(pmodel.clip_grad_norm_(CLIP)))
+            opt.step()
+        if last:  # gradients and optimizer states all exist now
             held = holdings(pmodel, opt)
         opt.zero_grad()
         losses.append(loss.item())
@@ -182,7 +185,33 @@ def run_case(name: str, spec: dict) -> dict | None:
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
             "bytes_held": bytes_held, "plugin_state": plugin_state,
             "router_bias": max((float(weights[k].abs().max()) for k in weights if k.endswith("e_score_correction_bias")),
-                               default=None), "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
+                               default=None), "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel),
+            "collectives": {**counter.calls, "fsdp_groups": fsdp_groups(pmodel)}}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Calls of the c10d all-gathers and reduce-scatters (FSDP2's) while active, whatever Python function issued
+    them: {"all_gather": n, "reduce_scatter": n}."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("c10d::"):
+            if "allgather" in name or "all_gather" in name:
+                self.calls["all_gather"] += 1
+            elif "reduce_scatter" in name:
+                self.calls["reduce_scatter"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp_groups(pmodel) -> int:
+    """How many FSDP2 groups (``fully_shard`` calls) this rank's modules hold."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for part in pmodel.modules for m in part.modules())
 
 
 def prefetch_targets(pmodel) -> list[int]:

@@ -33,6 +33,12 @@ def test_layout_matches_single_process(name, parity_results):
         want = [sum(min(layout.get(f"fsdp_{way}_prefetch", 0), left) for left in range(8))
                 for way in ("forward", "backward")]
         assert r["prefetch"] == want, (r["prefetch"], want)
+    if CASES[name].get("count_collectives"):  # gradient accumulation's communication per optimizer step
+        calls, groups = r["collectives"], r["collectives"]["fsdp_groups"]
+        micro_batches = CASES[name]["accumulate"][1]
+        assert calls["all_gather"] == groups, f"weights gathered {calls['all_gather']} times, {groups} FSDP groups"
+        once = layout.get("grad_sync") == "step"
+        assert calls["reduce_scatter"] == groups * (1 if once else micro_batches), calls
     if layout.get("compile", "none") != "none":
         assert r["compiled_graphs"] > 0, "compile: regional compiled nothing"
         if not layout.get("cp"):  # context parallel's attention runs eagerly inside the layer: a break there

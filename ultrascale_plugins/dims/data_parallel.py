@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..interface.config import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
 from ..interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
+from .data_parallel_costs import grad_sync
 
 DTYPES = {"bf16": torch.bfloat16}
 
@@ -44,19 +45,6 @@ def _precision(value):
         return ("fp16 needs a loss scaler over sharded gradients, which is not available yet",
                 "use mixed_precision: bf16")
     return None
-
-
-def _grad_sync_auto(config) -> str:
-    """ZeRO-0 and ZeRO-1 reduce once per step by definition; torch's pipeline stages defer the reduce-scatter to a
-    step's last micro-batch themselves (one gather and one reduce-scatter per step); elsewhere FSDP2 reduces every
-    micro-batch, which keeps gradients sharded."""
-    return "step" if config.zero_stage <= 1 or getattr(config, "pp", 1) > 1 else "micro_batch"
-
-
-def fsdp_over_dtensors(config) -> bool:
-    """ZeRO-1 over tensor-parallel parameters: FSDP2 sharded over every data-parallel rank, gathered for the step
-    and reduced once (DDP and ``ZeroRedundancyOptimizer`` cannot hold DTensors)."""
-    return config.zero_stage == 1 and getattr(config, "tp", 1) > 1 and config.dp_replicate * config.dp_shard > 1
 
 
 @hookimpl
@@ -77,7 +65,7 @@ def ultrascale_add_fields(fields):
                "(gradient accumulation, or a pipeline's): micro_batch: after each (FSDP2 reduce-scatters, gradients "
                "accumulate sharded); step: once, after the last (every whole fp32 gradient held over the step, the "
                "weights gathered once); auto: step for zero_stage 0 and 1 and inside a pipeline, else micro_batch",
-               choices=("auto", "micro_batch", "step"), auto=_grad_sync_auto)
+               choices=("auto", "micro_batch", "step"), auto=grad_sync)
     fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
                choices=("no", "bf16", "fp16"), check=_precision)
 
