@@ -91,6 +91,9 @@ CASES.update({
                                           "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
     "pp2_tp2_dp2_sp": {"world": 8, "arch": "llama8_tied",
                        "layout": {"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}},
+    # Frontier's layout (tp x pp x dp at ZeRO-1), small: FSDP2 over the tensor-parallel stages, gathered for the step
+    "pp2_tp2_dp2_zero1": {"world": 8, "arch": "llama8_tied", "layout": {"pp": 2, "tp": 2, "dp_shard": 2,
+                                                                        "zero_stage": 1}},
     "pp2_tp2_dp2_zbv": {"world": 8, "arch": "llama8", "layout": {"pp": 2, "tp": 2, "dp_shard": 2,
                                                                  "pp_schedule": "zbv"}},
 })
