@@ -44,7 +44,7 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     states = OPTIMIZERS[shape.optimizer]
     records = [r for r in shape.inventory if r.local_numel or r.numel]
     coords = shape.coords
-    on_fsdp = zero1_on_fsdp(config)
+    on_fsdp = zero1_on_fsdp(config) and profile == "ultrascale"  # nanotron's ZeRO-1 keeps whole weights
     once = grad_sync(config) == "step"
     if on_fsdp:
         # FSDP2's dim-0 chunks of every (TP-local) parameter over the flattened data-parallel ranks
