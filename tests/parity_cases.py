@@ -64,7 +64,8 @@ for _schedule, _extra in PP_SCHEDULES.items():
                                              "layout": {"pp": 4, "pp_schedule": _schedule, **_extra}}
 CASES.update({
     "pp4_1f1b_llama8": {"world": 4, "arch": "llama8", "layout": {"pp": 4, "pp_schedule": "1f1b"}},
-    "pp2_zero3_dp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "dp_shard": 2}, "roundtrip": True},
+    "pp2_zero3_dp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "dp_shard": 2}, "roundtrip": True,
+                      "count_collectives": True},
     # grad_sync: micro_batch inside a pipeline: FSDP2 reduce-scatters after every micro-batch's backward (the
     # stages would defer it to the step's last), ZeRO-2 keeping the weights gathered, ZeRO-3 resharding them
     "pp2_zero2_dp2_interleaved": {"world": 4, "arch": "llama8",
@@ -72,7 +73,7 @@ CASES.update({
                                              "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
     "pp2_gpipe_zero3_dp2_micro_batch": {"world": 4, "arch": "llama8_tied",
                                         "layout": {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe",
-                                                   "grad_sync": "micro_batch"}},
+                                                   "grad_sync": "micro_batch"}, "count_collectives": True},
     "pp2_zbv_dp2_ac_full": {"world": 4, "arch": "llama8_tied",
                             "layout": {"pp": 2, "dp_shard": 2, "pp_schedule": "zbv",
                                        "activation_checkpointing": "full"}},
