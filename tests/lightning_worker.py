@@ -60,7 +60,6 @@ RUNS = {
     "pretrained_init_from_zero3": ({"init_from": True}, {"seed": 5}),  # random init, replaced by the weights
     "zero1": ({"zero_stage": 1}, {}),  # the user's AdamW becomes a ZeroRedundancyOptimizer
     "pp2_tp2": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
-    "pp2_tp2_dp2_sp": ({"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}, {}),
     # outside the Llama family: per-head norms replicated over TP under FSDP (compared with Qwen3 on one device)
     "qwen3_dp2_tp2": ({"dp_shard": 2, "tp": 2}, {"arch": "qwen3"}),
     "cp2_ulysses_dp2": ({"cp": 2, "cp_method": "ulysses", "dp_shard": 2}, {}),

@@ -116,7 +116,7 @@ for _method in ("ring", "ulysses"):
         for _data in ("padded", "packed"):
             CASES[f"cp{_cp}_{_method}_{_data}"] = {"world": _cp, "arch": "llama", "seq": 256, "data": _data,
                                                    "layout": {"cp": _cp, "cp_method": _method}}
-# compositions: each with both methods, on padded and packed batches
+# compositions: each with both methods, on padded and packed batches (see below for 8 ranks)
 CP_COMPOSITIONS = {
     "cp2_dp2": (4, "llama", {"cp": 2, "dp_shard": 2}),
     "cp2_tp2_sp": (4, "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
@@ -124,9 +124,13 @@ CP_COMPOSITIONS = {
     "dp2_cp2_tp2": (8, "llama", {"dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True}),
     "cp2_tp2_pp2": (8, "llama8_tied", {"cp": 2, "tp": 2, "pp": 2}),
 }
+# on 8 ranks (16 processes' worth of gloo traffic timeshared on CI's 2 cores) each method runs once, ring on packed and
+# Ulysses on padded rows: every method x data pair already runs in each 4-rank composition
 for _name, (_world, _arch, _layout) in CP_COMPOSITIONS.items():
     for _method in ("ring", "ulysses"):
         for _data in ("padded", "packed"):
+            if _world == 8 and (_method, _data) not in (("ring", "packed"), ("ulysses", "padded")):
+                continue
             CASES[f"{_name}_{_method}_{_data}"] = {"world": _world, "arch": _arch, "seq": 256, "data": _data,
                                                    "layout": {**_layout, "cp_method": _method}}
 # the portable ring (matmul + softmax in fp32) chosen by the layout instead of the SDPA kernels
@@ -238,7 +242,7 @@ ADAMW_CASES = {
     "zero3_dp2", "zero1_dp2", "ddp_dp2", "tp2", "tp2_sp_loss_parallel", "tied_tp2", "tied_zero3_dp2", "gpt2_tp2",
     "qwen2_tp2", "bf16_zero3_dp2", "hsdp_2x2", "dp2_tp2", "dp2_tp2_sp", "zero2_dp2_tp2", "tied_dp2_tp2_sp",
     "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
-    "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "pp2_tp2_dp2_sp", "cp2_ring_padded", "cp2_dp2_ring_packed",
+    "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "cp2_ring_padded", "cp2_dp2_ring_packed",
     "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", "ddp_dp2_tp2", "zero1_dp2_tp2_sp", *EP_ADAMW,
 }
 for _name, _case in CASES.items():

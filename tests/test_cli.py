@@ -90,9 +90,14 @@ def test_pipeline_schedule_from_the_command_line(tmp_path):
     proc = ultrascale("train", "--nproc", "2", "--set", "pp=2", "--set", "tp=1", "--set", "dp_shard=1",
                       "--set", "sequence_parallel=false", "--set", "pp_schedule=interleaved_1f1b",
                       "--set", "pp_virtual_stages=2", "--set", "train.steps=6", "--set", "train.log_every=3",
-                      "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), timeout=300)
+                      "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), "--profile-step", "2",
+                      timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "pp=2 (interleaved_1f1b, 2 stages/rank)" in proc.stdout
+    # --profile-step: step 2's collectives, printed once: the pipeline's transfers beside estimate and minimum
+    assert proc.stdout.count("communication of one optimizer step") == 1
+    p2p = next(line.split() for line in proc.stdout.splitlines() if line.startswith("pp ") and " p2p " in line)
+    assert int(p2p[2]) > 0 and "-" not in p2p[3:], p2p  # calls, payload, wire, estimate, minimum, ratios
     assert "pipeline idle" in proc.stdout
     assert "0.85M params" in proc.stdout  # the whole model's size, not the first stage's
     assert "(mean of first/last 3 steps of 6)" in proc.stdout  # windows that do not overlap (issue 32)

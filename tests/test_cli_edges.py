@@ -69,6 +69,11 @@ def test_sequence_parallel_auto_is_on_exactly_with_tp():
 
 
 # ---- d. plan refusals before launch ----------------------------------------------------------------------------
+def test_a_profile_step_beyond_the_run_is_refused_before_launch(monkeypatch, capsys):
+    refused_before_launch(monkeypatch, capsys, ["train", "--set", "train.steps=3", "--profile-step", "9"],
+                          "--profile-step=9", "3 optimizer steps", "Fix:")
+
+
 def test_gpt2_pipeline_is_refused_before_launch(tmp_path, monkeypatch, capsys):
     gpt2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
             "bos_token_id": 0, "eos_token_id": 0}

@@ -102,11 +102,6 @@ def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tm
 
 
 @pytest.mark.slow
-def test_eight_devices_three_dimensional_layout(tmp_path, reference, hf_dir):
-    assert_parity(run(8, tmp_path, hf_dir, "pp2_tp2_dp2_sp")[0], reference, ["pp2_tp2_dp2_sp"])
-
-
-@pytest.mark.slow
 def test_model_checkpoint_and_resume_in_the_same_and_another_layout(tmp_path, reference):
     out = tmp_path / "resume.json"
     proc = torchrun(2, WORKER, "resume", str(out), str(tmp_path / "ckpt"))

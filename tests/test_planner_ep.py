@@ -173,3 +173,26 @@ def test_json_candidates_carry_the_plugin_fields(capsys):
     assert code == 0
     (only,) = json.loads(out)["candidates"]
     assert only["ep"] == 4 and only["comm_gb_per_step"]["ep"] > 0 and only["runnable"]
+
+
+def test_a_plan_of_exact_names_expands_as_the_wildcards_did():
+    """An edited plan names every expert module exactly (DeepSeek-V3: tens of thousands of entries); expanding it
+    looks the exact names up instead of matching each against every entry (the planner spent most of a 256-GPU
+    DeepSeek-V3 plan there), with the same answer: the last entry that names a module, exactly or by a wildcard."""
+    import fnmatch
+
+    from ultrascale_plugins.models.plan import _expand
+
+    def naive(plan, names):
+        return {n: s for n in names for p, s in plan.items() if n == p or fnmatch.fnmatchcase(n, p)}
+
+    names = [f"model.layers.{i}.{part}" for i in range(12) for part in
+             ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts", "mlp.gate", "mlp.shared.up_proj")]
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.3.self_attn.q_proj": "rowwise",
+            "model.layers.1?.mlp.*": "local", "model.layers.10.mlp.gate": "replicated",
+            "model.layers.[0-4].mlp.experts": "experts", "model.layers.2.mlp.experts": None,
+            "*.o_proj": "rowwise", "model.layers.5.self_attn.o_proj": "colwise"}
+    assert _expand(plan, names) == naive(plan, names)
+    assert _expand(plan, names)["model.layers.3.self_attn.q_proj"] == "rowwise"  # exact, after the wildcard
+    assert _expand(plan, names)["model.layers.10.mlp.gate"] == "replicated"
+    assert _expand(plan, names)["model.layers.2.mlp.experts"] is None

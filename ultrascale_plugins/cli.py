@@ -131,6 +131,10 @@ def _train(args, supervisor: Supervisor) -> int:
     recipe = load_recipe(args.recipe, overrides, nnodes=nodes, init_from=args.init_from,  # nproc is per node
                          resume_from=resume)
     _timing_mark("recipe_loaded")
+    steps = recipe.train.steps
+    if args.profile_step < 0 or (not recipe.train.epochs and args.profile_step > steps):
+        raise ConfigError(f"--profile-step={args.profile_step}: the run has {steps} optimizer steps. Fix: give a "
+                          f"step from 1 to {steps}, or leave --profile-step out")
     _model_line(args, overrides, recipe)
     validated = check_recipe(recipe, args.init_from, nodes)
     _timing_mark("checks_done")
@@ -149,6 +153,8 @@ def _train(args, supervisor: Supervisor) -> int:
         worker += ["--metrics", os.path.abspath(args.metrics)]
     if args.log_dir:
         worker += ["--log-dir", os.path.abspath(args.log_dir)]
+    if args.profile_step:
+        worker += ["--profile-step", str(args.profile_step)]
     if resume:
         worker += ["--resume", resume]
     if args.init_from:
@@ -411,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log-dir", help="append a JSON line per logged step (loss, learning rate, gradient norm, "
                        "tokens/s, peak memory per rank) to DIR/metrics.jsonl, and TensorBoard event files to DIR "
                        "(with pip install ultrascale-plugins[tensorboard])")
+    train.add_argument("--profile-step", type=int, default=0, metavar="N",
+                       help="record every collective of optimizer step N (1 = the first) on every rank and print, "
+                            "once, its bytes per mesh axis beside the package's estimate and the layout's minimum")
     train.add_argument("--resume", metavar="PATH",
                        help="continue from a checkpoint (a step-XXXXXXXX directory, or a save_dir: its newest); "
                             "the layout may differ from the one it was saved in; without --init-from the model is "

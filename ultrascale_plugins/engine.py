@@ -194,6 +194,17 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
     on the meta device) gives the exact parameter inventory; without it the model is built from ``model_config``
     on the meta device (``plan``: its model plan, when the caller has it). ``check=False`` costs layouts this
     engine cannot run (the planner's "runnable: false")."""
+    return estimate_with_shape(config, model_config, world_size=world_size, seq_len=seq_len, micro_batch=micro_batch,
+                               micro_batches=micro_batches, coords=coords, model=model, profile=profile,
+                               optimizer=optimizer, check=check, pm=pm, plan=plan, **constants)[0]
+
+
+def estimate_with_shape(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,
+                        micro_batch: int = 1, micro_batches: int = 1, coords: dict | None = None, model=None,
+                        profile: str = "ultrascale", optimizer: str = "adamw", check: bool = True, pm=None, plan=None,
+                        **constants):
+    """``estimate``, and the ``Shape`` as the dimensions left it (the inventory cut to this rank's share, the
+    pipeline's layers): what the layout's communication minimum (``comm_minimum``) is computed from."""
     from .interface.estimates import Estimate, Shape, inventory, meta_model
 
     pm = pm or get_plugin_manager()
@@ -208,7 +219,7 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
                   model=model, plan=plan, **constants)
     est = Estimate(micro_batches=micro_batches)
     pm.hook.ultrascale_estimate(config=resolved, model_config=model_config, shape=shape, estimate=est)
-    return est
+    return est, shape
 
 
 def pin_hub_kernels(model: nn.Module) -> None:
@@ -335,6 +346,7 @@ class ParallelModel:
         self._token_group = self.dims.group(self.dims.token_axes)
         self._grad_reductions = self._gradient_reductions()
         self.grad_sync = True  # False inside no_sync()
+        self._profile = None  # the step being recorded (profile_step), which notes the batches
 
     def _gradient_reductions(self) -> list[tuple[list, Any, float]]:
         """(parameters, process group or None, divisor) per group of parameters whose gradients the engine still
@@ -423,6 +435,32 @@ class ParallelModel:
     def __call__(self, *args, **kwargs):
         return self.forward_module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def profile_step(self, out=print):
+        """Record every collective this rank issues inside the block, meant to hold one optimizer step as the
+        loop runs it (its ``train_step`` calls, ``no_sync``, ``clip_grad_norm_``, ``optimizer.step()``), then
+        gather every rank's record and set it out per mesh axis and operation beside the package's estimate for
+        the same step and the layout's minimum (``comm_report``). Every rank must run the block. Yields a
+        ``comm_report.StepProfile``, whose ``table`` (text) and ``rows`` are filled when the block ends; rank 0
+        hands the table to ``out`` (None: nothing printed). Nothing it records changes what runs."""
+        from .comm_ledger import CommLedger, GroupLabels, last_record_id
+        from .comm_report import StepProfile
+
+        profile = StepProfile(self)
+        labels = GroupLabels(self.meshes)
+        after = last_record_id()  # the flight recorder's last entry, when it is on (the independent count)
+        self._profile = profile
+        try:
+            with CommLedger(labels) as ledger:
+                yield profile
+        finally:
+            self._profile = None
+        profile.finish(ledger.records, labels, after, out)
+
+    def meshes(self) -> list:
+        """The device meshes of this model's layout: the layout's and each mesh view's."""
+        return [self.dims.mesh, *self.dims.view_meshes.values()]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
         from .grad_norm import clip_grad_norm_
@@ -477,6 +515,8 @@ class ParallelModel:
         from .loss import shifted_targets
 
         batch = self.to_device(batch)
+        if self._profile is not None:
+            self._profile.saw_batch(batch)
         out = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         out["targets"] = shifted_targets(batch)
         self.pm.hook.ultrascale_shard_batch(batch=out, ctx=self.ctx)

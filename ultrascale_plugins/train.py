@@ -43,10 +43,12 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = None,
-        init_from: str | None = None, log_dir: str | None = None, stop: StopSignals | None = None) -> dict:
+        init_from: str | None = None, log_dir: str | None = None, stop: StopSignals | None = None,
+        profile_step: int = 0) -> dict:
     """Train ``recipe``; returns the run's figures. ``stop`` (the worker's ``StopSignals``, installed with
     ``train.save_on_signal``): a SIGTERM on any rank ends the loop after the step every rank agrees on, with a
-    checkpoint of it (``result["stopped"]``)."""
+    checkpoint of it (``result["stopped"]``). ``profile_step``: the optimizer step (1 = the first) whose
+    communication ``ParallelModel.profile_step`` records, rank 0 printing its table (0: none)."""
     from transformers import AutoModelForCausalLM
 
     quiet_known_warnings()
@@ -157,12 +159,16 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
         batch = data.train_rows(step, dp_rank, dp_size)
-        loss = accumulate_step(pmodel, batch, recipe)
-        grad_norm = None
-        if recipe.train.max_grad_norm > 0:
-            grad_norm = float(pmodel.clip_grad_norm_(recipe.train.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        recorder = contextlib.nullcontext()
+        if step + 1 == profile_step:  # --profile-step: this step's collectives; rank 0 prints their table
+            recorder = pmodel.profile_step(out=bar.write if bar is not None else None)
+        with recorder:
+            loss = accumulate_step(pmodel, batch, recipe)
+            grad_norm = None
+            if recipe.train.max_grad_norm > 0:
+                grad_norm = float(pmodel.clip_grad_norm_(recipe.train.max_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
         if step == first_step:
             _timing_mark("first_step")
@@ -398,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume")
     parser.add_argument("--init-from")
     parser.add_argument("--log-dir", default=os.environ.get("ULTRASCALE_LOG_DIR"))
+    parser.add_argument("--profile-step", type=int, default=0)
     args = parser.parse_args(argv)
     _timing_mark("worker_main")
     _freeze_at_exit()
@@ -408,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         _timing_mark("worker_recipe")
         if recipe.train.save_on_signal:
             stop.install()
-        result = run(recipe, args.metrics, args.resume, args.init_from, args.log_dir, stop=stop)
+        result = run(recipe, args.metrics, args.resume, args.init_from, args.log_dir, stop=stop,
+                     profile_step=args.profile_step)
         if stop.signum:  # the loop's agreed stop, or a SIGTERM that came after its last vote
             stop.end(result.get("stopped"))
     except ConfigError as exc:

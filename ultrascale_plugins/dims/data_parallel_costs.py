@@ -55,9 +55,10 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         # dp_replicate. The most loaded rank is shard 0.
         s = coords.get("dp_shard", 0)
         local = []
+        dims = _dims_of(config) if any(r.view for r in records) else None
         for r in records:
             if r.view:  # in a mesh view: sharded over the view's last gradient axis (shard_view_modules)
-                local.append((r, _view_shard(config, r, coords)))
+                local.append((r, _view_shard(dims, r, coords)))
                 continue
             rows = chunk_size(r.local[0], dp_shard, s) if r.local else 0
             local.append((r, rows * math.prod(r.local[1:])))
@@ -135,10 +136,10 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
                          overlap=shape.dp_overlap)
 
 
-def _view_shard(config, r, coords) -> int:
+def _view_shard(dims, r, coords) -> int:
     """Elements of ``r`` (a parameter in a mesh view) this rank holds under FSDP2 over the view's last gradient
-    axis: dim 0 in chunks, or dim 1 when dim 0 does not split evenly (``data_parallel.shard_view_modules``)."""
-    dims = _dims_of(config)
+    axis: dim 0 in chunks, or dim 1 when dim 0 does not split evenly (``data_parallel.shard_view_modules``).
+    ``dims``: the layout's ``ParallelDims``."""
     axis = dims.view_grad_axes(r.view)[-1]
     shards, index = dims.degree(axis), coords.get(axis, 0)
     dim = 1 if len(r.local) > 1 and r.local[0] % shards else 0

@@ -134,12 +134,28 @@ def layers_present(model: nn.Module, plan: "ModelPlan | None") -> list[str]:
 
 
 def _expand(plan: dict[str, str], names) -> dict[str, str]:
+    """{name: style of the last entry of ``plan`` that names it, exactly or as a wildcard}. An edited plan holds
+    exact names (tens of thousands for a model of 256 experts per layer): those are looked up, and only the
+    wildcards are matched, so the cost grows with names x wildcards, not names x entries."""
+    styles = list(plan.values())
+    exact = {pattern: i for i, pattern in enumerate(plan) if not _WILDCARD.search(pattern)}
+    wild = [(i, re.compile(fnmatch.translate(pattern)).match) for i, pattern in enumerate(plan)
+            if _WILDCARD.search(pattern)][::-1]
     out: dict[str, str] = {}
     for fqn in names:
-        for pattern, style in plan.items():
-            if fqn == pattern or fnmatch.fnmatchcase(fqn, pattern):
-                out[fqn] = style
+        best = exact.get(fqn, -1)
+        for i, match in wild:  # last entry first: the first that matches is the last in the plan
+            if i < best:
+                break
+            if match(fqn):
+                best = i
+                break
+        if best >= 0:
+            out[fqn] = styles[best]
     return out
+
+
+_WILDCARD = re.compile(r"[*?\[]")
 
 
 def _fqn_of(model: nn.Module, target: nn.Module | None) -> str | None:
