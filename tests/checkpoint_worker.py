@@ -166,6 +166,12 @@ def main():
         result["zero1_uninterrupted"] = first + train(pmodel, opt, range(SAVE_AT, STEPS))
         result["zero1_same_layout"] = resumed({"zero_stage": 1}, ckpt_z1)
         result["zero1_to_tp2_dp2"] = resumed({"dp_shard": 2, "tp": 2}, ckpt_z1)
+        # ZeRO-1 over tensor parallel (FSDP2 over the data-parallel ranks): resumes from, and reshards to, dp4
+        result["dp4_to_zero1_tp2"] = resumed({"zero_stage": 1, "dp_shard": 2, "tp": 2}, ckpt)
+        pmodel, opt = build({"zero_stage": 1, "dp_shard": 2, "tp": 2})
+        train(pmodel, opt, range(SAVE_AT))
+        ckpt_z1tp = save_checkpoint(pmodel, opt, out / "zero1tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})
+        result["zero1_tp2_to_dp4"] = resumed(a, ckpt_z1tp)
         result.update(checksum_shares(out / "checksums"))
     elif mode == "pretrained":
         result = pretrained(out)

@@ -3,7 +3,13 @@
 CASES = {
     # 2 ranks
     "zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 3}, "roundtrip": True},
-    "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}},
+    # gradient accumulation ("accumulate": (dp, micro-batches): no_sync before the last, token-weighted): ZeRO-2
+    # keeps the weights gathered over the step; grad_sync: step reduces once, after the last micro-batch
+    # (the c10d all-gathers and reduce-scatters of the last step are counted: tests/test_parity.py)
+    "zero2_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "zero_stage": 2}, "accumulate": (2, 4),
+                  "count_collectives": True},
+    "zero3_dp2_step_sync": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "grad_sync": "step"},
+                            "accumulate": (2, 4), "count_collectives": True},
     # explicit FSDP2 prefetch: the targets each layer was given are counted (tests/test_parity.py)
     "zero3_dp2_prefetch": {"world": 2, "arch": "llama8",
                            "layout": {"dp_shard": 2, "fsdp_forward_prefetch": 2, "fsdp_backward_prefetch": 1}},
@@ -35,6 +41,12 @@ CASES = {
     "dp2_tp2": {"world": 4, "arch": "llama", "layout": {"dp_shard": 2, "tp": 2}},
     "dp2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}},
     "zero2_dp2_tp2": {"world": 4, "arch": "qwen2", "layout": {"dp_shard": 2, "tp": 2, "zero_stage": 2}},
+    # the seeds' layouts: DDP and ZeRO-1 over tensor parallel, accumulating
+    "ddp_dp2_tp2": {"world": 4, "arch": "llama", "layout": {"dp_shard": 2, "tp": 2, "zero_stage": 0},
+                    "accumulate": (2, 2)},
+    "zero1_dp2_tp2_sp": {"world": 4, "arch": "llama_tied",
+                         "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1},
+                         "accumulate": (2, 2), "roundtrip": True},
     "tied_dp2_tp2_sp": {"world": 4, "arch": "llama_tied",
                         "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}, "roundtrip": True},
     "gpt2_dp2_tp2_sp": {"world": 4, "arch": "gpt2", "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True}},
@@ -52,10 +64,16 @@ for _schedule, _extra in PP_SCHEDULES.items():
                                              "layout": {"pp": 4, "pp_schedule": _schedule, **_extra}}
 CASES.update({
     "pp4_1f1b_llama8": {"world": 4, "arch": "llama8", "layout": {"pp": 4, "pp_schedule": "1f1b"}},
-    "pp2_zero3_dp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "dp_shard": 2}, "roundtrip": True},
+    "pp2_zero3_dp2": {"world": 4, "arch": "llama8_tied", "layout": {"pp": 2, "dp_shard": 2}, "roundtrip": True,
+                      "count_collectives": True},
+    # grad_sync: micro_batch inside a pipeline: FSDP2 reduce-scatters after every micro-batch's backward (the
+    # stages would defer it to the step's last), ZeRO-2 keeping the weights gathered, ZeRO-3 resharding them
     "pp2_zero2_dp2_interleaved": {"world": 4, "arch": "llama8",
-                                  "layout": {"pp": 2, "dp_shard": 2, "zero_stage": 2,
+                                  "layout": {"pp": 2, "dp_shard": 2, "zero_stage": 2, "grad_sync": "micro_batch",
                                              "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
+    "pp2_gpipe_zero3_dp2_micro_batch": {"world": 4, "arch": "llama8_tied",
+                                        "layout": {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe",
+                                                   "grad_sync": "micro_batch"}, "count_collectives": True},
     "pp2_zbv_dp2_ac_full": {"world": 4, "arch": "llama8_tied",
                             "layout": {"pp": 2, "dp_shard": 2, "pp_schedule": "zbv",
                                        "activation_checkpointing": "full"}},
@@ -74,6 +92,9 @@ CASES.update({
                                           "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}},
     "pp2_tp2_dp2_sp": {"world": 8, "arch": "llama8_tied",
                        "layout": {"pp": 2, "tp": 2, "dp_shard": 2, "sequence_parallel": True}},
+    # Frontier's layout (tp x pp x dp at ZeRO-1), small: FSDP2 over the tensor-parallel stages, gathered for the step
+    "pp2_tp2_dp2_zero1": {"world": 8, "arch": "llama8_tied", "layout": {"pp": 2, "tp": 2, "dp_shard": 2,
+                                                                        "zero_stage": 1}},
     "pp2_tp2_dp2_zbv": {"world": 8, "arch": "llama8", "layout": {"pp": 2, "tp": 2, "dp_shard": 2,
                                                                  "pp_schedule": "zbv"}},
 })
@@ -222,7 +243,7 @@ ADAMW_CASES = {
     "qwen2_tp2", "bf16_zero3_dp2", "hsdp_2x2", "dp2_tp2", "dp2_tp2_sp", "zero2_dp2_tp2", "tied_dp2_tp2_sp",
     "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
     "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "cp2_ring_padded", "cp2_dp2_ring_packed",
-    "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", *EP_ADAMW,
+    "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", "ddp_dp2_tp2", "zero1_dp2_tp2_sp", *EP_ADAMW,
 }
 for _name, _case in CASES.items():
     _case["adamw"] = _name in ADAMW_CASES

@@ -8,6 +8,7 @@ records the largest loss and weight differences. Usage (see tests/test_parity.py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,6 +103,24 @@ def micro_batches(batch: dict, dp: int, m: int) -> list[tuple[float, dict]]:
     return [(c / sum(counts), p) for c, p in zip(counts, parts)]
 
 
+def step(pmodel, batch: dict, spec: dict) -> torch.Tensor:
+    """One optimizer step's forward and backward on this rank's rows. With ``accumulate`` (dp, m) outside a
+    pipeline (whose schedule runs its own micro-batches): m micro-batches, each weighted by its share of the step's
+    valid tokens, all but the last inside ``no_sync``, as every front end accumulates."""
+    mine = rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)
+    m = spec.get("accumulate", (1, 1))[1] if not spec["layout"].get("pp") else 1
+    if m == 1:
+        return pmodel.train_step(mine)
+    size = mine["input_ids"].shape[0] // m
+    chunks = [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(m)]
+    shares = pmodel.token_shares(chunks)
+    total = 0.0
+    for i, chunk in enumerate(chunks):
+        with (contextlib.nullcontext() if i == m - 1 else pmodel.no_sync()):
+            total = total + shares[i] * pmodel.train_step(chunk, loss_scale=shares[i])
+    return total
+
+
 def make_batches(spec: dict) -> list[dict]:
     """Right-padded batches (16 tokens unless the case says ``seq``), or packed ones (``data: packed``)."""
     seq = spec.get("seq", 16)
@@ -117,11 +137,14 @@ def run_case(name: str, spec: dict) -> dict | None:
     pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
     opt = pmodel.build_optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
+    counter = CollectiveCounter()
     for batch in batches:
-        loss = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size))
-        norms.append(float(pmodel.clip_grad_norm_(CLIP)))
-        opt.step()
-        if len(losses) == len(batches) - 1:  # gradients and optimizer states all exist now
+        last = len(losses) == len(batches) - 1
+        with (counter if last and spec.get("count_collectives") else contextlib.nullcontext()):
+            loss = step(pmodel, batch, spec)
+            norms.append(float(pmodel.clip_grad_norm_(CLIP)))
+            opt.step()
+        if last:  # gradients and optimizer states all exist now
             held = holdings(pmodel, opt)
         opt.zero_grad()
         losses.append(loss.item())
@@ -144,7 +167,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     graphs = compiled_graphs() - graphs_before  # compile: regional must really have compiled
     breaks = graph_breaks() - breaks_before  # ... the whole layer, not pieces of it
     # the optimizer implementations are independent of compilation: compiled cases skip them (compile time)
-    adamw = adamw_implementations_agree(arch, layout, batches) if spec.get("adamw", True) else {}
+    adamw = adamw_implementations_agree(arch, spec, batches) if spec.get("adamw", True) else {}
     if dist.get_rank() != 0:
         return None
     accumulate = spec.get("accumulate")
@@ -162,7 +185,33 @@ def run_case(name: str, spec: dict) -> dict | None:
             "ranks_agree": all(g == gathered[0] for g in gathered), "roundtrip": roundtrip, "adamw": adamw,
             "bytes_held": bytes_held, "plugin_state": plugin_state,
             "router_bias": max((float(weights[k].abs().max()) for k in weights if k.endswith("e_score_correction_bias")),
-                               default=None), "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel)}
+                               default=None), "compiled_graphs": graphs, "graph_breaks": breaks, "prefetch": prefetch_targets(pmodel),
+            "collectives": {**counter.calls, "fsdp_groups": fsdp_groups(pmodel)}}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Calls of the c10d all-gathers and reduce-scatters (FSDP2's) while active, whatever Python function issued
+    them: {"all_gather": n, "reduce_scatter": n}."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("c10d::"):
+            if "allgather" in name or "all_gather" in name:
+                self.calls["all_gather"] += 1
+            elif "reduce_scatter" in name:
+                self.calls["reduce_scatter"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp_groups(pmodel) -> int:
+    """How many FSDP2 groups (``fully_shard`` calls) this rank's modules hold."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for part in pmodel.modules for m in part.modules())
 
 
 def prefetch_targets(pmodel) -> list[int]:
@@ -192,17 +241,17 @@ ADAMW = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": 
 ADAMW_STEPS, ADAMW_LR = 2, 1e-4
 
 
-def adamw_implementations_agree(arch: str, layout: dict, batches) -> dict:
+def adamw_implementations_agree(arch: str, spec: dict, batches) -> dict:
     """The same layout trained with torch's AdamW as a for-loop, foreach (the CUDA default) and fused (the
     Trainer's default): {implementation: (max |loss - for-loop loss|, max |weight - for-loop weight|)}. All
     three must run: foreach and fused refuse a mix of DTensor and plain parameters."""
     runs = {}
     for kind, flags in ADAMW.items():
-        pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**layout))
+        pmodel = us.parallelize(make_model(arch), us.ParallelConfig(**spec["layout"]))
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=ADAMW_LR, **flags)
         losses = []
         for batch in batches[:ADAMW_STEPS]:
-            losses.append(pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)).item())
+            losses.append(step(pmodel, batch, spec).item())
             pmodel.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()

@@ -46,7 +46,8 @@ def test_resume_is_exact_and_reshards_across_layouts_and_world_sizes(sharded_run
     # buckets after a process's first step, so the resumed run's first all-reduces sum in another order
     assert r["zero1_same_layout"] == pytest.approx(r["zero1_uninterrupted"][3:], abs=1e-6, rel=0)
     for name in ("tp2_dp2_sp", "pp2_tp2_to_dp4", "dp4_to_pp2_zbv_dp2", "tp2_from_4_ranks", "dp4_to_zero1",
-                 "zero1_to_tp2_dp2", "dp4_to_cp2_tp2_sp", "dp4_to_cp2_ulysses_dp2"):
+                 "zero1_to_tp2_dp2", "dp4_to_cp2_tp2_sp", "dp4_to_cp2_ulysses_dp2", "dp4_to_zero1_tp2",
+                 "zero1_tp2_to_dp4"):
         assert max(abs(a - b) for a, b in zip(r[name], expected)) <= 1e-5, (name, r[name], expected)
 
 

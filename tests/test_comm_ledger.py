@@ -117,6 +117,9 @@ def test_minimum_is_the_playbooks_formulas():
     for zero, rs, ag in ((1, (1, psi), (1, psi)), (2, (4, 4 * psi), (1, psi)), (3, (4, 4 * psi), (8, 8 * psi))):
         terms = _minimum({"dp_shard": 2, "zero_stage": zero}, 2, micro_batches=4, **step)
         assert terms["dp_shard", "reduce_scatter"] == rs and terms["dp_shard", "all_gather"] == ag, zero
+    # grad_sync: step reduces once per step and keeps ZeRO-3's weights gathered over it
+    terms = _minimum({"dp_shard": 2, "zero_stage": 3, "grad_sync": "step"}, 2, micro_batches=4, **step)
+    assert terms["dp_shard", "reduce_scatter"] == (1, psi) and terms["dp_shard", "all_gather"] == (1, psi)
     assert _minimum({"dp_shard": 2, "zero_stage": 0}, 2, **step)["dp_shard", "all_reduce"] == (1, psi)
     # a pipeline: each micro-batch's activation forward and its gradient back, at both ends of the boundary
     pp = _minimum({"pp": 2, "dp_shard": 1, "pp_microbatches": 8}, 2, micro_batches=8, **step)
@@ -153,10 +156,13 @@ def test_the_ledger_counts_the_layouts_collectives(ledger):
     assert (rows["dp_shard", "all_gather"]["calls"], rows["dp_shard", "all_gather"]["payload"]) == \
         (2 * groups - 1, psi + layers)
     assert rows["dp_shard", "reduce_scatter"]["minimum"]["payload"] == psi
-    # ZeRO-2 keeps gradients sharded across the window: reduce-scattered after each of the 4 micro-batches
+    # ZeRO-2 keeps gradients sharded across the window: reduce-scattered after each of the 4 micro-batches; the
+    # weights stay gathered over it: each group gathered once per step, the minimum
     _, rows = ledger["zero2_m4"]
     assert (rows["dp_shard", "reduce_scatter"]["calls"], rows["dp_shard", "reduce_scatter"]["payload"]) == \
         (4 * groups, 4 * psi)
+    assert (rows["dp_shard", "all_gather"]["calls"], rows["dp_shard", "all_gather"]["payload"]) == (groups, psi)
+    assert rows["dp_shard", "all_gather"]["minimum"]["payload"] == psi
     # tensor parallel: every collective on the tp axis, no fewer all-reduces than Megatron's count per block
     # (today more: issue 33 item 2 lowers them to it)
     _, rows = ledger["tp2"]

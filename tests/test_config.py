@@ -92,6 +92,8 @@ def test_tp_must_divide_heads_and_kv_heads():
     ({"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 1}, ["pp_microbatches=1", "at least pp=2"]),
     ({"pp": 2, "pp_schedule": "dualpipev", "pp_microbatches": 2}, ["at least 2*pp=4"]),
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 8}, ["16 stages", "num_hidden_layers=8"]),
+    ({"pp": 2, "dp_shard": 2, "zero_stage": 2, "pp_schedule": "zbv", "grad_sync": "micro_batch"},
+     ["grad_sync='micro_batch'", "pp_schedule='zbv'", "grad_sync: step"]),
     ({"pp": 2, "pp_split": [2, 1]}, ["pp_split=[2, 1]", "summing to num_hidden_layers=8"]),
     ({"pp": 2, "pp_split": "1,1"}, ["pp_split='1,1'", "a list"]),
     ({"pp": 2, "pp_split": [1, "x"]}, ["pp_split=[1, 'x']", "list of layer counts"]),
@@ -120,8 +122,10 @@ def test_pp_larger_than_layers():
 
 @pytest.mark.parametrize("fields, words", [
     ({"mixed_precision": "fp16"}, ["fp16", "bf16"]),
-    ({"tp": 2, "zero_stage": 1}, ["zero_stage=1", "tp=2", "zero_stage: 2 or 3"]),
-    ({"tp": 2, "dp_replicate": 2, "dp_shard": 1}, ["dp_shard=1", "tp=2", "dp_shard >= 2"]),
+    ({"tp": 2, "zero_stage": 1, "grad_sync": "micro_batch"}, ["grad_sync='micro_batch'", "zero_stage=1",
+                                                               "grad_sync: step"]),
+    ({"zero_stage": 0, "grad_sync": "micro_batch"}, ["grad_sync='micro_batch'", "zero_stage=0", "zero_stage: 2 or 3"]),
+    ({"grad_sync": "sometimes"}, ["grad_sync", "sometimes", "micro_batch"]),
     ({"tp": 4}, ["num_key_value_heads=2"]),
     ({"sequence_parallel": True}, ["sequence_parallel", "tp > 1"]),
     ({"loss_parallel": True}, ["loss_parallel", "tp > 1"]),
@@ -135,6 +139,23 @@ def test_validate_before_any_process_group(fields, words):
     for word in words:
         assert word in str(err.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("fields", [{"tp": 2, "zero_stage": 1}, {"tp": 2, "zero_stage": 0},
+                                    {"tp": 2, "dp_replicate": 2, "dp_shard": 1}])
+def test_replicated_data_parallel_over_tensor_parallel_is_a_layout(fields):
+    """DDP and ZeRO-1 with TP (the Ultra-Scale Playbook's and Frontier's layouts) validate: ZeRO-1 runs on FSDP2, DDP
+    on the engine's all-reduce (tests/parity_cases.py: ddp_dp2_tp2, zero1_dp2_tp2_sp, pp2_tp2_dp2_zero1)."""
+    validate(ParallelConfig(**fields), make_config("llama"), world_size=4)
+
+
+@pytest.mark.parametrize("fields, resolved", [({}, "micro_batch"), ({"zero_stage": 2}, "micro_batch"),
+                                              ({"zero_stage": 1}, "step"), ({"zero_stage": 0}, "step"),
+                                              ({"pp": 2, "dp_shard": 2}, "step"),
+                                              ({"grad_sync": "step"}, "step")])
+def test_grad_sync_auto(fields, resolved):
+    """auto: ZeRO-2/3 reduce every micro-batch (sharded accumulation), ZeRO-0/1 and pipelines once per step."""
+    assert ParallelConfig(**fields).resolve(4).grad_sync == resolved
 
 
 def test_parallelize_rejects_bad_layout_before_creating_a_group(monkeypatch):

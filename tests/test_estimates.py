@@ -96,12 +96,37 @@ def test_recomputation_and_sequence_parallel_shrink_activations():
 def test_estimate_validates_the_layout_unless_told_not_to():
     with pytest.raises(us.ConfigError, match="world size is 3"):
         us.estimate(us.ParallelConfig(tp=2, dp_shard=2), make_config("llama"), world_size=3)
-    # TP x ZeRO-1 is refused by the engine but can still be costed (the planner's "runnable": false)
-    cfg = us.ParallelConfig(tp=2, dp_shard=2, zero_stage=1)
+    # a layout the engine refuses can still be costed (the planner's "runnable": false)
+    cfg = us.ParallelConfig(tp=2, dp_shard=2, zero_stage=1, grad_sync="micro_batch")
     with pytest.raises(us.ConfigError):
         us.estimate(cfg, make_config("llama"), world_size=4)
     assert us.estimate(cfg, make_config("llama"), world_size=4, check=False).memory["optimizer"] > 0
     assert not math.isnan(us.estimate(cfg, make_config("llama"), world_size=4, check=False).total_memory)
+
+
+def test_grad_sync_is_priced():
+    """Over 4 micro-batches: ZeRO-2 gathers the weights once per step (they stay gathered) and reduce-scatters
+    every micro-batch; grad_sync: step reduce-scatters once and holds every whole fp32 gradient over the step; ZeRO-3
+    reduced every micro-batch gathers twice per micro-batch (the root group once). In units of the model's fp32 bytes Ψ per rank."""
+    mc = make_config("llama")
+
+    def estimate(**fields):
+        return us.estimate(us.ParallelConfig(dp_shard=2, **fields), mc, world_size=2, seq_len=16, micro_batches=4)
+
+    psi = 4 * sum(_numels("llama"))
+    units = {k: estimate(**f).comm["dp_shard"] / psi for k, f in {
+        "zero2": {"zero_stage": 2}, "zero2_step": {"zero_stage": 2, "grad_sync": "step"},
+        "zero3": {"zero_stage": 3}, "zero3_step": {"zero_stage": 3, "grad_sync": "step"}}.items()}
+    blocks = make_model("llama").model.layers
+    layers = 4 * sum(p.numel() for p in blocks.parameters()) / psi  # the decoder layers' share of Ψ
+    # ZeRO-3: per micro-batch one reduce-scatter, every weight gathered for the forward and the layers again for
+    # the backward (the root group, embedding, final norm and head, stays gathered in between)
+    assert units == pytest.approx({"zero2": 5.0, "zero2_step": 2.0, "zero3": 4 * (2 + layers), "zero3_step": 2.0})
+    held = {g: estimate(zero_stage=2, grad_sync=g).memory for g in ("micro_batch", "step")}
+    assert held["step"]["grads"] == held["micro_batch"]["grads"]  # sharded between steps either way
+    # every whole fp32 gradient held over the step, not one layer's waiting for its reduce-scatter
+    layer = 4 * max(sum(p.numel() for p in block.parameters()) for block in blocks)
+    assert held["step"]["other"] - held["micro_batch"]["other"] == psi - layer
 
 
 def test_activations_match_what_autograd_saves_on_this_machine():

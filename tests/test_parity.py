@@ -33,6 +33,18 @@ def test_layout_matches_single_process(name, parity_results):
         want = [sum(min(layout.get(f"fsdp_{way}_prefetch", 0), left) for left in range(8))
                 for way in ("forward", "backward")]
         assert r["prefetch"] == want, (r["prefetch"], want)
+    if CASES[name].get("count_collectives"):  # accumulation's communication per optimizer step (rank 0's)
+        calls, groups = r["collectives"], r["collectives"]["fsdp_groups"]
+        if layout.get("pp"):  # the schedule's micro-batches
+            micro_batches = layout.get("pp_microbatches") or layout["pp"] * layout.get("pp_virtual_stages", 1)
+        else:
+            micro_batches = CASES[name]["accumulate"][1]
+        once = layout.get("grad_sync", "step" if layout.get("pp") else "micro_batch") == "step"
+        if once or layout.get("zero_stage", 3) == 2:  # the weights stay gathered over the step
+            assert calls["all_gather"] == groups, f"weights gathered {calls['all_gather']} times, {groups} groups"
+        else:  # ZeRO-3 reduced every micro-batch: gathered again for each micro-batch
+            assert calls["all_gather"] >= groups * micro_batches, calls
+        assert calls["reduce_scatter"] == groups * (1 if once else micro_batches), calls
     if layout.get("compile", "none") != "none":
         assert r["compiled_graphs"] > 0, "compile: regional compiled nothing"
         if not layout.get("cp"):  # context parallel's attention runs eagerly inside the layer: a break there

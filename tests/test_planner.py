@@ -94,13 +94,18 @@ def test_the_plan_prefers_headroom_when_it_costs_little(capsys):
 
 
 def test_one_given_layout_even_one_this_engine_cannot_run(capsys):
+    # the Ultra-Scale Playbook's ZeRO-1 x TP row (3B, dp=4, tp=2): runnable (ZeRO-1 over TP runs on FSDP2)
     code, out, _ = _plan(capsys, "--model", "llama-3.2-3b", "--gpus", "8", "--gpu", "h100-sxm-80gb", "--profile",
                          "nanotron", "--layout", "dp=4,tp=2,pp=1,cp=1,zero=1,mbs=1,ga=64,recompute=none", "--json")
     assert code == 0
     (only,) = json.loads(out)["candidates"]
-    assert only["runnable"] is False and "tp" in only["not_runnable_because"]  # TP x ZeRO-1: measured, not run here
+    assert only["runnable"] is True, only.get("not_runnable_because")
     assert only["tp"] == 2 and only["zero_stage"] == 1 and only["memory_gb"]["total"] > 0
     assert only["comm_gb_per_step"]["tp"] > 0 and only["comm_gb_per_step"]["dp_shard"] > 0  # volume per axis
+    code, out, _ = _plan(capsys, "--model", "llama-3.2-3b", "--gpus", "16", "--gpu", "h100-sxm-80gb", "--profile",
+                         "nanotron", "--layout", "dp=1,tp=16,pp=1,cp=1,zero=1,mbs=1,ga=256,recompute=none", "--json")
+    (only,) = json.loads(out)["candidates"]  # measured, not run here
+    assert only["runnable"] is False and "num_attention_heads=24" in only["not_runnable_because"]
     code, out, _ = _plan(capsys, "--model", "llama-3.2-3b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
                          "--layout", "dp=8,zero=3,mbs=1,ga=32,recompute=full", "--json")
     (full,) = json.loads(out)["candidates"]
@@ -239,6 +244,15 @@ def test_frontier_runs_hardware_flops_utilization_within_eight_points():
     assert report["met"] and report["largest_gap_points"] <= 8
     for run in report["runs"].values():
         assert run["predicted_mfu_pct"] == pytest.approx(0.75 * run["predicted_hfu_pct"], abs=0.02)
+    # and this engine runs their layouts (ZeRO-0 and ZeRO-1 over tp x pp x dp: FSDP2 for ZeRO-1 over TP)
+    from ultrascale_plugins.planner.cost import CostModel, Workload
+    from ultrascale_plugins.planner.hardware import PRESETS
+    from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config
+
+    for fields, seq_len, batch, layout, _ in frontier.RUNS.values():
+        model = CostModel(ModelSpec.of(load_model_config(fields)), PRESETS["mi250x-gcd-64gb"],
+                          Workload(seq_len, batch, "nanotron", "adamw"))
+        assert model.runnable(layout) == (True, ""), layout.label()
 
 
 def _snippets(out: str) -> tuple[str, str, str]:

@@ -69,6 +69,8 @@ def _close(a, b, tol):
 # (the first is mostly padding), weighted by their tokens as a plain Trainer weights them (num_items_in_batch)
 ACCUMULATION_LAYOUTS = {"zero3": ["dp_shard=2"], "zero1": ["dp_shard=2", "zero_stage=1"], "tp": ["tp=2"],
                         "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"],
+                        # gradients reduced once per step (whole fp32 gradients held over the window)
+                        "zero2_step": ["dp_shard=2", "zero_stage=2", "grad_sync=step"],
                         # expert parallel on a mixture of experts, against a plain Trainer of the same MoE
                         "ep": ["dp_shard=2", "ep=2", "--arch", "qwen3_moe"],
                         # last: TrainingArguments(torch_compile=True) sets Accelerate's variables for the process

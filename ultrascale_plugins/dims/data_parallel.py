@@ -1,9 +1,24 @@
 """Data parallel: ZeRO-3 / ZeRO-2 / HSDP through FSDP2 ``fully_shard``, ZeRO-1 and plain replication through DDP
 (plus ``ZeroRedundancyOptimizer`` for ZeRO-1), and mixed precision.
 
+Over tensor-parallel (DTensor) parameters, which neither DDP nor ``ZeroRedundancyOptimizer`` can hold: ZeRO-1 runs
+on FSDP2 sharded over every data-parallel rank, its parameters kept gathered and its gradients reduced once per
+optimizer step (``grad_sync: step``), which is ZeRO-1's memory and communication with the optimizer states sharded
+as DTensors (fused and foreach AdamW run on them); ZeRO-0 leaves the gradients to the engine, which averages them
+over the data-parallel axes in one flat all-reduce after a step's last backward (as it already does for pipeline
+stages). Why not torch's own "DDP over DTensors": its composable ``replicate`` built on FSDP2
+(``torch.distributed._composable.replicate_with_fsdp``) exists at the torch 2.11 floor but is private and changed
+shape between 2.10 and 2.13, and ``fully_shard`` over a (replicate, shard=1) mesh needs a degree-1 mesh axis and
+keeps a second, unsharded copy of every parameter; the engine's all-reduce moves the same bytes with neither.
+
 FSDP2 groups: one per decoder layer and one at the root. The root group holds the embedding, the final norm
 and the head, so a tied embedding/head parameter lives in exactly one group (torch rejects a parameter shared
 by two groups).
+
+Across a step's micro-batches (gradient accumulation, or a pipeline's), ``grad_sync`` chooses: ``micro_batch``
+reduce-scatters every micro-batch's gradients (they accumulate sharded; ZeRO-3 re-gathers the weights for every
+forward and backward, ZeRO-2 keeps them gathered over the step), ``step`` holds every whole fp32 gradient over the
+step and reduces once, after the last micro-batch, with the weights gathered once for the step.
 """
 from __future__ import annotations
 
@@ -14,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..interface.config import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
 from ..interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
+from .data_parallel_costs import grad_sync
 
 DTYPES = {"bf16": torch.bfloat16}
 
@@ -36,13 +52,20 @@ def ultrascale_add_fields(fields):
     fields.add("dp_replicate", int, 1, "replicated data-parallel degree (HSDP's replica groups)", minimum=1)
     fields.add("dp_shard", int, -1, "sharded data-parallel degree; -1 = the rest of the world", check=_dp_shard)
     fields.add("zero_stage", int, 3, "3: parameters, gradients and optimizer states sharded (FSDP2); 2: gradients "
-               "and optimizer states; 1: optimizer states (DDP + ZeroRedundancyOptimizer); 0: plain DDP",
+               "and optimizer states; 1: optimizer states (DDP + ZeroRedundancyOptimizer; over tensor-parallel parameters "
+               "FSDP2, gathered for the step and reduced once); 0: plain DDP (over tensor-parallel parameters one "
+               "all-reduce per step)",
                choices=(0, 1, 2, 3))
     for way, default in (("forward", "none: each layer's all-gather is issued when the layer starts"),
                          ("backward", "one layer, implicitly")):
         fields.add(f"fsdp_{way}_prefetch", int, 0, f"FSDP2: how many layers ahead each layer's {way} issues the "
                    f"next layers' all-gathers (explicit prefetch: more overlap, more memory); 0 = FSDP2's default "
                    f"({default})", minimum=0)
+    fields.add("grad_sync", str, "auto", "when data parallel reduces the gradients of a step's micro-batches "
+               "(gradient accumulation, or a pipeline's): micro_batch: after each (FSDP2 reduce-scatters, gradients "
+               "accumulate sharded); step: once, after the last (every whole fp32 gradient held over the step, the "
+               "weights gathered once); auto: step for zero_stage 0 and 1 and inside a pipeline, else micro_batch",
+               choices=("auto", "micro_batch", "step"), auto=grad_sync)
     fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
                choices=("no", "bf16", "fp16"), check=_precision)
 
@@ -60,14 +83,14 @@ def ultrascale_wrap_model(model, ctx):
     dims, cfg = ctx.dims, ctx.config
     dtype = DTYPES.get(cfg.mixed_precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    # Inside a pipeline, layers stay unsharded between micro-batches (one all-gather per step, not per
-    # micro-batch), as torchtitan does.
-    reshard = cfg.zero_stage == 3 and not dims.enabled("pp")
+    # ZeRO-3 reshards each layer after its forward (and gathers it again for the backward) only when gradients are
+    # reduced every micro-batch; reduced once per step (a pipeline's default, as torchtitan does) the weights stay
+    # gathered for the step: one all-gather per step, not two per micro-batch
+    reshard = cfg.zero_stage == 3 and cfg.grad_sync == "micro_batch"
     if cfg.zero_stage >= 2:
         shard_view_modules(model, ctx, reshard, policy)
     if dims.fsdp:
-        # HSDP when both data axes are >1: FSDP2 replicates over the first mesh dim and shards over the second.
-        mesh = ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
+        mesh = fsdp_mesh(ctx)
         groups = fsdp_groups(model, ctx.plan_layers(model))
         for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -78,15 +101,18 @@ def ultrascale_wrap_model(model, ctx):
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an
         # all-gather at no real memory cost.
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        if dims.enabled("pp") and cfg.grad_sync == "micro_batch":
+            reduce_every_micro_batch(model, reshard)
         ctx.claim_grad_reduction("dp_replicate", "dp_shard")
         return
     if dtype is not None:
         ctx.autocast_dtype = dtype
     dp_mesh = ctx.sub_mesh(("dp_replicate", "dp_shard"))
-    if dp_mesh is None or len(ctx.modules) > 1 or dims.enabled("pp"):
+    if dp_mesh is None or len(ctx.modules) > 1 or dims.enabled("pp") or holds_dtensors(model):
         # Pipeline stages: DDP's reducer miscounts parameters under the schedule's per-micro-batch no_sync (torch
-        # 2.13: "rebuilt parameter indices size is not same"), so the engine averages their gradients after the
-        # schedule's last backward instead (these axes stay unclaimed).
+        # 2.13: "rebuilt parameter indices size is not same"); tensor-parallel (DTensor) parameters: DDP cannot hold
+        # them. The engine averages their gradients after a step's last backward instead, in one flat all-reduce
+        # (these axes stay unclaimed).
         return
     ctx.materialize()  # DDP broadcasts rank 0's parameters when it wraps the model: they must exist
     in_views = [f"{fqn}.{name}" for fqn in ctx.view_modules(model)
@@ -98,12 +124,46 @@ def ultrascale_wrap_model(model, ctx):
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
 
 
+def fsdp_mesh(ctx):
+    """ZeRO-2/3: dp_shard, or (dp_replicate, dp_shard) for HSDP (FSDP2 replicates over the first mesh dim and shards
+    over the second). ZeRO-1 over DTensors: every data-parallel rank flattened into one axis, so the optimizer states
+    are partitioned over all of them, as ``ZeroRedundancyOptimizer`` partitions them."""
+    dims = ctx.dims
+    if ctx.config.zero_stage == 1:
+        return ctx.sub_mesh(("dp_replicate", "dp_shard"))
+    return ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
+
+
+def holds_dtensors(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def reduce_every_micro_batch(stage, reshard: bool) -> None:
+    """A pipeline stage with ``grad_sync: micro_batch``. torch's ``PipelineStage`` turns an FSDP2 stage's gradient
+    reduction and its resharding off before every micro-batch's backward (``set_requires_gradient_sync``,
+    ``set_reshard_after_backward``, ``set_is_last_backward``) and runs both once after the last (``post_backward``).
+    Its calls on this stage's root that would defer the reduction are made no-ops here, so FSDP2 reduce-scatters
+    after every micro-batch's backward as it does outside a pipeline (its own hooks); with ``reshard`` (ZeRO-3) the
+    weights are resharded after each too, else (ZeRO-2) the stage's closing ``post_backward`` reshards them, once.
+    It finds no gradient left to reduce. ``no_sync`` still sets the flags (through the class)."""
+    names = ["set_requires_gradient_sync", "set_is_last_backward"] + (["set_reshard_after_backward"] if reshard else [])
+    for name in names:
+        object.__setattr__(stage, name, _ignored)
+
+
+def _ignored(*args, **kwargs) -> None:
+    return None
+
+
 @hookimpl
 def ultrascale_no_sync(pmodel):
-    """Gradient accumulation: DDP's all-reduce and HSDP's all-reduce over the replicas wait for the last backward;
-    FSDP2's reduce-scatters still run after every micro-batch's backward, so gradients accumulate sharded: deferring
-    them would keep every parameter's whole fp32 gradient on every rank until the last micro-batch (the model's
-    full size, not 1/dp_shard of it)."""
+    """Gradient accumulation, before a step's last micro-batch. DDP's all-reduce and HSDP's all-reduce over the
+    replicas wait for the last backward. FSDP2: with ``grad_sync: micro_batch`` its reduce-scatters still run after
+    every micro-batch's backward, so gradients accumulate sharded; with ``step`` they wait too (every whole fp32
+    gradient held until the last micro-batch). Weights that stay gathered over the step (ZeRO-2, or ``step``) are
+    not resharded after these backwards, so the next forward gathers nothing; the last backward reshards them."""
     import contextlib
 
     from torch.distributed.fsdp import FSDPModule
@@ -112,17 +172,25 @@ def ultrascale_no_sync(pmodel):
     ddp = pmodel.forward_module if isinstance(pmodel.forward_module, DistributedDataParallel) else None
     if not fsdp and ddp is None:
         return None
+    cfg = pmodel.config
+    once = cfg.grad_sync == "step"
+    gathered = once or cfg.zero_stage < 3
 
     @contextlib.contextmanager
     def local():
         for m in fsdp:
-            m.set_requires_all_reduce(False)
+            FSDPModule.set_requires_all_reduce(m, False)
+            if once:
+                FSDPModule.set_requires_gradient_sync(m, False)
+            if gathered:
+                FSDPModule.set_reshard_after_backward(m, False)
         try:
             with (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
                 yield
         finally:
             for m in fsdp:
-                m.set_requires_all_reduce(True)
+                FSDPModule.set_requires_gradient_sync(m, True)  # the reduce-scatter and the replicas' all-reduce
+                FSDPModule.set_reshard_after_backward(m, True)
 
     return local()
 
@@ -171,6 +239,10 @@ def prefetch(layers: list, forward: int, backward: int) -> None:
 
 @hookimpl
 def ultrascale_validate_config(config, model_config, world_size):
+    if config.zero_stage <= 1 and config.grad_sync == "micro_batch":
+        raise field_error("grad_sync", config.grad_sync, f"zero_stage={config.zero_stage} reduces gradients once per "
+                          "step (whole gradients on every rank: DDP's all-reduce, ZeRO-1's partition)",
+                          "use zero_stage: 2 or 3 to reduce (reduce-scatter) every micro-batch, or grad_sync: step")
     if config.zero_stage >= 2:
         return
     for way in ("forward", "backward"):
@@ -269,7 +341,7 @@ def ultrascale_validate_model(model, plan, config):
 @hookimpl
 def ultrascale_prepare_optimizer(pmodel, optimizer):
     group = pmodel.dims.group(("dp_replicate", "dp_shard"))
-    if pmodel.config.zero_stage != 1 or group is None:
+    if pmodel.config.zero_stage != 1 or group is None or pmodel.dims.fsdp:  # ZeRO-1 on FSDP2: sharded already
         return None
     return partitioned(optimizer, group)
 

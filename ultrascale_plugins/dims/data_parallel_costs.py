@@ -16,6 +16,23 @@ def precision_bytes(config, profile: str) -> tuple[int, int, int]:
     return 4, 4, 0  # this package keeps fp32 weights and gradients (bf16 is the compute dtype only)
 
 
+def grad_sync(config) -> str:
+    """``grad_sync`` as it runs: ``auto`` is ``step`` for ZeRO-0 and ZeRO-1 (they reduce once per step by
+    definition) and inside a pipeline (torch's stages defer FSDP2's reduce-scatter to a step's last micro-batch),
+    else ``micro_batch`` (FSDP2 reduce-scatters after every backward: the gradients accumulate sharded)."""
+    value = getattr(config, "grad_sync", "auto")
+    if value != "auto":
+        return value
+    return "step" if config.zero_stage <= 1 or getattr(config, "pp", 1) > 1 else "micro_batch"
+
+
+def zero1_on_fsdp(config) -> bool:
+    """ZeRO-1 over tensor-parallel (DTensor) parameters, which DDP and ``ZeroRedundancyOptimizer`` cannot hold:
+    FSDP2 sharded over every data-parallel rank (one flattened axis), gathered for the step, reduced once."""
+    return (config.zero_stage == 1 and getattr(config, "tp", 1) > 1
+            and config.dp_replicate * config.dp_shard > 1)
+
+
 def data_parallel_terms(config, shape, est: Estimate) -> None:
     """Parameter, gradient and optimizer bytes of this rank's (already pipeline- and TP-cut) parameters, sharded
     as ZeRO says; the data-parallel collectives per step."""
@@ -27,7 +44,13 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     states = OPTIMIZERS[shape.optimizer]
     records = [r for r in shape.inventory if r.local_numel or r.numel]
     coords = shape.coords
-    if zero >= 2:
+    on_fsdp = zero1_on_fsdp(config) and profile == "ultrascale"  # nanotron's ZeRO-1 keeps whole weights
+    once = grad_sync(config) == "step"
+    if on_fsdp:
+        # FSDP2's dim-0 chunks of every (TP-local) parameter over the flattened data-parallel ranks
+        k = coords.get("dp_replicate", 0) * dp_shard + coords.get("dp_shard", 0)
+        local = [(r, (chunk_size(r.local[0], dp, k) if r.local else 0) * math.prod(r.local[1:])) for r in records]
+    elif zero >= 2:
         # FSDP2 shards dim 0 of every (TP-local) parameter over dp_shard, torch.chunk-style; HSDP replicates over
         # dp_replicate. The most loaded rank is shard 0.
         s = coords.get("dp_shard", 0)
@@ -44,9 +67,9 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     held = sum(n for _, n in local)
     trainable = [(r, n) for r, n in local if r.trainable]
     # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
-    if zero == 1 and dp > 1 and profile == "ultrascale":
+    if zero == 1 and dp > 1 and profile == "ultrascale" and not on_fsdp:
         opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
-    elif zero == 1 and dp > 1:
+    elif zero == 1 and dp > 1 and not on_fsdp:
         opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
     else:  # a trainable parameter held in another dtype (held_bytes) keeps its state in that dtype
         opt_numel = sum(n * (r.held_bytes or 4) / 4 for r, n in trainable)
@@ -66,23 +89,21 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         compute = 2 if config.mixed_precision == "bf16" else 4
         layers, layers_trained = _layer_sizes(records)
         largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
-        if zero >= 2 and dp_shard > 1:
-            if config.pp > 1 and shape.micro_batches > 1:
-                # torch's pipeline stages defer resharding and the reduce-scatter to a step's last micro-batch:
-                # every weight stays gathered (compute dtype) and every whole fp32 gradient is held until then
-                est.add_memory("other", compute * full + 4 * full_local)
-            else:
-                # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 the root group's (embedding,
-                # head, final norm: never resharded) plus a layer and the next (prefetched), under ZeRO-2 all of
-                # them; a layer's whole fp32 gradient waits for its reduce-scatter (every micro-batch's: the
-                # gradients accumulate sharded, see data_parallel.ultrascale_no_sync)
-                gathered = full - sum(layers.values()) + 2 * largest if zero == 3 else full
-                est.add_memory("other", compute * gathered + 4 * largest_trained)
+        if (zero >= 2 and dp_shard > 1) or on_fsdp:
+            # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 reduced every micro-batch the root
+            # group's (embedding, head, final norm: never resharded) plus a layer and the next (prefetched), else
+            # (ZeRO-1 and 2, or grad_sync: step) all of them, for the whole step. A layer's whole fp32 gradient
+            # waits for its reduce-scatter; with grad_sync: step over several micro-batches (a pipeline's, or
+            # gradient accumulation's) every whole fp32 gradient is held until the step's last backward
+            per_layer = zero == 3 and not once
+            gathered = full - sum(layers.values()) + 2 * largest if per_layer else full
+            whole_grads = full_local if once and shape.micro_batches > 1 else largest_trained
+            est.add_memory("other", compute * gathered + 4 * whole_grads)
         elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
             est.add_memory("other", 2 * full)
     if dp <= 1:
         return
-    if profile == "ultrascale" and zero <= 1 and config.pp == 1:
+    if profile == "ultrascale" and zero <= 1 and config.pp == 1 and not on_fsdp:
         est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
         est.factors["step_other"] = est.factors.get("step_other", 0.0) + 4 * full_local  # held through the step
     elif profile == "nanotron" and zero == 0:
@@ -91,13 +112,14 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
     axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
     if zero >= 2:
-        # reduce-scatter of the gradients after every micro-batch (they accumulate sharded; a pipeline's stages
-        # reduce once per step); all-gathers of the weights, frozen ones too, before each forward and (ZeRO-3)
-        # each backward of every micro-batch, prefetched. The root group (embedding, final norm, head) stays
-        # gathered from its forward to its backward. Parameters in a mesh view (experts) are sharded over the
-        # view's own last gradient axis, in groups of their own: their collectives run there (none on one rank).
-        per = "micro_batch" if config.pp == 1 else "step"
-        again = zero == 3 and config.pp == 1  # ZeRO-3 gathers each layer again for its backward
+        # reduce-scatter of the gradients after every micro-batch (grad_sync: micro_batch: they accumulate
+        # sharded) or once, after the step's last (step); all-gathers of the weights, frozen ones too: ZeRO-3
+        # reduced every micro-batch before each forward and each backward of every micro-batch, prefetched, else
+        # once per step (the weights stay gathered over the step's micro-batches). The root group (embedding,
+        # final norm, head) stays gathered from its forward to its backward. Parameters in a mesh view (experts)
+        # are sharded over the view's own last gradient axis, in groups of their own: their collectives run there
+        # (none on one rank).
+        again = zero == 3 and not once  # ZeRO-3 gathers each layer again for its backward
         groups = {"": ("dp_shard", dp_shard)}
         if any(r.view for r in records):
             dims = _dims_of(config)
@@ -113,9 +135,10 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             root = weights - sum(sizes.values())
             n = len(sizes) + (1 if root else 0)
             est.add_comm(axis, grad_wire * sum(r.local_numel for r in mine if r.trainable), "reduce_scatter",
-                         calls=n, overlap=shape.dp_overlap, per=per)
+                         calls=n, overlap=shape.dp_overlap, per="step" if once else "micro_batch")
             est.add_comm(axis, weight_wire * (weights + (weights - root if again else 0)), "all_gather",
-                         calls=n + (len(sizes) if again else 0), per=per, overlap=shape.gather_overlap)
+                         calls=n + (len(sizes) if again else 0), per="micro_batch" if again else "step",
+                         overlap=shape.gather_overlap)
         if dp_rep > 1:
             est.add_comm("dp_replicate", grad_wire * full_local / dp_shard, "all_reduce", overlap=shape.dp_overlap)
         return

@@ -20,8 +20,8 @@ from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
 from ..interface.parallel_dims import PP_ORDER, MeshAxis
 from .pipeline_runtime import Pipeline
-from .pipeline_split import (LOOPED, SINGLE_STAGE, V_SHAPED, _base, build_stage, microbatches, pp_parts,
-                             pp_rank_of_stage, split_layers, stage_ids_for_rank, stage_layer_counts,
+from .pipeline_split import (LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, _base, build_stage, microbatches,
+                             pp_parts, pp_rank_of_stage, split_layers, stage_ids_for_rank, stage_layer_counts,
                              stages_per_rank)
 
 SCHEDULES = (*SINGLE_STAGE, *LOOPED, *V_SHAPED)
@@ -82,6 +82,10 @@ def ultrascale_validate_config(config, model_config, world_size):
     if name in LOOPED and m % config.pp:
         raise ConfigError(f"pp_microbatches={m}: '{name}' needs a multiple of pp={config.pp}. Fix: set "
                           f"pp_microbatches: {config.pp * max(1, m // config.pp)}")
+    if name in SPLIT_BACKWARD and getattr(config, "grad_sync", "step") == "micro_batch" and config.zero_stage >= 2:
+        raise ConfigError(f"grad_sync='micro_batch' with pp_schedule='{name}': the schedule computes a micro-batch's "
+                          "weight gradients apart from its backward, so FSDP2 would reduce them before they are "
+                          "complete. Fix: use grad_sync: step, or pp_schedule: 1f1b, gpipe or interleaved_1f1b")
     if name in V_SHAPED and m < 2 * config.pp:
         raise ConfigError(f"pp_microbatches={m}: '{name}' needs at least 2*pp={2 * config.pp} micro-batches. "
                           f"Fix: set pp_microbatches: {2 * config.pp}")

@@ -25,7 +25,7 @@ from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
 from ..models.placeholder import present_modules
 from ..models.plan import ROWWISE
-from ..interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
+from ..interface.parallel_dims import TP_ORDER, MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
@@ -54,12 +54,6 @@ def ultrascale_validate_config(config, model_config, world_size):
                 raise ConfigError(f"{flag}=True: needs tensor parallel (tp > 1) {what}. Fix: set tp: 2 or more, or "
                                   f"{flag}: false")
         return
-    dims = ParallelDims(config, world_size)
-    if dims.dp > 1 and not dims.fsdp:
-        raise ConfigError(
-            f"zero_stage={config.zero_stage}, dp_shard={config.dp_shard} with tp={config.tp}: replicated data "
-            "parallel (DDP) over tensor-parallel (DTensor) parameters is not available. Fix: use zero_stage: 2 or "
-            "3 with dp_shard >= 2 (FSDP2 composes with TP; add dp_replicate for HSDP)")
     if model_config is None:
         return
     heads = getattr(model_config, "num_attention_heads", None)

@@ -211,17 +211,19 @@ def _data_terms(config, shape, dims, records, axes: list[str]) -> list[MinimumTe
         name = "+".join(rest)
         return [MinimumTerm(name, "all_reduce", 1, grads, "the gradients, Ψg, once per step")]
     n = dims.degree(shard)
-    per_step = zero == 1 or pp > 1  # ZeRO-1 keeps whole gradients; a pipeline's stages keep them for the step
+    # ZeRO-1 keeps whole gradients; a pipeline's stages keep them for the step; grad_sync says it where it is set
+    sync = getattr(config, "grad_sync", "auto")
+    per_step = sync == "step" if sync != "auto" else zero == 1 or pp > 1
     reductions = 1 if per_step else m
     out.append(MinimumTerm(shard, "reduce_scatter", reductions, reductions * grads,
                            "the gradients, Ψg, " + ("once per step" if reductions == 1 else
                                                     "every micro-batch (they accumulate sharded)")))
-    if zero == 3 and pp == 1:
+    if zero == 3 and not per_step:
         out.append(MinimumTerm(shard, "all_gather", 2 * m, 2 * m * every,
                                "every weight, Ψw, for each forward and each backward of every micro-batch"))
     elif zero == 3:
         out.append(MinimumTerm(shard, "all_gather", 1, every, "every weight, Ψw, once per step (kept gathered "
-                               "across the pipeline's micro-batches)"))
+                               "across the step's micro-batches)"))
     else:
         out.append(MinimumTerm(shard, "all_gather", 1, trained, "the updated weights, Ψw of the trained ones, once "
                                "per step"))

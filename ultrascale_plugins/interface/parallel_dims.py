@@ -219,8 +219,12 @@ class ParallelDims:
 
     @property
     def fsdp(self) -> bool:
-        """Parameters (ZeRO-3) or gradients and optimizer states (ZeRO-2) sharded by FSDP2 over dp_shard."""
-        return self.config.zero_stage >= 2 and self.degree("dp_shard") > 1
+        """Parameters (ZeRO-3) or gradients and optimizer states (ZeRO-2) sharded by FSDP2 over dp_shard, or the
+        optimizer states of tensor-parallel (DTensor) parameters (ZeRO-1) by FSDP2 over every data-parallel rank."""
+        cfg = self.config
+        if cfg.zero_stage == 1:
+            return self.degree("tp") > 1 and self.degree("dp_replicate") * self.degree("dp_shard") > 1
+        return cfg.zero_stage >= 2 and self.degree("dp_shard") > 1
 
     def view_axes(self, view: str) -> list[MeshAxis]:
         """The axes of ``view``'s mesh, outermost first: the layout's live axes with the view's source replaced by
