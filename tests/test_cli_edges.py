@@ -164,6 +164,25 @@ def test_a_config_error_in_torchrun_workers_is_printed_once():
     assert proc.stderr.count("ultrascale: error:") == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_a_refusal_is_said_even_when_rank_0_reaches_it_last(tmp_path):
+    """torchrun ends the job as soon as one worker fails: a rank that refused before rank 0 did took rank 0 down before
+    its line was printed (seen once on CI: no line at all). The other ranks now wait for rank 0 to say it (bounded)."""
+    script = tmp_path / "refuse.py"
+    script.write_text("import os, time\n"
+                      "from ultrascale_plugins import launch\n"
+                      "from ultrascale_plugins.config import ConfigError\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    time.sleep(3)  # rank 0 reaches the same check last\n"
+                      "launch.exit_on_error(ConfigError('tp=3: bad'))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{cli._free_port()}", str(script)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert proc.stderr.count("ultrascale: error: tp=3: bad") == 1, proc.stderr[-3000:]
+
+
 # ---- b. sizes left at transformers' defaults, and a model too big for the machine ------------------------------
 def test_defaulted_sizes_are_named_and_a_model_too_big_is_refused(tmp_path, monkeypatch, capsys):
     # hidden_size alone: transformers' llama defaults give 32 layers, a 32000 vocabulary, ~53 B parameters

@@ -155,10 +155,19 @@ def report_error(exc: Exception) -> None:
     say_once(f"{exc}", "ULTRASCALE_ERROR_FILE", f"ultrascale: error: {exc}", sys.stderr)
 
 
+# How long a rank other than 0 waits before it exits with a configuration error that rank 0 says (no launcher's error
+# file): a launcher ends the job when its first worker fails, so a rank that exited first could take rank 0 down before
+# its line is printed; rank 0's exit ends the wait (the launcher stops the others), and the wait is bounded
+SAY_FIRST_S = 30.0
+
+
 def exit_on_error(exc: Exception, status: int = 2) -> None:
     """``report_error``, then end this process with ``status`` (2: a usage error, as the command line's): the way
     a front end's launched worker refuses a layout, without a traceback from any rank."""
     report_error(exc)
+    if not os.environ.get("ULTRASCALE_ERROR_FILE") and (launched_world_size() or 1) > 1 and \
+            int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) != 0:
+        time.sleep(SAY_FIRST_S)
     raise SystemExit(status)
 
 

@@ -141,7 +141,7 @@ def adamw(rec: Recorder, sizes: Sizes) -> None:
     from parity_worker import adamw_implementations_agree
 
     for layout in ({}, {"mixed_precision": "bf16"}):
-        result = adamw_implementations_agree("llama", layout, padded_batches(3))
+        result = adamw_implementations_agree("llama", {"layout": layout}, padded_batches(3))
         for kind, (loss_diff, weight_diff) in result.items():
             label = f"AdamW {kind} vs for-loop ({layout.get('mixed_precision', 'fp32')})"
             rec.check(label, max(loss_diff, weight_diff), TOL_ADAMW, loss_diff=loss_diff, weight_diff=weight_diff)
