@@ -29,7 +29,8 @@ from ..interface.parallel_dims import TP_ORDER, MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
-                        redistribute_output, replicate_the_rest, run_on_local_params)
+                        redistribute_output, region_input, replicate_the_rest, run_on_local_params,
+                        takes_partial_input)
 
 
 @hookimpl
@@ -90,7 +91,7 @@ def ultrascale_validate_model(model, plan, config):
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
                           "version cannot apply. Fix: use tp: 1 for this model")
     _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
-    _, mixed = rank_local_params(model, plan)
+    mixed = rank_local_params(model, plan).mixed
     if mixed:
         raise ConfigError(
             f"tp={config.tp}: in model type '{arch}', {sorted(mixed)[:3]} meet both this rank's slice of the "
@@ -144,13 +145,17 @@ def _placement(style: str, fqn: str, ndim: int):
     return placement
 
 
-def rank_local_params(model: nn.Module, plan) -> tuple[set[str], set[str]]:
-    """(plain parameters that meet only this rank's slice of the features inside TP regions, parameters that
-    meet both), from a trace of the model's data flow (``models.dataflow``)."""
-    from ..models.dataflow import trace_tp_locality
+def rank_local_params(model: nn.Module, plan):
+    """The plain parameters that meet only this rank's slice of the features inside TP regions, those that meet
+    both, and the regions that reduce their input's gradient once, from a trace of the model's data flow
+    (``models.dataflow.TpDataflow``)."""
+    from ..models.dataflow import trace_tp
+
+    def partial_input(fqn, style, module):
+        return takes_partial_input(style, plan.styles) and (style in plan.styles or isinstance(module, nn.Linear))
 
     try:
-        return trace_tp_locality(model, plan)
+        return trace_tp(model, plan, partial_input)
     except Exception as exc:  # noqa: BLE001 - any failure means the data flow is unknown
         raise ConfigError(
             f"tp>1: could not trace the data flow of model type '{_model_type(model)}' on the meta device "
@@ -177,13 +182,15 @@ def ultrascale_shard_model(model, ctx):
     for fqn, name in matched.items():
         if name == "mla_kv_a_proj":
             model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
+    flow = rank_local_params(model, plan)
+    once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
-                              shard_output=region_of.get(fqn) in simple)
+                              shard_output=region_of.get(fqn) in simple, partial_input=fqn in once)
               for fqn, name in matched.items()}
     gathered = gathered_regions(model, plan)[0] if sp else []
     seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
-    local, _ = rank_local_params(model, plan)
+    local = flow.local
     parallelize_module(model, mesh, styles)
     for fqn, module in seq_modules:
         if fqn in present:
@@ -195,12 +202,16 @@ def ultrascale_shard_model(model, ctx):
     for owner, names in owners.items():
         if owner in present:
             run_on_local_params(model.get_submodule(owner), mesh, replicate_plain=True, only=names)
+    for region in flow.block:  # one reduction of the input's gradient per region, Megatron's "f"
+        if region in present:
+            model.get_submodule(region).register_forward_pre_hook(region_input(mesh, sp), with_kwargs=True)
     if sp:
         for region in plan.regions:
             if region in present:
                 module = model.get_submodule(region)
-                module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
-                                                  with_kwargs=True)
+                if region not in flow.block:  # each projection reduces its input's gradient (a slice here)
+                    module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                                      with_kwargs=True)
                 if region not in simple:
                     module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
         for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence

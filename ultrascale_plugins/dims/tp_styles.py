@@ -28,15 +28,16 @@ class PackedColwiseParallel(ParallelStyle):
 
     Each rank keeps its slice of every packed part (placement ``_StridedShard``), so its local output is
     ``[q_i | k_i | v_i]`` and ``full_tensor()`` still returns the original layout. The matmul runs on local
-    tensors; the input is marked so that its gradient is all-reduced over TP (Megatron's "f" operator).
-    The bias stays replicated over TP and each rank slices its part in forward (the slice's backward gathers
+    tensors; the input is marked so that its gradient is all-reduced over TP (Megatron's "f" operator), unless
+    ``partial_input``: then its region reduces the summed gradient of all its projections once (see
+    ``region_input``). The bias stays replicated over TP and each rank slices its part in forward (the slice's backward gathers
     the gradient): a strided TP shard on dim 0 would share that dim with FSDP's shard, and torch mis-places
     the gradient of such nested strided shards.
     """
 
-    def __init__(self, split_factor: int):
+    def __init__(self, split_factor: int, partial_input: bool = False):
         super().__init__()
-        self.split_factor = split_factor
+        self.split_factor, self.partial_input = split_factor, partial_input
 
     def _partition(self, name, module, mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -48,8 +49,8 @@ class PackedColwiseParallel(ParallelStyle):
         bias_slice = [_StridedShard(0, split_factor=self.split_factor)]
 
         def local_forward(x):
-            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
-                grad_placements=[Partial()])
+            if not self.partial_input:
+                x = all_reduce_backward(x, device_mesh)
             w = module.weight.to_local()
             y = x.reshape(-1, x.shape[-1]) @ w
             if module.bias is not None:
@@ -268,11 +269,12 @@ class ExpertsParallel(ParallelStyle):
 
 class LinearPackedColwise(ParallelStyle):
     """Column-parallel ``nn.Linear`` whose output packs ``split_factor`` projections (e.g. gate|up): each rank
-    keeps its slice of every part (``_StridedShard``), so its local output is ``[gate_i | up_i]``."""
+    keeps its slice of every part (``_StridedShard``), so its local output is ``[gate_i | up_i]``. Its input's
+    gradient is summed over TP here, or by its region with ``partial_input`` (see ``LocalColwise``)."""
 
-    def __init__(self, split_factor: int):
+    def __init__(self, split_factor: int, partial_input: bool = False):
         super().__init__()
-        self.split_factor = split_factor
+        self.split_factor, self.partial_input = split_factor, partial_input
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -280,8 +282,24 @@ class LinearPackedColwise(ParallelStyle):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
                                                           requires_grad=param.requires_grad))
         run_on_local_params(module, device_mesh, replicate_plain=False)
-        local_forward = module.forward
-        module.forward = lambda x, *a, **k: local_forward(all_reduce_backward(x, device_mesh), *a, **k)
+        if not self.partial_input:
+            local_forward = module.forward
+            module.forward = lambda x, *a, **k: local_forward(all_reduce_backward(x, device_mesh), *a, **k)
+        return module
+
+
+class LocalColwise(ParallelStyle):
+    """Column-parallel ``nn.Linear`` that leaves its input's gradient partial: this rank's slice of the weight
+    (and bias) applied to the plain input, so the gradient it hands back covers this rank's output features only.
+    Its region sums the gradients of all its projections locally and reduces them once (``region_input``), where
+    torch's ``ColwiseParallel`` reduces each projection's on its own (q, k and v: three all-reduces where
+    Megatron has one). The parameters are placed as ``ColwiseParallel`` places them, so checkpoints match."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+        run_on_local_params(module, device_mesh, replicate_plain=False)
         return module
 
 
@@ -322,15 +340,31 @@ def _mla_rope_grad(module, mesh, out):
     return torch.cat([keep, all_reduce_backward(rot, mesh)], dim=-1)
 
 
+def takes_partial_input(name: str, extra: dict[str, Callable] | None = None) -> bool:
+    """Has the style a variant that leaves its input's gradient partial (``make_style(partial_input=True)``)? A
+    plugin's style factory says so with a ``partial_input`` attribute: a factory of that variant."""
+    if extra and name in extra:
+        return callable(getattr(extra[name], "partial_input", None))
+    return name in PARTIAL_INPUT_STYLES
+
+
+PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise"}
+
+
 def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_head: bool,
-               extra: dict[str, Callable] | None = None, shard_output: bool = True) -> ParallelStyle:
+               extra: dict[str, Callable] | None = None, shard_output: bool = True,
+               partial_input: bool = False) -> ParallelStyle:
     """Build the torch ParallelStyle for a transformers style name, adjusted for sequence/loss parallel.
 
     Under sequence parallel a region's input is gathered by the region itself (see dims.tensor), so layers
     inside take a replicated input; a row-parallel layer reduce-scatters its output back to sequence shards
-    when it ends its region (``shard_output``), and all-reduces it otherwise (the region then slices)."""
+    when it ends its region (``shard_output``), and all-reduces it otherwise (the region then slices).
+    ``partial_input``: a column-parallel layer whose region reduces its input's gradient (``region_input``)."""
     if extra and name in extra:
-        return extra[name](sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        factory = extra[name].partial_input if partial_input else extra[name]
+        return factory(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if partial_input and name in ("colwise", "unit_colwise"):
+        return LocalColwise()
     seq = Shard(1)
     row_out = seq if sequence_parallel and shard_output else Replicate()
     if name in ("colwise", "unit_colwise"):  # unit_*: transformers' head-aligned styles; with heads divisible by
@@ -358,7 +392,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
     if name == "moe_tp_experts":
         return ExpertsParallel()
     if name == "packed_colwise":  # a Linear whose output packs two projections (gate|up)
-        return LinearPackedColwise(split_factor=2)
+        return LinearPackedColwise(split_factor=2, partial_input=partial_input)
     if name == "moe_identity_expert":  # an identity expert's output is summed over TP with the others: pre-divide
         return ForwardHookStyle(lambda m, mesh, x: x / mesh.size(), on_input=True)
     if name == "all_reduce":
@@ -379,18 +413,19 @@ KNOWN_STYLES = {"colwise", "colwise_gather_output", "colwise_rep", "rowwise", "r
                 "sequence_parallel", "packed_colwise", "packed_rowwise", "unit_colwise", "unit_rowwise"}
 
 
-def redistribute_first_input(mesh, src, dst) -> Callable:
+def redistribute_first_input(mesh, src, dst, grad=None) -> Callable:
     """A forward pre-hook that moves the module's first input (positional, or ``hidden_states=``) from
-    placement ``src`` to ``dst`` and hands the module a local tensor. Written here because torch's
-    PrepareModuleInput must be told whether an input arrives positionally or by keyword, and Hugging Face
-    calls decoder layers positionally but attention modules by keyword."""
+    placement ``src`` to ``dst`` and hands the module a local tensor, whose gradient the backward takes as
+    placed ``grad`` (default: ``dst``). Written here because torch's PrepareModuleInput must be told whether an
+    input arrives positionally or by keyword, and Hugging Face calls decoder layers positionally but attention
+    modules by keyword."""
 
     def convert(x):
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [src], run_check=False)
         if tuple(x.placements) != (dst,):
             x = x.redistribute(placements=[dst])
-        return x.to_local()
+        return x.to_local(grad_placements=[grad] if grad is not None else None)
 
     def hook(module, args, kwargs):
         if args and isinstance(args[0], torch.Tensor):
@@ -400,6 +435,14 @@ def redistribute_first_input(mesh, src, dst) -> Callable:
         return args, kwargs
 
     return hook
+
+
+def region_input(mesh, sequence_parallel: bool) -> Callable:
+    """The forward pre-hook of a region whose every consumer of its input leaves that input's gradient partial
+    (``models.dataflow``: column-parallel layers only): Megatron's "f" once per region. Forward: nothing (TP) or
+    an all-gather of the sequence shards (SP); backward: one all-reduce (TP) or reduce-scatter (SP) of the sum of
+    the projections' partial gradients."""
+    return redistribute_first_input(mesh, Shard(1) if sequence_parallel else Replicate(), Replicate(), Partial())
 
 
 def redistribute_output(mesh, src, dst) -> Callable:

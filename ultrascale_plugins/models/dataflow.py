@@ -13,10 +13,17 @@ or both.
 transformers' own plans mark such parameters where their authors saw them (``replicated_with_grad_allreduce``);
 this finds the ones they did not (e.g. Apertus's xIELU activation parameters between ``up_proj`` and
 ``down_proj``).
+
+The same run finds the regions that can reduce their input's gradient once (Megatron's count): a region whose
+input reaches nothing but column-parallel layers (directly or through views, casts and dropout), each of which
+then leaves its input's gradient partial, so their sum is reduced once at the region's entry. Anything else that
+reads the input (a router, a replicated adapter, a norm, a residual inside the region) keeps the region on one
+reduction per projection: a consumer whose input gradient is whole would be summed tp times.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
@@ -26,6 +33,17 @@ from torch.utils._pytree import tree_flatten
 from ..interface.meta_copy import meta_copy
 
 LOCAL, ACTIVATION = "local", "activation"
+# What may touch a region's input on its way to the column-parallel layers: the result is the same data (a
+# view, a cast, dropout), so its gradient is partial where theirs is.
+_PASS_THROUGH = {"__get__", "size", "dim", "view", "reshape", "flatten", "unflatten", "contiguous", "to", "float",
+                 "half", "bfloat16", "type_as", "dropout", "unsqueeze", "squeeze", "__getitem__", "numel"}
+
+
+@dataclasses.dataclass
+class TpDataflow:
+    local: set[str]  # plain parameters combined only with rank-local data: gradients summed over TP
+    mixed: set[str]  # plain parameters combined with both: refused
+    block: dict[str, set[str]]  # region -> its column-parallel layers, for regions that reduce their input once
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -46,6 +64,10 @@ class _Trace(TorchFunctionMode):
         self.params = params
         self.local_use: set[str] = set()
         self.replicated_use: set[str] = set()
+        self.region_in: dict[int, str] = {}  # id(tensor) -> the region whose input it is (or a view of it)
+        self.inside = 0  # > 0 while a candidate column-parallel layer runs
+        self.consumers: dict[str, set[str]] = {}
+        self.other: set[str] = set()  # regions whose input something else reads
 
     def mark(self, tensors, kind) -> None:
         for t in tensors:
@@ -65,6 +87,14 @@ class _Trace(TorchFunctionMode):
         owners = frozenset().union(*(k for k in kinds if isinstance(k, frozenset)))
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
+        if regions and not self.inside:
+            if getattr(func, "__name__", "") in _PASS_THROUGH and len(regions) == 1:
+                for t in outs:
+                    self.region_in[id(t)] = next(iter(regions))
+                    self.keep.append(t)
+            else:
+                self.other |= regions
         if LOCAL in kinds:
             self.local_use |= owners
             self.mark(outs, LOCAL)
@@ -108,9 +138,16 @@ def meta_inputs(seq: int) -> dict:
                 position_ids=torch.arange(seq, device="meta")[None], use_cache=False)
 
 
-def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
-    """(parameters combined only with rank-local data, parameters combined with both) — plain parameters
-    only: the ones the plan shards are left out. Traced on a meta-device twin of ``model``."""
+def _first_input(args, kwargs):
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return kwargs.get("hidden_states") if isinstance(kwargs.get("hidden_states"), torch.Tensor) else None
+
+
+def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: False) -> TpDataflow:
+    """The parameters that meet rank-local data (plain parameters only: the ones the plan shards are left out)
+    and the regions that reduce their input once; ``partial_input(fqn, style, module)``: can that layer leave
+    its input's gradient partial? Traced on a meta-device twin of ``model``."""
     matched = plan.matches(model)
     named = dict(plan.param_matches(model))
     twin = meta_twin(model)
@@ -128,6 +165,32 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
         elif _reducing_output(style):
             hooks.append(module.register_forward_hook(
                 lambda m, a, out: trace.mark(tree_flatten(out)[0], ACTIVATION)))
+    region_of = {fqn: next((r for r in plan.regions if fqn.startswith(r + ".")), None) for fqn in matched}
+    for region in plan.regions:
+        if region in dict(twin.named_modules()):
+            hooks.append(twin.get_submodule(region).register_forward_pre_hook(
+                lambda m, args, kwargs, region=region: _enter_region(trace, region, args, kwargs), with_kwargs=True))
+    for fqn, style in matched.items():
+        module = twin.get_submodule(fqn)
+        if region_of[fqn] is None or not partial_input(fqn, style, module):
+            continue
+
+        def enter(m, args, kwargs, fqn=fqn):
+            x = _first_input(args, kwargs)
+            if x is not None and trace.region_in.get(id(x)) == region_of[fqn]:
+                trace.consumers.setdefault(region_of[fqn], set()).add(fqn)
+                m._ultrascale_trace_inside = True
+                trace.inside += 1
+            else:  # also fed something else: it must reduce its own input, and so must its region
+                trace.other.add(region_of[fqn])
+
+        def leave(m, args, out):
+            if getattr(m, "_ultrascale_trace_inside", False):
+                m._ultrascale_trace_inside = False
+                trace.inside -= 1
+
+        hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(module.register_forward_hook(leave))
     inputs = meta_inputs(8)
     trace.mark([v for v in inputs.values() if isinstance(v, torch.Tensor)], ACTIVATION)
     try:
@@ -136,4 +199,19 @@ def trace_tp_locality(model: nn.Module, plan) -> tuple[set[str], set[str]]:
     finally:
         for h in hooks:
             h.remove()
-    return trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use
+    block = {r: c for r, c in trace.consumers.items() if r not in trace.other}
+    return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block)
+
+
+def _enter_region(trace: _Trace, region: str, args, kwargs):
+    """Hand the region a fresh view of its input, marked as the region's input (the tensor outside the region,
+    e.g. a residual the layer keeps, is another object and stays unmarked)."""
+    x = _first_input(args, kwargs)
+    if x is None:
+        return None
+    y = x.view_as(x)
+    trace.region_in[id(y)] = region
+    trace.keep.append(y)
+    if args and args[0] is x:
+        return (y, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": y}
