@@ -30,7 +30,7 @@ from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
                         redistribute_output, region_input, replicate_the_rest, run_on_local_params,
-                        takes_partial_input)
+                        scale_input_grad, takes_partial_input)
 
 
 @hookimpl
@@ -152,7 +152,8 @@ def rank_local_params(model: nn.Module, plan):
     from ..models.dataflow import trace_tp
 
     def partial_input(fqn, style, module):
-        return takes_partial_input(style, plan.styles) and (style in plan.styles or isinstance(module, nn.Linear))
+        return takes_partial_input(style, plan.styles) and (style in plan.styles or style == "moe_tp_experts"
+                                                             or isinstance(module, nn.Linear))
 
     try:
         return trace_tp(model, plan, partial_input)
@@ -205,6 +206,9 @@ def ultrascale_shard_model(model, ctx):
     for region in flow.block:  # one reduction of the input's gradient per region, Megatron's "f"
         if region in present:
             model.get_submodule(region).register_forward_pre_hook(region_input(mesh, sp), with_kwargs=True)
+            for fqn in flow.scaled.get(region, ()):  # readers whose input gradient is whole: 1/tp of it
+                model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
+                                                                   with_kwargs=True, prepend=True)
     if sp:
         for region in plan.regions:
             if region in present:

@@ -248,14 +248,20 @@ class ExpertsParallel(ParallelStyle):
     """Tensor-parallel mixture-of-experts ("moe_tp_experts"): every rank holds a slice of every expert's
     intermediate dimension (the plan shards the fused weights by parameter name), runs the experts on all
     tokens with its slices, and the partial outputs are summed over TP. The tokens and the routing weights are
-    replicated inputs whose gradients are summed in backward, so the router's gradient is whole on every rank."""
+    replicated inputs whose gradients are summed in backward, so the router's gradient is whole on every rank;
+    with ``partial_input`` the tokens' gradient is left to the region (``region_input``)."""
+
+    def __init__(self, partial_input: bool = False):
+        super().__init__()
+        self.partial_input = partial_input
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         run_on_local_params(module, device_mesh, replicate_plain=False)
         local_forward = module.forward
 
         def forward(hidden_states, *args, **kwargs):
-            hidden_states = all_reduce_backward(hidden_states, device_mesh)
+            if not self.partial_input:
+                hidden_states = all_reduce_backward(hidden_states, device_mesh)
             args = list(args)
             if len(args) >= 2 and torch.is_tensor(args[1]) and args[1].is_floating_point():
                 args[1] = all_reduce_backward(args[1], device_mesh)  # top-k routing weights
@@ -348,7 +354,7 @@ def takes_partial_input(name: str, extra: dict[str, Callable] | None = None) -> 
     return name in PARTIAL_INPUT_STYLES
 
 
-PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise"}
+PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise", "moe_tp_experts"}
 
 
 def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_head: bool,
@@ -390,7 +396,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
     if name == "replicate":  # stays a plain tensor, used whole: its gradient is whole on every rank
         return LocalParams(replicate_plain=False)
     if name == "moe_tp_experts":
-        return ExpertsParallel()
+        return ExpertsParallel(partial_input=partial_input)
     if name == "packed_colwise":  # a Linear whose output packs two projections (gate|up)
         return LinearPackedColwise(split_factor=2, partial_input=partial_input)
     if name == "moe_identity_expert":  # an identity expert's output is summed over TP with the others: pre-divide
@@ -443,6 +449,32 @@ def region_input(mesh, sequence_parallel: bool) -> Callable:
     an all-gather of the sequence shards (SP); backward: one all-reduce (TP) or reduce-scatter (SP) of the sum of
     the projections' partial gradients."""
     return redistribute_first_input(mesh, Shard(1) if sequence_parallel else Replicate(), Replicate(), Partial())
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_input_grad(factor: float) -> Callable:
+    """A forward pre-hook: the module's first input unchanged, its gradient times ``factor``. For a module that
+    reads a region's input and hands back a whole gradient (a router, a replicated adapter): the region sums
+    the gradients of all its readers over TP once, so this one's enters that sum divided by tp."""
+
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (_ScaleGrad.apply(args[0], factor), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": _ScaleGrad.apply(kwargs["hidden_states"], factor)}
+        return args, kwargs
+
+    return hook
 
 
 def redistribute_output(mesh, src, dst) -> Callable:

@@ -44,6 +44,7 @@ class TpDataflow:
     local: set[str]  # plain parameters combined only with rank-local data: gradients summed over TP
     mixed: set[str]  # plain parameters combined with both: refused
     block: dict[str, set[str]]  # region -> its column-parallel layers, for regions that reduce their input once
+    scaled: dict[str, set[str]]  # region -> modules reading its input whose input gradient is whole: x 1/tp
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -65,9 +66,13 @@ class _Trace(TorchFunctionMode):
         self.local_use: set[str] = set()
         self.replicated_use: set[str] = set()
         self.region_in: dict[int, str] = {}  # id(tensor) -> the region whose input it is (or a view of it)
-        self.inside = 0  # > 0 while a candidate column-parallel layer runs
-        self.consumers: dict[str, set[str]] = {}
+        self.inside = 0  # > 0 while the trace itself operates
+        self.consumers: dict[str, set[str]] = {}  # region -> layers that leave their input's gradient partial
+        self.scaled: dict[str, set[str]] = {}  # region -> modules whose input's gradient is whole on every rank
+        self.fed_other: set[str] = set()  # partial-capable layers also fed something else than a region input
+        self.follow: dict[int, str] = {}  # id(tensor) -> region: derived from a "full" consumer's output
         self.other: set[str] = set()  # regions whose input something else reads
+        self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
 
     def mark(self, tensors, kind) -> None:
         for t in tensors:
@@ -88,6 +93,13 @@ class _Trace(TorchFunctionMode):
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
+        followed = {self.follow[id(t)] for t in inputs if id(t) in self.follow}
+        if followed:
+            if LOCAL in kinds:  # its gradient would be this rank's part only, not whole
+                self.bad |= followed
+            for t in outs:
+                self.follow[id(t)] = next(iter(followed))
+                self.keep.append(t)
         if regions and not self.inside:
             if getattr(func, "__name__", "") in _PASS_THROUGH and len(regions) == 1:
                 for t in outs:
@@ -165,32 +177,7 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
         elif _reducing_output(style):
             hooks.append(module.register_forward_hook(
                 lambda m, a, out: trace.mark(tree_flatten(out)[0], ACTIVATION)))
-    region_of = {fqn: next((r for r in plan.regions if fqn.startswith(r + ".")), None) for fqn in matched}
-    for region in plan.regions:
-        if region in dict(twin.named_modules()):
-            hooks.append(twin.get_submodule(region).register_forward_pre_hook(
-                lambda m, args, kwargs, region=region: _enter_region(trace, region, args, kwargs), with_kwargs=True))
-    for fqn, style in matched.items():
-        module = twin.get_submodule(fqn)
-        if region_of[fqn] is None or not partial_input(fqn, style, module):
-            continue
-
-        def enter(m, args, kwargs, fqn=fqn):
-            x = _first_input(args, kwargs)
-            if x is not None and trace.region_in.get(id(x)) == region_of[fqn]:
-                trace.consumers.setdefault(region_of[fqn], set()).add(fqn)
-                m._ultrascale_trace_inside = True
-                trace.inside += 1
-            else:  # also fed something else: it must reduce its own input, and so must its region
-                trace.other.add(region_of[fqn])
-
-        def leave(m, args, out):
-            if getattr(m, "_ultrascale_trace_inside", False):
-                m._ultrascale_trace_inside = False
-                trace.inside -= 1
-
-        hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
-        hooks.append(module.register_forward_hook(leave))
+    _watch_regions(twin, plan, matched, trace, partial_input, hooks)
     inputs = meta_inputs(8)
     trace.mark([v for v in inputs.values() if isinstance(v, torch.Tensor)], ACTIVATION)
     try:
@@ -199,19 +186,84 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     finally:
         for h in hooks:
             h.remove()
-    block = {r: c for r, c in trace.consumers.items() if r not in trace.other}
-    return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block)
+    fallback = trace.other | trace.bad | {region_of(plan, f) for f in trace.fed_other}
+    block = {r: c for r, c in trace.consumers.items() if r not in fallback}
+    scaled = {r: c for r, c in trace.scaled.items() if r in block}
+    return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled)
 
 
-def _enter_region(trace: _Trace, region: str, args, kwargs):
-    """Hand the region a fresh view of its input, marked as the region's input (the tensor outside the region,
-    e.g. a residual the layer keeps, is another object and stays unmarked)."""
+def region_of(plan, fqn: str) -> str | None:
+    return next((r for r in plan.regions if fqn.startswith(r + ".")), None)
+
+
+def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, hooks: list) -> None:
+    """Hooks on the twin that find, for every region, who reads its input (see the module docstring)."""
+    modules = dict(twin.named_modules())
+    planned = set(matched) | {f.rpartition(".")[0] for f in plan.param_matches(twin)}
+    for region in plan.regions:
+        if region in modules:
+            hooks.append(modules[region].register_forward_pre_hook(
+                lambda m, args, kwargs, region=region: _hand_in(trace, region, args, kwargs, True), with_kwargs=True))
+    for fqn, module in modules.items():
+        region = region_of(plan, fqn)
+        if region is None:
+            continue
+        style = matched.get(fqn)
+        if style is not None and partial_input(fqn, style, module):
+            kind = "partial"
+        elif style in FULL_INPUT_GRAD or (
+                style is None and any(True for _ in module.parameters())
+                and not any(f == fqn or f.startswith(fqn + ".") for f in planned)):
+            kind = "full"  # its input's gradient is the same on every rank: scaled by 1/tp in the region's sum
+        else:
+            continue  # looked through: the operations inside are what read the input
+
+        def enter(m, args, kwargs, fqn=fqn, region=region, kind=kind):
+            x = _first_input(args, kwargs)
+            if x is None or trace.region_in.get(id(x)) != region:
+                if kind == "partial":  # this layer reduces its own input then: it must not be made partial
+                    trace.fed_other.add(fqn)
+                return None
+            (trace.consumers if kind == "partial" else trace.scaled).setdefault(region, set()).add(fqn)
+            if kind == "full" and matched.get(fqn) not in FULL_INPUT_GRAD:
+                m._ultrascale_trace_follow = region  # its output's gradient must stay whole: followed
+            return _hand_in(trace, None, args, kwargs, False)
+
+        def leave(m, args, out):
+            region = getattr(m, "_ultrascale_trace_follow", None)
+            if region is not None:
+                m._ultrascale_trace_follow = None
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        trace.follow[id(t)] = region
+                        trace.keep.append(t)
+
+        hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(module.register_forward_hook(leave))
+
+
+# Styles whose module hands back a whole input gradient whatever follows: they reduce (or gather) it themselves;
+# latent attention's kv_a_proj is replicated and the parts of its output reach a column-parallel layer and a
+# reduced rotary slice (tp_styles._mla_rope_grad).
+FULL_INPUT_GRAD = {"colwise", "unit_colwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input",
+                   "rowwise_rep", "mla_kv_a_proj", "replicate"}
+
+
+def _hand_in(trace: _Trace, region: str | None, args, kwargs, mark: bool):
+    """Hand the module a fresh view of its first input: marked as ``region``'s input at a region's entry (the
+    tensor outside the region, e.g. a residual the layer keeps, is another object and stays unmarked), unmarked
+    at a consumer's (what it does inside is its style's business)."""
     x = _first_input(args, kwargs)
     if x is None:
         return None
-    y = x.view_as(x)
-    trace.region_in[id(y)] = region
-    trace.keep.append(y)
+    trace.inside += 1  # the view itself is no use of the input
+    try:
+        y = x.view_as(x)
+    finally:
+        trace.inside -= 1
+    if mark:
+        trace.region_in[id(y)] = region
+        trace.keep.append(y)
     if args and args[0] is x:
         return (y, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": y}
