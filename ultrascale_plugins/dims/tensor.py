@@ -18,7 +18,7 @@ its regions.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..interface.config import ConfigError
@@ -185,6 +185,12 @@ def ultrascale_shard_model(model, ctx):
             model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
     flow = rank_local_params(model, plan)
     once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
+    layers = ctx.plan_layers(model)
+    # under SP, the stage that ends the model reduce-scatters the head's input gradient at the last layer's gather
+    head_end = (sp and flow.end is not None and plan.lm_head in present and bool(layers)
+                and layers[-1] == plan.layers[-1])
+    if head_end:
+        once.add(plan.lm_head)
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
                               shard_output=region_of.get(fqn) in simple, partial_input=fqn in once)
@@ -198,6 +204,9 @@ def ultrascale_shard_model(model, ctx):
             run_on_local_params(module, mesh, replicate_plain=True)
     owners: dict[str, set[str]] = {}
     for name in local:
+        owner, _, pname = name.rpartition(".")
+        owners.setdefault(owner, set()).add(pname)
+    for name in flow.end if head_end else ():  # the final norm: it sees the head's partial gradient
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)
     for owner, names in owners.items():
@@ -224,13 +233,13 @@ def ultrascale_shard_model(model, ctx):
                 module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
                                                   with_kwargs=True)
                 module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
-        layers = ctx.plan_layers(model)
         if layers:
             # the sequence is split where the (stage's) layers start and gathered again where they end: the
             # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
             model.get_submodule(layers[0]).register_forward_pre_hook(
                 redistribute_first_input(mesh, Replicate(), Shard(1)), with_kwargs=True)
-            model.get_submodule(layers[-1]).register_forward_hook(redistribute_output(mesh, Shard(1), Replicate()))
+            model.get_submodule(layers[-1]).register_forward_hook(
+                redistribute_output(mesh, Shard(1), Replicate(), Partial() if head_end else None))
     if plan.tied and plan.embedding in present and plan.lm_head in present:
         # parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's.
         embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)

@@ -299,13 +299,28 @@ class LocalColwise(ParallelStyle):
     (and bias) applied to the plain input, so the gradient it hands back covers this rank's output features only.
     Its region sums the gradients of all its projections locally and reduces them once (``region_input``), where
     torch's ``ColwiseParallel`` reduces each projection's on its own (q, k and v: three all-reduces where
-    Megatron has one). The parameters are placed as ``ColwiseParallel`` places them, so checkpoints match."""
+    Megatron has one). The parameters are placed as ``ColwiseParallel`` places them, so checkpoints match.
+    ``gather``: the output is all-gathered over its features (a head, phi3's fused qkv_proj), or with
+    ``keep_dtensor`` handed on as a feature-sharded DTensor (the head under ``loss_parallel``); the gather's
+    backward takes this rank's slice, so the input's gradient stays partial there too."""
+
+    def __init__(self, gather: bool = False, keep_dtensor: bool = False):
+        super().__init__()
+        self.gather, self.keep_dtensor = gather, keep_dtensor
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for pname, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
                                                           requires_grad=param.requires_grad))
         run_on_local_params(module, device_mesh, replicate_plain=False)
+        if self.gather:
+            local_forward = module.forward
+
+            def forward(*args, **kwargs):
+                out = DTensor.from_local(local_forward(*args, **kwargs), device_mesh, [Shard(-1)], run_check=False)
+                return out if self.keep_dtensor else out.redistribute(placements=[Replicate()]).to_local()
+
+            module.forward = forward
         return module
 
 
@@ -354,7 +369,8 @@ def takes_partial_input(name: str, extra: dict[str, Callable] | None = None) -> 
     return name in PARTIAL_INPUT_STYLES
 
 
-PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise", "moe_tp_experts"}
+PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise", "moe_tp_experts", "colwise_gather_output",
+                        "colwise_rep"}
 
 
 def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_head: bool,
@@ -376,6 +392,8 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
     if name in ("colwise", "unit_colwise"):  # unit_*: transformers' head-aligned styles; with heads divisible by
         return ColwiseParallel()              # tp (checked before launch) they are the plain ones
     if name in ("colwise_gather_output", "colwise_rep"):
+        if partial_input:
+            return LocalColwise(gather=True, keep_dtensor=is_head and loss_parallel)
         if is_head and loss_parallel:
             return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=Replicate())
@@ -477,13 +495,13 @@ def scale_input_grad(factor: float) -> Callable:
     return hook
 
 
-def redistribute_output(mesh, src, dst) -> Callable:
+def redistribute_output(mesh, src, dst, grad=None) -> Callable:
     """A forward hook that moves a module's (local tensor) output — or the first element of a tuple output —
-    from placement ``src`` to ``dst``."""
+    from placement ``src`` to ``dst``; the backward takes the gradient as placed ``grad`` (default: ``dst``)."""
 
     def convert(output):
         x = output if isinstance(output, DTensor) else DTensor.from_local(output, mesh, [src], run_check=False)
-        return x.redistribute(placements=[dst]).to_local()
+        return x.redistribute(placements=[dst]).to_local(grad_placements=[grad] if grad is not None else None)
 
     def hook(module, args, output):
         if isinstance(output, torch.Tensor):

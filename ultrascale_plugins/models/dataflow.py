@@ -19,6 +19,11 @@ input reaches nothing but column-parallel layers (directly or through views, cas
 then leaves its input's gradient partial, so their sum is reduced once at the region's entry. Anything else that
 reads the input (a router, a replicated adapter, a norm, a residual inside the region) keeps the region on one
 reduction per projection: a consumer whose input gradient is whole would be summed tp times.
+
+And it finds whether the head end can do the same under sequence parallel: the last layer's output reaches
+nothing but the head (through the final norm and any other operation with parameters of its own), so the
+head can leave its input's gradient partial and the last layer's gather reduce-scatters it once; the
+parameters on the way (the final norm's) then see a partial gradient and are summed over TP.
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ class TpDataflow:
     mixed: set[str]  # plain parameters combined with both: refused
     block: dict[str, set[str]]  # region -> its column-parallel layers, for regions that reduce their input once
     scaled: dict[str, set[str]]  # region -> modules reading its input whose input gradient is whole: x 1/tp
+    end: set[str] | None = None  # under SP, parameters between the last layer and a head that leaves its input's
+    #                              gradient partial (summed over TP); None: the head reduces its own input
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -73,6 +80,10 @@ class _Trace(TorchFunctionMode):
         self.follow: dict[int, str] = {}  # id(tensor) -> region: derived from a "full" consumer's output
         self.other: set[str] = set()  # regions whose input something else reads
         self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
+        self.end: set[int] | None = None  # ids derived from the last layer's output (when the head end is watched)
+        self.end_ok = True
+        self.end_params: set[str] = set()  # parameters applied to them
+        self.other_params: set[str] = set()  # parameters applied to anything else
 
     def mark(self, tensors, kind) -> None:
         for t in tensors:
@@ -92,6 +103,17 @@ class _Trace(TorchFunctionMode):
         owners = frozenset().union(*(k for k in kinds if isinstance(k, frozenset)))
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.end is not None and not self.inside:
+            ended = [id(t) in self.end for t in inputs]
+            if any(ended):
+                if any(not e and self.kind_of(t) in (LOCAL, ACTIVATION) for e, t in zip(ended, inputs)):
+                    self.end_ok = False  # mixed with other data: its gradient would not be partial alone
+                self.end_params |= owners
+                for t in outs:
+                    self.end.add(id(t))
+                    self.keep.append(t)
+            else:
+                self.other_params |= owners
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
         followed = {self.follow[id(t)] for t in inputs if id(t) in self.follow}
         if followed:
@@ -178,18 +200,57 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
             hooks.append(module.register_forward_hook(
                 lambda m, a, out: trace.mark(tree_flatten(out)[0], ACTIVATION)))
     _watch_regions(twin, plan, matched, trace, partial_input, hooks)
+    head_style = matched.get(plan.lm_head)
+    if plan.layers and head_style is not None and partial_input(plan.lm_head, head_style, twin.get_submodule(
+            plan.lm_head)):
+        _watch_end(twin, plan, trace, hooks)
     inputs = meta_inputs(8)
     trace.mark([v for v in inputs.values() if isinstance(v, torch.Tensor)], ACTIVATION)
     try:
         with torch.no_grad(), trace:
-            twin(**inputs)
+            outputs = twin(**inputs)
+        if trace.end is not None and any(id(t) in trace.end for t in tree_flatten(dict(outputs))[0]):
+            trace.end_ok = False  # the last layer's output leaves the model by another way than the head
     finally:
         for h in hooks:
             h.remove()
     fallback = trace.other | trace.bad | {region_of(plan, f) for f in trace.fed_other}
     block = {r: c for r, c in trace.consumers.items() if r not in fallback}
     scaled = {r: c for r, c in trace.scaled.items() if r in block}
-    return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled)
+    end = None
+    if trace.end is not None and trace.end_ok and trace.head_seen and not trace.end_params & trace.other_params:
+        end = set(trace.end_params)
+    return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
+                      end)
+
+
+def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
+    """Mark the last layer's output; the head must read it (and nothing else may leave the model with it)."""
+    trace.end, trace.head_seen = set(), False
+
+    def mark(m, args, out):
+        first = out[0] if isinstance(out, tuple) else out
+        if not isinstance(first, torch.Tensor):
+            return None
+        trace.inside += 1
+        try:
+            y = first.view_as(first)
+        finally:
+            trace.inside -= 1
+        trace.end.add(id(y))
+        trace.keep.append(y)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    def head(m, args, kwargs):
+        x = _first_input(args, kwargs)
+        if x is None or id(x) not in trace.end:
+            trace.end_ok = False
+            return None
+        trace.head_seen = True
+        return _hand_in(trace, None, args, kwargs, False)
+
+    hooks.append(twin.get_submodule(plan.layers[-1]).register_forward_hook(mark))
+    hooks.append(twin.get_submodule(plan.lm_head).register_forward_pre_hook(head, with_kwargs=True))
 
 
 def region_of(plan, fqn: str) -> str | None:
