@@ -7,14 +7,15 @@ output into ``embed_dim / tp`` wide parts.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from functools import partial
 
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..interface.hookspecs import hookimpl
-from ..dims.tp_styles import PackedColwiseParallel
+from ..dims.tp_styles import PackedColwiseParallel, run_on_local_params
 from .plan import hf_plan_from_model
 
 
@@ -38,17 +39,47 @@ class Conv1DColwise(ColwiseParallel):
         return _conv1d_apply(self, module, device_mesh, weight_dim=1, bias_placement=Shard(0))
 
 
+class Conv1DLocalColwise(ParallelStyle):
+    """Column-parallel Conv1D that leaves its input's gradient partial (its region reduces it once: see
+    ``dims.tp_styles.LocalColwise``): this rank's columns of the weight and bias applied to the plain input."""
+
+    def _apply(self, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(1) if param.ndim > 1 else Shard(0)
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
+                                                          requires_grad=param.requires_grad))
+
+        def forward(x):
+            y = torch.addmm(module.bias, x.reshape(-1, x.shape[-1]), module.weight)
+            return y.view(*x.shape[:-1], y.shape[-1])
+
+        module.forward = forward
+        run_on_local_params(module, device_mesh, replicate_plain=False)  # wraps the forward above
+        return module
+
+
 class Conv1DRowwise(RowwiseParallel):
     def _apply(self, module, device_mesh):
         self.desired_input_layouts = (Shard(-1),)
         return _conv1d_apply(self, module, device_mesh, weight_dim=0, bias_placement=Replicate())
 
 
+def _style(make, partial=None):
+    """A style factory; ``partial``: its variant that leaves the input's gradient partial (``make_style``)."""
+    def factory(sequence_parallel, loss_parallel):
+        return make(sequence_parallel)
+
+    if partial is not None:
+        factory.partial_input = lambda sequence_parallel, loss_parallel: partial()
+    return factory
+
+
 STYLES = {
-    "conv1d_colwise": lambda sequence_parallel, loss_parallel: Conv1DColwise(),
+    "conv1d_colwise": _style(lambda sp: Conv1DColwise(), Conv1DLocalColwise),
     "conv1d_rowwise": lambda sequence_parallel, loss_parallel: Conv1DRowwise(
         output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    "conv1d_packed_colwise": lambda sequence_parallel, loss_parallel: PackedColwiseParallel(split_factor=3),
+    "conv1d_packed_colwise": _style(lambda sp: PackedColwiseParallel(split_factor=3),
+                                    lambda: PackedColwiseParallel(split_factor=3, partial_input=True)),
 }
 
 TP_PLAN = {
