@@ -191,9 +191,11 @@ def ultrascale_shard_model(model, ctx):
                 and layers[-1] == plan.layers[-1])
     if head_end:
         once.add(plan.lm_head)
+    summed = flow.sums - simple  # regions of several addends, reduced once where they end (Megatron's "g")
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
-                              shard_output=region_of.get(fqn) in simple, partial_input=fqn in once)
+                              shard_output=region_of.get(fqn) in simple, partial_input=fqn in once,
+                              partial_output=region_of.get(fqn) in summed)
               for fqn, name in matched.items()}
     gathered = gathered_regions(model, plan)[0] if sp else []
     seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
@@ -218,6 +220,10 @@ def ultrascale_shard_model(model, ctx):
             for fqn in flow.scaled.get(region, ()):  # readers whose input gradient is whole: 1/tp of it
                 model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
                                                                    with_kwargs=True, prepend=True)
+    for region in summed:
+        if region in present:
+            model.get_submodule(region).register_forward_hook(
+                redistribute_output(mesh, Partial(), Shard(1) if sp else Replicate()))
     if sp:
         for region in plan.regions:
             if region in present:
@@ -225,7 +231,7 @@ def ultrascale_shard_model(model, ctx):
                 if region not in flow.block:  # each projection reduces its input's gradient (a slice here)
                     module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
                                                       with_kwargs=True)
-                if region not in simple:
+                if region not in simple and region not in summed:
                     module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
         for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence
             if region in present:

@@ -249,11 +249,12 @@ class ExpertsParallel(ParallelStyle):
     intermediate dimension (the plan shards the fused weights by parameter name), runs the experts on all
     tokens with its slices, and the partial outputs are summed over TP. The tokens and the routing weights are
     replicated inputs whose gradients are summed in backward, so the router's gradient is whole on every rank;
-    with ``partial_input`` the tokens' gradient is left to the region (``region_input``)."""
+    with ``partial_input`` the tokens' gradient is left to the region (``region_input``), and with
+    ``partial_output`` the sum (``PartialRowwise``)."""
 
-    def __init__(self, partial_input: bool = False):
+    def __init__(self, partial_input: bool = False, partial_output: bool = False):
         super().__init__()
-        self.partial_input = partial_input
+        self.partial_input, self.partial_output = partial_input, partial_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         run_on_local_params(module, device_mesh, replicate_plain=False)
@@ -267,7 +268,8 @@ class ExpertsParallel(ParallelStyle):
                 args[1] = all_reduce_backward(args[1], device_mesh)  # top-k routing weights
             if torch.is_tensor(kwargs.get("top_k_weights")):
                 kwargs["top_k_weights"] = all_reduce_backward(kwargs["top_k_weights"], device_mesh)
-            return all_reduce_forward(local_forward(hidden_states, *args, **kwargs), device_mesh)
+            out = local_forward(hidden_states, *args, **kwargs)
+            return out if self.partial_output else all_reduce_forward(out, device_mesh)
 
         module.forward = forward
         return module
@@ -324,6 +326,23 @@ class LocalColwise(ParallelStyle):
         return module
 
 
+class PartialRowwise(RowwiseParallel):
+    """Row-parallel layer whose output stays this rank's addend (a local tensor): its region adds it to the
+    others (experts, a shared expert) and reduces the sum once where the region ends (Megatron's "g": one
+    reduce-scatter under SP, one all-reduce under TP, where each addend reduced on its own before). The
+    gradient of a partial sum is the whole gradient on every rank, which torch's ``to_local`` of a Partial
+    DTensor would take as partial again: set here."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Partial(), use_local_output=False)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(
+            lambda m, a, out: out.to_local(grad_placements=[Replicate()]) if isinstance(out, DTensor) else out)
+        return module
+
+
 class ForwardHookStyle(ParallelStyle):
     """A style that only transforms the module's output (or input) with a function of (module, mesh, x)."""
 
@@ -375,13 +394,14 @@ PARTIAL_INPUT_STYLES = {"colwise", "unit_colwise", "packed_colwise", "moe_tp_exp
 
 def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_head: bool,
                extra: dict[str, Callable] | None = None, shard_output: bool = True,
-               partial_input: bool = False) -> ParallelStyle:
+               partial_input: bool = False, partial_output: bool = False) -> ParallelStyle:
     """Build the torch ParallelStyle for a transformers style name, adjusted for sequence/loss parallel.
 
     Under sequence parallel a region's input is gathered by the region itself (see dims.tensor), so layers
     inside take a replicated input; a row-parallel layer reduce-scatters its output back to sequence shards
     when it ends its region (``shard_output``), and all-reduces it otherwise (the region then slices).
-    ``partial_input``: a column-parallel layer whose region reduces its input's gradient (``region_input``)."""
+    ``partial_input``: a column-parallel layer whose region reduces its input's gradient (``region_input``);
+    ``partial_output``: a row-parallel layer (or TP experts) whose region sums its output (``PartialRowwise``)."""
     if extra and name in extra:
         factory = extra[name].partial_input if partial_input else extra[name]
         return factory(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
@@ -398,7 +418,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
             return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=Replicate())
     if name in ("rowwise", "unit_rowwise"):
-        return RowwiseParallel(output_layouts=row_out)
+        return PartialRowwise() if partial_output else RowwiseParallel(output_layouts=row_out)
     if name in ("rowwise_split_input", "rowwise_rep"):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=row_out)
     if name in ("embedding_rowwise", "vocab_parallel_embedding"):
@@ -414,7 +434,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
     if name == "replicate":  # stays a plain tensor, used whole: its gradient is whole on every rank
         return LocalParams(replicate_plain=False)
     if name == "moe_tp_experts":
-        return ExpertsParallel(partial_input=partial_input)
+        return ExpertsParallel(partial_input=partial_input, partial_output=partial_output)
     if name == "packed_colwise":  # a Linear whose output packs two projections (gate|up)
         return LinearPackedColwise(split_factor=2, partial_input=partial_input)
     if name == "moe_identity_expert":  # an identity expert's output is summed over TP with the others: pre-divide

@@ -52,6 +52,7 @@ class TpDataflow:
     scaled: dict[str, set[str]]  # region -> modules reading its input whose input gradient is whole: x 1/tp
     end: set[str] | None = None  # under SP, parameters between the last layer and a head that leaves its input's
     #                              gradient partial (summed over TP); None: the head reduces its own input
+    sums: set[str] = dataclasses.field(default_factory=set)  # regions whose output can be summed once, at its end
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -80,6 +81,9 @@ class _Trace(TorchFunctionMode):
         self.follow: dict[int, str] = {}  # id(tensor) -> region: derived from a "full" consumer's output
         self.other: set[str] = set()  # regions whose input something else reads
         self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
+        self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
+        self.partial_bad: set[str] = set()
+        self.sums: set[str] = set()  # regions whose output is a partial sum
         self.end: set[int] | None = None  # ids derived from the last layer's output (when the head end is watched)
         self.end_ok = True
         self.end_params: set[str] = set()  # parameters applied to them
@@ -114,6 +118,8 @@ class _Trace(TorchFunctionMode):
                     self.keep.append(t)
             else:
                 self.other_params |= owners
+        if self.partial:
+            _partial_op(self, func, inputs, args, kwargs, outs)
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
         followed = {self.follow[id(t)] for t in inputs if id(t) in self.follow}
         if followed:
@@ -214,14 +220,15 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     finally:
         for h in hooks:
             h.remove()
-    fallback = trace.other | trace.bad | {region_of(plan, f) for f in trace.fed_other}
+    # a layer fed both its region's input and other data would reduce neither right: its region falls back
+    fallback = trace.other | trace.bad | {r for r, c in trace.consumers.items() if c & trace.fed_other}
     block = {r: c for r, c in trace.consumers.items() if r not in fallback}
     scaled = {r: c for r, c in trace.scaled.items() if r in block}
     end = None
     if trace.end is not None and trace.end_ok and trace.head_seen and not trace.end_params & trace.other_params:
         end = set(trace.end_params)
     return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
-                      end)
+                      end, trace.sums - trace.partial_bad)
 
 
 def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
@@ -301,6 +308,57 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
 
         hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(module.register_forward_hook(leave))
+    for fqn, style in matched.items():  # the region's addends: row-parallel layers and TP experts
+        region = region_of(plan, fqn)
+        if region is not None and (style in ROWWISE_SUMS or style == "moe_tp_experts"):
+            hooks.append(modules[fqn].register_forward_hook(
+                lambda m, a, out, region=region: _mark_partial(trace, region, out)))
+    for region in plan.regions:
+        if region in modules:
+            hooks.append(modules[region].register_forward_hook(
+                lambda m, a, out, region=region: _leave_region(trace, region, out)))
+
+
+ROWWISE_SUMS = {"rowwise", "unit_rowwise"}  # row-parallel styles whose output can stay a partial sum
+_SUMS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "sub_", "__isub__"}
+_SCALES = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "div", "__truediv__", "div_", "__itruediv__"}
+
+
+def _mark_partial(trace: "_Trace", region: str, out) -> None:
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            trace.partial[id(t)] = region
+            trace.keep.append(t)
+
+
+def _leave_region(trace: "_Trace", region: str, out) -> None:
+    first = out[0] if isinstance(out, tuple) and out else out
+    if isinstance(first, torch.Tensor) and trace.partial.get(id(first)) == region:
+        trace.sums.add(region)
+        del trace.partial[id(first)]  # reduced where the region ends
+
+
+def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
+    """Follow the regions' partial sums: they may be viewed, scaled by a number and added to each other; any
+    other use (a product with data, a sum with a whole tensor) needs the sum first: that region reduces inside."""
+    held = [trace.partial.get(id(t)) for t in inputs]
+    regions = {r for r in held if r is not None}
+    if not regions:
+        return
+    name = getattr(func, "__name__", "")
+    numbers_only = not any(isinstance(a, (int, float)) and not isinstance(a, bool) and name in _SUMS
+                           for a in tree_flatten((args, kwargs))[0])
+    if name in _SCALES:
+        numbers_only = all(not isinstance(a, torch.Tensor) for a in tree_flatten((args[1:], kwargs))[0])
+    ok = len(regions) == 1 and (
+        (name in _SUMS and len(inputs) == 2 and all(r is not None for r in held) and numbers_only)
+        or (len(inputs) == 1 and (name in _PASS_THROUGH or (name in _SCALES and numbers_only))))
+    if not ok:
+        trace.partial_bad |= regions
+        return
+    for t in outs:
+        trace.partial[id(t)] = next(iter(regions))
+        trace.keep.append(t)
 
 
 # Styles whose module hands back a whole input gradient whatever follows: they reduce (or gather) it themselves;
