@@ -78,7 +78,7 @@ class _Trace(TorchFunctionMode):
         self.consumers: dict[str, set[str]] = {}  # region -> layers that leave their input's gradient partial
         self.scaled: dict[str, set[str]] = {}  # region -> modules whose input's gradient is whole on every rank
         self.fed_other: set[str] = set()  # partial-capable layers also fed something else than a region input
-        self.follow: dict[int, str] = {}  # id(tensor) -> region: derived from a "full" consumer's output
+        self.follow: dict[int, frozenset] = {}  # id(tensor) -> regions: derived from "full" consumers' outputs
         self.other: set[str] = set()  # regions whose input something else reads
         self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
         self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
@@ -121,12 +121,12 @@ class _Trace(TorchFunctionMode):
         if self.partial:
             _partial_op(self, func, inputs, args, kwargs, outs)
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
-        followed = {self.follow[id(t)] for t in inputs if id(t) in self.follow}
+        followed = frozenset().union(*(self.follow[id(t)] for t in inputs if id(t) in self.follow))
         if followed:
             if LOCAL in kinds:  # its gradient would be this rank's part only, not whole
                 self.bad |= followed
             for t in outs:
-                self.follow[id(t)] = next(iter(followed))
+                self.follow[id(t)] = followed
                 self.keep.append(t)
         if regions and not self.inside:
             if getattr(func, "__name__", "") in _PASS_THROUGH and len(regions) == 1:
@@ -303,7 +303,7 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
                 m._ultrascale_trace_follow = None
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
-                        trace.follow[id(t)] = region
+                        trace.follow[id(t)] = trace.follow.get(id(t), frozenset()) | {region}
                         trace.keep.append(t)
 
         hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
@@ -332,7 +332,10 @@ def _mark_partial(trace: "_Trace", region: str, out) -> None:
 
 
 def _leave_region(trace: "_Trace", region: str, out) -> None:
+    """The region's output is reduced where it ends: its gradient is whole again, whatever it came from."""
     first = out[0] if isinstance(out, tuple) and out else out
+    if isinstance(first, torch.Tensor):
+        trace.follow.pop(id(first), None)
     if isinstance(first, torch.Tensor) and trace.partial.get(id(first)) == region:
         trace.sums.add(region)
         del trace.partial[id(first)]  # reduced where the region ends
