@@ -41,7 +41,13 @@ def _count(arch: str, layout: str) -> dict:
                     self.seen[op if args[0].numel() >= ACTIVATION else op + " (small)"] += 1
             return func(*args, **(kwargs or {}))
 
-    pmodel = us.parallelize(make_model(arch), us.ParallelConfig(tp=2, dp_shard=1, sequence_parallel=layout == "sp"))
+    model = make_model(arch.removesuffix("+lora"))
+    if arch.endswith("+lora"):  # every linear layer of the decoder, as the PEFT tests do
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]))
+    pmodel = us.parallelize(model, us.ParallelConfig(tp=2, dp_shard=1, sequence_parallel=layout == "sp"))
     ids = torch.randint(0, 256, (4, 16))
     with Count() as fwd:
         out = pmodel.module(input_ids=ids, labels=ids)

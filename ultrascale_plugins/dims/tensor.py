@@ -208,6 +208,10 @@ def ultrascale_shard_model(model, ctx):
     for name in local:
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)
+    for region in summed:  # e.g. LoRA's B after a row-parallel A: applied to a partial sum
+        for name in flow.summed_params.get(region, ()):
+            owner, _, pname = name.rpartition(".")
+            owners.setdefault(owner, set()).add(pname)
     for name in flow.end if head_end else ():  # the final norm: it sees the head's partial gradient
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)

@@ -53,6 +53,8 @@ class TpDataflow:
     end: set[str] | None = None  # under SP, parameters between the last layer and a head that leaves its input's
     #                              gradient partial (summed over TP); None: the head reduces its own input
     sums: set[str] = dataclasses.field(default_factory=set)  # regions whose output can be summed once, at its end
+    summed_params: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # region -> parameters applied
+    #                                                         to its partial sums: their gradients summed over TP
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -83,6 +85,9 @@ class _Trace(TorchFunctionMode):
         self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
         self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
         self.partial_bad: set[str] = set()
+        self.partial_params: dict[str, set[str]] = {}  # region -> parameters applied to its partial sums
+        self.partial_param_uses: dict[str, int] = {}
+        self.param_data_uses: dict[str, int] = {}
         self.sums: set[str] = set()  # regions whose output is a partial sum
         self.end: set[int] | None = None  # ids derived from the last layer's output (when the head end is watched)
         self.end_ok = True
@@ -118,6 +123,9 @@ class _Trace(TorchFunctionMode):
                     self.keep.append(t)
             else:
                 self.other_params |= owners
+        if owners and any(not isinstance(k, frozenset) for k in kinds):
+            for owner in owners:
+                self.param_data_uses[owner] = self.param_data_uses.get(owner, 0) + 1
         if self.partial:
             _partial_op(self, func, inputs, args, kwargs, outs)
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
@@ -227,8 +235,10 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     end = None
     if trace.end is not None and trace.end_ok and trace.head_seen and not trace.end_params & trace.other_params:
         end = set(trace.end_params)
+    sums = {r for r in trace.sums - trace.partial_bad  # a parameter also applied elsewhere cannot be summed
+            if all(trace.partial_param_uses[p] == trace.param_data_uses.get(p) for p in trace.partial_params.get(r, ()))}
     return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
-                      end, trace.sums - trace.partial_bad)
+                      end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params})
 
 
 def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
@@ -268,6 +278,7 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
     """Hooks on the twin that find, for every region, who reads its input (see the module docstring)."""
     modules = dict(twin.named_modules())
     planned = set(matched) | {f.rpartition(".")[0] for f in plan.param_matches(twin)}
+    style_of = matched.get
     for region in plan.regions:
         if region in modules:
             hooks.append(modules[region].register_forward_pre_hook(
@@ -291,20 +302,25 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
             if x is None or trace.region_in.get(id(x)) != region:
                 if kind == "partial":  # this layer reduces its own input then: it must not be made partial
                     trace.fed_other.add(fqn)
+                # a layer that reduces its own input hands back a whole gradient: what it reads is not followed
+                m._ultrascale_trace_after = "unfollow" if kind == "partial" or style_of(fqn) in FULL_INPUT_GRAD \
+                    else None
                 return None
             (trace.consumers if kind == "partial" else trace.scaled).setdefault(region, set()).add(fqn)
-            if kind == "full" and matched.get(fqn) not in FULL_INPUT_GRAD:
-                m._ultrascale_trace_follow = region  # its output's gradient must stay whole: followed
+            # its output's gradient must stay whole: followed
+            m._ultrascale_trace_after = region if kind == "full" and style_of(fqn) not in FULL_INPUT_GRAD else None
             return _hand_in(trace, None, args, kwargs, False)
 
         def leave(m, args, out):
-            region = getattr(m, "_ultrascale_trace_follow", None)
-            if region is not None:
-                m._ultrascale_trace_follow = None
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        trace.follow[id(t)] = trace.follow.get(id(t), frozenset()) | {region}
-                        trace.keep.append(t)
+            after, m._ultrascale_trace_after = getattr(m, "_ultrascale_trace_after", None), None
+            for t in tree_flatten(out)[0] if after is not None else ():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if after == "unfollow":
+                    trace.follow.pop(id(t), None)
+                else:
+                    trace.follow[id(t)] = trace.follow.get(id(t), frozenset()) | {after}
+                    trace.keep.append(t)
 
         hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(module.register_forward_hook(leave))
@@ -356,6 +372,13 @@ def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
     ok = len(regions) == 1 and (
         (name in _SUMS and len(inputs) == 2 and all(r is not None for r in held) and numbers_only)
         or (len(inputs) == 1 and (name in _PASS_THROUGH or (name in _SCALES and numbers_only))))
+    if not ok and len(regions) == 1 and name == "linear" and len(inputs) == 2 and held[0] is not None:
+        owner = trace.kind_of(inputs[1])  # a replicated bias-free linear (LoRA's B after a row-parallel A):
+        if isinstance(owner, frozenset):  # linear in its input, so the sum passes; its weight's gradient is
+            ok = True                     # then partial too, and summed over TP
+            trace.partial_params.setdefault(next(iter(regions)), set()).update(owner)
+            for p in owner:
+                trace.partial_param_uses[p] = trace.partial_param_uses.get(p, 0) + 1
     if not ok:
         trace.partial_bad |= regions
         return
