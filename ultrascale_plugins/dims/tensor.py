@@ -191,11 +191,13 @@ def ultrascale_shard_model(model, ctx):
                 and layers[-1] == plan.layers[-1])
     if head_end:
         once.add(plan.lm_head)
+    # ... and the stage that starts it reduce-scatters a vocabulary-parallel embedding's partial sum
+    start_end = sp and flow.start and plan.embedding in present and bool(layers) and layers[0] == plan.layers[0]
     summed = flow.sums - simple  # regions of several addends, reduced once where they end (Megatron's "g")
     styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
                               is_head=(fqn == plan.lm_head), extra=plan.styles,
                               shard_output=region_of.get(fqn) in simple, partial_input=fqn in once,
-                              partial_output=region_of.get(fqn) in summed)
+                              partial_output=region_of.get(fqn) in summed or (start_end and fqn == plan.embedding))
               for fqn, name in matched.items()}
     gathered = gathered_regions(model, plan)[0] if sp else []
     seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
@@ -247,7 +249,7 @@ def ultrascale_shard_model(model, ctx):
             # the sequence is split where the (stage's) layers start and gathered again where they end: the
             # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
             model.get_submodule(layers[0]).register_forward_pre_hook(
-                redistribute_first_input(mesh, Replicate(), Shard(1)), with_kwargs=True)
+                redistribute_first_input(mesh, Partial() if start_end else Replicate(), Shard(1)), with_kwargs=True)
             model.get_submodule(layers[-1]).register_forward_hook(
                 redistribute_output(mesh, Shard(1), Replicate(), Partial() if head_end else None))
     if plan.tied and plan.embedding in present and plan.lm_head in present:

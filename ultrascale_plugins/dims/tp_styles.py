@@ -343,6 +343,32 @@ class PartialRowwise(RowwiseParallel):
         return module
 
 
+class LocalVocabEmbedding(ParallelStyle):
+    """Vocabulary-parallel embedding whose output stays this rank's addend: its rows of the table (``Shard(0)``,
+    as torch's ``RowwiseParallel`` places them, so checkpoints and a tied head match), zeros for the ids other
+    ranks hold. The first decoder layer reduce-scatters the sum onto sequence shards (Megatron's embedding end
+    under sequence parallel), where torch's style all-reduces the whole sequence (its ``MaskPartial`` output
+    cannot be redistributed to anything but a replicated tensor)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        vocab = module.weight.shape[0]
+        start = min(device_mesh.get_local_rank() * -(-vocab // device_mesh.size()), vocab)
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)]),
+                                                         requires_grad=module.weight.requires_grad))
+
+        def forward(ids):
+            table = module.weight  # this rank's rows (run_on_local_params)
+            held = (ids >= start) & (ids < start + table.shape[0])
+            pad = module.padding_idx
+            pad = pad - start if pad is not None and start <= pad < start + table.shape[0] else None
+            out = torch.nn.functional.embedding(torch.where(held, ids - start, 0), table, padding_idx=pad)
+            return out * held.unsqueeze(-1).to(out.dtype)
+
+        module.forward = forward
+        run_on_local_params(module, device_mesh, replicate_plain=False)
+        return module
+
+
 class ForwardHookStyle(ParallelStyle):
     """A style that only transforms the module's output (or input) with a function of (module, mesh, x)."""
 
@@ -421,6 +447,8 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
         return PartialRowwise() if partial_output else RowwiseParallel(output_layouts=row_out)
     if name in ("rowwise_split_input", "rowwise_rep"):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=row_out)
+    if name in ("embedding_rowwise", "vocab_parallel_embedding") and partial_output:
+        return LocalVocabEmbedding()
     if name in ("embedding_rowwise", "vocab_parallel_embedding"):
         # Output replicated even under SP: the first decoder layer splits the sequence (see dims.tensor),
         # so the model still builds its masks and positions on the full sequence.

@@ -55,6 +55,7 @@ class TpDataflow:
     sums: set[str] = dataclasses.field(default_factory=set)  # regions whose output can be summed once, at its end
     summed_params: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # region -> parameters applied
     #                                                         to its partial sums: their gradients summed over TP
+    start: bool = False  # the vocabulary-parallel embedding's partial sum can reach the first layer unreduced
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -89,6 +90,8 @@ class _Trace(TorchFunctionMode):
         self.partial_param_uses: dict[str, int] = {}
         self.param_data_uses: dict[str, int] = {}
         self.sums: set[str] = set()  # regions whose output is a partial sum
+        self.start: set[int] | None = None  # ids derived from a vocabulary-parallel embedding's output
+        self.start_ok = True
         self.end: set[int] | None = None  # ids derived from the last layer's output (when the head end is watched)
         self.end_ok = True
         self.end_params: set[str] = set()  # parameters applied to them
@@ -128,6 +131,8 @@ class _Trace(TorchFunctionMode):
                 self.param_data_uses[owner] = self.param_data_uses.get(owner, 0) + 1
         if self.partial:
             _partial_op(self, func, inputs, args, kwargs, outs)
+        if self.start is not None and not self.inside:
+            _start_op(self, func, inputs, args, kwargs, outs)
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
         followed = frozenset().union(*(self.follow[id(t)] for t in inputs if id(t) in self.follow))
         if followed:
@@ -218,6 +223,8 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     if plan.layers and head_style is not None and partial_input(plan.lm_head, head_style, twin.get_submodule(
             plan.lm_head)):
         _watch_end(twin, plan, trace, hooks)
+    if plan.layers and plan.embedding is not None and matched.get(plan.embedding) in VOCAB_PARALLEL:
+        _watch_start(twin, plan, trace, hooks)
     inputs = meta_inputs(8)
     trace.mark([v for v in inputs.values() if isinstance(v, torch.Tensor)], ACTIVATION)
     try:
@@ -225,6 +232,8 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
             outputs = twin(**inputs)
         if trace.end is not None and any(id(t) in trace.end for t in tree_flatten(dict(outputs))[0]):
             trace.end_ok = False  # the last layer's output leaves the model by another way than the head
+        if trace.start is not None and any(id(t) in trace.start for t in tree_flatten(dict(outputs))[0]):
+            trace.start_ok = False
     finally:
         for h in hooks:
             h.remove()
@@ -237,8 +246,62 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
         end = set(trace.end_params)
     sums = {r for r in trace.sums - trace.partial_bad  # a parameter also applied elsewhere cannot be summed
             if all(trace.partial_param_uses[p] == trace.param_data_uses.get(p) for p in trace.partial_params.get(r, ()))}
+    start = trace.start is not None and trace.start_ok and trace.start_seen
     return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
-                      end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params})
+                      end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params}, start)
+
+
+VOCAB_PARALLEL = {"embedding_rowwise", "vocab_parallel_embedding"}
+
+
+def _watch_start(twin, plan, trace: "_Trace", hooks: list) -> None:
+    """Mark the vocabulary-parallel embedding's output: it must reach the first layer unchanged or scaled by a
+    constant (Gemma's normalizer), and nothing else may read it."""
+    trace.start, trace.start_seen = set(), False
+    embedding = twin.get_submodule(plan.embedding)
+    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None or embedding.scale_grad_by_freq \
+            or embedding.sparse:
+        trace.start_ok = False
+        return
+
+    def mark(m, args, out):
+        if not isinstance(out, torch.Tensor):
+            trace.start_ok = False
+            return None
+        trace.inside += 1
+        try:
+            y = out.view_as(out)
+        finally:
+            trace.inside -= 1
+        trace.start.add(id(y))
+        trace.keep.append(y)
+        return y
+
+    def first_layer(m, args, kwargs):
+        x = _first_input(args, kwargs)
+        if x is None or id(x) not in trace.start:
+            trace.start_ok = False
+            return None
+        trace.start_seen = True
+        return _hand_in(trace, None, args, kwargs, False)
+
+    hooks.append(embedding.register_forward_hook(mark))
+    hooks.append(twin.get_submodule(plan.layers[0]).register_forward_pre_hook(first_layer, with_kwargs=True))
+
+
+def _start_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
+    """The embedding's output on its way to the first layer: viewed, cast, or scaled by a constant only."""
+    started = [id(t) in trace.start for t in inputs]
+    if not any(started):
+        return
+    name = getattr(func, "__name__", "")
+    constants = all(s or (trace.kind_of(t) is None) for s, t in zip(started, inputs))
+    if sum(started) == 1 and (name in _PASS_THROUGH and len(inputs) == 1 or name in _SCALES and constants):
+        for t in outs:
+            trace.start.add(id(t))
+            trace.keep.append(t)
+    else:
+        trace.start_ok = False
 
 
 def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
