@@ -17,8 +17,27 @@ from pathlib import Path
 import pytest
 
 ACTIVATION = 1000  # elements: a tiny model's activation (4 x 16 x 64 / tp) against norm weights and routing values
-CASES = ["llama:tp", "llama:sp", "llama_tied:sp", "qwen3:tp", "qwen3:sp", "gpt2:tp", "gpt2:sp", "qwen3_moe:sp",
-         "deepseek_v3:tp"]
+# Per step of a 2-layer model, activation-sized collectives only (norm weights, routing values and LoRA's r-wide
+# ones are below ACTIVATION). L = 2 layers, 2 regions each.
+L = 2
+TP = {"forward": {"all_reduce": 2 * L, "all_gather": 1},  # each region's output; the logits' gather
+      "backward": {"all_reduce": 2 * L + 1}}  # each region's input; the head's input
+SP = {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L},  # + the last layer's gather, the logits'
+      "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}}  # + the first layer's split; the head
+EXPECTED = {
+    "llama:tp": TP, "llama:sp": SP, "qwen3:sp": SP, "qwen3_moe:sp": SP,
+    # a tied, vocabulary-parallel embedding: its partial sum reduce-scattered onto the sequence shards
+    "llama_tied:sp": {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}, "backward": SP["backward"]},
+    # GPT-2: the vocabulary-parallel embedding is added to a replicated position embedding: reduced whole
+    "gpt2:sp": {"forward": {**SP["forward"], "all_reduce": 1}, "backward": SP["backward"]},
+    # latent attention: kv_b_proj reads the replicated latent, not the region's input, and reduces its own
+    # (rank-wide: kv_lora_rank, not hidden) input gradient
+    "deepseek_v3:tp": {"forward": TP["forward"], "backward": {"all_reduce": 2 * L + 1 + L}},
+    "deepseek_v3:sp": {"forward": SP["forward"], "backward": {**SP["backward"], "all_reduce": L}},
+    # LoRA on every linear layer (frozen embedding: the first region's input and the split need no gradient)
+    "llama+lora:sp": {"forward": SP["forward"], "backward": {"all_gather": 2 * L, "reduce_scatter": 2 * L}},
+}
+CASES = list(EXPECTED)
 
 
 def _count(arch: str, layout: str) -> dict:
@@ -78,11 +97,36 @@ def counts():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-LAYERS = 2
+def _activations(seen: dict) -> dict:
+    return {op: n for op, n in seen.items() if "small" not in op}
 
 
-def test_print(counts):
-    print(json.dumps(counts, indent=1))
+@pytest.mark.parametrize("case", CASES)
+def test_one_collective_per_region_forward_and_backward(counts, case):
+    got = {phase: _activations(counts[case][phase]) for phase in ("forward", "backward")}
+    assert got == EXPECTED[case], (case, counts[case])
+
+
+def test_a_region_whose_input_meets_anything_else_reduces_per_projection(monkeypatch):
+    """A region's input added to its output (a residual inside the region) would be summed tp times if the
+    region reduced its input's gradient once: the trace keeps that region on one reduction per projection."""
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    import ultrascale_plugins as us
+    from models import make_config
+    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.models.dataflow import trace_tp
+
+    with torch.device("meta"):
+        model = modeling_llama.LlamaForCausalLM(make_config("llama"))
+    plan = model_plan(model, us.ParallelConfig(tp=2, dp_shard=1))
+    everything = lambda fqn, style, module: style == "colwise"  # noqa: E731
+    assert set(trace_tp(model, plan, everything).block) == set(plan.regions)
+    mlp = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: mlp(self, x) + x)
+    block = trace_tp(model, plan, everything).block
+    assert set(block) == {r for r in plan.regions if r.endswith("self_attn")}, block
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ def ultrascale_shard_model(model, ctx):
         if name == "mla_kv_a_proj":
             model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
     flow = rank_local_params(model, plan)
+    model._ultrascale_tp_flow = flow  # what the estimate of this model's collectives counts (dims.tp_costs)
     once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
     layers = ctx.plan_layers(model)
     # under SP, the stage that ends the model reduce-scatters the head's input gradient at the last layer's gather

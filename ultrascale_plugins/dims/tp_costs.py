@@ -1,6 +1,11 @@
 """Tensor parallel's part of a layout's cost: each parameter the plan shards cut to this TP rank's slice, and the
-activation collectives of every layer (Korthikanti et al. 2022: two all-reduces forward and two backward per
-layer; with sequence parallel each becomes an all-gather plus a reduce-scatter of the same volume)."""
+activation collectives of every layer as the package runs them.
+
+Megatron's count (Korthikanti et al. 2022) is one reduction of each region's input gradient and one of its
+output, forward and backward: two all-reduces forward and two backward per layer, or under sequence parallel an
+all-gather plus a reduce-scatter for each. The package reaches it where the model's data flow allows
+(``models.dataflow``: the regions that reduce once, the sums, the ends); elsewhere each projection reduces on its
+own, and the estimate counts what runs, region by region, from the same trace the workers use."""
 from __future__ import annotations
 
 from ..interface.estimates import chunk_size
@@ -56,11 +61,84 @@ def tensor_parallel_terms(config, shape, est) -> None:
         local = list(r.local)
         local[dim] = chunk_size(local[dim], tp, rank)
         r.local = tuple(local)
-    act = shape.tokens_per_micro_batch * shape.model_config.hidden_size * shape.activation_bytes(config)
+    tokens = shape.tokens_per_micro_batch
+    act = tokens * _hidden(shape.model_config) * shape.activation_bytes(config)
     layers = len({r.layer for r in shape.inventory if r.layer is not None})
-    volume = 4 * act * layers  # per micro-batch: nothing to overlap these with
-    if config.sequence_parallel:
-        est.add_comm("tp", volume / 2, "all_gather", calls=4 * layers, per="micro_batch")
-        est.add_comm("tp", volume / 2, "reduce_scatter", calls=4 * layers, per="micro_batch")
-    else:
-        est.add_comm("tp", volume, "all_reduce", calls=4 * layers, per="micro_batch")
+    holds_pre = any(r.part == "pre" for r in shape.inventory)
+    counts = activation_collectives(shape.model, shape.plan, config.sequence_parallel, holds_pre,
+                                    shape.holds_head, layers)
+    for op, calls in counts.items():  # per micro-batch: nothing to overlap these with
+        if calls:
+            est.add_comm("tp", calls * act, op, calls=calls, per="micro_batch")
+    head = shape.plan.matches(shape.model).get(shape.plan.lm_head) if shape.holds_head else None
+    if head in ("colwise_gather_output", "colwise_rep"):
+        if config.loss_parallel:  # max, target logit and sum of exponentials of each token, fp32
+            est.add_comm("tp", 3 * tokens * 4, "all_reduce", calls=3, per="micro_batch")
+        else:  # the logits gathered over the vocabulary
+            vocab = getattr(_text(shape.model_config), "vocab_size", 0)
+            est.add_comm("tp", tokens * vocab * shape.activation_bytes(config), "all_gather", per="micro_batch")
+
+
+def _text(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def _hidden(model_config) -> int:
+    return _text(model_config).hidden_size
+
+
+_FLOW_CACHE: dict = {}
+# styles whose module reduces its own input's gradient when its region does not (one all-reduce each)
+_REDUCES_INPUT = {"colwise", "unit_colwise", "colwise_gather_output", "colwise_rep", "packed_colwise",
+                  "moe_tp_experts", "conv1d_colwise", "conv1d_packed_colwise", "mla_kv_a_proj"}
+_SUMS_OUTPUT = {"rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep", "moe_tp_experts", "conv1d_rowwise"}
+
+
+def _flow(model, plan):
+    """The trace's verdict for ``model``: the one its workers acted on when it is (a copy of) a parallelized
+    model, whose own modules no longer run on the meta device, else traced here."""
+    from .tensor import rank_local_params
+
+    if getattr(model, "_ultrascale_tp_flow", None) is not None:
+        return model._ultrascale_tp_flow
+    key = (id(model), tuple(sorted(plan.tp_plan.items())))
+    if key not in _FLOW_CACHE or _FLOW_CACHE[key][0] is not model:
+        _FLOW_CACHE[key] = (model, rank_local_params(model, plan))
+    return _FLOW_CACHE[key][1]
+
+
+def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:
+    """Calls per micro-batch of each activation collective (each the whole b·s·h) on a rank holding ``layers``
+    decoder layers (and the embedding, the head): region by region as ``dims.tensor`` sets them up."""
+    flow = _flow(model, plan)
+    matched = plan.matches(model)
+    per: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
+    for region in plan.regions:
+        inside = [s for f, s in matched.items() if f.startswith(region + ".")]
+        rows = sum(1 for s in inside if s in _SUMS_OUTPUT)
+        whole = rows == 1 and not any(s in plan.whole_output_styles() for s in inside) or region in flow.sums
+        inputs = 1 if region in flow.block else sum(1 for s in inside if s in _REDUCES_INPUT)
+        if sp:
+            per["all_gather"] += 2  # its input (forward); the gradient of its output's shards (backward)
+            per["reduce_scatter"] += (1 if whole else 0) + (1 if region in flow.block else 0)
+            per["all_reduce"] += (0 if whole else rows) + (0 if region in flow.block else inputs)
+        else:
+            per["all_reduce"] += (1 if whole else rows) + inputs
+    n_layers = max(len(plan.layers), 1)
+    out = {op: round(calls * layers / n_layers) for op, calls in per.items()}
+    embedding = matched.get(plan.embedding) in ("embedding_rowwise", "vocab_parallel_embedding")
+    head = plan.lm_head in matched
+    if holds_pre:
+        if sp:
+            out["all_gather"] += 1  # the split's backward: the embedding needs its whole gradient
+            if embedding:
+                out["reduce_scatter" if flow.start else "all_reduce"] += 1
+        elif embedding:
+            out["all_reduce"] += 1
+    if holds_head and head:
+        if sp:
+            out["all_gather"] += 1  # the last layer's gather
+            out["reduce_scatter" if flow.end is not None else "all_reduce"] += 1
+        else:
+            out["all_reduce"] += 1
+    return out

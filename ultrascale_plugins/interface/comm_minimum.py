@@ -76,26 +76,33 @@ def _tensor(config, shape) -> list[MinimumTerm]:
     m, layers = shape.micro_batches, _layers(shape)
     act = _tokens(config, shape) * _text_config(shape).hidden_size * _act_bytes(config, shape)
     recompute = getattr(config, "activation_checkpointing", "none") == "full"
-    ends = int(_holds(shape, "pre")) + int(shape.holds_head)  # the embedding's output, the head's input
+    matched = shape.plan.matches(shape.model) if shape.plan is not None and shape.model is not None else {}
+    # the ends, where the plan shards them: a vocabulary-parallel embedding's output, the head's input gradient
+    embedding = _holds(shape, "pre") and matched.get(shape.plan.embedding) in ("embedding_rowwise",
+                                                                                "vocab_parallel_embedding")
+    head = shape.holds_head and (shape.plan is None or shape.plan.lm_head in matched)
+    ends = int(embedding) + int(head)
     loss = 3 * m if shape.holds_head else 0  # vocabulary-parallel cross-entropy: max, target logit, sum of exps
     loss_bytes = loss * _tokens(config, shape) * 4
     if getattr(config, "sequence_parallel", False):
         per_layer = 2 + (1 if recompute else 0)  # of each kind, forward + backward (+ the recomputed forward)
-        gathers = m * (2 * per_layer * layers + ends)
+        gathers = m * (2 * per_layer * layers + int(_holds(shape, "pre")) + int(head))
+        scatters = m * (2 * per_layer * layers + ends)
         rec = " + 1 recomputed" if recompute else ""
         return [MinimumTerm("tp", "all_gather", gathers, gathers * act,
                             f"per micro-batch: 2 forward + 2 backward{rec} per layer ({layers}) + 1 per end held "
-                            f"({ends}: the embedding's backward, the head's input), each the whole b·s·h"),
-                MinimumTerm("tp", "reduce_scatter", gathers, gathers * act,
-                            f"per micro-batch: 2 forward + 2 backward{rec} per layer + 1 per end held ({ends})"),
+                            "(the embedding's backward, the head's input), each the whole b·s·h"),
+                MinimumTerm("tp", "reduce_scatter", scatters, scatters * act,
+                            f"per micro-batch: 2 forward + 2 backward{rec} per layer + 1 per sharded end held "
+                            f"({ends}: a vocabulary-parallel embedding's output, the head's input gradient)"),
                 MinimumTerm("tp", "all_reduce", loss, loss_bytes,
                             "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values (on the head's ranks)")]
     per_layer = 4 + (2 if recompute else 0)
     reduces = m * (per_layer * layers + ends)
     return [MinimumTerm("tp", "all_reduce", reduces, reduces * act,
                         f"per micro-batch: {per_layer} per layer ({layers}; 2 forward, 2 backward"
-                        f"{', 2 recomputed' if recompute else ''}) + 1 per end held ({ends}: the embedding's output, "
-                        "the head's input gradient), each b·s·h"),
+                        f"{', 2 recomputed' if recompute else ''}) + 1 per sharded end held ({ends}: a "
+                        "vocabulary-parallel embedding's output, the head's input gradient), each b·s·h"),
             MinimumTerm("tp", "all_reduce", loss, loss_bytes,
                         "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values (on the head's ranks)")]
 

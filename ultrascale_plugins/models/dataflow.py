@@ -259,8 +259,9 @@ def _watch_start(twin, plan, trace: "_Trace", hooks: list) -> None:
     constant (Gemma's normalizer), and nothing else may read it."""
     trace.start, trace.start_seen = set(), False
     embedding = twin.get_submodule(plan.embedding)
-    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None or embedding.scale_grad_by_freq \
-            or embedding.sparse:
+    # torch's own lookup only (LocalVocabEmbedding replaces it): a subclass may do more, e.g. Gemma's scaling
+    if type(embedding).forward is not nn.Embedding.forward or embedding.max_norm is not None \
+            or embedding.scale_grad_by_freq or embedding.sparse:
         trace.start_ok = False
         return
 
