@@ -82,8 +82,14 @@ def _tensor(config, shape) -> list[MinimumTerm]:
                                                                                 "vocab_parallel_embedding")
     head = shape.holds_head and (shape.plan is None or shape.plan.lm_head in matched)
     ends = int(embedding) + int(head)
-    loss = 3 * m if shape.holds_head else 0  # vocabulary-parallel cross-entropy: max, target logit, sum of exps
-    loss_bytes = loss * _tokens(config, shape) * 4
+    if getattr(config, "loss_parallel", False):  # vocabulary-parallel cross-entropy: max, target logit, sum of exps
+        loss = [MinimumTerm("tp", "all_reduce", 3 * m, 3 * m * _tokens(config, shape) * 4,
+                            "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values")] if head else []
+    else:  # the loss needs every logit: gathered over the vocabulary
+        vocab = getattr(_text_config(shape), "vocab_size", 0)
+        loss = [MinimumTerm("tp", "all_gather", m, m * _tokens(config, shape) * vocab * _act_bytes(config, shape),
+                            "the logits, b·s·V per micro-batch, gathered for the loss (loss_parallel keeps them "
+                            "sharded)")] if head else []
     if getattr(config, "sequence_parallel", False):
         per_layer = 2 + (1 if recompute else 0)  # of each kind, forward + backward (+ the recomputed forward)
         gathers = m * (2 * per_layer * layers + int(_holds(shape, "pre")) + int(head))
@@ -95,16 +101,14 @@ def _tensor(config, shape) -> list[MinimumTerm]:
                 MinimumTerm("tp", "reduce_scatter", scatters, scatters * act,
                             f"per micro-batch: 2 forward + 2 backward{rec} per layer + 1 per sharded end held "
                             f"({ends}: a vocabulary-parallel embedding's output, the head's input gradient)"),
-                MinimumTerm("tp", "all_reduce", loss, loss_bytes,
-                            "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values (on the head's ranks)")]
+                *loss]
     per_layer = 4 + (2 if recompute else 0)
     reduces = m * (per_layer * layers + ends)
     return [MinimumTerm("tp", "all_reduce", reduces, reduces * act,
                         f"per micro-batch: {per_layer} per layer ({layers}; 2 forward, 2 backward"
                         f"{', 2 recomputed' if recompute else ''}) + 1 per sharded end held ({ends}: a "
                         "vocabulary-parallel embedding's output, the head's input gradient), each b·s·h"),
-            MinimumTerm("tp", "all_reduce", loss, loss_bytes,
-                        "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values (on the head's ranks)")]
+            *loss]
 
 
 # ---- pipeline: each micro-batch crosses each stage boundary forward and back ------------------------------------
