@@ -145,6 +145,15 @@ def _placement(style: str, fqn: str, ndim: int):
     return placement
 
 
+def simple_regions(plan, matched: dict) -> set[str]:
+    """The regions whose output one row-parallel layer hands back directly (reduced, or reduce-scattered under
+    SP); others (MoE blocks, several row-parallel layers) reduce a sum where they end (``TpDataflow.sums``) or,
+    where the trace cannot show it is one, all-reduce inside and slice their output back to sequence shards."""
+    return {r for r in plan.regions
+            if sum(1 for f, n in matched.items() if f.startswith(r + ".") and (n in ROWWISE or "rowwise" in n)) == 1
+            and not any(f.startswith(r + ".") and n in plan.whole_output_styles() for f, n in matched.items())}
+
+
 def rank_local_params(model: nn.Module, plan):
     """The plain parameters that meet only this rank's slice of the features inside TP regions, those that meet
     both, and the regions that reduce their input's gradient once, from a trace of the model's data flow
@@ -173,11 +182,7 @@ def ultrascale_shard_model(model, ctx):
     sp = ctx.config.sequence_parallel
     present = present_modules(model)
     matched = {fqn: name for fqn, name in plan.matches(model).items() if fqn in present}
-    # regions whose output a row-parallel layer hands back directly; others (MoE blocks, several row-parallel
-    # layers) all-reduce inside and slice their output back to sequence shards at the end
-    simple = {r for r in plan.regions
-              if sum(1 for f, n in matched.items() if f.startswith(r + ".") and (n in ROWWISE or "rowwise" in n)) == 1
-              and not any(f.startswith(r + ".") and n in plan.whole_output_styles() for f, n in matched.items())}
+    simple = simple_regions(plan, matched)
     region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
     _shard_named_params(model, plan, mesh, present)
     for fqn, name in matched.items():

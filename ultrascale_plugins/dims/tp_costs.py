@@ -110,13 +110,16 @@ def _flow(model, plan):
 def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:
     """Calls per micro-batch of each activation collective (each the whole b·s·h) on a rank holding ``layers``
     decoder layers (and the embedding, the head): region by region as ``dims.tensor`` sets them up."""
+    from .tensor import simple_regions
+
     flow = _flow(model, plan)
     matched = plan.matches(model)
+    simple = simple_regions(plan, matched)
     per: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     for region in plan.regions:
         inside = [s for f, s in matched.items() if f.startswith(region + ".")]
         rows = sum(1 for s in inside if s in _SUMS_OUTPUT)
-        whole = rows == 1 and not any(s in plan.whole_output_styles() for s in inside) or region in flow.sums
+        whole = region in simple or region in flow.sums  # its output reduced once
         inputs = 1 if region in flow.block else sum(1 for s in inside if s in _REDUCES_INPUT)
         if sp:
             per["all_gather"] += 2  # its input (forward); the gradient of its output's shards (backward)

@@ -56,6 +56,10 @@ class TpDataflow:
     summed_params: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # region -> parameters applied
     #                                                         to its partial sums: their gradients summed over TP
     start: bool = False  # the vocabulary-parallel embedding's partial sum can reach the first layer unreduced
+    per_projection: dict[str, str] = dataclasses.field(default_factory=dict)  # region -> why its input is reduced
+    #                                                                           per projection
+    whole_readers: set[str] = dataclasses.field(default_factory=set)  # regions whose readers all hand back whole
+    #                                                                   gradients: their input needs no reduction
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -84,6 +88,7 @@ class _Trace(TorchFunctionMode):
         self.follow: dict[int, frozenset] = {}  # id(tensor) -> regions: derived from "full" consumers' outputs
         self.other: set[str] = set()  # regions whose input something else reads
         self.bad: set[str] = set()  # regions where a "full" consumer's output meets rank-local data
+        self.why: dict[str, str] = {}  # region -> why it reduces per projection (the first reason seen)
         self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
         self.partial_bad: set[str] = set()
         self.partial_params: dict[str, set[str]] = {}  # region -> parameters applied to its partial sums
@@ -124,7 +129,7 @@ class _Trace(TorchFunctionMode):
                 for t in outs:
                     self.end.add(id(t))
                     self.keep.append(t)
-            else:
+            elif any(not isinstance(k, frozenset) for k in kinds):  # applied to other data (not w.float())
                 self.other_params |= owners
         if owners and any(not isinstance(k, frozenset) for k in kinds):
             for owner in owners:
@@ -137,6 +142,9 @@ class _Trace(TorchFunctionMode):
         followed = frozenset().union(*(self.follow[id(t)] for t in inputs if id(t) in self.follow))
         if followed:
             if LOCAL in kinds:  # its gradient would be this rank's part only, not whole
+                for region in followed - self.bad:
+                    self.why.setdefault(region, "a reader of whole parameters meets this rank's features "
+                                                f"({getattr(func, '__name__', func)})")
                 self.bad |= followed
             for t in outs:
                 self.follow[id(t)] = followed
@@ -147,6 +155,8 @@ class _Trace(TorchFunctionMode):
                     self.region_in[id(t)] = next(iter(regions))
                     self.keep.append(t)
             else:
+                for region in regions - self.other:
+                    self.why.setdefault(region, f"its input read by {getattr(func, '__name__', func)}")
                 self.other |= regions
         if LOCAL in kinds:
             self.local_use |= owners
@@ -239,7 +249,12 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
             h.remove()
     # a layer fed both its region's input and other data would reduce neither right: its region falls back
     fallback = trace.other | trace.bad | {r for r, c in trace.consumers.items() if c & trace.fed_other}
+    for r, c in trace.consumers.items():
+        if c & trace.fed_other:
+            trace.why.setdefault(r, f"{sorted(c & trace.fed_other)[0]} is also fed other data")
     block = {r: c for r, c in trace.consumers.items() if r not in fallback}
+    # read only by layers that hand back whole gradients (latent attention's down-projections): nothing to reduce
+    whole_readers = {r for r in trace.scaled if r not in trace.consumers and r not in fallback}
     scaled = {r: c for r, c in trace.scaled.items() if r in block}
     end = None
     if trace.end is not None and trace.end_ok and trace.head_seen and not trace.end_params & trace.other_params:
@@ -248,7 +263,9 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
             if all(trace.partial_param_uses[p] == trace.param_data_uses.get(p) for p in trace.partial_params.get(r, ()))}
     start = trace.start is not None and trace.start_ok and trace.start_seen
     return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
-                      end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params}, start)
+                      end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params}, start,
+                      {r: trace.why.get(r, "no column-parallel layer reads its input") for r in plan.regions
+                       if r not in block and r not in whole_readers}, whole_readers)
 
 
 VOCAB_PARALLEL = {"embedding_rowwise", "vocab_parallel_embedding"}
