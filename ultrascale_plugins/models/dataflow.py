@@ -286,14 +286,7 @@ def _watch_start(twin, plan, trace: "_Trace", hooks: list) -> None:
         if not isinstance(out, torch.Tensor):
             trace.start_ok = False
             return None
-        trace.inside += 1
-        try:
-            y = out.view_as(out)
-        finally:
-            trace.inside -= 1
-        trace.start.add(id(y))
-        trace.keep.append(y)
-        return y
+        return _fresh_view(trace, out, trace.start)
 
     def first_layer(m, args, kwargs):
         x = _first_input(args, kwargs)
@@ -305,6 +298,18 @@ def _watch_start(twin, plan, trace: "_Trace", hooks: list) -> None:
 
     hooks.append(embedding.register_forward_hook(mark))
     hooks.append(twin.get_submodule(plan.layers[0]).register_forward_pre_hook(first_layer, with_kwargs=True))
+
+
+def _fresh_view(trace: "_Trace", x: torch.Tensor, marks: set) -> torch.Tensor:
+    """A view of ``x`` (not itself a use of it) whose id joins ``marks``."""
+    trace.inside += 1
+    try:
+        y = x.view_as(x)
+    finally:
+        trace.inside -= 1
+    marks.add(id(y))
+    trace.keep.append(y)
+    return y
 
 
 def _start_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
@@ -330,13 +335,7 @@ def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
         first = out[0] if isinstance(out, tuple) else out
         if not isinstance(first, torch.Tensor):
             return None
-        trace.inside += 1
-        try:
-            y = first.view_as(first)
-        finally:
-            trace.inside -= 1
-        trace.end.add(id(y))
-        trace.keep.append(y)
+        y = _fresh_view(trace, first, trace.end)
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
     def head(m, args, kwargs):
