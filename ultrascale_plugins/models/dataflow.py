@@ -257,7 +257,7 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     whole_readers = {r for r in trace.scaled if r not in trace.consumers and r not in fallback}
     scaled = {r: c for r, c in trace.scaled.items() if r in block}
     end = None
-    if trace.end is not None and trace.end_ok and trace.head_seen and not trace.end_params & trace.other_params:
+    if trace.end is not None and trace.end_ok and trace.end_seen and not trace.end_params & trace.other_params:
         end = set(trace.end_params)
     sums = {r for r in trace.sums - trace.partial_bad  # a parameter also applied elsewhere cannot be summed
             if all(trace.partial_param_uses[p] == trace.param_data_uses.get(p) for p in trace.partial_params.get(r, ()))}
@@ -288,16 +288,22 @@ def _watch_start(twin, plan, trace: "_Trace", hooks: list) -> None:
             return None
         return _fresh_view(trace, out, trace.start)
 
-    def first_layer(m, args, kwargs):
+    hooks.append(embedding.register_forward_hook(mark))
+    hooks.append(twin.get_submodule(plan.layers[0]).register_forward_pre_hook(_reads(trace, "start"), with_kwargs=True))
+
+
+def _reads(trace: "_Trace", end: str):
+    """The pre-hook of the module that must read the marked ``end`` ("start": the first layer, "end": the head):
+    fed anything else, that end stays as it is; fed the mark, it is seen (and handed an unmarked view)."""
+    def hook(m, args, kwargs):
         x = _first_input(args, kwargs)
-        if x is None or id(x) not in trace.start:
-            trace.start_ok = False
+        if x is None or id(x) not in getattr(trace, end):
+            setattr(trace, f"{end}_ok", False)
             return None
-        trace.start_seen = True
+        setattr(trace, f"{end}_seen", True)
         return _hand_in(trace, None, args, kwargs, False)
 
-    hooks.append(embedding.register_forward_hook(mark))
-    hooks.append(twin.get_submodule(plan.layers[0]).register_forward_pre_hook(first_layer, with_kwargs=True))
+    return hook
 
 
 def _fresh_view(trace: "_Trace", x: torch.Tensor, marks: set) -> torch.Tensor:
@@ -329,7 +335,7 @@ def _start_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
 
 def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
     """Mark the last layer's output; the head must read it (and nothing else may leave the model with it)."""
-    trace.end, trace.head_seen = set(), False
+    trace.end, trace.end_seen = set(), False
 
     def mark(m, args, out):
         first = out[0] if isinstance(out, tuple) else out
@@ -338,16 +344,8 @@ def _watch_end(twin, plan, trace: "_Trace", hooks: list) -> None:
         y = _fresh_view(trace, first, trace.end)
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
-    def head(m, args, kwargs):
-        x = _first_input(args, kwargs)
-        if x is None or id(x) not in trace.end:
-            trace.end_ok = False
-            return None
-        trace.head_seen = True
-        return _hand_in(trace, None, args, kwargs, False)
-
     hooks.append(twin.get_submodule(plan.layers[-1]).register_forward_hook(mark))
-    hooks.append(twin.get_submodule(plan.lm_head).register_forward_pre_hook(head, with_kwargs=True))
+    hooks.append(twin.get_submodule(plan.lm_head).register_forward_pre_hook(_reads(trace, "end"), with_kwargs=True))
 
 
 def region_of(plan, fqn: str) -> str | None:
