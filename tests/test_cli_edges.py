@@ -153,6 +153,23 @@ def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == "ultrascale: error: tp=3: bad\n"
 
 
+def test_a_training_worker_other_than_rank_0_waits_for_rank_0_to_say_the_error(monkeypatch, capsys):
+    """The training worker's refusal (``python -m ultrascale_plugins.train`` under torchrun) returned at once on every
+    rank: on a loaded machine rank 1's exit ended the job before rank 0 printed (seen once on CI: no line at all)."""
+    from ultrascale_plugins import launch, train
+
+    slept = []
+    monkeypatch.setattr(launch.time, "sleep", slept.append)
+    monkeypatch.delenv("ULTRASCALE_ERROR_FILE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert train.main(["--set", "tp=3"]) == 2
+    assert slept == [launch.SAY_FIRST_S] and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(["--set", "tp=3"]) == 2
+    assert slept == [launch.SAY_FIRST_S] and capsys.readouterr().err.count("ultrascale: error: ") == 1
+
+
 @pytest.mark.slow
 def test_a_config_error_in_torchrun_workers_is_printed_once():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}

@@ -164,11 +164,17 @@ SAY_FIRST_S = 30.0
 def exit_on_error(exc: Exception, status: int = 2) -> None:
     """``report_error``, then end this process with ``status`` (2: a usage error, as the command line's): the way
     a front end's launched worker refuses a layout, without a traceback from any rank."""
+    report_error_and_wait(exc)
+    raise SystemExit(status)
+
+
+def report_error_and_wait(exc: Exception) -> None:
+    """``report_error``; then, on a rank other than 0 of a launched job whose line rank 0 says, wait (at most
+    ``SAY_FIRST_S``) so that this rank's exit does not end the job before rank 0 printed it."""
     report_error(exc)
     if not os.environ.get("ULTRASCALE_ERROR_FILE") and (launched_world_size() or 1) > 1 and \
             int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) != 0:
         time.sleep(SAY_FIRST_S)
-    raise SystemExit(status)
 
 
 def launched_world_size() -> int | None:

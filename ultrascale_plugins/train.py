@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from . import _freeze_at_exit, _timing_mark, quiet_known_warnings  # noqa: E402
 from .interface.config import ConfigError  # noqa: E402
-from .launch import launched_world_size, report_error  # noqa: E402
+from .launch import launched_world_size, report_error_and_wait  # noqa: E402
 from .recipe import Recipe, load_recipe  # noqa: E402
 
 
@@ -419,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                      profile_step=args.profile_step)
         if stop.signum:  # the loop's agreed stop, or a SIGTERM that came after its last vote
             stop.end(result.get("stopped"))
-    except ConfigError as exc:
-        report_error(exc)
+    except ConfigError as exc:  # rank 0 says it; the others wait for it (a fast rank's exit would end the job first)
+        report_error_and_wait(exc)
         return 2
     except BaseException as exc:
         if stop.explains(exc):
