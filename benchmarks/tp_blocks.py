@@ -3,6 +3,7 @@ input gradient and one of its output (forward and backward), and which ends redu
 
     python benchmarks/tp_blocks.py                 # every type with a TP plan: writes results/tp_blocks.json
     python benchmarks/tp_blocks.py --types llama   # some types, printed only
+    python benchmarks/tp_blocks.py --types qwen2_moe --update   # recount some types in results/tp_blocks.json
 
 Each type is built tiny (benchmarks/compat/tiny.py, as the compatibility sweep builds it) and its plan traced once
 on the meta device at tp=2 with sequence parallel, exactly as ``parallelize`` decides before sharding
@@ -50,12 +51,16 @@ def count(model_type: str) -> dict:
             if matched.get(plan.embedding) in ("embedding_rowwise", "vocab_parallel_embedding") else "not sharded",
             "head_end": "reduce-scatter" if flow.end is not None else "all-reduce",
             "per_projection": dict(collections.Counter(flow.per_projection.values())),
-            "output_per_projection": len(set(plan.regions) - output_once)}
+            "output_per_projection": len(set(plan.regions) - output_once),
+            "output_why": dict(collections.Counter(flow.sum_why.get(r, "its output is not a sum of row-parallel "
+                                                                      "layers' and experts' outputs")
+                                                   for r in plan.regions if r not in output_once))}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*")
+    parser.add_argument("--update", action="store_true", help="replace these types' rows in the results file")
     args = parser.parse_args(argv)
     from compat.tiny import Untinyable, causal_lm_types, default_config, plans
 
@@ -72,13 +77,18 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - a type the engine refuses at tp=2 (the sweep lists why)
             rows[model_type] = {"state": "refused", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         print(model_type, json.dumps(rows[model_type]), flush=True)
+    seconds = round(time.time() - start, 1)
+    if args.update:  # the other rows as the last full run counted them
+        previous = json.loads(OUT.read_text())
+        rows = {**previous["types"], **rows}
+        seconds = previous["summary"]["seconds"]
     traced = [r for r in rows.values() if r["state"] == "traced"]
     summary = {"types": len(rows), "traced": len(traced),
                "all_blocks_megatron": sum(r["megatron"] == r["regions"] for r in traced),
                "blocks": sum(r["regions"] for r in traced), "megatron_blocks": sum(r["megatron"] for r in traced),
-               "seconds": round(time.time() - start, 1)}
+               "seconds": seconds}
     print(json.dumps(summary))
-    if not args.types:
+    if not args.types or args.update:
         import torch
         import transformers
 

@@ -40,6 +40,12 @@ def make_config(arch: str):
         layers = {"num_hidden_layers": 4} if aux else {}  # V-shaped schedules: 2 stages per pipeline rank
         return Qwen3MoeConfig(**{**common, **layers}, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                               tie_word_embeddings=False, **aux)
+    if arch == "qwen2_moe":  # a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x))
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+                              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                              tie_word_embeddings=False)
     if arch == "deepseek_v3":  # routers that select with a per-expert bias (auxiliary-loss-free balancing)
         from transformers import DeepseekV3Config
 

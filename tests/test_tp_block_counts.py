@@ -26,6 +26,8 @@ SP = {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L},  # + the la
       "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}}  # + the first layer's split; the head
 EXPECTED = {
     "llama:tp": TP, "llama:sp": SP, "qwen3:sp": SP, "qwen3_moe:sp": SP,
+    # a shared expert sharded like the routed ones, its sigmoid gate multiplying its partial output: one sum
+    "qwen2_moe:tp": TP, "qwen2_moe:sp": SP,
     # a tied, vocabulary-parallel embedding: its partial sum reduce-scattered onto the sequence shards
     "llama_tied:sp": {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}, "backward": SP["backward"]},
     # GPT-2: the vocabulary-parallel embedding is added to a replicated position embedding: reduced whole
@@ -127,6 +129,35 @@ def test_a_region_whose_input_meets_anything_else_reduces_per_projection(monkeyp
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: mlp(self, x) + x)
     block = trace_tp(model, plan, everything).block
     assert set(block) == {r for r in plan.regions if r.endswith("self_attn")}, block
+
+
+def test_a_shared_expert_is_sharded_like_an_mlp_and_a_packed_linear_is_refused_under_fsdp():
+    """transformers' Qwen2-MoE plan leaves the shared expert whole on every rank: the package shards it (gate and up
+    column-parallel, down row-parallel), so the MoE block's output is one sum (counted above). A strided row shard
+    of a packed Linear ('packed_colwise') under FSDP's own row shard came out of the optimizer step wrong (the
+    compatibility sweep's MiniMax-M3 cells, dp2 x tp2): refused before any process group."""
+    import torch
+
+    import ultrascale_plugins as us
+    from models import make_config
+    from transformers import AutoModelForCausalLM
+    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.dims.tensor import ultrascale_validate_model
+    from ultrascale_plugins.engine import model_plan
+
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(make_config("qwen2_moe"))
+    matched = model_plan(moe, us.ParallelConfig(tp=2, dp_shard=1)).matches(moe)
+    assert {k.rpartition(".")[2]: v for k, v in matched.items() if ".0.mlp.shared_expert." in k} == {
+        "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    with torch.device("meta"):
+        llama = AutoModelForCausalLM.from_config(make_config("llama"))
+    config = us.ParallelConfig(tp=2, dp_shard=2, zero_stage=3)
+    plan = model_plan(llama, config)
+    plan.tp_plan["model.layers.*.mlp.up_proj"] = "packed_colwise"
+    with pytest.raises(ConfigError, match="'model.layers.0.mlp.up_proj'.*'packed_colwise'.*zero_stage=3"):
+        ultrascale_validate_model(llama, plan, config)
+    ultrascale_validate_model(llama, plan, us.ParallelConfig(tp=2, dp_shard=2, zero_stage=0))
 
 
 if __name__ == "__main__":

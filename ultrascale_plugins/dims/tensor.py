@@ -91,6 +91,14 @@ def ultrascale_validate_model(model, plan, config):
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
                           "version cannot apply. Fix: use tp: 1 for this model")
     _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
+    packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"]
+    fsdp = (config.tp > 1 and config.dp_replicate * config.dp_shard > 1) if config.zero_stage == 1 else \
+        config.zero_stage >= 2 and config.dp_shard > 1
+    if packed and fsdp:  # see PackedColwiseParallel: torch mis-places gradients of nested strided dim-0 shards
+        raise ConfigError(f"tp={config.tp}: module '{packed[0]}' of model type '{arch}' has the tensor-parallel style "
+                          f"'packed_colwise' (a strided shard of its weight's rows), which FSDP (zero_stage="
+                          f"{config.zero_stage}, dp_shard={config.dp_shard}) shards by rows too: the optimizer step "
+                          "would come out wrong. Fix: use zero_stage: 0, or give that module 'colwise_gather_output'")
     mixed = rank_local_params(model, plan).mixed
     if mixed:
         raise ConfigError(
@@ -217,7 +225,9 @@ def ultrascale_shard_model(model, ctx):
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)
     for region in summed:  # e.g. LoRA's B after a row-parallel A: applied to a partial sum
-        for name in flow.summed_params.get(region, ()):
+        gate_params = [f"{g}.{n}" for g in flow.gates.get(region, ()) if g in present
+                       for n, _ in model.get_submodule(g).named_parameters()]  # a gate of the sum
+        for name in [*flow.summed_params.get(region, ()), *gate_params]:
             owner, _, pname = name.rpartition(".")
             owners.setdefault(owner, set()).add(pname)
     for name in flow.end if head_end else ():  # the final norm: it sees the head's partial gradient
@@ -229,7 +239,8 @@ def ultrascale_shard_model(model, ctx):
     for region in flow.block:  # one reduction of the input's gradient per region, Megatron's "f"
         if region in present:
             model.get_submodule(region).register_forward_pre_hook(region_input(mesh, sp), with_kwargs=True)
-            for fqn in flow.scaled.get(region, ()):  # readers whose input gradient is whole: 1/tp of it
+            # readers whose input gradient is whole: 1/tp of it (a gate of a sum reduced once has a partial one)
+            for fqn in flow.scaled.get(region, set()) - (flow.gates.get(region, set()) if region in summed else set()):
                 model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
                                                                    with_kwargs=True, prepend=True)
     for region in summed:

@@ -60,6 +60,11 @@ class TpDataflow:
     #                                                                           per projection
     whole_readers: set[str] = dataclasses.field(default_factory=set)  # regions whose readers all hand back whole
     #                                                                   gradients: their input needs no reduction
+    sum_why: dict[str, str] = dataclasses.field(default_factory=dict)  # region -> what its partial sum met that
+    #                                                                    needs the sum first (the first seen)
+    gates: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # region -> readers of its input whose
+    #    output (through one-input operations) multiplies its partial sum: where the region reduces that sum once,
+    #    their gradient is partial, not whole (no 1/tp; their parameters' gradients summed over TP)
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -91,6 +96,12 @@ class _Trace(TorchFunctionMode):
         self.why: dict[str, str] = {}  # region -> why it reduces per projection (the first reason seen)
         self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
         self.partial_bad: set[str] = set()
+        self.sum_why: dict[str, str] = {}
+        self.gate_of: dict[int, str] = {}  # id(tensor) -> the "full" reader whose output it is, or a function of
+        #                                    that output alone (a gate on its way to a partial sum)
+        self.gates: dict[str, str] = {}  # reader -> region: its output's function multiplies that region's sum
+        self.gate_bad: set[str] = set()  # readers whose output reaches anything else
+        self.gate_read: set[int] = set()
         self.partial_params: dict[str, set[str]] = {}  # region -> parameters applied to its partial sums
         self.partial_param_uses: dict[str, int] = {}
         self.param_data_uses: dict[str, int] = {}
@@ -134,12 +145,16 @@ class _Trace(TorchFunctionMode):
         if owners and any(not isinstance(k, frozenset) for k in kinds):
             for owner in owners:
                 self.param_data_uses[owner] = self.param_data_uses.get(owner, 0) + 1
+        if self.gate_of and not self.inside:
+            _gate_op(self, func, inputs, outs)
         if self.partial:
             _partial_op(self, func, inputs, args, kwargs, outs)
         if self.start is not None and not self.inside:
             _start_op(self, func, inputs, args, kwargs, outs)
         regions = {self.region_in[id(t)] for t in inputs if id(t) in self.region_in}
-        followed = frozenset().union(*(self.follow[id(t)] for t in inputs if id(t) in self.follow))
+        # no gradient flows through integers and booleans (top-k indices, masks made from them): not followed
+        followed = frozenset().union(*(self.follow[id(t)] for t in inputs
+                                       if id(t) in self.follow and t.is_floating_point()))
         if followed:
             if LOCAL in kinds:  # its gradient would be this rank's part only, not whole
                 for region in followed - self.bad:
@@ -147,8 +162,9 @@ class _Trace(TorchFunctionMode):
                                                 f"({getattr(func, '__name__', func)})")
                 self.bad |= followed
             for t in outs:
-                self.follow[id(t)] = followed
-                self.keep.append(t)
+                if t.is_floating_point():
+                    self.follow[id(t)] = followed
+                    self.keep.append(t)
         if regions and not self.inside:
             if getattr(func, "__name__", "") in _PASS_THROUGH and len(regions) == 1:
                 for t in outs:
@@ -259,13 +275,23 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     end = None
     if trace.end is not None and trace.end_ok and trace.end_seen and not trace.end_params & trace.other_params:
         end = set(trace.end_params)
+    gates: dict[str, set[str]] = {}
+    for reader, region in trace.gates.items():
+        if reader in trace.gate_bad or region not in block:  # its gradient would be whole (or reduced) elsewhere
+            trace.partial_bad.add(region)
+            trace.sum_why.setdefault(region, f"the gate {reader} is also read elsewhere" if reader in trace.gate_bad
+                                     else f"the gate {reader} reads an input reduced per projection")
+        else:
+            gates.setdefault(region, set()).add(reader)
     sums = {r for r in trace.sums - trace.partial_bad  # a parameter also applied elsewhere cannot be summed
             if all(trace.partial_param_uses[p] == trace.param_data_uses.get(p) for p in trace.partial_params.get(r, ()))}
     start = trace.start is not None and trace.start_ok and trace.start_seen
     return TpDataflow(trace.local_use - trace.replicated_use, trace.local_use & trace.replicated_use, block, scaled,
                       end, sums, {r: trace.partial_params[r] for r in sums if r in trace.partial_params}, start,
                       {r: trace.why.get(r, "no column-parallel layer reads its input") for r in plan.regions
-                       if r not in block and r not in whole_readers}, whole_readers)
+                       if r not in block and r not in whole_readers}, whole_readers,
+                      {r: w for r, w in trace.sum_why.items() if r not in sums},
+                      {r: g for r, g in gates.items() if r in sums})
 
 
 VOCAB_PARALLEL = {"embedding_rowwise", "vocab_parallel_embedding"}
@@ -389,7 +415,7 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
             m._ultrascale_trace_after = region if kind == "full" and style_of(fqn) not in FULL_INPUT_GRAD else None
             return _hand_in(trace, None, args, kwargs, False)
 
-        def leave(m, args, out):
+        def leave(m, args, out, fqn=fqn):
             after, m._ultrascale_trace_after = getattr(m, "_ultrascale_trace_after", None), None
             for t in tree_flatten(out)[0] if after is not None else ():
                 if not isinstance(t, torch.Tensor):
@@ -398,6 +424,7 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
                     trace.follow.pop(id(t), None)
                 else:
                     trace.follow[id(t)] = trace.follow.get(id(t), frozenset()) | {after}
+                    trace.gate_of[id(t)] = fqn
                     trace.keep.append(t)
 
         hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
@@ -435,6 +462,30 @@ def _leave_region(trace: "_Trace", region: str, out) -> None:
         del trace.partial[id(first)]  # reduced where the region ends
 
 
+_PRODUCTS = {"mul", "__mul__", "__rmul__"}
+_GATES = _PRODUCTS | {"div", "__truediv__"}
+
+
+def _gate_op(trace: "_Trace", func, inputs, outs) -> None:
+    """Follow a "full" reader's output on its way to gate a partial sum (Qwen2-MoE's
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``): a chain of one-input operations, each tensor read once.
+    Any other use makes the reader a plain one (its output's gradient must be whole)."""
+    readers = {trace.gate_of[id(t)] for t in inputs if id(t) in trace.gate_of}
+    if not readers:
+        return
+    name = getattr(func, "__name__", "")
+    read_twice = any(id(t) in trace.gate_read for t in inputs if id(t) in trace.gate_of)
+    trace.gate_read |= {id(t) for t in inputs if id(t) in trace.gate_of}
+    partial = any(id(t) in trace.partial for t in inputs)
+    if len(readers) == 1 and not read_twice and len(inputs) == 1 and len(outs) == 1:
+        trace.gate_of[id(outs[0])] = next(iter(readers))
+        trace.keep.append(outs[0])
+    elif len(readers) == 1 and not read_twice and len(inputs) == 2 and partial and name in _GATES:
+        pass  # the product with the partial sum: _partial_op decides
+    else:
+        trace.gate_bad |= readers
+
+
 def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
     """Follow the regions' partial sums: they may be viewed, scaled by a number and added to each other; any
     other use (a product with data, a sum with a whole tensor) needs the sum first: that region reduces inside."""
@@ -450,6 +501,15 @@ def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
     ok = len(regions) == 1 and (
         (name in _SUMS and len(inputs) == 2 and all(r is not None for r in held) and numbers_only)
         or (len(inputs) == 1 and (name in _PASS_THROUGH or (name in _SCALES and numbers_only))))
+    if not ok and len(regions) == 1 and name in _GATES and len(inputs) == 2 and held.count(None) == 1 \
+            and (name in _PRODUCTS or held[0] is not None):
+        gate = inputs[held.index(None)]
+        reader = trace.gate_of.get(id(gate))
+        if reader is not None and trace.kind_of(gate) == ACTIVATION and reader not in trace.gate_bad:
+            # sum_i(g * p_i) = g * sum_i(p_i): the product is a partial sum too, and g's gradient on each rank is
+            # that rank's part (summed by the region's input reduction and over TP for the reader's parameters)
+            ok = True
+            trace.gates[reader] = next(iter(regions))
     if not ok and len(regions) == 1 and name == "linear" and len(inputs) == 2 and held[0] is not None:
         owner = trace.kind_of(inputs[1])  # a replicated bias-free linear (LoRA's B after a row-parallel A):
         if isinstance(owner, frozenset):  # linear in its input, so the sum passes; its weight's gradient is
@@ -458,6 +518,9 @@ def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
             for p in owner:
                 trace.partial_param_uses[p] = trace.partial_param_uses.get(p, 0) + 1
     if not ok:
+        for region in regions - trace.partial_bad:
+            kinds = "+".join(sorted({"partial" if h else str(trace.kind_of(t) if not isinstance(trace.kind_of(t), frozenset) else "param") for h, t in zip(held, inputs)}))
+            trace.sum_why.setdefault(region, f"{name}({kinds})")
         trace.partial_bad |= regions
         return
     for t in outs:

@@ -9,6 +9,12 @@ instead, as before. The layout is read from the metadata transformers' ``use_exp
 the experts module (gated or not, transposed, concatenated gate|up, biases, post-expert norm); an experts
 module without that metadata, or with a layout the styles cannot shard exactly, is left out (replicated whole,
 which is correct, only less memory-efficient).
+
+The same plans leave most MoE blocks' shared experts (a dense MLP beside the routed experts) whole on every rank,
+where DeepSeek-V3's own plan and Megatron shard them like any MLP: the block's output is then one sum of partial
+outputs (experts + shared expert), reduced once, where a whole shared expert's output added to the experts'
+partial sum needs that sum first. ``shared_expert_entries`` shards them the same way: gate and up
+column-parallel, down row-parallel.
 """
 from __future__ import annotations
 
@@ -33,6 +39,44 @@ def expert_tp_entries(model: nn.Module, ep_plan: dict[str, str], tp_plan: dict[s
             continue
         out.update({(f"{pattern}.{p}" if p else pattern): s for p, s in layouts.pop()})
     return out
+
+
+def shared_expert_entries(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Plan entries for the plain MLPs beside the experts that ``tp_plan`` shards (``moe_tp_experts``): a
+    sibling module of the experts holding exactly ``gate_proj``, ``up_proj`` and ``down_proj`` (or ``up_proj``
+    and ``down_proj``), bias-free ``nn.Linear`` layers from the hidden size to one intermediate size and back,
+    that the plan does not already name."""
+    patterns = [pattern for pattern, style in tp_plan.items() if style == "moe_tp_experts"]
+    out: dict[str, str] = {}
+    for fqn, experts in model.named_modules():
+        if not any(fnmatch.fnmatchcase(fqn, pattern) for pattern in patterns):
+            continue
+        parent = fqn.rpartition(".")[0]
+        for name, sibling in model.get_submodule(parent).named_children():
+            layout = _mlp_layout(sibling) if sibling is not experts else None
+            wanted = {f"{parent}.{name}.{child}": style for child, style in layout or ()}
+            if wanted and not any(_covers(entry, key) or fnmatch.fnmatchcase(entry, key)
+                                  for entry in wanted for key in tp_plan):
+                out.update(wanted)
+    return out
+
+
+def _mlp_layout(module: nn.Module) -> tuple[tuple[str, str], ...] | None:
+    children = dict(module.named_children())
+    linears = {n: c for n, c in children.items() if isinstance(c, nn.Linear)}
+    # (a concatenated gate_up_proj is left whole: its packed shard under FSDP's own dim-0 shard came out of the
+    # optimizer step wrong in MiniMax-M3's dp2 x tp2 cell)
+    if set(linears) not in ({"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"}):
+        return None
+    if any(c.bias is not None for c in linears.values()) or any(True for _ in module.named_parameters(recurse=False)):
+        return None
+    if any(any(True for _ in c.parameters()) for n, c in children.items() if n not in linears):
+        return None  # another child with parameters (a norm inside the MLP): not a plain MLP
+    down = linears["down_proj"]
+    ins = {c.weight.shape for n, c in linears.items() if n != "down_proj"}
+    if ins != {(down.in_features, down.out_features)}:
+        return None
+    return tuple((n, "rowwise" if n == "down_proj" else "colwise") for n in sorted(linears))
 
 
 def _covers(key: str, pattern: str) -> bool:

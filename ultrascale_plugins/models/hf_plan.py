@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ..interface.hookspecs import hookimpl
-from .expert_plan import expert_tp_entries
+from .expert_plan import expert_tp_entries, shared_expert_entries
 from .plan import hf_plan_from_model
 
 
 def full_tp_plan(model) -> dict[str, str]:
     """transformers keeps the base model's plan on the config (keys relative to the base model) and the head's
     plan on the causal-LM class; join them into one plan of full FQNs, with the fused experts the TP plan
-    leaves to the expert-parallel plan (see expert_plan)."""
+    leaves to the expert-parallel plan and the shared experts it leaves whole (see expert_plan)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
@@ -22,6 +22,7 @@ def full_tp_plan(model) -> dict[str, str]:
     ep_plan = {(f"{prefix}.{k}" if prefix else k): v
                for k, v in (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
     plan.update(expert_tp_entries(model, ep_plan, plan))
+    plan.update(shared_expert_entries(model, plan))
     return plan
 
 
