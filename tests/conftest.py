@@ -85,4 +85,5 @@ def pytest_terminal_summary(terminalreporter):
     for name, r in results.items():
         adamw = "   ".join(f"AdamW {kind} {max(diffs):.1e}" for kind, diffs in (r.get("adamw") or {}).items())
         terminalreporter.write_line(f"{name:<24} loss {r['loss_diff']:.2e}   weights {r['weight_diff']:.2e}   "
-                                    f"grad norm (rel) {r.get('norm_rel_diff', float('nan')):.2e}   {adamw}")
+                                    f"grad norm (rel) {r.get('norm_rel_diff', float('nan')):.2e}   {adamw}   "
+                                    f"{r.get('seconds', float('nan')):.1f} s")

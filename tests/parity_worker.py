@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -298,7 +299,10 @@ def main() -> None:
     results = {}
     for name in names:
         print(f"[parity] case {name} (rank {dist.get_rank()})", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         results[name] = run_case(name, CASES[name] if name in CASES else OUTSIDE_CASES[name])
+        if results[name] is not None:  # the wall time of the case on this machine (the summary prints it)
+            results[name]["seconds"] = round(time.perf_counter() - start, 1)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
