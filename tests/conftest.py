@@ -53,7 +53,7 @@ def parity_results(tmp_path_factory, pytestconfig):
     in ~10 runs, never reproduced in 10 more) would fail them all. Such a launch alone is run once more; the
     crash and its faulthandler stacks are printed in the summary. A wrong result or a Python error is never
     retried."""
-    from parity_cases import CASES
+    from parity_cases import CI_CASES as CASES
 
     results, failures, crashes = {}, {}, []
     for world in sorted({c["world"] for c in CASES.values()}):

@@ -157,9 +157,20 @@ def simple_regions(plan, matched: dict) -> set[str]:
     """The regions whose output one row-parallel layer hands back directly (reduced, or reduce-scattered under
     SP); others (MoE blocks, several row-parallel layers) reduce a sum where they end (``TpDataflow.sums``) or,
     where the trace cannot show it is one, all-reduce inside and slice their output back to sequence shards."""
-    return {r for r in plan.regions
-            if sum(1 for f, n in matched.items() if f.startswith(r + ".") and (n in ROWWISE or "rowwise" in n)) == 1
-            and not any(f.startswith(r + ".") and n in plan.whole_output_styles() for f, n in matched.items())}
+    regions = set(plan.regions)
+    rows: dict[str, int] = {}
+    whole = plan.whole_output_styles()
+    opened = set()  # regions holding a module whose output is whole (experts): never simple
+    for fqn, name in matched.items():
+        region = fqn
+        while "." in region:  # the region holding fqn: one of its ancestors (regions do not nest)
+            region = region.rpartition(".")[0]
+            if region in regions:
+                rows[region] = rows.get(region, 0) + (name in ROWWISE or "rowwise" in name)
+                if name in whole:
+                    opened.add(region)
+                break
+    return {r for r in plan.regions if rows.get(r) == 1 and r not in opened}
 
 
 def rank_local_params(model: nn.Module, plan):

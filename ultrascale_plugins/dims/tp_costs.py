@@ -70,7 +70,8 @@ def tensor_parallel_terms(config, shape, est) -> None:
     for op, calls in counts.items():  # per micro-batch: nothing to overlap these with
         if calls:
             est.add_comm("tp", calls * act, op, calls=calls, per="micro_batch")
-    head = shape.plan.matches(shape.model).get(shape.plan.lm_head) if shape.holds_head else None
+    matched = _per_model(shape.model, shape.plan, _flow(shape.model, shape.plan), config.sequence_parallel)[1]
+    head = matched.get(shape.plan.lm_head) if shape.holds_head else None
     if head in ("colwise_gather_output", "colwise_rep"):
         if config.loss_parallel:  # max, target logit and sum of exponentials of each token, fp32
             est.add_comm("tp", 3 * tokens * 4, "all_reduce", calls=3, per="micro_batch")
@@ -107,26 +108,53 @@ def _flow(model, plan):
     return _FLOW_CACHE[key][1]
 
 
-def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:
-    """Calls per micro-batch of each activation collective (each the whole b·s·h) on a rank holding ``layers``
-    decoder layers (and the embedding, the head): region by region as ``dims.tensor`` sets them up."""
+_PER_CACHE: dict = {}
+
+
+def _per_model(model, plan, flow, sp: bool):
+    """Calls of each activation collective for all of ``model``'s regions, and the plan's matches: computed once
+    per (model, plan, sp) — the planner's search prices thousands of layouts of one model."""
     from .tensor import simple_regions
 
-    flow = _flow(model, plan)
+    key = (id(model), id(flow), tuple(plan.regions), sp)
+    if key in _PER_CACHE and _PER_CACHE[key][0] is model:
+        return _PER_CACHE[key][1]
     matched = plan.matches(model)
     simple = simple_regions(plan, matched)
+    inside: dict[str, list[str]] = {r: [] for r in plan.regions}
+    for fqn, style in matched.items():
+        region = _region_of(fqn, inside)
+        if region is not None:
+            inside[region].append(style)
     per: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
-    for region in plan.regions:
-        inside = [s for f, s in matched.items() if f.startswith(region + ".")]
-        rows = sum(1 for s in inside if s in _SUMS_OUTPUT)
+    for region, styles in inside.items():
+        rows = sum(1 for s in styles if s in _SUMS_OUTPUT)
         whole = region in simple or region in flow.sums  # its output reduced once
-        inputs = 1 if region in flow.block else sum(1 for s in inside if s in _REDUCES_INPUT)
+        inputs = 1 if region in flow.block else sum(1 for s in styles if s in _REDUCES_INPUT)
         if sp:
             per["all_gather"] += 2  # its input (forward); the gradient of its output's shards (backward)
             per["reduce_scatter"] += (1 if whole else 0) + (1 if region in flow.block else 0)
             per["all_reduce"] += (0 if whole else rows) + (0 if region in flow.block else inputs)
         else:
             per["all_reduce"] += (1 if whole else rows) + inputs
+    _PER_CACHE[key] = (model, (per, matched))
+    return per, matched
+
+
+def _region_of(fqn: str, regions) -> str | None:
+    """The region (a key of ``regions``) that holds module ``fqn``: one of its ancestors' names."""
+    while "." in fqn:
+        fqn = fqn.rpartition(".")[0]
+        if fqn in regions:
+            return fqn
+    return None
+
+
+def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:
+    """Calls per micro-batch of each activation collective (each the whole b·s·h) on a rank holding ``layers``
+    decoder layers (and the embedding, the head): region by region as ``dims.tensor`` sets them up."""
+    flow = _flow(model, plan)
+    per, matched = _per_model(model, plan, flow, sp)
     n_layers = max(len(plan.layers), 1)
     out = {op: round(calls * layers / n_layers) for op, calls in per.items()}
     embedding = matched.get(plan.embedding) in ("embedding_rowwise", "vocab_parallel_embedding")
