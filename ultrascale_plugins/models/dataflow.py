@@ -462,6 +462,10 @@ def _leave_region(trace: "_Trace", region: str, out) -> None:
         del trace.partial[id(first)]  # reduced where the region ends
 
 
+def _kind_name(kind) -> str:
+    return "param" if isinstance(kind, frozenset) else str(kind)
+
+
 _PRODUCTS = {"mul", "__mul__", "__rmul__"}
 _GATES = _PRODUCTS | {"div", "__truediv__"}
 
@@ -477,12 +481,11 @@ def _gate_op(trace: "_Trace", func, inputs, outs) -> None:
     read_twice = any(id(t) in trace.gate_read for t in inputs if id(t) in trace.gate_of)
     trace.gate_read |= {id(t) for t in inputs if id(t) in trace.gate_of}
     partial = any(id(t) in trace.partial for t in inputs)
-    if len(readers) == 1 and not read_twice and len(inputs) == 1 and len(outs) == 1:
+    chain = len(readers) == 1 and not read_twice
+    if chain and len(inputs) == 1 and len(outs) == 1:
         trace.gate_of[id(outs[0])] = next(iter(readers))
         trace.keep.append(outs[0])
-    elif len(readers) == 1 and not read_twice and len(inputs) == 2 and partial and name in _GATES:
-        pass  # the product with the partial sum: _partial_op decides
-    else:
+    elif not (chain and len(inputs) == 2 and partial and name in _GATES):  # the product: _partial_op decides
         trace.gate_bad |= readers
 
 
@@ -518,9 +521,9 @@ def _partial_op(trace: "_Trace", func, inputs, args, kwargs, outs) -> None:
             for p in owner:
                 trace.partial_param_uses[p] = trace.partial_param_uses.get(p, 0) + 1
     if not ok:
+        kinds = "+".join(sorted({"partial" if h else _kind_name(trace.kind_of(t)) for h, t in zip(held, inputs)}))
         for region in regions - trace.partial_bad:
-            kinds = "+".join(sorted({"partial" if h else str(trace.kind_of(t) if not isinstance(trace.kind_of(t), frozenset) else "param") for h, t in zip(held, inputs)}))
-            trace.sum_why.setdefault(region, f"{name}({kinds})")
+            trace.sum_why.setdefault(region, f"{name}({kinds})")  # e.g. add(activation+partial)
         trace.partial_bad |= regions
         return
     for t in outs:
