@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
 from ..models.placeholder import present_modules
-from ..models.plan import ROWWISE
-from ..interface.parallel_dims import TP_ORDER, MeshAxis
+from ..models.plan import ROWWISE, region_holding
+from ..interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .tp_dry_run import dry_run as tp_dry_run
 from .tp_styles import (KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input,
@@ -92,9 +92,7 @@ def ultrascale_validate_model(model, plan, config):
                           "version cannot apply. Fix: use tp: 1 for this model")
     _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
     packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"]
-    fsdp = (config.tp > 1 and config.dp_replicate * config.dp_shard > 1) if config.zero_stage == 1 else \
-        config.zero_stage >= 2 and config.dp_shard > 1
-    if packed and fsdp:  # see PackedColwiseParallel: torch mis-places gradients of nested strided dim-0 shards
+    if packed and ParallelDims(config).fsdp:  # see PackedColwiseParallel: torch mis-places gradients of nested strided dim-0 shards
         raise ConfigError(f"tp={config.tp}: module '{packed[0]}' of model type '{arch}' has the tensor-parallel style "
                           f"'packed_colwise' (a strided shard of its weight's rows), which FSDP (zero_stage="
                           f"{config.zero_stage}, dp_shard={config.dp_shard}) shards by rows too: the optimizer step "
@@ -162,14 +160,11 @@ def simple_regions(plan, matched: dict) -> set[str]:
     whole = plan.whole_output_styles()
     opened = set()  # regions holding a module whose output is whole (experts): never simple
     for fqn, name in matched.items():
-        region = fqn
-        while "." in region:  # the region holding fqn: one of its ancestors (regions do not nest)
-            region = region.rpartition(".")[0]
-            if region in regions:
-                rows[region] = rows.get(region, 0) + (name in ROWWISE or "rowwise" in name)
-                if name in whole:
-                    opened.add(region)
-                break
+        region = region_holding(fqn, regions)
+        if region is not None:
+            rows[region] = rows.get(region, 0) + (name in ROWWISE or "rowwise" in name)
+            if name in whole:
+                opened.add(region)
     return {r for r in plan.regions if rows.get(r) == 1 and r not in opened}
 
 

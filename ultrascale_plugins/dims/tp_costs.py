@@ -114,6 +114,7 @@ _PER_CACHE: dict = {}
 def _per_model(model, plan, flow, sp: bool):
     """Calls of each activation collective for all of ``model``'s regions, and the plan's matches: computed once
     per (model, plan, sp) — the planner's search prices thousands of layouts of one model."""
+    from ..models.plan import region_holding
     from .tensor import simple_regions
 
     key = (id(model), id(flow), tuple(plan.regions), sp)
@@ -123,7 +124,7 @@ def _per_model(model, plan, flow, sp: bool):
     simple = simple_regions(plan, matched)
     inside: dict[str, list[str]] = {r: [] for r in plan.regions}
     for fqn, style in matched.items():
-        region = _region_of(fqn, inside)
+        region = region_holding(fqn, inside)
         if region is not None:
             inside[region].append(style)
     per: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
@@ -139,15 +140,6 @@ def _per_model(model, plan, flow, sp: bool):
             per["all_reduce"] += (1 if whole else rows) + inputs
     _PER_CACHE[key] = (model, (per, matched))
     return per, matched
-
-
-def _region_of(fqn: str, regions) -> str | None:
-    """The region (a key of ``regions``) that holds module ``fqn``: one of its ancestors' names."""
-    while "." in fqn:
-        fqn = fqn.rpartition(".")[0]
-        if fqn in regions:
-            return fqn
-    return None
 
 
 def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:

@@ -195,5 +195,15 @@ def tp_regions(matched: dict[str, str], layers: list[str], opening=()) -> list[s
     return sorted((p for p in parents if not any(p.startswith(q + ".") for q in parents)), key=_natural)
 
 
+def region_holding(fqn: str, regions) -> str | None:
+    """The region (a member of ``regions``) that holds module ``fqn``: the nearest of its ancestors' names
+    (regions do not nest), found in O(depth) rather than by matching every region."""
+    while "." in fqn:
+        fqn = fqn.rpartition(".")[0]
+        if fqn in regions:
+            return fqn
+    return None
+
+
 def _natural(s: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
