@@ -46,6 +46,14 @@ def make_config(arch: str):
         return Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                               tie_word_embeddings=False)
+    if arch == "qwen3_next":  # a gated delta-net (linear attention) layer, then a softmax-attention one; MoE MLPs
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**common, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                               linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                               num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               tie_word_embeddings=False)
     if arch == "deepseek_v3":  # routers that select with a per-expert bias (auxiliary-loss-free balancing)
         from transformers import DeepseekV3Config
 

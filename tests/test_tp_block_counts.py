@@ -28,6 +28,8 @@ EXPECTED = {
     "llama:tp": TP, "llama:sp": SP, "qwen3:sp": SP, "qwen3_moe:sp": SP,
     # a shared expert sharded like the routed ones, its sigmoid gate multiplying its partial output: one sum
     "qwen2_moe:tp": TP, "qwen2_moe:sp": SP,
+    # head-parallel linear attention (each rank its key heads and their value heads) beside softmax attention
+    "qwen3_next:tp": TP, "qwen3_next:sp": SP,
     # a tied, vocabulary-parallel embedding: its partial sum reduce-scattered onto the sequence shards
     "llama_tied:sp": {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}, "backward": SP["backward"]},
     # GPT-2: the vocabulary-parallel embedding is added to a replicated position embedding: reduced whole
@@ -158,6 +160,30 @@ def test_a_shared_expert_is_sharded_like_an_mlp_and_a_packed_linear_is_refused_u
     with pytest.raises(ConfigError, match="'model.layers.0.mlp.up_proj'.*'packed_colwise'.*zero_stage=3"):
         ultrascale_validate_model(llama, plan, config)
     ultrascale_validate_model(llama, plan, us.ParallelConfig(tp=2, dp_shard=2, zero_stage=0))
+
+
+def test_linear_attention_is_head_parallel_where_tp_divides_its_key_heads():
+    """Qwen3-Next's gated delta-net layers: transformers' plan gathers every projection (the layer runs whole on
+    every rank); the package shards them by key head (counted above, values proven by the compatibility cell
+    qwen3_next:dp2_tp2_sp), and keeps the model's plan where tp does not divide the key heads."""
+    import torch
+
+    import ultrascale_plugins as us
+    from models import make_config
+    from transformers import AutoModelForCausalLM
+    from ultrascale_plugins.engine import model_plan
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(make_config("qwen3_next"))  # 2 key heads, 4 value heads
+
+    def layer(tp):
+        plan = model_plan(model, us.ParallelConfig(tp=tp, dp_shard=1))
+        matched = {**plan.matches(model), **plan.param_matches(model)}
+        return {k.rpartition("linear_attn")[2]: v for k, v in matched.items() if "layers.0.linear_attn" in k}
+
+    assert layer(2) == {"": "delta_net_heads", ".in_proj_qkvz": "colwise", ".in_proj_ba": "colwise",
+                        ".out_proj": "rowwise", ".A_log": "colwise", ".dt_bias": "colwise"}
+    assert set(layer(4).values()) == {"colwise_gather_output"}
 
 
 if __name__ == "__main__":

@@ -231,7 +231,11 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
     named = dict(plan.param_matches(model))
     twin = meta_twin(model)
     sharded_owner = {fqn for fqn, style in matched.items() if style != "replicated_with_grad_allreduce"}
-    planned = set(named) | {f"{m}.{p}" for m in sharded_owner for p, _ in twin.get_submodule(m).named_parameters()}
+    # a planned module holding other planned modules (an attention block whose style runs it on its own local
+    # parameters) claims only its own: what else it holds is traced like any parameter
+    holders = {fqn for fqn in sharded_owner if any(f.startswith(fqn + ".") for f in matched)}
+    planned = set(named) | {f"{m}.{p}" for m in sharded_owner
+                            for p, _ in twin.get_submodule(m).named_parameters(recurse=m not in holders)}
     params = {id(p): name for name, p in twin.named_parameters(remove_duplicate=False) if name not in planned}
     trace = _Trace(params)
     hooks = []

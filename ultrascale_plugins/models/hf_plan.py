@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..interface.hookspecs import hookimpl
+from .delta_net_heads import STYLE as DELTA_NET, delta_net_entries, delta_net_style
 from .expert_plan import expert_tp_entries, shared_expert_entries
 from .plan import hf_plan_from_model
 
@@ -31,7 +32,11 @@ def ultrascale_model_plan(model, config):
     plan = full_tp_plan(model)
     if not plan:
         return None
+    delta_net = delta_net_entries(model, plan, getattr(config, "tp", 1))  # head-parallel linear attention
+    plan.update(delta_net)
     result = hf_plan_from_model(model, plan)
+    if delta_net:
+        result.styles[DELTA_NET] = delta_net_style
     # A tied head and embedding share one tensor, so they must share one placement: when the plan shards the
     # head by vocabulary rows, shard the embedding the same way.
     if result.tied and result.lm_head in plan and result.embedding not in plan:
