@@ -54,6 +54,13 @@ def make_config(arch: str):
                                linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                tie_word_embeddings=False)
+    if arch == "axk1":  # DeepSeek-V3's blocks with a norm on the MoE block's sum, inside the block
+        from transformers import AXK1Config
+
+        return AXK1Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0, n_shared_experts=1,
+                          q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                          norm_topk_prob=True, tie_word_embeddings=False)
     if arch == "deepseek_v3":  # routers that select with a per-expert bias (auxiliary-loss-free balancing)
         from transformers import DeepseekV3Config
 

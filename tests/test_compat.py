@@ -23,6 +23,8 @@ EXPECT = {
                                    # its output partial, read the MoE block's input (one sum, reduced once)
     "gpt_oss:tp2_sp": "pass",      # attention and biased experts outside the TP plan run on the gathered sequence
     "bamba:tp2_sp": "pass",        # Mamba mixers outside the TP plan run on the gathered sequence
+    "inkling_text:tp2_sp": "pass",  # shared experts as bare 3-D weights, scaled by routing gammas, sharded
+    "axk1:tp2_sp": "pass",         # a norm on the MoE block's sum: reduce-scattered at the norm's input
     "hrm_text:tp2_sp": "refused",  # mixes the split sequence with full-length states (crashed mid-step)
     "gpt2:pp2": "refused",         # no pipeline plan
     # context parallel: the attention functions under sliding windows + soft-capping, per-head norms, MoE routing
@@ -36,6 +38,7 @@ EXPECT = {
     "mixtral:dp2_tp2_sp": "pass",  # TP experts under FSDP + SP, routing compared
     "qwen3_moe:dp2_tp2_sp": "pass",
     "qwen3_next:dp2_tp2_sp": "pass",  # head-parallel linear attention: a whole convolution, its rows per rank
+    "minimax_m3_vl_text:dp2_tp2_sp": "pass",  # a packed gate|up shared expert, FSDP-sharded by columns
     "llama:pp2_zbv_tp2_sp": "pass",  # zero-bubble schedules with SP (crashed: in-place detach of a view)
     # router auxiliary loss on (output_router_logits): global router statistics, equal to one process's
     "mixtral:dp2_aux": "pass",     # (granitemoe's own aux-loss code fails in one process under transformers 5.17)

@@ -38,6 +38,12 @@ EXPECTED = {
     # (rank-wide: kv_lora_rank, not hidden) input gradient
     "deepseek_v3:tp": {"forward": TP["forward"], "backward": {"all_reduce": 2 * L + 1 + L}},
     "deepseek_v3:sp": {"forward": SP["forward"], "backward": {**SP["backward"], "all_reduce": L}},
+    # A.X-K1: a norm on the MoE block's sum inside the block: the sum reduced (scattered) at the norm's input. Its
+    # latent attention has a query latent too: the two down-projections read the block's input whole (no reduction
+    # there), and each latent's gradient is all-reduced (two per layer)
+    "axk1:tp": {"forward": TP["forward"], "backward": {"all_reduce": L + 1 + 2 * L}},
+    "axk1:sp": {"forward": SP["forward"], "backward": {"all_gather": 2 * L + 1, "reduce_scatter": L + 1,
+                                                       "all_reduce": 2 * L}},
     # LoRA on every linear layer (frozen embedding: the first region's input and the split need no gradient)
     "llama+lora:sp": {"forward": SP["forward"], "backward": {"all_gather": 2 * L, "reduce_scatter": 2 * L}},
 }
@@ -133,11 +139,13 @@ def test_a_region_whose_input_meets_anything_else_reduces_per_projection(monkeyp
     assert set(block) == {r for r in plan.regions if r.endswith("self_attn")}, block
 
 
-def test_a_shared_expert_is_sharded_like_an_mlp_and_a_packed_linear_is_refused_under_fsdp():
+def test_a_shared_expert_is_sharded_like_an_mlp_and_a_biased_packed_linear_is_refused_under_fsdp():
     """transformers' Qwen2-MoE plan leaves the shared expert whole on every rank: the package shards it (gate and up
-    column-parallel, down row-parallel), so the MoE block's output is one sum (counted above). A strided row shard
-    of a packed Linear ('packed_colwise') under FSDP's own row shard came out of the optimizer step wrong (the
-    compatibility sweep's MiniMax-M3 cells, dp2 x tp2): refused before any process group."""
+    column-parallel, down row-parallel), so the MoE block's output is one sum (counted above); a concatenated
+    gate|up (MiniMax-M3's) gets a packed shard. FSDP shards a packed weight by columns (a row shard nested in the
+    strided one came out of the optimizer step wrong: the compatibility cell minimax_m3_vl_text:dp2_tp2_sp proves
+    the values); a bias has no other dim, so a biased packed Linear is refused under FSDP, before any process
+    group."""
     import torch
 
     import ultrascale_plugins as us
@@ -153,13 +161,15 @@ def test_a_shared_expert_is_sharded_like_an_mlp_and_a_packed_linear_is_refused_u
     assert {k.rpartition(".")[2]: v for k, v in matched.items() if ".0.mlp.shared_expert." in k} == {
         "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     with torch.device("meta"):
-        llama = AutoModelForCausalLM.from_config(make_config("llama"))
+        qwen2 = AutoModelForCausalLM.from_config(make_config("qwen2"))  # q/k/v projections with biases
     config = us.ParallelConfig(tp=2, dp_shard=2, zero_stage=3)
-    plan = model_plan(llama, config)
-    plan.tp_plan["model.layers.*.mlp.up_proj"] = "packed_colwise"
-    with pytest.raises(ConfigError, match="'model.layers.0.mlp.up_proj'.*'packed_colwise'.*zero_stage=3"):
-        ultrascale_validate_model(llama, plan, config)
-    ultrascale_validate_model(llama, plan, us.ParallelConfig(tp=2, dp_shard=2, zero_stage=0))
+    plan = model_plan(qwen2, config)
+    plan.tp_plan["model.layers.*.mlp.up_proj"] = "packed_colwise"  # bias-free: sharded by columns under FSDP
+    ultrascale_validate_model(qwen2, plan, config)
+    plan.tp_plan["model.layers.*.self_attn.q_proj"] = "packed_colwise"
+    with pytest.raises(ConfigError, match="'model.layers.0.self_attn.q_proj'.*'packed_colwise'.*bias.*zero_stage=3"):
+        ultrascale_validate_model(qwen2, plan, config)
+    ultrascale_validate_model(qwen2, plan, us.ParallelConfig(tp=2, dp_shard=2, zero_stage=0))
 
 
 def test_linear_attention_is_head_parallel_where_tp_divides_its_key_heads():

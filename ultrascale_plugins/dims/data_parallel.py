@@ -93,14 +93,17 @@ def ultrascale_wrap_model(model, ctx):
         mesh = fsdp_mesh(ctx)
         groups = fsdp_groups(model, ctx.plan_layers(model))
         for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
-            fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                        shard_placement_fn=beside_strided_rows)
         layers = [model.get_submodule(fqn) for fqn in groups]
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                        shard_placement_fn=beside_strided_rows)
         prefetch(layers, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an
         # all-gather at no real memory cost.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                    shard_placement_fn=beside_strided_rows)
         if dims.enabled("pp") and cfg.grad_sync == "micro_batch":
             reduce_every_micro_batch(model, reshard)
         ctx.claim_grad_reduction("dp_replicate", "dp_shard")
@@ -193,6 +196,18 @@ def ultrascale_no_sync(pmodel):
                 FSDPModule.set_reshard_after_backward(m, True)
 
     return local()
+
+
+def beside_strided_rows(param):
+    """FSDP2's shard of a parameter whose tensor-parallel shard is strided over its rows (a packed gate|up
+    Linear: each TP rank holds its slice of both halves): its columns. FSDP's default row shard nested in a strided
+    row shard came out of the optimizer step wrong (torch 2.13: the gradient of nested strided shards on one dim is
+    mis-placed); on different dims the two shards are independent. Every other parameter: FSDP's default."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = any(isinstance(p, _StridedShard) and p.dim == 0 for p in getattr(param, "placements", ()))
+    return Shard(1) if strided and param.ndim > 1 else None
 
 
 def shard_view_modules(model, ctx, reshard: bool, policy) -> None:

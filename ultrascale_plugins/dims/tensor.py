@@ -91,12 +91,16 @@ def ultrascale_validate_model(model, plan, config):
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
                           "version cannot apply. Fix: use tp: 1 for this model")
     _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
-    packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"]
-    if packed and ParallelDims(config).fsdp:  # see PackedColwiseParallel: torch mis-places gradients of nested strided dim-0 shards
+    # a packed Linear's weight is sharded by FSDP over its columns (data_parallel.beside_strided_rows); its bias has
+    # no other dim, and torch mis-places the gradients of nested strided shards of one dim
+    packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"
+              and getattr(model.get_submodule(fqn), "bias", None) is not None]
+    if packed and ParallelDims(config).fsdp:
         raise ConfigError(f"tp={config.tp}: module '{packed[0]}' of model type '{arch}' has the tensor-parallel style "
-                          f"'packed_colwise' (a strided shard of its weight's rows), which FSDP (zero_stage="
-                          f"{config.zero_stage}, dp_shard={config.dp_shard}) shards by rows too: the optimizer step "
-                          "would come out wrong. Fix: use zero_stage: 0, or give that module 'colwise_gather_output'")
+                          f"'packed_colwise' (a strided shard of its rows) and a bias, which FSDP (zero_stage="
+                          f"{config.zero_stage}, dp_shard={config.dp_shard}) can shard by rows only: the optimizer "
+                          "step would come out wrong. Fix: use zero_stage: 0, or give that module "
+                          "'colwise_gather_output'")
     mixed = rank_local_params(model, plan).mixed
     if mixed:
         raise ConfigError(
@@ -250,7 +254,13 @@ def ultrascale_shard_model(model, ctx):
                 model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
                                                                    with_kwargs=True, prepend=True)
     for region in summed:
-        if region in present:
+        if region in present and region in flow.sum_end:  # a norm on the sum ends the region: reduced at its input
+            norm = model.get_submodule(flow.sum_end[region])
+            norm.register_forward_pre_hook(redistribute_first_input(mesh, Partial(), Shard(1) if sp else Replicate()),
+                                           with_kwargs=True)
+            if sp:  # it runs on this rank's sequence shard, as the norms between regions do
+                run_on_local_params(norm, mesh, replicate_plain=True)
+        elif region in present:
             model.get_submodule(region).register_forward_hook(
                 redistribute_output(mesh, Partial(), Shard(1) if sp else Replicate()))
     if sp:

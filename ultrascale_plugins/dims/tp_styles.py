@@ -247,8 +247,9 @@ def param_placement(style: str, ndim: int):
 class ExpertsParallel(ParallelStyle):
     """Tensor-parallel mixture-of-experts ("moe_tp_experts"): every rank holds a slice of every expert's
     intermediate dimension (the plan shards the fused weights by parameter name), runs the experts on all
-    tokens with its slices, and the partial outputs are summed over TP. The tokens and the routing weights are
-    replicated inputs whose gradients are summed in backward, so the router's gradient is whole on every rank;
+    tokens with its slices, and the partial outputs are summed over TP. The tokens and the routing weights (every
+    floating-point input) are replicated inputs whose gradients are summed in backward, so the router's gradient is
+    whole on every rank;
     with ``partial_input`` the tokens' gradient is left to the region (``region_input``), and with
     ``partial_output`` the sum (``PartialRowwise``)."""
 
@@ -263,11 +264,12 @@ class ExpertsParallel(ParallelStyle):
         def forward(hidden_states, *args, **kwargs):
             if not self.partial_input:
                 hidden_states = all_reduce_backward(hidden_states, device_mesh)
-            args = list(args)
-            if len(args) >= 2 and torch.is_tensor(args[1]) and args[1].is_floating_point():
-                args[1] = all_reduce_backward(args[1], device_mesh)  # top-k routing weights
-            if torch.is_tensor(kwargs.get("top_k_weights")):
-                kwargs["top_k_weights"] = all_reduce_backward(kwargs["top_k_weights"], device_mesh)
+            # the routing weights (top-k weights, a shared expert's gammas): whole on every rank, applied to this
+            # rank's slice of the intermediate features, so their gradient is summed
+            args = [all_reduce_backward(a, device_mesh) if torch.is_tensor(a) and a.is_floating_point() else a
+                    for a in args]
+            kwargs = {k: all_reduce_backward(v, device_mesh) if torch.is_tensor(v) and v.is_floating_point() else v
+                      for k, v in kwargs.items()}
             out = local_forward(hidden_states, *args, **kwargs)
             return out if self.partial_output else all_reduce_forward(out, device_mesh)
 

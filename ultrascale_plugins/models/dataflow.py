@@ -65,6 +65,8 @@ class TpDataflow:
     gates: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # region -> readers of its input whose
     #    output (through one-input operations) multiplies its partial sum: where the region reduces that sum once,
     #    their gradient is partial, not whole (no 1/tp; their parameters' gradients summed over TP)
+    sum_end: dict[str, str] = dataclasses.field(default_factory=dict)  # region -> the norm inside it applied to
+    #    its sum, whose output is the region's: the sum is reduced (scattered under SP) at that norm's input
 
 
 def _sharding_output(style: str, is_head: bool) -> bool:
@@ -97,12 +99,15 @@ class _Trace(TorchFunctionMode):
         self.partial: dict[int, str] = {}  # id(tensor) -> region: a partial sum of that region's output
         self.partial_bad: set[str] = set()
         self.sum_why: dict[str, str] = {}
+        self.sum_end: dict[str, str] = {}
         self.gate_of: dict[int, str] = {}  # id(tensor) -> the "full" reader whose output it is, or a function of
         #                                    that output alone (a gate on its way to a partial sum)
         self.gates: dict[str, str] = {}  # reader -> region: its output's function multiplies that region's sum
         self.gate_bad: set[str] = set()  # readers whose output reaches anything else
         self.gate_read: set[int] = set()
         self.partial_params: dict[str, set[str]] = {}  # region -> parameters applied to its partial sums
+        self.in_tail = 0  # > 0 while a norm applied to a region's partial sum runs (see _watch_tails)
+        self.tail_out: dict[int, tuple[str, str]] = {}  # id(tensor) -> (region, norm): that norm's output
         self.partial_param_uses: dict[str, int] = {}
         self.param_data_uses: dict[str, int] = {}
         self.sums: set[str] = set()  # regions whose output is a partial sum
@@ -147,7 +152,7 @@ class _Trace(TorchFunctionMode):
                 self.param_data_uses[owner] = self.param_data_uses.get(owner, 0) + 1
         if self.gate_of and not self.inside:
             _gate_op(self, func, inputs, outs)
-        if self.partial:
+        if self.partial and not self.in_tail:
             _partial_op(self, func, inputs, args, kwargs, outs)
         if self.start is not None and not self.inside:
             _start_op(self, func, inputs, args, kwargs, outs)
@@ -295,7 +300,8 @@ def trace_tp(model: nn.Module, plan, partial_input=lambda fqn, style, module: Fa
                       {r: trace.why.get(r, "no column-parallel layer reads its input") for r in plan.regions
                        if r not in block and r not in whole_readers}, whole_readers,
                       {r: w for r, w in trace.sum_why.items() if r not in sums},
-                      {r: g for r, g in gates.items() if r in sums})
+                      {r: g for r, g in gates.items() if r in sums},
+                      {r: m for r, m in trace.sum_end.items() if r in sums})
 
 
 VOCAB_PARALLEL = {"embedding_rowwise", "vocab_parallel_embedding"}
@@ -438,10 +444,39 @@ def _watch_regions(twin, plan, matched: dict, trace: "_Trace", partial_input, ho
         if region is not None and (style in ROWWISE_SUMS or style == "moe_tp_experts"):
             hooks.append(modules[fqn].register_forward_hook(
                 lambda m, a, out, region=region: _mark_partial(trace, region, out)))
+    _watch_tails(modules, plan, planned, trace, hooks)
     for region in plan.regions:
         if region in modules:
             hooks.append(modules[region].register_forward_hook(
                 lambda m, a, out, region=region: _leave_region(trace, region, out)))
+
+
+def _watch_tails(modules: dict, plan, planned: set, trace: "_Trace", hooks: list) -> None:
+    """A norm inside a region applied to the region's partial sum (A.X-K1's ``post_mlp_layernorm`` on the MoE
+    block's output): the sum can be reduced at the norm's input instead of inside each addend, if the norm's output
+    is the region's. Its operations on the sum are the norm's (per token, so it can run on sequence shards)."""
+    for fqn, module in modules.items():
+        region = region_of(plan, fqn)
+        if region is None or fqn in planned or "norm" not in type(module).__name__.lower():
+            continue
+
+        def enter(m, args, kwargs, region=region):
+            x = _first_input(args, kwargs)
+            m._ultrascale_tail = region if x is not None and trace.partial.get(id(x)) == region else None
+            trace.in_tail += m._ultrascale_tail is not None
+
+        def leave(m, args, out, fqn=fqn):
+            region, m._ultrascale_tail = getattr(m, "_ultrascale_tail", None), None
+            if region is None:
+                return
+            trace.in_tail -= 1
+            first = out[0] if isinstance(out, tuple) and out else out
+            if isinstance(first, torch.Tensor):
+                trace.tail_out[id(first)] = (region, fqn)
+                trace.keep.append(first)
+
+        hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(module.register_forward_hook(leave))
 
 
 ROWWISE_SUMS = {"rowwise", "unit_rowwise"}  # row-parallel styles whose output can stay a partial sum
@@ -464,6 +499,9 @@ def _leave_region(trace: "_Trace", region: str, out) -> None:
     if isinstance(first, torch.Tensor) and trace.partial.get(id(first)) == region:
         trace.sums.add(region)
         del trace.partial[id(first)]  # reduced where the region ends
+    elif isinstance(first, torch.Tensor) and trace.tail_out.get(id(first), ("",))[0] == region:
+        trace.sums.add(region)  # reduced at its last norm's input
+        trace.sum_end[region] = trace.tail_out[id(first)][1]
 
 
 def _kind_name(kind) -> str:

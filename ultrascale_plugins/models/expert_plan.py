@@ -44,8 +44,10 @@ def expert_tp_entries(model: nn.Module, ep_plan: dict[str, str], tp_plan: dict[s
 def shared_expert_entries(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
     """Plan entries for the plain MLPs beside the experts that ``tp_plan`` shards (``moe_tp_experts``): a
     sibling module of the experts holding exactly ``gate_proj``, ``up_proj`` and ``down_proj`` (or ``up_proj``
-    and ``down_proj``), bias-free ``nn.Linear`` layers from the hidden size to one intermediate size and back,
-    that the plan does not already name."""
+    and ``down_proj``, or a concatenated ``gate_up_proj`` and ``down_proj``: a packed shard), bias-free
+    ``nn.Linear`` layers from the hidden size to one intermediate size and back, that the plan does not already
+    name; or the same as bare 3-D parameters of several shared experts (``_bare_layout``). (The values of each such layout are proven by the compatibility sweep: an interleaved gate|up would
+    not reproduce one process.)"""
     patterns = [pattern for pattern, style in tp_plan.items() if style == "moe_tp_experts"]
     out: dict[str, str] = {}
     for fqn, experts in model.named_modules():
@@ -53,8 +55,8 @@ def shared_expert_entries(model: nn.Module, tp_plan: dict[str, str]) -> dict[str
             continue
         parent = fqn.rpartition(".")[0]
         for name, sibling in model.get_submodule(parent).named_children():
-            layout = _mlp_layout(sibling) if sibling is not experts else None
-            wanted = {f"{parent}.{name}.{child}": style for child, style in layout or ()}
+            layout = (_mlp_layout(sibling) or _bare_layout(sibling)) if sibling is not experts else None
+            wanted = {".".join(filter(None, (parent, name, child))): style for child, style in layout or ()}
             if wanted and not any(_covers(entry, key) or fnmatch.fnmatchcase(entry, key)
                                   for entry in wanted for key in tp_plan):
                 out.update(wanted)
@@ -64,19 +66,39 @@ def shared_expert_entries(model: nn.Module, tp_plan: dict[str, str]) -> dict[str
 def _mlp_layout(module: nn.Module) -> tuple[tuple[str, str], ...] | None:
     children = dict(module.named_children())
     linears = {n: c for n, c in children.items() if isinstance(c, nn.Linear)}
-    # (a concatenated gate_up_proj is left whole: its packed shard under FSDP's own dim-0 shard came out of the
-    # optimizer step wrong in MiniMax-M3's dp2 x tp2 cell)
-    if set(linears) not in ({"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"}):
+    if set(linears) not in ({"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"},
+                            {"gate_up_proj", "down_proj"}):
         return None
     if any(c.bias is not None for c in linears.values()) or any(True for _ in module.named_parameters(recurse=False)):
         return None
     if any(any(True for _ in c.parameters()) for n, c in children.items() if n not in linears):
         return None  # another child with parameters (a norm inside the MLP): not a plain MLP
     down = linears["down_proj"]
+    if "gate_up_proj" in linears:  # concatenated [gate | up] (MiniMax-M3's chunk(2)): each rank its half of both
+        if linears["gate_up_proj"].weight.shape != (2 * down.in_features, down.out_features):
+            return None
+        return ("down_proj", "rowwise"), ("gate_up_proj", "packed_colwise")
     ins = {c.weight.shape for n, c in linears.items() if n != "down_proj"}
     if ins != {(down.in_features, down.out_features)}:
         return None
     return tuple((n, "rowwise" if n == "down_proj" else "colwise") for n in sorted(linears))
+
+
+def _bare_layout(module: nn.Module) -> tuple[tuple[str, str], ...] | None:
+    """Shared experts held as bare 3-D parameters (Inkling's: ``gate_proj``/``up_proj`` ``[n, I, H]``, ``down_proj``
+    ``[n, H, I]``, applied by batched matmuls and summed over the n experts): sharded by the intermediate dim, run
+    as tensor-parallel experts (their output a partial addend). I must differ from H, so the shapes say which side
+    is which."""
+    own = dict(module.named_parameters(recurse=False))
+    if set(own) not in ({"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"}):
+        return None
+    if any(True for _ in module.children() for _ in _.parameters()) or own["down_proj"].dim() != 3:
+        return None
+    n, hidden, inter = own["down_proj"].shape
+    if hidden == inter or any(own[k].shape != (n, inter, hidden) for k in own if k != "down_proj"):
+        return None
+    return (("", "moe_tp_experts"), *((k, "colwise") for k in sorted(own) if k != "down_proj"),
+            ("down_proj", "rowwise"))
 
 
 def _covers(key: str, pattern: str) -> bool:
