@@ -66,7 +66,7 @@ def test_plugins_lists_builtins_with_hooks():
     out = ultrascale("plugins")
     assert out.returncode == 0
     assert "ultrascale_plugins.dims.data_parallel" in out.stdout
-    assert "ultrascale_shard_model" in out.stdout and "field zero_stage: int = 3" in out.stdout
+    assert "ultrascale_stages" in out.stdout and "field zero_stage: int = 3" in out.stdout
 
 
 @pytest.mark.slow

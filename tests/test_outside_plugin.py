@@ -35,6 +35,10 @@ def test_python_api_parity_with_the_outside_axis(tmp_path):
             assert r["roundtrip"], name
         if spec["layout"].get("acme_fused_norm"):  # its model transform ran (and kept parity, above)
             assert r["plugin_state"]["acme_fused_norms"] > 0, (name, r["plugin_state"])
+        # its audit stage, declared after "tp" and before "dp", saw tensor parallel's shards exactly when the layout
+        # has TP, and never FSDP's wrapping (acme2_zero3_dp2 has it)
+        assert (r["plugin_state"]["acme_saw_tp_shards"] > 0) == (spec["layout"].get("tp", 1) > 1), (name, r)
+        assert r["plugin_state"]["acme_saw_fsdp"] == 0, (name, r)
 
 
 def _train(tmp_path, name, nproc, *sets):

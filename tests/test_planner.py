@@ -116,6 +116,16 @@ def test_one_given_layout_even_one_this_engine_cannot_run(capsys):
     assert full["tokens_per_s_per_gpu"] < none["tokens_per_s_per_gpu"]  # recomputation costs time
 
 
+def test_explain_prints_the_chosen_layouts_stages_in_order(capsys):
+    """``--explain``: the model transforms parallelize would apply, in their resolved order (us.describe)."""
+    code, out, _ = _plan(capsys, "--model", "llama-3.2-3b", "--gpus", "8", "--gpu", "h100-sxm-80gb", "--layout",
+                         "dp=2,tp=2,pp=2,cp=1,zero=1,mbs=1,ga=128,recompute=full", "--explain")
+    assert code == 0
+    lines = out.split("Stages, in the order parallelize applies them:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[1] for line in lines] == ["split", "tp", "ac", "dp"], lines
+    assert "[tp]" in lines[1] and "ultrascale_plugins.dims.tensor" in lines[1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gpu", "h900"], "unknown preset"),
     (["--gpu-memory-gb", "80"], "--gpu-tflops"),

@@ -28,7 +28,7 @@ def test_builtins_are_registered_as_plugins():
     for builtin in plugins.DEFAULT_PLUGINS:
         assert builtin in names
         assert names[builtin]["source"] == "builtin"
-    assert "ultrascale_shard_model" in names["ultrascale_plugins.dims.tensor"]["hooks"]
+    assert "ultrascale_stages" in names["ultrascale_plugins.dims.tensor"]["hooks"]
     assert [f.name for f in names["ultrascale_plugins.dims.tensor"]["fields"]] == ["tp", "sequence_parallel",
                                                                                   "loss_parallel"]
 
@@ -40,25 +40,21 @@ def test_every_hook_is_implemented_by_a_builtin():
     assert specs - implemented == set()
 
 
-def test_third_party_hooks_run_in_the_composition_order(single_process):
+def test_third_party_stages_run_where_they_declare(single_process):
+    """A plugin's stages run where their names say, among the built-ins: a splitting stage first (it returns
+    None: the model stays whole), one after "tp" and before "dp", one after "dp"; parity is kept."""
     calls = []
 
     class Recorder:
         @hookimpl
-        def ultrascale_split_model(self, model, ctx):
-            calls.append("split")
+        def ultrascale_stages(self, config, model_config):
+            def record(name, result=None):
+                return lambda model, ctx: calls.append(name) or result
 
-        @hookimpl
-        def ultrascale_shard_model(self, model, ctx):
-            calls.append("shard")
-
-        @hookimpl
-        def ultrascale_wrap_layers(self, model, ctx):
-            calls.append("wrap_layers")
-
-        @hookimpl
-        def ultrascale_wrap_model(self, model, ctx):
-            calls.append("wrap_model")
+            return [us.Stage("rec_last", record("last"), after=("dp",)),
+                    us.Stage("rec_between", record("between"), after=("tp",), before=("dp",)),
+                    us.Stage("rec_split", record("split"), before=("split",), splits=True),
+                    us.Stage("rec_off", record("off"), active=False)]
 
         @hookimpl
         def ultrascale_mesh_axes(self, config):
@@ -67,7 +63,7 @@ def test_third_party_hooks_run_in_the_composition_order(single_process):
     us.register(Recorder(), name="recorder")
     try:
         pmodel = us.parallelize(make_model("llama"), us.ParallelConfig())
-        assert calls == ["split", "shard", "wrap_layers", "wrap_model"]
+        assert calls == ["split", "between", "last"]
         batch = padded_batches(1)[0]
         ref = make_model("llama")(**batch).loss
         assert torch.allclose(pmodel.train_step(batch), ref, atol=1e-6)
@@ -86,40 +82,57 @@ def test_every_hookspec_is_typed():
             assert param.annotation is not inspect.Parameter.empty, (name, param.name)
 
 
-def _recorders(calls):
-    class First:
-        @hookimpl
-        def ultrascale_shard_model(self, model, ctx):
-            calls.append("first")
+class _Staged:
+    def __init__(self, *stages):
+        self.stages = stages
 
-    class Between:  # after tensor parallel (1600 in BUILTIN_POSITIONS), before data parallel wraps (1700)
-        @hookimpl
-        @us.position(plugins.BUILTIN_POSITIONS["ultrascale_plugins.dims.tensor"] + 50)
-        def ultrascale_shard_model(self, model, ctx):
-            calls.append("after_tp")
+    @hookimpl
+    def ultrascale_stages(self, config, model_config):
+        return list(self.stages)
 
-    return First(), Between()
+
+def _noop(model, ctx):
+    return None
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-def test_hook_order_is_declared_not_registration_order(reverse):
-    """The call order comes from each implementation's position, whichever plugin registered first: a plugin
-    placed after tensor parallel's shard_model runs after it, one without a position before every built-in."""
-    calls = []
-    first, between = _recorders(calls)
-    pairs = [("zz_first", first), ("aa_between", between)]
+def test_stage_order_is_declared_not_registration_order(reverse):
+    """The documented example (docs/writing-a-plugin.md): a stage declared after "tp" and before "dp" runs there,
+    whichever plugin registered first; the built-ins keep their order around it."""
+    from models import make_config
+
+    pairs = [("zz_between", _Staged(us.Stage("audit", _noop, after=("tp",), before=("dp",)))),
+             ("aa_first", _Staged(us.Stage("first", _noop, before=("split",))))]
     for name, plugin in (reversed(pairs) if reverse else pairs):
         us.register(plugin, name=name)
     try:
-        pm = us.get_plugin_manager()
-        order = [impl.plugin_name for impl in reversed(pm.hook.ultrascale_shard_model.get_hookimpls())]
-        assert order.index("zz_first") < order.index("ultrascale_plugins.dims.tensor") < order.index("aa_between")
-        untagged = [n for n in order if n.startswith("ultrascale_plugins.") and not any(
-            i.tryfirst for i in pm.hook.ultrascale_shard_model.get_hookimpls() if i.plugin_name == n)]
-        assert all(order.index("zz_first") < order.index(n) for n in untagged)  # no position: before the built-ins
+        config = us.ParallelConfig(tp=2, dp_shard=2, sequence_parallel=True, zero_stage=3, pp=2)
+        names = [s.name for s in us.engine.stages(config, make_config("llama"), world_size=8) if s.active]
+        assert names == ["first", "split", "tp", "audit", "dp"]
+        described = us.describe(config, make_config("llama"), world_size=8).splitlines()
+        assert [line.split()[1] for line in described] == names and "(zz_between)" in described[3]
     finally:
-        plugins.unregister(name="zz_first")
-        plugins.unregister(name="aa_between")
+        plugins.unregister(name="zz_between")
+        plugins.unregister(name="aa_first")
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([us.Stage("mine", _noop, after=("tensor_parallel",))],
+     "stage 'mine' of bad runs after 'tensor_parallel', which no plugin declares. Fix: use one of"),
+    ([us.Stage("a", _noop, after=("b",)), us.Stage("b", _noop, after=("a",))],
+     r"the stages 'a' \(bad\), 'b' \(bad\), 'a' \(bad\) each wait for another"),
+    ([us.Stage("tp", _noop)], "stage 'tp' is declared by both bad and ultrascale_plugins.dims.tensor"),
+])
+def test_a_cycle_an_unknown_or_a_taken_stage_name_is_refused_before_any_process_group(stages, message):
+    from models import make_config
+
+    us.register(_Staged(*stages), name="bad")
+    try:
+        with pytest.raises(us.ConfigError, match=message):
+            us.validate(us.ParallelConfig(), make_config("llama"), 1)
+        assert not dist.is_initialized()
+    finally:
+        plugins.unregister(name="bad")
 
 
 def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process):

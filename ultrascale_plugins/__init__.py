@@ -51,7 +51,8 @@ if not any(f is _MovedModules for f in _sys.meta_path):
 from .interface.config import ConfigError, ParallelConfig
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.parallel_dims import MeshAxis, MeshView
-from .interface.plugins import get_plugin_manager, list_plugins, position, register
+from .interface.plugins import get_plugin_manager, list_plugins, register
+from .interface.stages import Stage
 
 
 def _timing_mark(phase: str) -> None:
@@ -150,13 +151,13 @@ def _freeze_at_exit() -> None:
 _quiet_torchao_import()
 _timing_mark("package_import")  # the start of every process that imports the package (workers: their first mark)
 
-__all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "hookimpl", "hookspec",
-           "position", "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
-           "validate", "estimate", "__version__"]
+__all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "Stage", "hookimpl", "hookspec",
+           "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
+           "validate", "estimate", "describe", "__version__"]
 
 
 def __getattr__(name):  # the engine and the launch helpers pull in torch; import them on first use
-    if name in ("parallelize", "from_pretrained", "ParallelModel", "validate", "estimate"):
+    if name in ("parallelize", "from_pretrained", "ParallelModel", "validate", "estimate", "describe"):
         from . import engine
 
         return getattr(engine, name)

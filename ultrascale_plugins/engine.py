@@ -19,6 +19,7 @@ from .models.plan import ModelPlan, layers_present
 from .interface.parallel_dims import ParallelDims, resolve
 from .interface.plugins import get_plugin_manager
 from .interface.runtime import Runtime
+from .interface.stages import collect_stages, describe_stages, order_stages
 
 
 @dataclasses.dataclass
@@ -138,6 +139,7 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     chosen = pm.hook.ultrascale_resolve_layout(config=config, model_config=model_config, world_size=world_size)
     resolved = resolve(chosen if chosen is not None else config, world_size, pm)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
+    order_stages(collect_stages(pm, resolved, model_config))  # a cycle or an unknown stage name, before any group
     if model is not None and not _validated_by_launcher(resolved, world_size, model, pm):
         plan = model_plan(model, resolved, pm)
         pm.hook.ultrascale_validate_model(model=model, plan=plan, config=resolved)
@@ -181,6 +183,23 @@ def _validated_by_launcher(resolved: ParallelConfig, world_size: int, model, pm)
         return marker == validated_fingerprint(resolved, world_size, model, pm)
     except Exception:  # noqa: BLE001 - a model whose config does not serialize: run the checks
         return False
+
+
+def stages(config: ParallelConfig, model_config: Any, *, world_size: int, pm=None) -> list:
+    """The model transforms ``parallelize`` applies for this layout, in their resolved order
+    (``interface.stages.Stage``; inactive ones included, marked so)."""
+    pm = pm or get_plugin_manager()
+    resolved = validate(config, model_config, world_size, pm)
+    return order_stages(collect_stages(pm, resolved, model_config))
+
+
+def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None) -> str:
+    """The stages ``parallelize`` applies for this layout, in order, one line each: name, mesh axes, what it does
+    to the model and the plugin it comes from. ``world_size``: default, the product of the layout's degrees."""
+    config = as_config(config)
+    if world_size is None:
+        world_size = math.prod(max(a.degree, 1) for a in ParallelDims(config).axes)
+    return describe_stages(stages(config, model_config, world_size=world_size))
 
 
 def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,
@@ -269,17 +288,18 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         model.to(device)
 
     pin_hub_kernels(model)
-    # 1. pipeline split: this rank's stages and the runtime that schedules them (or the model whole)
-    split = pm.hook.ultrascale_split_model(model=model, ctx=ctx)
-    if split is not None:
-        ctx.modules, ctx.runtime = split
-    for part in ctx.modules:
-        # 2. inside the layers: tensor and sequence parallel
-        pm.hook.ultrascale_shard_model(model=part, ctx=ctx)
-        # 3. around each layer: activation checkpointing
-        pm.hook.ultrascale_wrap_layers(model=part, ctx=ctx)
-        # 4. around the whole: FSDP2 (ZeRO-2/3, HSDP) or DDP
-        pm.hook.ultrascale_wrap_model(model=part, ctx=ctx)
+    # the named stages, in the order their declarations give (interface.stages): split (this rank's pipeline
+    # stages and their runtime), float8, ep, tp + sp, cp, ac, compile, dp, and any plugin's among them
+    for stage in order_stages(collect_stages(pm, config, model.config)):
+        if not stage.active:
+            continue
+        if stage.splits:
+            split = stage.run(model, ctx)
+            if split is not None:
+                ctx.modules, ctx.runtime = split
+            continue
+        for part in ctx.modules:
+            stage.run(part, ctx)
     ctx.materialize()
     if any(part is not model for part in ctx.modules):
         release_unheld(model, ctx.modules)

@@ -3,15 +3,18 @@ data-parallel axis, ``acme_dp``, whose ranks split each data-parallel replica's 
 
 It uses only the public hooks: a layout field, a mesh axis that averages gradients and counts loss tokens, the
 batch split, a wrapper around the training step (counting steps), that count in checkpoints, and its
-communication estimate; and a model transform (``acme_fused_norm``: every RMSNorm computed by torch's fused
-``rms_norm``, placed before tensor parallel so that sequence parallel wraps the new forward). Installed by putting this directory on ``PYTHONPATH`` (the ``.dist-info`` beside it
-registers the module under the ``ultrascale_plugins`` entry-point group).
+communication estimate; and two model transforms inserted among the built-in stages by name: ``acme_fused_norm``
+(every RMSNorm computed by torch's fused ``rms_norm``, before tensor parallel so that sequence parallel wraps the
+new forward) and ``acme_audit`` (after tensor parallel, before data parallel: it counts the parts TP had sharded
+and FSDP had wrapped when it ran).
+Installed by putting this directory on ``PYTHONPATH`` (the ``.dist-info`` beside it registers the module under
+the ``ultrascale_plugins`` entry-point group).
 """
 from __future__ import annotations
 
 import re
 
-from ultrascale_plugins import ConfigError, MeshAxis, hookimpl, position
+from ultrascale_plugins import ConfigError, MeshAxis, Stage, hookimpl
 
 STEPS = {"taken": 0}  # training steps this process has run (saved in checkpoints)
 FUSED = {"norms": 0}  # RMSNorm modules this process computes with the fused kernel
@@ -36,8 +39,29 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-@position(1550)  # before tensor parallel (1600): sequence parallel then wraps the fused forward
-def ultrascale_shard_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    # the fused norms before tensor parallel, so that sequence parallel wraps the new forward; the audit between
+    # tensor parallel and data parallel (it sees the TP shards, not yet FSDP's)
+    return [Stage("acme_fused_norm", fuse_norms, before=("tp",), active=config.acme_fused_norm,
+                  does="every RMSNorm computed by torch's fused rms_norm"),
+            Stage("acme_audit", audit, after=("tp",), before=("dp",), does="counts the TP-sharded model parts")]
+
+
+def audit(model, ctx):
+    """Counts, per parallelized model, the parts whose parameters tensor parallel had sharded when this ran, and
+    those FSDP had already wrapped (none: it runs before data parallel)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)
+                  for p in model.parameters())
+    wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
+    seen = ctx.plugin_state.setdefault("acme_audit", {"tp_shards": 0, "fsdp": 0})
+    seen["tp_shards"] += sharded
+    seen["fsdp"] += wrapped
+
+
+def fuse_norms(model, ctx):
     if not ctx.config.acme_fused_norm:
         return
     import torch
@@ -83,6 +107,9 @@ def ultrascale_train_step(pmodel, batch, loss_scale):
 def ultrascale_state_dict(pmodel, state):
     state.shared["acme_steps"] = STEPS["taken"]
     state.shared["acme_fused_norms"] = FUSED["norms"]
+    seen = pmodel.ctx.plugin_state.get("acme_audit", {})
+    state.shared["acme_saw_tp_shards"] = seen.get("tp_shards", 0)
+    state.shared["acme_saw_fsdp"] = seen.get("fsdp", 0)
 
 
 @hookimpl

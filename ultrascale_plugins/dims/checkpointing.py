@@ -12,6 +12,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 
 MODES = ("none", "full", "selective")
 
@@ -51,7 +52,12 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_wrap_layers(model, ctx):
+def ultrascale_stages(config, model_config):
+    return [Stage("ac", wrap_layers, after=("cp",), active=config.activation_checkpointing != "none",
+                  does=f"each decoder layer recomputes its activations in backward ({config.activation_checkpointing})")]
+
+
+def wrap_layers(model, ctx):
     mode = ctx.config.activation_checkpointing
     if mode == "none":
         return

@@ -20,6 +20,7 @@ import torch._dynamo
 
 from ..interface.config import field_error
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 
 MODES = ("none", "regional")
 
@@ -40,8 +41,13 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "use activation_checkpointing: selective (it compiles with tp), or compile: none")
 
 
-@hookimpl(trylast=True)
-def ultrascale_wrap_layers(model, ctx):
+@hookimpl
+def ultrascale_stages(config, model_config):
+    return [Stage("compile", compile_layers, after=("ac",), active=config.compile != "none",
+                  does="each decoder layer compiled (torch.compile), with what the stages before put inside it")]
+
+
+def compile_layers(model, ctx):
     """Last among the per-layer wrappers: the compiled region holds activation checkpointing, not the reverse."""
     if ctx.config.compile == "none":
         return

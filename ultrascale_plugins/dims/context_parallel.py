@@ -7,7 +7,7 @@ Built only on the public hooks, as a third-party dimension would be:
 - checks before any process group (``ultrascale_validate_config`` / ``ultrascale_validate_model``): a meta-device
   run of the model with a probe in place of attention shows that every decoder layer's attention goes through
   transformers' ``AttentionInterface``, with what arguments, and that nothing else would see a split sequence;
-- the transform (``ultrascale_shard_model``, after tensor parallel): the model's config selects this rank's
+- the transform (stage ``cp``, after tensor parallel): the model's config selects this rank's
   ring / Ulysses attention function, registered in ``AttentionInterface``;
 - every step (``ultrascale_shard_batch``): the head-tail split of token ids, targets, global positions and the
   padding mask (``cp_layout``);
@@ -23,6 +23,7 @@ from torch import nn
 
 from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 from ..interface.parallel_dims import CP_ORDER, MeshAxis
 from . import cp_layout
 from .cp_attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
@@ -81,8 +82,14 @@ def ultrascale_validate_model(model, plan, config):
     probe_attention(plan.causal_lm(model) if plan is not None else model, config.cp)
 
 
-@hookimpl(trylast=True)  # after tensor parallel: attention then runs on this rank's heads
-def ultrascale_shard_model(model, ctx):
+@hookimpl
+def ultrascale_stages(config, model_config):
+    # after tensor parallel: attention then runs on this rank's heads
+    return [Stage("cp", attend_across_ranks, after=("tp",), axes=("cp",), active=config.cp > 1,
+                  does=f"the sequence split over {config.cp} ranks, attention {config.cp_method} across them")]
+
+
+def attend_across_ranks(model, ctx):
     if ctx.config.cp == 1:
         return
     from transformers import AttentionInterface

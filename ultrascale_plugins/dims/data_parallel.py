@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..interface.config import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
-from ..interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis
+from ..interface.stages import Stage
+from ..interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis, ParallelDims
 from .data_parallel_costs import grad_sync
 
 DTYPES = {"bf16": torch.bfloat16}
@@ -79,7 +80,24 @@ def ultrascale_mesh_axes(config):
 
 
 @hookimpl
-def ultrascale_wrap_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    axes = tuple(a for a in ("dp_replicate", "dp_shard") if getattr(config, a) != 1)
+    return [Stage("dp", wrap_model, after=("compile",), axes=axes, does=_wrapping(config))]
+
+
+def _wrapping(config) -> str:
+    dims = ParallelDims(config)
+    dp = dims.degree("dp_replicate") * dims.degree("dp_shard")
+    if dims.fsdp:
+        how = f"FSDP2 over {dp} ranks (ZeRO-{config.zero_stage})"
+    elif dp > 1:
+        how = f"replicated over {dp} ranks (ZeRO-{config.zero_stage}), gradients averaged"
+    else:
+        how = "one data-parallel rank: nothing to wrap"
+    return how + ("" if config.mixed_precision == "no" else f", {config.mixed_precision} compute")
+
+
+def wrap_model(model, ctx):
     dims, cfg = ctx.dims, ctx.config
     dtype = DTYPES.get(cfg.mixed_precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()

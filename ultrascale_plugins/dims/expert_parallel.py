@@ -13,7 +13,7 @@ Built only on the public hooks, as a third-party dimension would be:
   found) and put in the view, so data parallelism shards them over efsdp in groups of their own and reduces
   their gradients there;
 - checks before any process group (``ultrascale_validate_config`` / ``ultrascale_validate_model``);
-- the transform (``ultrascale_shard_model``): every expert parameter becomes a DTensor sharded by expert over the
+- the transform (stage ``ep``, before tensor parallel): every expert parameter becomes a DTensor sharded by expert over the
   ``ep`` axis (so checkpoints hold whole experts and load in any ep), the module keeps its local expert count,
   and its forward becomes the token exchange of ``ep_dispatch``, around the module's own forward.
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from ..interface.config import ConfigError, field_error
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 from ..interface.parallel_dims import MeshAxis, MeshView
 from ..interface.plan_edit import PlanEdit
 
@@ -184,7 +185,12 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_shard_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    return [Stage("ep", shard_experts, after=("float8",), before=("tp",), axes=("ep",), active=config.ep > 1,
+                  does=f"the experts split over {config.ep} ranks, tokens dispatched to them and back (all-to-all)")]
+
+
+def shard_experts(model, ctx):
     if ctx.config.ep == 1:
         return
     from torch.distributed.tensor import DTensor, Shard

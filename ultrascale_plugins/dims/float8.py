@@ -21,6 +21,7 @@ from torch import nn
 
 from ..interface.fields import field_error
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 from ..models.plan import layers_present
 
 RECIPES = ("none", "tensorwise", "rowwise")
@@ -132,8 +133,13 @@ def ultrascale_validate_model(model, plan, config):
                           "use float8: none")
 
 
-@hookimpl(tryfirst=True)
-def ultrascale_shard_model(model, ctx):
+@hookimpl
+def ultrascale_stages(config, model_config):
+    return [Stage("float8", convert_layers, after=("split",), active=config.float8 != "none",
+                  does=f"every convertible Linear of the decoder layers to float8 training ({config.float8})")]
+
+
+def convert_layers(model, ctx):
     """First inside each model part: tensor parallel would be next (refused with float8), then activation
     checkpointing and FSDP/DDP wrap the converted modules."""
     recipe = ctx.config.float8

@@ -19,6 +19,7 @@ from __future__ import annotations
 from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
 from ..interface.parallel_dims import PP_ORDER, MeshAxis
+from ..interface.stages import Stage
 from .pipeline_runtime import Pipeline
 from .pipeline_split import (LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, _base, build_stage, microbatches,
                              pp_parts, pp_rank_of_stage, split_layers, stage_ids_for_rank, stage_layer_counts,
@@ -136,7 +137,14 @@ def _layer_state(lm) -> str | None:
 
 
 @hookimpl
-def ultrascale_split_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    return [Stage("split", split_model, axes=("pp",), active=config.pp > 1, splits=True,
+                  does=f"the layers cut into {config.pp * config.pp_virtual_stages} pipeline stages, "
+                       f"{config.pp_virtual_stages} per rank, run by the {config.pp_schedule} schedule")]
+
+
+def split_model(model, ctx):
+    """This rank's pipeline stages of ``model`` and the ``Pipeline`` runtime that schedules them."""
     if not ctx.dims.enabled("pp"):
         return None
     cfg, root = ctx.config, _root(ctx.plan)
@@ -157,7 +165,7 @@ def stage_ranges(config, n_layers: int) -> list[range]:
 
 
 def _dry_split(model, config, root: str = "") -> None:
-    """Build every stage as ``ultrascale_split_model`` does, from a meta-device twin, so a model that cannot be
+    """Build every stage as ``split_model`` does, from a meta-device twin, so a model that cannot be
     split is refused before launch rather than in every worker."""
     from ..models.dataflow import meta_twin
 

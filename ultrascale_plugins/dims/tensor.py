@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ..interface.config import ConfigError
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 from ..models.placeholder import present_modules
 from ..models.plan import ROWWISE, region_holding
 from ..interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
@@ -134,7 +135,7 @@ def ultrascale_validate_model(model, plan, config):
 
 def _build_styles(model, plan, config) -> None:
     """Make the ParallelStyle of every module the plan matches and the placement of every parameter it names, as
-    ``ultrascale_shard_model`` does (construction needs no mesh), so a style this version cannot build is refused
+    ``shard_model`` does (construction needs no mesh), so a style this version cannot build is refused
     before launch rather than in every worker."""
     for fqn, name in plan.matches(model).items():
         try:
@@ -192,7 +193,13 @@ def rank_local_params(model: nn.Module, plan):
 
 
 @hookimpl
-def ultrascale_shard_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    sp = " + sequence parallel between them" if config.sequence_parallel else ""
+    return [Stage("tp", shard_model, after=("float8", "ep"), axes=("tp",), active=config.tp > 1,
+                  does=f"attention heads and MLP features split over {config.tp} ranks{sp}, the plan's styles")]
+
+
+def shard_model(model, ctx):
     if not ctx.dims.enabled("tp"):
         return
     plan = ctx.plan

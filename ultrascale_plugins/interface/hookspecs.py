@@ -12,9 +12,9 @@ A dimension, in the order the engine asks (``engine.parallelize`` reads top to b
    (``ultrascale_validate_config``, ``ultrascale_validate_model``); its model plan (``ultrascale_model_plan``,
    through a wrapper such as PEFT's: ``ultrascale_wrapped_model``; then each plugin's additions and claims:
    ``ultrascale_extend_plan``);
-2. its model transform, in one of the composition's places: pipeline split (``ultrascale_split_model``), sharding
-   inside the layers (``ultrascale_shard_model``: TP/SP), per-layer wrappers (``ultrascale_wrap_layers``:
-   activation checkpointing), whole-model wrappers (``ultrascale_wrap_model``: FSDP/DDP);
+2. its model transform, as named stages (``ultrascale_stages``: the pipeline's split, float8, EP, TP + SP, CP,
+   activation checkpointing, compile, FSDP/DDP), each declaring which stages it runs after and before;
+   ``interface.stages`` orders them;
 3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
    (``ultrascale_prepare_optimizer``), the loss (``ultrascale_loss_context``: how it is computed;
    ``ultrascale_loss_terms``: what is added to it), gradient accumulation (``ultrascale_no_sync``), what follows a step's last backward
@@ -42,9 +42,10 @@ import pluggy
 
 # The annotations below are names only (this module imports nothing of the package, so every module may import
 # it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
-# PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Estimate / Shape
-# (interface.estimates), ModelPlan (models.plan), ParallelContext / ParallelModel (engine), PluginState
-# (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn), PretrainedConfig (transformers).
+# PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Stage
+# (interface.stages), Estimate / Shape (interface.estimates), ModelPlan (models.plan), ParallelContext /
+# ParallelModel (engine), PluginState (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
+# PretrainedConfig (transformers).
 
 PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -109,31 +110,21 @@ def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelCo
     dimension, the data-flow trace and the dry runs see the edited plan."""
 
 
-# ---- the model transform, in the order the engine composes it ------------------------------------------------
-@hookspec(firstresult=True)
-def ultrascale_split_model(model: nn.Module, ctx: ParallelContext) -> tuple[list[nn.Module], Runtime] | None:
-    """Split ``model`` into this rank's pipeline stages: return ``(stages, runtime)`` — a list of modules and the
-    ``runtime.Runtime`` that runs them — or None to keep the model whole."""
-
-
+# ---- the model transform: named stages, ordered by their declarations -------------------------------------
 @hookspec
-def ultrascale_shard_model(model: nn.Module, ctx: ParallelContext) -> None:
-    """Shard the parameters and activations inside the layers of ``model`` (one stage, or the whole model): tensor
-    and sequence parallel. ``ctx`` is the ``engine.ParallelContext``."""
+def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) -> list[Stage]:
+    """This plugin's model transforms for the layout ``config`` and the model of ``model_config`` (None when only
+    the world is known): a list of ``interface.stages.Stage`` — a name,
+    the names it runs ``after`` and ``before``, its mesh ``axes``, what it ``does``, whether this layout uses it
+    (``active``) and ``run(model, ctx)``. Declare every stage the plugin has, active or not, so that others can
+    name it. The engine orders all plugins' stages by those declarations (``stages.order_stages``; a cycle or an
+    unknown name is refused before any process group) and runs the active ones: the built-ins are ``split``
+    (pipeline; ``splits``: returns this rank's stages and their runtime), ``float8``, ``router_bias``,
+    ``gpt2_heads``, ``ep``, ``tp`` (with sequence parallel), ``cp``, ``ac``, ``compile``, ``dp`` (FSDP2 or DDP:
+    a wrapper that averages gradients over some axes itself says so with ``ctx.claim_grad_reduction(*axes)``;
+    the engine averages the others)."""
 
 
-@hookspec
-def ultrascale_wrap_layers(model: nn.Module, ctx: ParallelContext) -> None:
-    """Wrap each decoder layer of ``model`` (``ctx.plan_layers(model)``): activation checkpointing."""
-
-
-@hookspec
-def ultrascale_wrap_model(model: nn.Module, ctx: ParallelContext) -> None:
-    """Wrap ``model`` as a whole, last: data parallel (FSDP2, DDP). A wrapper that averages gradients over some
-    axes itself says so with ``ctx.claim_grad_reduction(*axes)``; the engine averages the others."""
-
-
-# ---- the step -----------------------------------------------------------------------------------------------
 @hookspec
 def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of ``batch`` in place (a dict of tensors: ``input_ids``, ``attention_mask``,

@@ -15,8 +15,10 @@ from . import hookspecs
 ENTRY_POINT_GROUP = "ultrascale_plugins"
 ENV_VAR = "ULTRASCALE_PLUGINS"
 
-# Built-in plugins, registered exactly like third-party ones. Listed from the one whose hooks run last to the one
-# whose hooks run first: each gets the position 100 x (its place from the end), see ``position``.
+# Built-in plugins, registered exactly like third-party ones, in this order. pluggy calls a hook's implementations
+# from the last registered to the first (``tryfirst`` / ``trylast`` aside): so the planner's first, data parallel's
+# last, and a third-party plugin (registered after these) before them all. The model transforms are ordered by
+# name instead (``interface.stages``), not by this list.
 DEFAULT_PLUGINS = (
     "ultrascale_plugins.dims.data_parallel",
     "ultrascale_plugins.dims.tensor",
@@ -37,51 +39,6 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.step",
     "ultrascale_plugins.planner.auto",
 )
-
-BUILTIN_POSITIONS = {name: 100 * (len(DEFAULT_PLUGINS) - i) for i, name in enumerate(DEFAULT_PLUGINS)}
-POSITION_ATTR = "ultrascale_position"
-
-
-def position(where: float):
-    """Decorator for a hook implementation: where it runs among every plugin's implementations of that hook,
-    whatever order the plugins were registered in. Smaller runs first; the built-ins sit at 100, 200, ...
-    (``BUILTIN_POSITIONS``: e.g. tensor parallel's ``ultrascale_shard_model`` at 1600, data parallel's
-    ``ultrascale_wrap_model`` at 1700), an implementation without a position at 0 (before the built-ins).
-    ``tryfirst`` / ``trylast`` still put an implementation before / after all others; equal positions run in
-    the order of the plugins' names. Use it under ``@hookimpl``::
-
-        @hookimpl
-        @position(1650)   # after tensor parallel has sharded the layers, before data parallel wraps them
-        def ultrascale_shard_model(model, ctx): ...
-    """
-    def mark(function):
-        setattr(function, POSITION_ATTR, where)
-        return function
-
-    return mark
-
-
-def _position(impl) -> float:
-    explicit = getattr(impl.function, POSITION_ATTR, None)
-    return explicit if explicit is not None else BUILTIN_POSITIONS.get(impl.plugin_name, 0)
-
-
-def order_hooks(pm: pluggy.PluginManager) -> None:
-    """Put every hook's implementations in their declared order (``position``), replacing pluggy's (the last
-    registered runs first), so the call order never depends on when a plugin was registered."""
-    from pluggy import HookCaller
-
-    def key(impl):
-        band = 0 if impl.tryfirst else 2 if impl.trylast else 1
-        return band, _position(impl), impl.plugin_name
-
-    for caller in vars(pm.hook).values():
-        if not isinstance(caller, HookCaller):
-            continue
-        impls = list(caller._hookimpls)  # pluggy calls them from the end of this list
-        plain = sorted((i for i in impls if not (i.hookwrapper or i.wrapper)), key=key, reverse=True)
-        wrappers = sorted((i for i in impls if i.hookwrapper or i.wrapper), key=key, reverse=True)
-        caller._hookimpls[:] = plain + wrappers
 
 
 _manager: pluggy.PluginManager | None = None
@@ -108,7 +65,6 @@ def make_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
             for name in sorted(allowed):
                 pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
     pm.check_pending()  # an ultrascale_* hook with no specification fails here, not silently later
-    order_hooks(pm)
     return pm
 
 
@@ -135,7 +91,6 @@ def register(plugin, name: str | None = None) -> None:
     pm = get_plugin_manager()
     pm.register(plugin, name=name)
     pm.check_pending()
-    order_hooks(pm)
     _fields = None
 
 

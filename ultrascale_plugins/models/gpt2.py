@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 from ..dims.tp_styles import PackedColwiseParallel, run_on_local_params
 from .plan import hf_plan_from_model
 
@@ -106,7 +107,13 @@ def ultrascale_model_plan(model, config):
 
 
 @hookimpl
-def ultrascale_shard_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    gpt2 = getattr(model_config, "model_type", None) == "gpt2"
+    return [Stage("gpt2_heads", split_this_ranks_heads, after=("float8",), before=("tp",), axes=("tp",),
+                  active=config.tp > 1 and gpt2, does="GPT-2's attention splits its fused q|k|v by this rank's heads")]
+
+
+def split_this_ranks_heads(model, ctx):
     if ctx.config.tp == 1 or not _is_gpt2(model):
         return
     for block in model.transformer.h:

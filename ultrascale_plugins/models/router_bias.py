@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..interface.config import field_error
 from ..interface.hookspecs import hookimpl
+from ..interface.stages import Stage
 
 BIAS = "e_score_correction_bias"
 STATE = "router_bias"
@@ -41,7 +42,13 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_shard_model(model, ctx):
+def ultrascale_stages(config, model_config):
+    return [Stage("router_bias", count_routed_tokens, after=("float8",), before=("tp",),
+                  active=bool(config.router_bias_update),
+                  does="count each expert's routed tokens for the auxiliary-loss-free bias update")]
+
+
+def count_routed_tokens(model, ctx):
     if not ctx.config.router_bias_update:
         return
     counts = ctx.plugin_state.setdefault(STATE, {})

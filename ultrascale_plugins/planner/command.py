@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--all", action="store_true", help="rank layouts this engine cannot run too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--explain", action="store_true", help="also print the chosen layout's model transforms, in the "
+                   "order parallelize applies them (each stage's mesh axes, what it does, its plugin)")
     p.add_argument("--plot", help="write a PNG: memory of the top layouts and the chosen pipeline schedule")
 
 
@@ -156,6 +158,8 @@ def run_plan(args, accelerate_yaml) -> int:
     room = render.headroom_line(best, results, hw.memory_gb, args.memory_margin, args.speed_tolerance,
                                 searched=not args.layout)
     print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n")
+    if args.explain:
+        print("Stages, in the order parallelize applies them:\n" + _indent(_stages(best, cost, args.gpus)) + "\n")
     if adapters is not None:
         print(render.peft_note(adapters, getattr(args, "lora_alpha", None)) + "\n")
     print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
@@ -167,6 +171,15 @@ def run_plan(args, accelerate_yaml) -> int:
     if args.plot:
         print(f"\nultrascale: wrote {args.plot}")
     return 0
+
+
+def _stages(result, cost, gpus: int) -> str:
+    from ..engine import describe
+
+    try:
+        return describe(result.layout.config(), cost.spec.config, world_size=gpus)
+    except ConfigError as exc:  # a layout this engine cannot run (listed with --all)
+        return f"not runnable by this engine: {exc}"
 
 
 def _indent(text: str) -> str:

@@ -1,0 +1,113 @@
+"""The model transform as named stages, and the one place their order is decided.
+
+Every plugin that changes the model (splits it into pipeline stages, shards it, wraps its layers or the whole)
+returns ``Stage`` descriptors from ``ultrascale_stages``: a name, the names it runs after and before, and the
+function. ``order_stages`` sorts them by those declarations alone (a topological order); among stages free to run
+at a point, the one whose plugin pluggy calls first (the last registered: a third party before the built-ins, the
+built-ins in ``DEFAULT_PLUGINS``' reverse order) goes first, so the order is the same on every rank and every
+run. A name nobody declares, or a cycle, is refused before any process group, naming the plugins involved.
+
+A plugin declares its stages whether or not the layout uses them (``active``), so ``after="cp"`` keeps its
+meaning in a layout without context parallel, and ``describe`` shows only what runs.
+
+The built-in order (see ``docs/writing-a-plugin.md``)::
+
+    split (pp) -> float8 -> router_bias, gpt2_heads -> ep -> tp (+ sp) -> cp -> ac -> compile -> dp
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One model transform.
+
+    ``run(model, ctx)`` transforms ``model`` — the whole model before a splitting stage, each of this rank's
+    pipeline stages after it — with ``ctx`` the engine's ``ParallelContext``. A splitting stage (``splits``)
+    returns ``(parts, runtime)`` (this rank's pipeline stages and the ``Runtime`` that runs them) or None.
+    ``after`` / ``before``: names of stages this one runs after / before. ``axes``: the mesh axes it uses;
+    ``does``: one line on what it does to the model (``describe``). ``active``: whether this layout uses it."""
+
+    name: str
+    run: Callable[..., Any]
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    axes: tuple[str, ...] = ()
+    does: str = ""
+    active: bool = True
+    splits: bool = False
+    plugin: str = ""  # filled in by ``collect_stages``: the plugin that declared it
+
+
+def collect_stages(pm, config, model_config) -> list[Stage]:
+    """Every plugin's stages for ``config`` and ``model_config``, in pluggy's call order, each tagged with its
+    plugin's name."""
+    out: list[Stage] = []
+    for impl in reversed(pm.hook.ultrascale_stages.get_hookimpls()):  # pluggy calls from the end of this list
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        for stage in impl.function(config=config, model_config=model_config) or ():
+            out.append(dataclasses.replace(stage, plugin=impl.plugin_name))
+    return out
+
+
+def order_stages(stages: list[Stage]) -> list[Stage]:
+    """``stages`` in an order that honours every ``after`` and ``before`` (Kahn's algorithm; ties go to the
+    earlier in the list). Raises ``ConfigError`` for a name declared twice, a name nobody declares, or a cycle."""
+    by_name: dict[str, Stage] = {}
+    for stage in stages:
+        if stage.name in by_name:
+            raise ConfigError(f"stage '{stage.name}' is declared by both {by_name[stage.name].plugin} and "
+                              f"{stage.plugin}. Fix: rename one, or unregister one of them (ULTRASCALE_PLUGINS)")
+        by_name[stage.name] = stage
+    edges: dict[str, set[str]] = {s.name: set() for s in stages}  # name -> the names that must run first
+    for stage in stages:
+        for other, first in [(o, True) for o in stage.after] + [(o, False) for o in stage.before]:
+            if other not in by_name:
+                known = ", ".join(sorted(by_name))
+                raise ConfigError(f"stage '{stage.name}' of {stage.plugin} runs {'after' if first else 'before'} "
+                                  f"'{other}', which no plugin declares. Fix: use one of {known}")
+            if first:
+                edges[stage.name].add(other)
+            else:
+                edges[other].add(stage.name)
+    done: list[Stage] = []
+    placed: set[str] = set()
+    waiting = list(stages)
+    while waiting:
+        ready = next((s for s in waiting if edges[s.name] <= placed), None)
+        if ready is None:
+            cycle = _cycle(edges, [s.name for s in waiting])
+            who = ", ".join(f"'{n}' ({by_name[n].plugin})" for n in cycle)
+            raise ConfigError(f"the stages {who} each wait for another: a cycle in their after/before. Fix: drop "
+                              "one of those declarations")
+        done.append(ready)
+        placed.add(ready.name)
+        waiting.remove(ready)
+    return done
+
+
+def _cycle(edges: dict[str, set[str]], names: list[str]) -> list[str]:
+    """One cycle among ``names`` (each waits for one of the others), as a path."""
+    path, seen = [names[0]], {names[0]: 0}
+    while True:
+        nxt = sorted(n for n in edges[path[-1]] if n in names)[0]
+        if nxt in seen:
+            return path[seen[nxt]:] + [nxt]
+        seen[nxt] = len(path)
+        path.append(nxt)
+
+
+def describe_stages(stages: list[Stage]) -> str:
+    """The active stages in order, one line each: name, mesh axes, what it does, plugin."""
+    rows = [s for s in stages if s.active]
+    width = max((len(s.name) for s in rows), default=4)
+    lines = []
+    for i, stage in enumerate(rows, 1):
+        axes = ",".join(stage.axes) or "-"
+        lines.append(f"{i:>2}. {stage.name:<{width}}  [{axes}]  {stage.does}  ({stage.plugin})")
+    return "\n".join(lines) if lines else "(no stage: the model runs as it is)"
