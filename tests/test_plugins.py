@@ -100,6 +100,7 @@ def test_stage_order_is_declared_not_registration_order(reverse):
     """The documented example (docs/writing-a-plugin.md): a stage declared after "tp" and before "dp" runs there,
     whichever plugin registered first; the built-ins keep their order around it."""
     from models import make_config
+    from ultrascale_plugins.engine import stages
 
     pairs = [("zz_between", _Staged(us.Stage("audit", _noop, after=("tp",), before=("dp",)))),
              ("aa_first", _Staged(us.Stage("first", _noop, before=("split",))))]
@@ -107,13 +108,30 @@ def test_stage_order_is_declared_not_registration_order(reverse):
         us.register(plugin, name=name)
     try:
         config = us.ParallelConfig(tp=2, dp_shard=2, sequence_parallel=True, zero_stage=3, pp=2)
-        names = [s.name for s in us.engine.stages(config, make_config("llama"), world_size=8) if s.active]
+        names = [s.name for s in stages(config, make_config("llama"), world_size=8) if s.active]
         assert names == ["first", "split", "tp", "audit", "dp"]
         described = us.describe(config, make_config("llama"), world_size=8).splitlines()
         assert [line.split()[1] for line in described] == names and "(zz_between)" in described[3]
     finally:
         plugins.unregister(name="zz_between")
         plugins.unregister(name="aa_first")
+
+
+def test_a_stages_hook_may_take_only_the_arguments_it_needs():
+    from models import make_config
+    from ultrascale_plugins.engine import stages
+
+    class OnlyConfig:
+        @hookimpl
+        def ultrascale_stages(self, config):
+            return [us.Stage("mine", _noop, after=("split",), active=config.tp > 1)]
+
+    us.register(OnlyConfig(), name="only_config")
+    try:
+        found = {s.name: s for s in stages(us.ParallelConfig(tp=2), make_config("llama"), world_size=2)}
+        assert found["mine"].active and found["mine"].plugin == "only_config"
+    finally:
+        plugins.unregister(name="only_config")
 
 
 @pytest.mark.parametrize("stages, message", [

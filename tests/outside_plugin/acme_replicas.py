@@ -42,7 +42,7 @@ def ultrascale_validate_model(model, plan, config):
 def ultrascale_stages(config, model_config):
     # the fused norms before tensor parallel, so that sequence parallel wraps the new forward; the audit between
     # tensor parallel and data parallel (it sees the TP shards, not yet FSDP's)
-    return [Stage("acme_fused_norm", fuse_norms, before=("tp",), active=config.acme_fused_norm,
+    return [Stage("acme_fused_norm", fuse_norms, after=("split",), before=("tp",), active=config.acme_fused_norm,
                   does="every RMSNorm computed by torch's fused rms_norm"),
             Stage("acme_audit", audit, after=("tp",), before=("dp",), does="counts the TP-sharded model parts")]
 

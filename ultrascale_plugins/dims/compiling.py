@@ -5,7 +5,7 @@ layers (FSDP2's all-gathers run in module hooks, a pipeline's sends between stag
 compute is one graph; and the layers of one class share their compiled code, so compile time is that of one
 layer (plus a graph per layer variant: sliding versus full attention), not of the model.
 
-What is compiled is the layer's ``forward`` as the other transforms left it, last (``trylast``): inside it tensor
+What is compiled is the layer's ``forward`` as the other transforms left it (stage ``compile``, after ``ac``): inside it tensor
 parallel's sharded matmuls and activation checkpointing (compiled with the layer, so selective recomputation's
 policy is traced too); outside it FSDP2's hooks (they run on ``__call__``, around ``forward``), so parameter
 names and checkpoints are those of the eager model. Context parallel's attention runs eagerly inside the

@@ -5,7 +5,8 @@ returns ``Stage`` descriptors from ``ultrascale_stages``: a name, the names it r
 function. ``order_stages`` sorts them by those declarations alone (a topological order); among stages free to run
 at a point, the one whose plugin pluggy calls first (the last registered: a third party before the built-ins, the
 built-ins in ``DEFAULT_PLUGINS``' reverse order) goes first, so the order is the same on every rank and every
-run. A name nobody declares, or a cycle, is refused before any process group, naming the plugins involved.
+run. So a stage that names nothing to run after may run first of all, before the pipeline's split (on the whole
+model): a transform of each pipeline stage declares ``after=("split",)``. A name nobody declares, or a cycle, is refused before any process group, naming the plugins involved.
 
 A plugin declares its stages whether or not the layout uses them (``active``), so ``after="cp"`` keeps its
 meaning in a layout without context parallel, and ``describe`` shows only what runs.
@@ -47,10 +48,13 @@ def collect_stages(pm, config, model_config) -> list[Stage]:
     """Every plugin's stages for ``config`` and ``model_config``, in pluggy's call order, each tagged with its
     plugin's name."""
     out: list[Stage] = []
+    given = {"config": config, "model_config": model_config}
     for impl in reversed(pm.hook.ultrascale_stages.get_hookimpls()):  # pluggy calls from the end of this list
         if impl.hookwrapper or impl.wrapper:
-            continue
-        for stage in impl.function(config=config, model_config=model_config) or ():
+            raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_stages: stages are ordered by their "
+                              "after/before names, not by wrapping. Fix: return Stage objects from a plain hookimpl")
+        # called per plugin to know whose stage is whose; with the arguments it takes, as pluggy would
+        for stage in impl.function(**{k: v for k, v in given.items() if k in impl.argnames}) or ():
             out.append(dataclasses.replace(stage, plugin=impl.plugin_name))
     return out
 
