@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import make_model, padded_batches, rows, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from ultrascale_plugins.checkpoints.sharded import load_checkpoint, save_checkpoint  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -14,7 +14,7 @@ import time
 import torch
 
 import ultrascale_plugins as us
-import ultrascale_plugins.checkpoint as ckpt
+import ultrascale_plugins.checkpoints.sharded as ckpt
 from models import make_model, padded_batches, rows
 
 mode, timeout = sys.argv[1], float(sys.argv[2])

@@ -502,7 +502,7 @@ def predicted(pmodel, spec: dict, micro_batches: int) -> dict:
     """The package's per-rank estimate for this rank's mesh coordinates: the raw categories (bytes) and what
     ``planner.cost.peak_memory_gb`` makes of them (its allocator constants: fragmentation on activations, a fixed
     workspace), in bytes."""
-    from ultrascale_plugins.estimates import meta_model
+    from ultrascale_plugins.interface.estimates import meta_model
     from ultrascale_plugins.planner.cost import GB, peak_memory_gb
 
     mesh = pmodel.dims.mesh

@@ -282,7 +282,7 @@ def holdings(pmodel, opt) -> dict:
 
 def predicted_holdings(pmodel, global_rows: int) -> dict:
     """The planner's per-rank prediction (``ultrascale_estimate``) for this rank's mesh coordinates."""
-    from ultrascale_plugins.estimates import meta_model
+    from ultrascale_plugins.interface.estimates import meta_model
 
     mesh = pmodel.dims.mesh
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())) if mesh is not None else {}

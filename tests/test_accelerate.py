@@ -251,7 +251,7 @@ def test_accelerate_config_interactive(tmp_path):
 
 
 def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations.layout import layout_from_environment
 
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
@@ -297,7 +297,7 @@ def test_a_size_that_does_not_fit_the_processes_is_blamed_on_itself(tmp_path, mo
     """A file with parallelism_config_tp_size: 3 for 2 processes: a plain `accelerate launch` worker names
     Accelerate's tp_size key (the file has no 'ultrascale' block to blame); through ULTRASCALE_CONFIG the message
     names the file and tp=3; `ultrascale accelerate-launch` refuses the file before starting anything, exit 2."""
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations import layout
 
     tp3 = tp3_file(tmp_path)
@@ -324,7 +324,7 @@ def test_an_ep_size_that_accelerates_launcher_drops_is_refused_not_ignored(monke
     of a plain `accelerate launch --config_file` of it reads the launcher's file and stops with the fix instead of
     training without expert parallelism (and likewise for the `ultrascale` block, e.g. zero1.yaml's zero_stage)."""
     from ultrascale_plugins import ParallelConfig
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations import layout
 
     ep_file = str(RECIPES / "ep_zero3.yaml")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ultrascale_plugins as us
 from conftest import torchrun
 from models import make_model, padded_batches
-from ultrascale_plugins.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, read_meta,
+from ultrascale_plugins.checkpoints.sharded import (CheckpointError, list_checkpoints, load_checkpoint, read_meta,
                                            save_checkpoint)
 
 WORKER = Path(__file__).parent / "checkpoint_worker.py"
@@ -186,7 +186,7 @@ def test_loading_never_unpickles_objects(tmp_path, one_process):
 def test_export_from_one_process_gives_equal_logits(tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     pmodel, opt = one_process
     path = save_checkpoint(pmodel, opt, tmp_path / "ckpt", step=2)
@@ -206,7 +206,7 @@ def test_export_of_sharded_checkpoints_matches_one_process_training(sharded_run,
     """Checkpoints written by 4 ranks as ZeRO-3 and as PP x TP export to the weights one process trains."""
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     ref = make_model("llama8_tied")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
@@ -258,13 +258,13 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
         load_checkpoint(pmodel, opt, path)
         assert counter.seen.item() == 41.0 and counter.name == "after step 1" and counter.rank.item() == 7.0
     finally:
-        from ultrascale_plugins import plugins
+        from ultrascale_plugins.interface import plugins
 
         plugins.unregister(name="counter")
 
 
 def test_a_hugging_face_directory_is_not_taken_for_a_broken_checkpoint(tmp_path):
-    from ultrascale_plugins.checkpoint import CheckpointError, read_meta
+    from ultrascale_plugins.checkpoints.sharded import CheckpointError, read_meta
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="Hugging Face model directory.*--init-from"):
@@ -283,7 +283,7 @@ def test_flipped_bytes_in_a_shard_are_refused_by_load_and_export(tmp_path, one_p
     """The issue's corruption (bytes flipped inside a shard, same size) resumed silently: now load_checkpoint, the
     load every front end goes through (Accelerate's load_state, Lightning's load_checkpoint, Trainer's resume and
     best model), and export refuse it naming the file, before anything is loaded or written."""
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     pmodel, opt = one_process
     path = save_checkpoint(pmodel, opt, tmp_path / "ckpt", step=1)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from ultrascale_plugins import cli
-from ultrascale_plugins.config import ConfigError
+from ultrascale_plugins.interface.config import ConfigError
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -188,7 +188,7 @@ def test_a_refusal_is_said_even_when_rank_0_reaches_it_last(tmp_path):
     script = tmp_path / "refuse.py"
     script.write_text("import os, time\n"
                       "from ultrascale_plugins import launch\n"
-                      "from ultrascale_plugins.config import ConfigError\n"
+                      "from ultrascale_plugins.interface.config import ConfigError\n"
                       "if os.environ['RANK'] == '0':\n"
                       "    time.sleep(3)  # rank 0 reaches the same check last\n"
                       "launch.exit_on_error(ConfigError('tp=3: bad'))\n")
@@ -356,7 +356,7 @@ def test_resume_without_init_from_log_dir_events_and_clean_output(tmp_path, monk
                           "model.hidden_size=128", "checkpoint: 64", "Fix:", "--init-from")
 
     # e. export (one process, DCP without a group) says nothing about torch.distributed
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

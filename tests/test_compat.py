@@ -142,7 +142,7 @@ def test_what_the_plan_less_sweep_found_is_fixed_or_refused_before_any_process_g
     import ultrascale_plugins as us
     from ultrascale_plugins.dims.data_parallel import fsdp_groups
     from ultrascale_plugins.engine import ParallelContext, validate
-    from ultrascale_plugins.parallel_dims import ParallelDims
+    from ultrascale_plugins.interface.parallel_dims import ParallelDims
 
     with torch.device("meta"):
         xlnet, roberta, mamba = build_model("xlnet"), build_model("roberta"), build_model("mamba")

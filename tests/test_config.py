@@ -26,7 +26,7 @@ def test_every_documented_field_exists():
 
 
 def test_fields_come_from_the_plugins_that_declare_them():
-    from ultrascale_plugins.plugins import layout_fields
+    from ultrascale_plugins.interface.plugins import layout_fields
 
     owners = {f.name: f.plugin for f in layout_fields()}
     assert owners["tp"] == "ultrascale_plugins.dims.tensor"

@@ -220,7 +220,7 @@ def test_a_model_that_goes_through_the_attention_interface_passes_the_probe():
 
 
 def test_presets_and_estimates():
-    from ultrascale_plugins.presets import config_for_preset
+    from ultrascale_plugins.interface.presets import config_for_preset
 
     config = config_for_preset("cp", 8, 4, _llama())
     assert (config.cp, config.dp_shard, config.cp_method) == (4, 2, "ring")

@@ -125,7 +125,7 @@ def _pretrained(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     import ultrascale_plugins as us
-    from ultrascale_plugins import pretrained
+    from ultrascale_plugins.checkpoints import pretrained
 
     path = out / "hf"
     if dist.get_rank() == 0:  # the per-expert format, over several files
@@ -175,7 +175,7 @@ def _meta_init() -> dict:
 
     import ultrascale_plugins as us
     from ultrascale_plugins.initialize import ModelInit
-    from ultrascale_plugins.pretrained import weights_for
+    from ultrascale_plugins.checkpoints.pretrained import weights_for
 
     def meta_model():
         with torch.device("meta"):
@@ -206,7 +206,7 @@ def main():
     import torch.distributed as dist
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint
+    from ultrascale_plugins.checkpoints.sharded import load_checkpoint, save_checkpoint
 
     us.init_distributed(timeout=120)
     rank0 = dist.get_rank() == 0
@@ -345,8 +345,8 @@ def test_export_of_another_moe_naming_is_what_save_pretrained_writes(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoint import save_checkpoint
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.sharded import save_checkpoint
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     config = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,

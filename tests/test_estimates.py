@@ -6,7 +6,7 @@ import pytest
 
 import ultrascale_plugins as us
 from models import make_config, make_model
-from ultrascale_plugins.estimates import chunk_size, inventory, parameter_count
+from ultrascale_plugins.interface.estimates import chunk_size, inventory, parameter_count
 
 
 def _numels(arch):

@@ -32,7 +32,7 @@ def test_kill_during_save_keeps_the_last_checkpoint_and_restart_reproduces(tmp_p
     proc = torchrun(2, WORKER, "kill_in_save", "8", str(tmp_path), timeout=240, env=env)
     assert proc.returncode != 0 and "finished" not in proc.stdout
     assert time.monotonic() - start < 120
-    from ultrascale_plugins.checkpoint import list_checkpoints
+    from ultrascale_plugins.checkpoints.sharded import list_checkpoints
 
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003"]  # step 5 never became visible
     proc = torchrun(2, WORKER, "restart", "60", str(tmp_path), timeout=240, env=env)

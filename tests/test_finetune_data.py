@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tiny_tokenizer import CHATML_TAGGED, HEADERS, REASONING_LAST, chat_rows, make_pretrained, make_tokenizer, text_rows, write_jsonl
-from ultrascale_plugins.config import ConfigError
+from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.loss import IGNORE_INDEX
 from ultrascale_plugins.recipe import DataSpec
 
@@ -31,8 +31,8 @@ def spec(tmp_path, dataset, **kw):
 
 
 def batches(s, model_dir, global_batch=4, seed=0):
-    from ultrascale_plugins.packed_rows import DatasetBatches
-    from ultrascale_plugins.tokenized_cache import prepare
+    from ultrascale_plugins.data.packed_rows import DatasetBatches
+    from ultrascale_plugins.data.tokenized_cache import prepare
 
     return DatasetBatches(prepare(s, str(model_dir)), s, global_batch, seed)
 
@@ -42,8 +42,8 @@ def batches(s, model_dir, global_batch=4, seed=0):
 def test_chat_labels_are_the_assistant_tokens(pretrained, template):
     """ChatML found from prefixes, ChatML with {% generation %}, a template that renders the last reply unlike
     past ones (as Qwen3's does) and one with role headers and an injected system block (as Llama-3.1's)."""
-    from ultrascale_plugins.chat_tokens import chat_sample
-    from ultrascale_plugins.tokenized_cache import load_tokenizer
+    from ultrascale_plugins.data.chat_tokens import chat_sample
+    from ultrascale_plugins.data.tokenized_cache import load_tokenizer
 
     tok = load_tokenizer(str(pretrained))
     tok.chat_template = {"generation_tags": CHATML_TAGGED, "reasoning_last": REASONING_LAST,
@@ -66,7 +66,7 @@ def test_chat_labels_are_the_assistant_tokens(pretrained, template):
 
 
 def test_chat_without_template_is_refused(tmp_path):
-    from ultrascale_plugins.tokenized_cache import prepare
+    from ultrascale_plugins.data.tokenized_cache import prepare
 
     model = tmp_path / "plain"
     make_tokenizer(model, template=None)
@@ -138,7 +138,7 @@ def test_rows_without_packing_are_padded_samples(tmp_path, pretrained):
 
 # ---- bad data --------------------------------------------------------------------------------------------------
 def test_bad_data_is_named(tmp_path, pretrained):
-    from ultrascale_plugins.tokenized_cache import prepare
+    from ultrascale_plugins.data.tokenized_cache import prepare
 
     with pytest.raises(ConfigError, match="no such file or directory"):
         prepare(spec(tmp_path, tmp_path / "missing.jsonl"), str(pretrained))
@@ -175,7 +175,7 @@ def test_other_sources_load(tmp_path, pretrained):
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "t.parquet"))
     (tmp_path / "t.txt").write_text("\n\n".join(r["text"] for r in rows))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    from ultrascale_plugins.tokenized_cache import prepare
+    from ultrascale_plugins.data.tokenized_cache import prepare
 
     counts = {name: len(prepare(spec(tmp_path, tmp_path / name), str(pretrained)).lengths)
               for name in ("shards", "t.parquet", "t.txt", "saved")}
@@ -234,7 +234,7 @@ def test_chat_finetune_learns_the_reply_exactly_resumes_and_exports(tmp_path, pr
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert metrics(tmp_path / "resumed.json")["losses"] == m2["losses"][4:]
     # the checkpoint's copy of the tokenizer (saved again by transformers, other bytes) is the same tokenizer ...
-    from ultrascale_plugins.tokenized_cache import cache_key, load_tokenizer
+    from ultrascale_plugins.data.tokenized_cache import cache_key, load_tokenizer
 
     s = spec(tmp_path, data, format="chat")
     assert cache_key(s, load_tokenizer(str(ckpt / "tokenizer"))) == cache_key(s, load_tokenizer(str(pretrained)))
@@ -248,7 +248,7 @@ def test_chat_finetune_learns_the_reply_exactly_resumes_and_exports(tmp_path, pr
         refused.stderr[-3000:]
     assert "ultrascale: 2 processes" not in refused.stdout  # no worker started
     # the export is a model and a tokenizer with its chat template
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
     from transformers import AutoTokenizer
 
     out = export_hf(tmp_path / "ck" / f"step-{steps:08d}", tmp_path / "export")
@@ -288,9 +288,9 @@ def test_bad_data_refused_before_launch(tmp_path, pretrained):
 def test_dataloaders_read_the_command_lines_rows(tmp_path, pretrained):
     """The DataLoader builder (Lightning DataModule, Accelerate loop) uses the command line's cache entry and
     rows: same tokens, same labels, same positions."""
-    from ultrascale_plugins.data_loaders import build_dataloaders
-    from ultrascale_plugins.packed_rows import Rows, split_indices
-    from ultrascale_plugins.tokenized_cache import prepare
+    from ultrascale_plugins.data.data_loaders import build_dataloaders
+    from ultrascale_plugins.data.packed_rows import Rows, split_indices
+    from ultrascale_plugins.data.tokenized_cache import prepare
 
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
     s = spec(tmp_path, data, format="chat", seq_len=40, eval_fraction=0.2)
@@ -357,7 +357,7 @@ def test_packing_refused_for_a_model_type_that_lets_samples_meet(tmp_path):
     attend to each other, so packing is refused before launch; packing: false is the fix and passes."""
     from transformers import OPTConfig
 
-    from ultrascale_plugins.recipe_data import check_packing
+    from ultrascale_plugins.data.recipe_data import check_packing
 
     data = write_jsonl(tmp_path / "text.jsonl", text_rows(4))
     with pytest.raises(ConfigError, match=r"data.packing=true: model type 'opt' lets packed samples attend.*"

@@ -159,7 +159,7 @@ def test_invalid_layout_fails_when_the_trainer_is_built(capsys):
 
     import lightning.pytorch as L
 
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
 
     assert "does not divide the world size 3" in refused_trainer(capsys, devices=3, strategy=UltraScaleStrategy(tp=2))
@@ -185,9 +185,9 @@ def test_expert_parallel_is_checked_against_the_model_before_the_process_group(c
 
     from lightning_worker import CausalLM
     from models import make_config
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
-    from ultrascale_plugins.presets import presets
+    from ultrascale_plugins.interface.presets import presets
 
     assert re.match(r"zero_stage=1: ep=2 shards the experts.* Fix: use zero_stage: 2 or 3",
                     refused_trainer(capsys, devices=2, strategy=UltraScaleStrategy(ep=2, zero_stage=1)))
@@ -234,7 +234,7 @@ def test_recipe_script_through_lightnings_own_launcher(tmp_path):
     train_steps = sorted(int(r["step"]) for r in rows if r.get("train_loss"))
     val_steps = sorted(int(r["step"]) for r in rows if r.get("val_loss"))
     assert train_steps == list(range(9)) and val_steps == [2, 5, 8], (train_steps, val_steps)
-    from ultrascale_plugins.export import export_hf
+    from ultrascale_plugins.checkpoints.export import export_hf
 
     export_hf(last, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -163,7 +163,7 @@ def _check_strategy_module(module, pl_package: str, fabric_package: str):
     precision = importlib.import_module(f"{pl_package}.plugins.precision")
     rank_zero = importlib.import_module(f"{fabric_package}.utilities.rank_zero")
     distributed = importlib.import_module(f"{fabric_package}.utilities.distributed")
-    from ultrascale_plugins.presets import presets
+    from ultrascale_plugins.interface.presets import presets
 
     for cls in (module.UltraScaleStrategy, module.UltraScalePrecision):
         assert cls.__module__ == module.__name__

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ultrascale_plugins.config import ConfigError
-from ultrascale_plugins.packing_support import check_packing_model, packing_verdict
+from ultrascale_plugins.interface.config import ConfigError
+from ultrascale_plugins.data.packing_support import check_packing_model, packing_verdict
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

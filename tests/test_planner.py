@@ -184,7 +184,7 @@ def test_layout_auto_takes_the_planners_best():
     kept = {"compile": "regional", "float8": "tensorwise", "cp_kernel": "portable"}
     chosen = us.validate(us.ParallelConfig(layout="auto", auto_seq_len=64, auto_global_batch=8, **kept), mc, 2)
     assert {k: getattr(chosen, k) for k in kept} == kept
-    from ultrascale_plugins.presets import presets
+    from ultrascale_plugins.interface.presets import presets
 
     assert presets()["default"].layout(8, 8, mc) == {"layout": "auto"}  # strategy="ultrascale" with no sizes
 
@@ -285,7 +285,7 @@ def test_every_printed_snippet_passes_the_prelaunch_checks_at_the_planned_size(c
     from transformers import AutoModelForCausalLM
 
     from ultrascale_plugins.cli import check_memory, check_recipe
-    from ultrascale_plugins.config import ParallelConfig
+    from ultrascale_plugins.interface.config import ParallelConfig
     from ultrascale_plugins.integrations.layout import from_accelerate_file
     from ultrascale_plugins.planner.model_spec import load_model_config
     from ultrascale_plugins.planner.render import DATASET_PLACEHOLDER

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from ultrascale_plugins.config import ConfigError
+from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.planner.cost import Layout, Result
 from ultrascale_plugins.planner.plot import idle_fraction, plot_plan, schedule_timeline
 

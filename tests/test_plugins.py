@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import ultrascale_plugins as us
 from models import make_model, padded_batches
-from ultrascale_plugins import hookimpl, hookspecs, plugins
+from ultrascale_plugins import hookimpl
+from ultrascale_plugins.interface import hookspecs, plugins
 
 OUTSIDE = Path(__file__).parent / "outside_plugin"  # a plugin package outside ultrascale-plugins
 
@@ -212,7 +213,7 @@ def test_a_plugin_axis_enters_the_world_size_product():
         with pytest.raises(us.ConfigError, match=r"world size is 4"):
             us.ParallelConfig(tp=2, dp_shard=2).resolve(4)
         assert us.ParallelConfig(tp=2).resolve(8).dp_shard == 2
-        from ultrascale_plugins.parallel_dims import ParallelDims
+        from ultrascale_plugins.interface.parallel_dims import ParallelDims
 
         dims = ParallelDims(us.ParallelConfig(tp=2).resolve(8), 8)
         assert [a.name for a in dims.live_axes] == ["dp_shard", "expert", "tp"]

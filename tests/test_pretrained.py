@@ -6,8 +6,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from models import make_config, make_model
-from ultrascale_plugins.checkpoint import CheckpointError
-from ultrascale_plugins.pretrained import empty_model, match_weights, prepare
+from ultrascale_plugins.checkpoints.sharded import CheckpointError
+from ultrascale_plugins.checkpoints.pretrained import empty_model, match_weights, prepare
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
     import ultrascale_plugins as us
     from safetensors import safe_open
     from ultrascale_plugins.engine import from_pretrained
-    from ultrascale_plugins.pretrained import prepare
+    from ultrascale_plugins.checkpoints.pretrained import prepare
 
     path = save_moe(model_type, tmp_path / "m")
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
@@ -74,8 +74,8 @@ def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
 
 def test_already_fused_checkpoint_and_shape_errors(tmp_path):
     from safetensors.torch import load_file, save_file
-    from ultrascale_plugins.checkpoint import CheckpointError
-    from ultrascale_plugins.pretrained import prepare
+    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+    from ultrascale_plugins.checkpoints.pretrained import prepare
 
     path = save_moe("qwen3_moe", tmp_path / "m")
     ref = reference_state(path)
@@ -112,7 +112,7 @@ def test_two_ranks_read_only_their_experts_and_equal_transformers(tmp_path):
 
 def worker(out: Path) -> None:
     import ultrascale_plugins as us
-    from ultrascale_plugins import pretrained
+    from ultrascale_plugins.checkpoints import pretrained
     from ultrascale_plugins.engine import from_pretrained
 
     us.init_distributed(timeout=120)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from ultrascale_plugins.config import ConfigError
+from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.recipe import load_recipe
 
 TINY = {

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 import ultrascale_plugins
-from ultrascale_plugins import cli, engine, plugins
-from ultrascale_plugins.config import ConfigError
-from ultrascale_plugins.hookspecs import hookimpl
+from ultrascale_plugins import cli, engine
+from ultrascale_plugins.interface import plugins
+from ultrascale_plugins.interface.config import ConfigError
+from ultrascale_plugins.interface.hookspecs import hookimpl
 from ultrascale_plugins.recipe import load_recipe
 
 ISSUE_COMMAND = ["dp_shard=-1", "nproc=4"]  # ultrascale train --nproc 4 --set dp_shard=-1

@@ -151,7 +151,7 @@ def test_a_shared_expert_is_sharded_like_an_mlp_and_a_biased_packed_linear_is_re
     import ultrascale_plugins as us
     from models import make_config
     from transformers import AutoModelForCausalLM
-    from ultrascale_plugins.config import ConfigError
+    from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.dims.tensor import ultrascale_validate_model
     from ultrascale_plugins.engine import model_plan
 

@@ -52,7 +52,7 @@ def _weight_diff(pmodel, expected: dict) -> float:
 
 
 def _resume(layout: dict, path, expected: dict, batches) -> dict:
-    from ultrascale_plugins.checkpoint import load_checkpoint
+    from ultrascale_plugins.checkpoints.sharded import load_checkpoint
 
     pmodel, opt = _build(layout, seed=7)  # other initial weights: everything must come from the checkpoint
     meta = load_checkpoint(pmodel, opt, path)
@@ -124,7 +124,7 @@ def main():
     import torch.distributed as dist
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoint import load_checkpoint, save_checkpoint
+    from ultrascale_plugins.checkpoints.sharded import load_checkpoint, save_checkpoint
 
     us.init_distributed(timeout=120)
     batches = padded_batches(STEPS)

@@ -175,8 +175,8 @@ def test_a_crash_between_the_commits_steps_leaves_a_complete_checkpoint(tmp_path
     """The one commit every checkpoint takes (checkpoint.commit): a crash after the old checkpoint was moved aside
     and before the new one was moved in, or after that and before the old one was deleted, leaves a complete
     checkpoint under the name once readers have run ``recover`` (every reader does, Trainer.train included)."""
-    import ultrascale_plugins.checkpoint as ckpt
-    from ultrascale_plugins.checkpoint import META, commit, list_checkpoints
+    import ultrascale_plugins.checkpoints.sharded as ckpt
+    from ultrascale_plugins.checkpoints.sharded import META, commit, list_checkpoints
 
     def make(path, text):
         path.mkdir()

@@ -110,7 +110,7 @@ def run(argv):
     if reference:
         cls, extra, dp = Trainer, {}, 1
     else:
-        from ultrascale_plugins.config import ConfigError, ParallelConfig
+        from ultrascale_plugins.interface.config import ConfigError, ParallelConfig
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
 

@@ -5,49 +5,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-
-# Modules that moved into interface/, checkpoints/ and data/ keep their old names, for plugins and scripts written
-# against them (``from ultrascale_plugins.hookspecs import hookimpl``, ``ultrascale_plugins.parallel_dims.MeshAxis``):
-# the old name is the moved module itself, not a copy. Python has no alias for a module name, so a small finder
-# (the import system's documented extension point) answers the old names.
-_MOVED = {
-    "hookspecs": "interface.hookspecs", "fields": "interface.fields", "config": "interface.config",
-    "parallel_dims": "interface.parallel_dims", "plugins": "interface.plugins", "mesh": "interface.mesh",
-    "runtime": "interface.runtime", "presets": "interface.presets", "estimates": "interface.estimates",
-    "checkpoint": "checkpoints.sharded", "pretrained": "checkpoints.pretrained", "export": "checkpoints.export",
-    "dataset_files": "data.dataset_files", "chat_tokens": "data.chat_tokens",
-    "tokenized_cache": "data.tokenized_cache", "packed_rows": "data.packed_rows", "recipe_data": "data.recipe_data",
-    "data_loaders": "data.data_loaders", "corpus": "data.corpus", "packing_support": "data.packing_support",
-}
-
-
-class _MovedModules:
-    """``ultrascale_plugins.<old name>`` imports as the module it moved to."""
-
-    @staticmethod
-    def find_spec(fullname, path=None, target=None):
-        import importlib.util
-
-        prefix = __name__ + "."
-        if fullname.startswith(prefix) and fullname[len(prefix):] in _MOVED:
-            return importlib.util.spec_from_loader(fullname, _MovedModules)
-
-    @staticmethod
-    def create_module(spec):
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{_MOVED[spec.name[len(__name__) + 1:]]}")
-
-    @staticmethod
-    def exec_module(module):
-        pass  # already executed under its new name
-
-
-import sys as _sys  # noqa: E402
-
-if not any(f is _MovedModules for f in _sys.meta_path):
-    _sys.meta_path.append(_MovedModules)
-
 from .interface.config import ConfigError, ParallelConfig
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.parallel_dims import MeshAxis, MeshView
