@@ -53,6 +53,45 @@ def test_installed_integrations_are_the_real_files(tmp_path):
     assert {p.name for p in installed.glob("*.py")} == {p.name for p in (ROOT / "integrations").glob("*.py")}
 
 
+_LIST_AND_IMPORT = """
+import importlib, pathlib, pkgutil, sys, warnings
+warnings.filterwarnings("ignore")
+import ultrascale_plugins as package
+root = pathlib.Path(package.__file__).parent
+print(root)
+print(sorted(str(p.relative_to(root)) for p in root.rglob("*.py")))
+failed = []
+for info in pkgutil.walk_packages([str(root)], "ultrascale_plugins."):
+    try:
+        importlib.import_module(info.name)
+    except Exception as exc:  # noqa: BLE001
+        failed.append(f"{info.name}: {type(exc).__name__}: {exc}")
+print(failed)
+"""
+
+
+def installed_modules(tmp_path, env=None):
+    """What an install outside the checkout holds: its directory, its modules, the ones that failed to import."""
+    env = env or {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _LIST_AND_IMPORT], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where, modules, failed = out.stdout.strip().splitlines()[-3:]
+    return Path(where), set(ast.literal_eval(modules)), ast.literal_eval(failed)
+
+
+def test_the_installed_package_holds_and_imports_every_module(tmp_path):
+    """Packages are found, not listed (pyproject.toml): every module of the checkout is in the installed package
+    (integrations/ as ultrascale_plugins/integrations/), and every one imports there."""
+    where, modules, failed = installed_modules(tmp_path)
+    if "site-packages" not in where.parts:
+        pytest.skip("an editable install: the package is this checkout")
+    expected = {str(p.relative_to(CORE)) for p in CORE.rglob("*.py") if "integrations" not in p.relative_to(CORE).parts}
+    expected |= {f"integrations/{p.name}" for p in (ROOT / "integrations").glob("*.py")}
+    assert modules == expected, (sorted(expected - modules), sorted(modules - expected))
+    assert not failed, failed
+
+
 def test_the_checkout_imports_its_own_integrations_directory():
     # python -c / python -m from the repository root import ultrascale_plugins from the checkout (the tests'
     # subprocesses do), whatever is installed; the adapters must then come from the checkout's integrations/
