@@ -5,6 +5,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import sys as _sys
+
 from .interface.config import ConfigError, ParallelConfig
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.parallel_dims import MeshAxis, MeshView
