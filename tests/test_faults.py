@@ -56,3 +56,30 @@ def test_a_script_that_forgets_to_destroy_the_process_group_still_exits_cleanly(
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "destroyed", proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_launch_is_run_once_more_only_after_a_native_crash():
+    """tests/conftest.py:retry_native_crash: a rank killed by a signal in native code (gloo's rare transport crash)
+    gets the launch run once more, reported; a Python error or a wrong result is returned as it is."""
+    import conftest
+
+    def launches(*results):
+        calls = []
+
+        def launch():
+            calls.append(len(calls))
+            code, err = results[len(calls) - 1]
+            return subprocess.CompletedProcess([], code, "", err)
+
+        return launch, calls
+
+    crashed = (1, "exitcode  : -6 (pid: 1)  (SIGABRT)\n  traceback : Signal 6 (SIGABRT) received by PID 1")
+    before = len(conftest.NATIVE_CRASHES)
+    launch, calls = launches(crashed, (0, ""))
+    assert conftest.retry_native_crash(launch, "demo").returncode == 0 and len(calls) == 2
+    assert len(conftest.NATIVE_CRASHES) == before + 1 and conftest.NATIVE_CRASHES.pop().startswith("demo: ")
+    launch, calls = launches((1, "Traceback ...\nAssertionError: loss differs"), (0, ""))
+    assert conftest.retry_native_crash(launch, "demo").returncode == 1 and len(calls) == 1
+    launch, calls = launches(crashed, crashed)
+    assert conftest.retry_native_crash(launch, "demo").returncode == 1 and len(calls) == 2
+    conftest.NATIVE_CRASHES.pop()

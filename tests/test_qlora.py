@@ -16,13 +16,18 @@ TOL = 1e-5  # fp32 base dequantized to fp32 (as tests/test_peft.py)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from conftest import torchrun
+    from conftest import retry_native_crash, torchrun
     from qlora_worker import CASES
 
-    out = tmp_path_factory.mktemp("qlora") / "results.json"
-    proc = torchrun(2, WORKER, str(out), *CASES, "resume")
+    outs = []
+
+    def launch():  # a fresh directory each time: the worker saves a checkpoint beside its results
+        outs.append(tmp_path_factory.mktemp("qlora") / "results.json")
+        return torchrun(2, WORKER, str(outs[-1]), *CASES, "resume")
+
+    proc = retry_native_crash(launch, "test_qlora")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return json.loads(outs[-1].read_text())
 
 
 @pytest.mark.slow
