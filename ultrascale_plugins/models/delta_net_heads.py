@@ -78,7 +78,7 @@ class HeadParallelDeltaNet(ParallelStyle):
     (replicated, gradient-summed) convolution weight."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from ..dims.tp_styles import _LocalWithSummedGrad
+        from ..dims.tp_styles import _LocalWithSummedGrad, run_on_local_params
 
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         rows = _channels(module, rank, tp)
@@ -93,22 +93,19 @@ class HeadParallelDeltaNet(ParallelStyle):
         conv.groups = conv.in_channels = conv.out_channels = len(rows)
         inner = module.forward
 
-        def forward(*args, **kwargs):
-            own, conv_saved = dict(module._parameters), dict(conv._parameters)
+        def forward(*args, **kwargs):  # the convolution is a child the layer's code reads directly: swapped here
+            saved = dict(conv._parameters)
             try:
-                for name, param in own.items():
-                    if isinstance(param, DTensor):  # A_log, dt_bias: this rank's value heads
-                        module._parameters[name] = param.to_local()
-                w = conv_saved["weight"]
+                w = saved["weight"]
                 if isinstance(w, DTensor):
                     w = _LocalWithSummedGrad.apply(w) if w.requires_grad else w.to_local()
                 conv._parameters["weight"] = w[rows.to(w.device)]
                 return inner(*args, **kwargs)
             finally:
-                module._parameters.update(own)
-                conv._parameters.update(conv_saved)
+                conv._parameters.update(saved)
 
         module.forward = forward
+        run_on_local_params(module, device_mesh, replicate_plain=False)  # A_log, dt_bias: this rank's value heads
         return module
 
 

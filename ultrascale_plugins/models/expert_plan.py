@@ -92,7 +92,7 @@ def _bare_layout(module: nn.Module) -> tuple[tuple[str, str], ...] | None:
     own = dict(module.named_parameters(recurse=False))
     if set(own) not in ({"gate_proj", "up_proj", "down_proj"}, {"up_proj", "down_proj"}):
         return None
-    if any(True for _ in module.children() for _ in _.parameters()) or own["down_proj"].dim() != 3:
+    if any(True for child in module.children() for _ in child.parameters()) or own["down_proj"].dim() != 3:
         return None
     n, hidden, inter = own["down_proj"].shape
     if hidden == inter or any(own[k].shape != (n, inter, hidden) for k in own if k != "down_proj"):
