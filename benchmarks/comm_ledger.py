@@ -124,7 +124,7 @@ def ratio(a, b) -> str:
 
 
 def _figures(row: dict) -> str:
-    from ultrascale_plugins.comm_report import human
+    from ultrascale_plugins.core.comm_report import human
 
     est, low = row["estimate"] or {}, row["minimum"] or {}
     return (f"{human(row['payload'])} | {human(row['wire'])} | {human(est['payload']) if est else '-'} | "
@@ -135,7 +135,7 @@ def _figures(row: dict) -> str:
 def markdown(results: list[dict], per_op: bool = False) -> str:
     """Per layout and mesh axis (``per_op``: and collective), the measured payload and wire bytes beside the
     estimate and the minimum; the table docs/performance.md shows is the per-axis one."""
-    from ultrascale_plugins.comm_report import axis_totals
+    from ultrascale_plugins.core.comm_report import axis_totals
 
     lines = [f"| layout | axis | {'op | calls' if per_op else 'calls'} | measured payload | wire | estimate | "
              "minimum | measured / minimum | wire: measured / minimum | estimate / measured | command |",

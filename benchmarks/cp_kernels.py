@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 def _plan(total: int, seg, window, scale: float, kernel: str, device):
     import torch
 
-    from ultrascale_plugins.dims.cp_attention import RingPlan, _Whole
+    from ultrascale_plugins.dims.context.attention import RingPlan, _Whole
 
     return RingPlan(_Whole(), total // 2, torch.arange(total, device=device), seg, window, scale, None, 1, kernel)
 
@@ -57,8 +57,8 @@ def _setup(kernel: str, dtype_name: str, seq: int, heads: int, dim: int, documen
     """One forward + backward of the ring's blocks over one sequence, as a function of no arguments."""
     import torch
 
-    from ultrascale_plugins.dims import cp_kernels
-    from ultrascale_plugins.dims.cp_attention import RingAttention
+    from ultrascale_plugins.dims.context import kernels as cp_kernels
+    from ultrascale_plugins.dims.context.attention import RingAttention
 
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
@@ -171,9 +171,9 @@ def check_kernels(device: str, dtype) -> list[dict]:
     kernel that raises gives a row with ``ok`` False and the error."""
     import torch
 
-    from ultrascale_plugins.dims import cp_kernels
-    from ultrascale_plugins.dims.cp_attention import RingAttention
-    from ultrascale_plugins.dims.cp_layout import visible
+    from ultrascale_plugins.dims.context import kernels as cp_kernels
+    from ultrascale_plugins.dims.context.attention import RingAttention
+    from ultrascale_plugins.dims.context.layout import visible
 
     kernels = ["flash_cpu"] if device == "cpu" else ["flash", "efficient", "cudnn"]
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]

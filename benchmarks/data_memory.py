@@ -100,7 +100,7 @@ class AnonPeak:
 
 
 def phase_tokenize(corpus: str, model: str, cache: str, procs: int) -> dict:
-    from ultrascale_plugins.recipe import DataSpec
+    from ultrascale_plugins.data.recipe import DataSpec
     from ultrascale_plugins.data.tokenized_cache import prepare
 
     spec = DataSpec(dataset=corpus, seq_len=2048, cache_dir=cache, num_proc=procs)
@@ -115,7 +115,7 @@ def phase_tokenize(corpus: str, model: str, cache: str, procs: int) -> dict:
 
 def phase_read(corpus: str, model: str, cache: str) -> dict:
     from ultrascale_plugins.data.packed_rows import DatasetBatches
-    from ultrascale_plugins.recipe import DataSpec
+    from ultrascale_plugins.data.recipe import DataSpec
     from ultrascale_plugins.data.tokenized_cache import prepare
 
     spec = DataSpec(dataset=corpus, seq_len=2048, cache_dir=cache)

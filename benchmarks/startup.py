@@ -107,7 +107,7 @@ DRY_RUN_CODE = """
 import json, time, torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from ultrascale_plugins.interface.config import ParallelConfig
-from ultrascale_plugins.engine import validate
+from ultrascale_plugins.core.engine import validate
 config = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
 layout, seconds = ParallelConfig(pp=2, tp=2, dp_shard=2), []

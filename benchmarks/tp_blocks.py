@@ -33,8 +33,8 @@ OUT = ROOT / "benchmarks" / "results" / "tp_blocks.json"
 def count(model_type: str) -> dict:
     import ultrascale_plugins as us
     from compat.tiny import build_model
-    from ultrascale_plugins.dims.tensor import rank_local_params, simple_regions
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.dims.tensor.plugin import rank_local_params, simple_regions
+    from ultrascale_plugins.core.engine import model_plan
 
     model = build_model(model_type)
     plan = model_plan(model, us.ParallelConfig(tp=2, sequence_parallel=True))

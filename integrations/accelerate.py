@@ -66,7 +66,7 @@ class UltraScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` parallelizes Hugging Face causal LMs with ultrascale-plugins."""
 
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from ..launch import DEFAULT_TIMEOUT_S, refuse, set_collective_timeout, world_size
+        from ..distributed.launch import DEFAULT_TIMEOUT_S, refuse, set_collective_timeout, world_size
         from .cpu_relaunch import relaunch_cpu_workers
 
         # the model to check the layout against before Accelerate sets up (UltraScaleTrainer's; a plain Accelerate
@@ -102,7 +102,7 @@ class UltraScaleAccelerator(Accelerator):
     def _checked_layout(plugin: UltraScalePlugin, world: int, model, kwargs: dict) -> ParallelConfig:
         """The layout, resolved against the world size and, when the model is known (UltraScaleTrainer's), checked
         against it, before any process group; ``mixed_precision`` is taken out of ``kwargs`` (it is the layout's)."""
-        from ..engine import causal_lm_of, validate
+        from ..core.engine import causal_lm_of, validate
 
         for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
             if kwargs.get(taken) is not None:
@@ -137,7 +137,7 @@ class UltraScaleAccelerator(Accelerator):
         if self.ultrascale_models:
             return self.ultrascale_models[0].pmodel.data_parallel_rank
         from ..interface.parallel_dims import ParallelDims
-        from ..launch import global_rank, world_size
+        from ..distributed.launch import global_rank, world_size
 
         dims = ParallelDims(self.ultrascale_config, world_size())
         return dims.coordinate(global_rank(), dims.row_axes)
@@ -145,7 +145,7 @@ class UltraScaleAccelerator(Accelerator):
     def prepare(self, *args, device_placement=None):
         """Accelerate's ``prepare``, with Hugging Face causal LMs parallelized (and checked against the layout: a
         model the layout cannot run is refused once for the whole job in launched workers, see ``launch.refuse``)."""
-        from ..launch import refuse, world_size
+        from ..distributed.launch import refuse, world_size
 
         try:
             return self._prepare(*args, device_placement=device_placement)
@@ -153,7 +153,7 @@ class UltraScaleAccelerator(Accelerator):
             refuse(exc, world_size())
 
     def _prepare(self, *args, device_placement=None):
-        from ..engine import causal_lm_of
+        from ..core.engine import causal_lm_of
 
         # models first: the optimizer must be re-pointed at the sharded parameters
         originals: set[int] = set()
@@ -165,7 +165,7 @@ class UltraScaleAccelerator(Accelerator):
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)
                 out[i] = self._parallelize(obj)
-        from ..engine import move_scheduler
+        from ..core.engine import move_scheduler
 
         rest, replaced = [], {}
         for i, obj in enumerate(out):
@@ -185,8 +185,8 @@ class UltraScaleAccelerator(Accelerator):
         return out[0] if len(out) == 1 else tuple(out)
 
     def _parallelize(self, model):
-        from .. import engine
-        from ..hf_module import ParallelCausalLM
+        from ..core import engine
+        from ..core.hf_module import ParallelCausalLM
         from ..checkpoints.pretrained import weights_for
 
         if not hasattr(model, "lm_head"):
@@ -371,7 +371,7 @@ class UltraScaleAccelerator(Accelerator):
         self.step = extra["step"]
 
     def _broadcast_path(self, path) -> str:
-        from ..launch import broadcast_object
+        from ..distributed.launch import broadcast_object
 
         return broadcast_object(str(path))
 

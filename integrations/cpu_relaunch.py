@@ -78,7 +78,7 @@ def relaunch_cpu_workers() -> None:
     print("ultrascale: `accelerate launch --cpu` starts one process; starting the workers through Accelerate's "
           "multi-process launcher (torchrun, gloo on CPU)", file=sys.stderr, flush=True)
     from ..interface.config import ConfigError
-    from ..launch import exit_on_error
+    from ..distributed.launch import exit_on_error
     from .launcher import run_accelerate_launch
 
     try:

@@ -260,7 +260,7 @@ def compile_from_dynamo(plugin: Any, backend: Any, env: Mapping[str, str]) -> st
     its YAML, which the launcher exports as ``ACCELERATE_DYNAMO_*``; the Trainer's ``torch_compile`` arrives the
     same way) as this package's ``compile`` field: "regional" when they ask for compilation, None when not.
     Accelerate would compile the whole model; here each decoder layer is compiled once, inside the layout
-    (``dims/compiling.py``), so the model is never compiled twice. Settings regional compilation does not take are
+    (``features/compile/plugin.py``), so the model is never compiled twice. Settings regional compilation does not take are
     refused, naming the setting."""
     name = getattr(plugin, "backend", None) if plugin is not None else backend
     name = getattr(name, "value", name) or env.get("ACCELERATE_DYNAMO_BACKEND")

@@ -17,7 +17,7 @@ import torch
 
 from ..interface.config import ConfigError, ParallelConfig
 from ..interface.presets import config_for_preset, presets
-from ..launch import refuse
+from ..distributed.launch import refuse
 from .layout import make_config
 
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
@@ -50,7 +50,7 @@ def _wait_to_be_ended() -> None:
 def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     """(attribute name, model) of the LightningModule's Hugging Face causal LM, or a PEFT model of one (a direct
     child)."""
-    from ..engine import causal_lm_of
+    from ..core.engine import causal_lm_of
 
     found = [(name, child) for name, child in module.named_children() if causal_lm_of(child) is not None]
     if len(found) != 1:
@@ -125,7 +125,7 @@ class _UltraScaleStrategyMixin:
         except ConfigError as exc:
             refuse(exc)  # its own arguments, before it knows its devices: one line in a launched job
         self.init_from = init_from
-        from ..launch import DEFAULT_TIMEOUT_S
+        from ..distributed.launch import DEFAULT_TIMEOUT_S
 
         self._timeout = timeout if timeout is not None else DEFAULT_TIMEOUT_S
         self._process_group_backend = process_group_backend
@@ -167,7 +167,7 @@ class _UltraScaleStrategyMixin:
         from global rank 0 (``launch.exit_on_error``) and status 2 from every process, with no traceback; the
         ranks Lightning's launcher started end before the command returns. In a single process, the
         ``ConfigError`` itself, for a caller to catch (as ``UltraScaleAccelerator`` does)."""
-        from ..launch import exit_on_error
+        from ..distributed.launch import exit_on_error
 
         if self.world <= 1:
             raise exc
@@ -212,7 +212,7 @@ class _UltraScaleStrategyMixin:
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        from ..launch import collective_timeout, set_collective_timeout
+        from ..distributed.launch import collective_timeout, set_collective_timeout
 
         self.set_world_ranks()
         self._check_model_before_processes()  # done already by this package's launcher in the launching process
@@ -229,7 +229,7 @@ class _UltraScaleStrategyMixin:
         heads), run here, before this process joins the group, when the LightningModule already holds its causal
         LM; one built in ``configure_model`` (after this point) is checked in ``setup``, as is a layout the
         planner picks (``layout: auto``), which ``parallelize`` announces once."""
-        from ..engine import causal_lm_of, validate
+        from ..core.engine import causal_lm_of, validate
 
         module = self.lightning_module
         if module is None or module is self._checked_module:
@@ -283,8 +283,8 @@ class _UltraScaleStrategyMixin:
         return config
 
     def setup(self, trainer) -> None:
-        from .. import engine
-        from ..hf_module import ParallelCausalLM
+        from ..core import engine
+        from ..core.hf_module import ParallelCausalLM
         from ..checkpoints.pretrained import weights_for
 
         self.accelerator.setup(trainer)
@@ -324,7 +324,7 @@ class _UltraScaleStrategyMixin:
         """The user's optimizers go through the engine's optimizer path (``ParallelModel.prepare_optimizer``):
         under ZeRO-1 the data-parallel plugin rebuilds each as a ``ZeroRedundancyOptimizer`` of the same class and
         settings; LR schedulers follow their optimizer."""
-        from ..engine import move_scheduler
+        from ..core.engine import move_scheduler
 
         rebuilt = [self.pmodel.prepare_optimizer(opt) for opt in self.optimizers]
         for config in self.lr_scheduler_configs:
@@ -371,7 +371,7 @@ class _UltraScaleStrategyMixin:
             torch.distributed.barrier()
 
     def broadcast(self, obj, src: int = 0):
-        from ..launch import broadcast_object
+        from ..distributed.launch import broadcast_object
 
         return broadcast_object(obj, src)
 

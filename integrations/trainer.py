@@ -72,7 +72,7 @@ class UltraScaleTrainer(Trainer):
         from ``accelerator_config``, the rest from ``Trainer._build_accelerator_args``."""
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
-        from ..launch import refuse, world_size
+        from ..distributed.launch import refuse, world_size
 
         if self.args.fsdp_plugin_args is not None:
             refuse(ConfigError("UltraScaleTrainer with TrainingArguments(fsdp=...): the layout is ultrascale's. "

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ultrascale_plugins.dims.cp_attention import CPState, cp_attention
-from ultrascale_plugins.dims.cp_layout import local_index, segments, visible
+from ultrascale_plugins.dims.context.attention import CPState, cp_attention
+from ultrascale_plugins.dims.context.layout import local_index, segments, visible
 
 
 class Attention(torch.nn.Module):  # what transformers passes as ``module``
@@ -79,8 +79,8 @@ def run_case(method, heads, kv_heads, documents, window, softcap, sink, seed, dt
 
 
 def main():
-    from ultrascale_plugins.dims import cp_attention as attention
-    from ultrascale_plugins.dims import cp_kernels
+    from ultrascale_plugins.dims.context import attention
+    from ultrascale_plugins.dims.context import kernels as cp_kernels
 
     attention.TILE = 3  # several tiles per chunk, uneven ones too: the tiled ring must equal the untiled one
     calls = {"kernel": 0}

@@ -30,7 +30,7 @@ from ultrascale_plugins.checkpoints.sharded import (CheckpointError, SafeReader,
 
 warnings.filterwarnings("ignore")
 EXTRA = {"modules_to_save": ["lm_head"]}
-PLUGIN = "ultrascale_plugins.models.peft_checkpoints"
+PLUGIN = "ultrascale_plugins.features.peft.checkpoints"
 EVAL = padded_batches(STEPS + 1)[STEPS]  # a batch no step trains on
 
 
@@ -69,7 +69,7 @@ def checkpoint_bytes(path) -> int:
 
 def main() -> None:
     from ultrascale_plugins.interface.plugins import get_plugin_manager
-    from ultrascale_plugins.models.peft_checkpoints import KEY, fingerprint, fingerprint_rel_difference, frozen_state
+    from ultrascale_plugins.features.peft.checkpoints import KEY, fingerprint, fingerprint_rel_difference, frozen_state
 
     out = os.path.abspath(sys.argv[1])
     base_dir, ckpts, full_dir = f"{out}/base", f"{out}/ckpt", f"{out}/full"

@@ -66,7 +66,7 @@ def reference_model(hf_dir: str, fields: dict, scratch: bool):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.initialize import ModelInit, init_introduced
+    from ultrascale_plugins.core.initialize import ModelInit, init_introduced
 
     if scratch:  # the plain model as the engine initializes it for SEED, in one process
         base = meta_base(hf_dir, scratch=True)

@@ -1,4 +1,4 @@
-"""A PEFT model on a quantized frozen base (QLoRA: torchao's NF4Tensor, ``models/quantized_base.quantize_base``)
+"""A PEFT model on a quantized frozen base (QLoRA: torchao's NF4Tensor, ``features/peft/quantized_base.quantize_base``)
 under the package's layouts, against the same quantized PEFT model trained in one process (see tests/test_qlora.py).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/qlora_worker.py OUT.json CASE...
@@ -25,7 +25,7 @@ from models import packed_batches, padded_batches, rows  # noqa: E402
 from peft_worker import run_cases, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.models.quantized_base import quantize_base, quantized_bytes, quantized_weights  # noqa: E402
+from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_bytes, quantized_weights  # noqa: E402
 
 warnings.filterwarnings("ignore")
 STEPS, LR, MOMENTUM, CLIP = 4, 0.1, 0.9, 0.05
@@ -141,7 +141,7 @@ def run(name: str) -> dict | None:
     final = pmodel.full_state_dict()
     saved = None
     if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
-        from ultrascale_plugins.hf_module import ParallelCausalLM
+        from ultrascale_plugins.core.hf_module import ParallelCausalLM
 
         saved = extra["save"] + "/" + name
         ParallelCausalLM(pmodel).save_pretrained(saved)
@@ -170,7 +170,7 @@ def reloaded_adapter_diff(arch: str, saved: str, final: dict, adapters: list[str
 
 def resume(directory: str) -> dict:
     """ZeRO-3: a sharded checkpoint after 2 steps (the adapters and their optimizer state; the frozen base is left
-    out and fingerprinted: models/peft_checkpoints), then on to the end. A fresh model on the same quantized base
+    out and fingerprinted: features/peft/checkpoints), then on to the end. A fresh model on the same quantized base
     (other adapters) loads it and continues bit for bit; one whose base differs in a single NF4 weight is refused
     before anything is read.
     Errors are recorded (the other cases' results survive them)."""

@@ -22,7 +22,7 @@ def launch(config: str | None, out: Path, *args, through_cli: bool = True, env_e
     env = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_CONFIG"}
     env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **(env_extra or {})})
     if through_cli:
-        cmd = [sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch", config, str(WORKER), str(out),
+        cmd = [sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-launch", config, str(WORKER), str(out),
                *args]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--config_file", config] if config else []),
@@ -224,7 +224,7 @@ def test_accelerate_config_writes_a_file_accelerate_accepts(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     out = tmp_path / "c.yaml"
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--num-processes",
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--num-processes",
                            "8", "--cpu", "--set", "pp=2", "--set", "tp=2", "--set", "pp_schedule=zbv",
                            "--set", "mixed_precision=bf16", "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -243,7 +243,7 @@ def test_accelerate_config_writes_a_file_accelerate_accepts(tmp_path):
 def test_accelerate_config_interactive(tmp_path):
     out = tmp_path / "c.yaml"
     answers = "4\n2\n2\nfalse\n1\n3\nno\n1f1b\n"
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--interactive",
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--interactive",
                            "--cpu", "--out", str(out)], input=answers, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     data = yaml.safe_load(out.read_text())
@@ -278,7 +278,7 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
     assert layout_from_environment(fsdp, 4).zero_stage == 2
     with pytest.raises(ConfigError, match="fp16"):
         layout_from_environment({"ACCELERATE_MIXED_PRECISION": "fp16"}, 2)
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch",
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-launch",
                            str(RECIPES / "pp_tp.yaml").replace("pp_tp", "missing"), "x.py"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
@@ -312,7 +312,7 @@ def test_a_size_that_does_not_fit_the_processes_is_blamed_on_itself(tmp_path, mo
                               "product 2")
     with pytest.raises(ConfigError, match=f"^{tp3}: tp=3: the layout asks for .* = 3 processes but 2 were launched"):
         layout.layout_from_environment({**exported, "ULTRASCALE_CONFIG": str(tp3)}, 2)
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch", str(tp3), "x.py"],
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-launch", str(tp3), "x.py"],
                           capture_output=True, text=True, timeout=120)
     said = [line for line in proc.stderr.splitlines() if line.startswith("ultrascale")]
     assert proc.returncode == 2 and len(said) == 1 and said[0].startswith(f"ultrascale: error: {tp3} "), proc.stderr
@@ -382,7 +382,7 @@ def test_outside_plugin_axis_through_accelerate(tmp_path, reference):
 
     env = outside_plugin_env()
     config = tmp_path / "acme.yaml"
-    made = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-config", "--num-processes",
+    made = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--num-processes",
                            "4", "--set", "dp_shard=2", "--set", "acme_dp=2", "--out", str(config)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert made.returncode == 0, made.stderr

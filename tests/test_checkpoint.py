@@ -337,7 +337,7 @@ def test_what_dcp_refuses_is_one_line_naming_the_tensor(tmp_path, one_process):
 
 
 def ultrascale(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -353,7 +353,7 @@ def assert_one_line(proc, *words):
 def test_a_malformed_ultrascale_json_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     """It was a 24-line JSONDecodeError traceback and exit 1; now `ultrascale train --resume` (before any worker
     starts) and `ultrascale export` refuse it in one line, with exit 2."""
-    from ultrascale_plugins import cli
+    from ultrascale_plugins.cli import main as cli
 
     monkeypatch.setattr(cli.Supervisor, "run", lambda *a, **k: pytest.fail(f"a worker was started: {a}"))
     ckpt = tmp_path / "ckpt" / "step-00000001"

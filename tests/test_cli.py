@@ -7,7 +7,7 @@ import pytest
 
 
 def ultrascale(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -53,7 +53,7 @@ def test_unknown_recipe_key_suggests(tmp_path):
 def test_the_final_loss_line_says_what_it_compares():
     """A 2-step run printed "loss 5.337 -> 5.337 (mean of first/last 5 steps)": both means were of the same two
     steps. Each window is now at most half the run, and says how many steps it holds."""
-    from ultrascale_plugins.train import loss_summary
+    from ultrascale_plugins.cli.train import loss_summary
 
     assert loss_summary([5.337, 5.1]) == "loss 5.337 -> 5.100 (first/last step of 2)"
     assert loss_summary([4.0]) == "loss 4.000 (one step)"
@@ -65,7 +65,7 @@ def test_the_final_loss_line_says_what_it_compares():
 def test_plugins_lists_builtins_with_hooks():
     out = ultrascale("plugins")
     assert out.returncode == 0
-    assert "ultrascale_plugins.dims.data_parallel" in out.stdout
+    assert "ultrascale_plugins.dims.data_parallel.plugin" in out.stdout
     assert "ultrascale_stages" in out.stdout and "field zero_stage: int = 3" in out.stdout
 
 
@@ -178,7 +178,7 @@ def test_two_nodes_sharing_a_rendezvous_equal_one_four_process_run(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     nodes = tmp_path / "nodes.json"
-    node = [sys.executable, "-m", "ultrascale_plugins.cli", "train", "--nproc", "2", "--nnodes", "2",
+    node = [sys.executable, "-m", "ultrascale_plugins.cli.main", "train", "--nproc", "2", "--nnodes", "2",
             "--rdzv-endpoint", f"127.0.0.1:{port}", *common]
     second = subprocess.Popen([*node, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = subprocess.run([*node, "--node-rank", "0", "--metrics", str(nodes)], capture_output=True, text=True,
@@ -196,7 +196,7 @@ def test_two_nodes_sharing_a_rendezvous_equal_one_four_process_run(tmp_path):
 def test_the_slurm_example_is_valid_shell_with_flags_the_command_takes():
     from pathlib import Path
 
-    from ultrascale_plugins.cli import build_parser
+    from ultrascale_plugins.cli.main import build_parser
 
     script = Path(__file__).resolve().parent.parent / "recipes" / "slurm" / "train.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

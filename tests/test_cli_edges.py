@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from ultrascale_plugins import cli
+from ultrascale_plugins.cli import main as cli
 from ultrascale_plugins.interface.config import ConfigError
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -17,7 +17,7 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermedia
 
 
 def ultrascale(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -49,7 +49,7 @@ def write_recipe(path, model, parallel, nproc=2, **train):
 def test_sequence_parallel_auto_is_on_exactly_with_tp():
     from ultrascale_plugins import ParallelConfig
     from ultrascale_plugins.integrations.layout import accelerate_yaml, from_accelerate_file
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     default = load_recipe(None)
     assert default.parallel.sequence_parallel == "auto"
@@ -106,8 +106,8 @@ def test_expert_parallel_is_accepted_on_a_moe_and_refused_where_it_cannot_run(tm
     from transformers import AutoModelForCausalLM
 
     from ultrascale_plugins import ParallelConfig
-    from ultrascale_plugins.engine import validate
-    from ultrascale_plugins.recipe import load_recipe, model_config_of
+    from ultrascale_plugins.core.engine import validate
+    from ultrascale_plugins.data.recipe import load_recipe, model_config_of
 
     moe, llama = model_config_of(TINY_MOE), model_config_of(TINY)
     with torch.device("meta"):
@@ -138,7 +138,7 @@ def test_expert_parallel_is_accepted_on_a_moe_and_refused_where_it_cannot_run(tm
 
 
 def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
-    from ultrascale_plugins.launch import report_error
+    from ultrascale_plugins.distributed.launch import report_error
 
     error_file = tmp_path / "error"
     monkeypatch.setenv("ULTRASCALE_ERROR_FILE", str(error_file))
@@ -154,9 +154,10 @@ def test_a_worker_config_error_is_said_once(tmp_path, monkeypatch, capsys):
 
 
 def test_a_training_worker_other_than_rank_0_waits_for_rank_0_to_say_the_error(monkeypatch, capsys):
-    """The training worker's refusal (``python -m ultrascale_plugins.train`` under torchrun) returned at once on every
+    """The training worker's refusal (``python -m ultrascale_plugins.cli.train`` under torchrun) returned at once on every
     rank: on a loaded machine rank 1's exit ended the job before rank 0 printed (seen once on CI: no line at all)."""
-    from ultrascale_plugins import launch, train
+    from ultrascale_plugins.distributed import launch
+    from ultrascale_plugins.cli import train
 
     slept = []
     monkeypatch.setattr(launch.time, "sleep", slept.append)
@@ -175,7 +176,7 @@ def test_a_config_error_in_torchrun_workers_is_printed_once():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
                            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{cli._free_port()}",
-                           "--module", "ultrascale_plugins.train", "--set", "tp=3"],
+                           "--module", "ultrascale_plugins.cli.train", "--set", "tp=3"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
     assert proc.stderr.count("ultrascale: error:") == 1, proc.stderr[-3000:]
@@ -210,12 +211,12 @@ def test_defaulted_sizes_are_named_and_a_model_too_big_is_refused(tmp_path, monk
     assert len(defaults) == 1 and "num_hidden_layers=32" in defaults[0] and "vocab_size=32000" in defaults[0]
     assert "hidden_size" not in defaults[0]
     # the embedded default sets every size: no such line
-    from ultrascale_plugins.recipe import defaulted_sizes, load_recipe
+    from ultrascale_plugins.data.recipe import defaulted_sizes, load_recipe
 
     default = load_recipe(None)
     assert defaulted_sizes(default.model, default.model_config()) == {}
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}  # aliases count as set
-    from ultrascale_plugins.recipe import model_config_of
+    from ultrascale_plugins.data.recipe import model_config_of
 
     assert set(defaulted_sizes(gpt2, model_config_of(gpt2))) == {"vocab_size", "max_position_embeddings"}
 
@@ -243,7 +244,7 @@ def test_the_model_section_plan_prints_from_a_real_config_passes_the_check():
     from pathlib import Path
 
     from ultrascale_plugins.planner.command import build
-    from ultrascale_plugins.model_section import check_model_section
+    from ultrascale_plugins.data.model_section import check_model_section
 
     config = Path(__file__).parent.parent / "recipes" / "sft" / "configs" / "qwen3-30b-a3b.json"
     args = cli.build_parser().parse_args(["plan", "--model", str(config), "--gpus", "8", "--gpu", "h100-sxm-80gb"])
@@ -289,7 +290,7 @@ def test_a_model_section_that_init_from_overrides_is_refused_or_said(tmp_path, m
 def test_an_alias_of_a_size_counts_as_set():
     """A qwen3_moe recipe that sets num_experts (an attribute_map alias of num_local_experts) was told it left
     num_local_experts at transformers' defaults."""
-    from ultrascale_plugins.recipe import defaulted_sizes, model_config_of
+    from ultrascale_plugins.data.recipe import defaulted_sizes, model_config_of
 
     assert defaulted_sizes(TINY_MOE, model_config_of(TINY_MOE)) == {}
     left = defaulted_sizes({"model_type": "qwen3_moe"}, model_config_of({"model_type": "qwen3_moe"}))
@@ -365,7 +366,7 @@ def test_resume_without_init_from_log_dir_events_and_clean_output(tmp_path, monk
 
 
 def test_log_dir_without_tensorboard_says_so_once(tmp_path, monkeypatch, capsys):
-    from ultrascale_plugins.train import EventLog
+    from ultrascale_plugins.cli.train import EventLog
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     log = EventLog(str(tmp_path))

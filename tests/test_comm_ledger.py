@@ -9,9 +9,9 @@ import pytest
 import ultrascale_plugins as us
 from conftest import torchrun
 from models import make_config, make_model
-from ultrascale_plugins.comm_ledger import SMALL_BYTES, CommRecord, records_of, summarise, wire_bytes
-from ultrascale_plugins.comm_report import merge_rows
-from ultrascale_plugins.engine import estimate_with_shape
+from ultrascale_plugins.distributed.comm_ledger import SMALL_BYTES, CommRecord, records_of, summarise, wire_bytes
+from ultrascale_plugins.core.comm_report import merge_rows
+from ultrascale_plugins.core.engine import estimate_with_shape
 from ultrascale_plugins.interface.comm_minimum import minimum_terms
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -99,7 +99,7 @@ def test_refusals_need_no_process_group():
     from transformers import AutoModelForCausalLM
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.engine import validate
+    from ultrascale_plugins.core.engine import validate
 
     with torch.device("meta"):
         oss = build_model("gpt_oss")
@@ -140,8 +140,8 @@ def test_what_the_plan_less_sweep_found_is_fixed_or_refused_before_any_process_g
     from compat.tiny import build_model
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.dims.data_parallel import fsdp_groups
-    from ultrascale_plugins.engine import ParallelContext, validate
+    from ultrascale_plugins.dims.data_parallel.plugin import fsdp_groups
+    from ultrascale_plugins.core.engine import ParallelContext, validate
     from ultrascale_plugins.interface.parallel_dims import ParallelDims
 
     with torch.device("meta"):

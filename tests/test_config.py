@@ -29,10 +29,10 @@ def test_fields_come_from_the_plugins_that_declare_them():
     from ultrascale_plugins.interface.plugins import layout_fields
 
     owners = {f.name: f.plugin for f in layout_fields()}
-    assert owners["tp"] == "ultrascale_plugins.dims.tensor"
-    assert owners["pp_schedule"] == "ultrascale_plugins.dims.pipeline"
-    assert owners["zero_stage"] == "ultrascale_plugins.dims.data_parallel"
-    assert owners["activation_checkpointing"] == "ultrascale_plugins.dims.checkpointing"
+    assert owners["tp"] == "ultrascale_plugins.dims.tensor.plugin"
+    assert owners["pp_schedule"] == "ultrascale_plugins.dims.pipeline.plugin"
+    assert owners["zero_stage"] == "ultrascale_plugins.dims.data_parallel.plugin"
+    assert owners["activation_checkpointing"] == "ultrascale_plugins.features.activation_checkpointing.plugin"
 
 
 def test_config_error_is_a_value_error():
@@ -107,7 +107,7 @@ def test_pipeline_combinations_a_schedule_cannot_run(fields, words):
 
 
 def test_balanced_stage_split_counts_embedding_and_head():
-    from ultrascale_plugins.dims.pipeline import split_layers
+    from ultrascale_plugins.dims.pipeline.plugin import split_layers
 
     assert split_layers(8, 2) == [4, 4]
     assert split_layers(6, 4) == [1, 2, 2, 1]  # first and last stage also carry the embedding and the head
@@ -176,7 +176,7 @@ def test_the_names_people_know_the_dimensions_by_are_suggested():
 
 def test_a_bare_yaml_no_reads_as_the_choice_no():
     """`--set mixed_precision=no` (YAML reads a bare no as false) means the choice "no", not a type error."""
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     assert load_recipe(None, ["mixed_precision=no"]).parallel.mixed_precision == "no"
     assert ParallelConfig.from_dict({"mixed_precision": False}).mixed_precision == "no"
@@ -208,7 +208,7 @@ def test_every_model_type_accepts_the_keys_of_its_own_default_config():
     from transformers import CONFIG_MAPPING
     from transformers.utils import logging as hf_logging
 
-    from ultrascale_plugins.model_section import check_model_section
+    from ultrascale_plugins.data.model_section import check_model_section
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # several default configs warn about their own token ids
@@ -241,7 +241,7 @@ def test_every_model_type_accepts_the_keys_of_its_own_default_config():
     ({"xyzzy": 1}, ["unknown key 'model.xyzzy': valid keys: ", "hidden_size", "Fix: remove it"]),
 ])
 def test_a_model_section_typo_is_refused_with_the_likely_key(section, words):
-    from ultrascale_plugins.recipe import model_config_of
+    from ultrascale_plugins.data.recipe import model_config_of
 
     with pytest.raises(ConfigError) as info:
         model_config_of({"model_type": "llama", **section})
@@ -255,7 +255,7 @@ def test_names_transformers_takes_without_declaring_them_are_accepted():
     attribute only the model code reads (Qwen3-MoE's head_dim: its real config.json has it) and sub-configs."""
     import torch
 
-    from ultrascale_plugins.recipe import model_config_of
+    from ultrascale_plugins.data.recipe import model_config_of
 
     config = model_config_of({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 4.0},
                               "rope_theta": 50000.0, "torch_dtype": "bfloat16"})

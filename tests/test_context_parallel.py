@@ -14,9 +14,9 @@ from cp_attention_worker import unsplit
 from models import make_config, make_model
 
 from ultrascale_plugins import ConfigError, ParallelConfig
-from ultrascale_plugins.dims import cp_kernels, cp_layout
-from ultrascale_plugins.dims.cp_attention import block_attention, merge, whole_sequence_attention
-from ultrascale_plugins.engine import estimate, validate
+from ultrascale_plugins.dims.context import kernels as cp_kernels, layout as cp_layout
+from ultrascale_plugins.dims.context.attention import block_attention, merge, whole_sequence_attention
+from ultrascale_plugins.core.engine import estimate, validate
 
 
 def test_merging_partial_attention_by_log_sum_exp_equals_unsplit_attention():
@@ -71,7 +71,7 @@ def test_cpu_kernel_blocks_merge_exactly_when_rows_see_nothing_of_a_block():
 def _whole_sequence_case(dtype, window, softcap, monkeypatch):
     """Ulysses' whole-sequence attention (the ring's blocks on one rank) with packed documents against unsplit
     fp32 attention of the same rounded inputs: (output, largest relative differences, SDPA kernels called)."""
-    import ultrascale_plugins.dims.cp_attention as attention
+    import ultrascale_plugins.dims.context.attention as attention
 
     monkeypatch.setattr(attention, "TILE", 16)  # several tiles, masked and unmasked
     called = []
@@ -118,7 +118,7 @@ def test_soft_capping_stays_on_the_portable_path(monkeypatch):
 def test_the_attention_function_runs_eagerly_inside_torch_compile():
     """The ring's sends and its autograd.Function loop cannot be traced: a compiled decoder layer breaks its graph
     at the attention function transformers calls."""
-    from ultrascale_plugins.dims.cp_attention import cp_attention
+    from ultrascale_plugins.dims.context.attention import cp_attention
 
     assert getattr(cp_attention, "_torchdynamo_disable", False)
 

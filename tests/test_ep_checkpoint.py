@@ -174,7 +174,7 @@ def _meta_init() -> dict:
     from transformers import AutoModelForCausalLM
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
     from ultrascale_plugins.checkpoints.pretrained import weights_for
 
     def meta_model():
@@ -318,7 +318,7 @@ def test_export_writes_transformers_per_expert_format(ep_run, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.cli import main as ultrascale
+    from ultrascale_plugins.cli.main import main as ultrascale
 
     out, _ = ep_run
     saved = torch.load(out / "saved_full.pt", weights_only=True)

@@ -47,7 +47,7 @@ def test_a_script_that_forgets_to_destroy_the_process_group_still_exits_cleanly(
     """The exit hook (launch.destroy_process_group_at_exit) tears the group down while the interpreter is still
     whole: the CI once saw an Accelerate worker abort at exit after finishing its training."""
     script = ("import atexit, torch.distributed as dist\n"
-              "from ultrascale_plugins.launch import init_distributed\n"
+              "from ultrascale_plugins.distributed.launch import init_distributed\n"
               "init_distributed(timeout=30)\n"
               "assert dist.is_initialized()\n"
               "atexit._run_exitfuncs()\n"

@@ -14,8 +14,8 @@ import yaml
 
 from tiny_tokenizer import CHATML_TAGGED, HEADERS, REASONING_LAST, chat_rows, make_pretrained, make_tokenizer, text_rows, write_jsonl
 from ultrascale_plugins.interface.config import ConfigError
-from ultrascale_plugins.loss import IGNORE_INDEX
-from ultrascale_plugins.recipe import DataSpec
+from ultrascale_plugins.distributed.loss import IGNORE_INDEX
+from ultrascale_plugins.data.recipe import DataSpec
 
 REPLY = "blue green red"
 
@@ -108,7 +108,7 @@ def test_packed_rows_attend_within_each_sample(tmp_path, pretrained, attn):
     """A packed row's token losses equal those of its samples run one by one: attention does not cross them."""
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.loss import shifted_targets, token_loss_sum
+    from ultrascale_plugins.distributed.loss import shifted_targets, token_loss_sum
 
     data = write_jsonl(tmp_path / "text.jsonl", text_rows(30, seed=1))
     row = batches(spec(tmp_path, data, seq_len=48), pretrained).train.row(1)
@@ -186,7 +186,7 @@ def test_other_sources_load(tmp_path, pretrained):
 # ---- on real processes -----------------------------------------------------------------------------------------
 def run_cli(*args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -324,7 +324,7 @@ def test_lightning_and_accelerate_recipes_fine_tune_on_chat_data(tmp_path, pretr
     logged = [float(r["train_loss"]) for f in tmp_path.glob("pl/logs/version_*/metrics.csv")
               for r in csv.DictReader(f.open()) if r.get("train_loss")]
     assert len(logged) == 12 and np.mean(logged[-3:]) < np.mean(logged[:3]) - 1, logged
-    acc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "accelerate-launch",
+    acc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-launch",
                           str(recipes / "accelerate" / "zero3.yaml"), str(recipes / "accelerate" / "finetune.py"),
                           *common, "--steps", "12"], capture_output=True, text=True, timeout=600, env=env)
     assert acc.returncode == 0, acc.stderr[-4000:]
@@ -344,7 +344,7 @@ def test_workers_under_torchrun_tokenize_once_per_node(tmp_path, pretrained):
               "parallel": {"dp_shard": 2}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    proc = torchrun(2, "-m", "ultrascale_plugins.train", str(path), "--init-from", str(pretrained),
+    proc = torchrun(2, "-m", "ultrascale_plugins.cli.train", str(path), "--init-from", str(pretrained),
                     "--metrics", str(tmp_path / "m.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ultrascale: tokenizing") == 1, proc.stdout

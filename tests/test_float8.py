@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.dims import float8 as f8  # noqa: E402
+from ultrascale_plugins.features.float8 import plugin as f8  # noqa: E402
 
 # the `test` extra installs torchao; without it only the refusal of a missing torchao can run
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
@@ -167,7 +167,7 @@ def _model(meta: bool):
         return make_model("llama"), None
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config("llama"), attn_implementation="sdpa")

@@ -26,7 +26,7 @@ def meta_model(arch: str):
 def init_in_process(arch: str, seed: int):
     """What the engine does in one process (``ctx.modules == [model]``), without a process group. The meta
     build's empty buffers are not handed over: the initializer computes them itself."""
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
 
     model = meta_model(arch)
     init = ModelInit(model, seed=seed)
@@ -95,7 +95,7 @@ def test_gpt2_scheme_biases_and_the_residual_rescaling():
 
 
 def test_seed_picks_the_weights_and_units_are_independent():
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
 
     a, b = init_in_process("llama", seed=1), init_in_process("llama", seed=1)
     c = init_in_process("llama", seed=2)
@@ -116,7 +116,7 @@ def test_seed_picks_the_weights_and_units_are_independent():
 def test_weights_for_picks_the_initializer_only_when_no_weights_exist(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
     from ultrascale_plugins.checkpoints.pretrained import PretrainedWeights, weights_for
 
     assert weights_for(make_model("llama"), None) is None  # a real model keeps its weights
@@ -152,7 +152,7 @@ def test_meta_buffers_are_computed_without_accelerate_or_lightning():
 
 
 def test_pipeline_stages_copy_no_other_stages_weights():
-    from ultrascale_plugins.dims.pipeline_split import Absent, ZeroEmbedding, build_stage
+    from ultrascale_plugins.dims.pipeline.split import Absent, ZeroEmbedding, build_stage
 
     model = make_model("llama8_tied")
     storage = {p.data_ptr() for p in model.parameters()}

@@ -1,6 +1,7 @@
 """The module map (docs/architecture.md) as import rules, read from the source (no imports are run): every module
 belongs to one layer of the map's diagram and imports only from its own layer or below; only the dimension plugins
-(dims/, models/) import dims/, each dimension family only its own modules; the engine imports no dimension."""
+(dims/, features/, models/) import a family (a folder under dims/ or features/, read from the tree), each family only
+its own modules; the engine imports no family."""
 import ast
 import re
 from pathlib import Path
@@ -11,22 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ultrascale_plugins"
 MAP = ROOT / "docs" / "architecture.md"
 
-# each dimension's modules; a family may import its own modules, never another family's
-FAMILIES = {
-    "data_parallel": {"dims.data_parallel", "dims.data_parallel_costs"},
-    "tensor": {"dims.tensor", "dims.tp_styles", "dims.tp_dry_run", "dims.sequence_parallel", "dims.tp_costs"},
-    "pipeline": {"dims.pipeline", "dims.pipeline_split", "dims.pipeline_runtime", "dims.pipeline_costs",
-                 "dims.pipeline_timeline"},
-    "checkpointing": {"dims.checkpointing", "dims.activation_costs"},
-    "context_parallel": {"dims.context_parallel", "dims.cp_layout", "dims.cp_attention", "dims.cp_kernels"},
-    "compiling": {"dims.compiling"},
-    "float8": {"dims.float8"},
-}
+# the families: each folder under dims/ and features/ (read from the tree, so a new one is checked the day it lands)
+FAMILY_ROOTS = ("dims", "features")
+FAMILIES = {f"{root}.{d.name}" for root in FAMILY_ROOTS for d in sorted((PACKAGE / root).iterdir())
+            if (d / "__init__.py").is_file()}
 LAYERS = ("front ends", "planner", "data", "engine", "dimensions", "ground")  # top to bottom, as in the diagram
 
 
 def layer_entries() -> dict[str, list[str]]:
-    """{layer: its entries (``engine.py``, ``dims/*``, ``integrations/*``)} from the diagram in the map."""
+    """{layer: its entries (``core/*``, ``dims/*``, ``integrations/*``)} from the diagram in the map."""
     block = MAP.read_text().split("```", 2)[1]
     out: dict[str, list[str]] = {}
     for line in block.splitlines():
@@ -98,8 +92,8 @@ def own_modules(names: set[str], known: set[str]) -> set[str]:
 
 
 MODULES = all_modules()
-KNOWN = {module_name(p).removesuffix(".__init__") for p in MODULES} | {"dims", "models", "planner", "interface",
-                                                                         "checkpoints", "data", "integrations"}
+KNOWN = {module_name(p).removesuffix(".__init__") for p in MODULES} | {"integrations"}
+PACKAGES = {name for name in KNOWN if (PACKAGE / name.replace(".", "/") / "__init__.py").is_file()}
 
 
 def test_every_module_is_on_the_map():
@@ -115,8 +109,7 @@ def test_a_module_imports_only_its_layer_and_below(path):
     rank = {layer: i for i, layer in enumerate(LAYERS)}
     mine = layer_of(module_name(path), entries)
     for target in own_modules(imported(path), KNOWN):
-        if target in ("", "__init__") or target in ("dims", "models", "planner", "interface", "checkpoints",
-                                                     "data", "integrations"):
+        if target in ("", "__init__") or target in PACKAGES:
             continue
         theirs = layer_of(target, entries)
         assert theirs is not None, f"{module_name(path)} imports {target}, which is on no layer of the map"
@@ -124,20 +117,30 @@ def test_a_module_imports_only_its_layer_and_below(path):
             f"{module_name(path)} ({mine}) imports {target} ({theirs}), a layer above it"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if not module_name(p).startswith(("dims.", "models."))],
-                         ids=module_name)
-def test_only_the_dimension_plugins_import_dims(path):
-    got = {g for g in own_modules(imported(path), KNOWN) if g == "dims" or g.startswith("dims.")}
-    assert not got, f"{module_name(path)} imports {sorted(got)}: reach a dimension through a hook"
+def family_of(name: str) -> str | None:
+    return next((f for f in FAMILIES if name == f or name.startswith(f + ".")), None)
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if module_name(p).startswith("dims.")], ids=module_name)
-def test_a_dimension_family_imports_no_other_family(path):
+def test_the_families_are_the_tree():
+    assert {"dims.data_parallel", "dims.tensor", "dims.pipeline", "dims.context", "dims.expert", "features.peft",
+            "features.routers", "features.float8", "features.compile"} <= FAMILIES, sorted(FAMILIES)
+    loose = [module_name(p) for p in MODULES if module_name(p).startswith(tuple(r + "." for r in FAMILY_ROOTS))
+             and family_of(module_name(p)) is None and not module_name(p).endswith("__init__")]
+    assert not loose, f"modules under dims/ or features/ outside a family's folder: {loose}"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if family_of(module_name(p)) is None
+                                  and not module_name(p).startswith("models.")], ids=module_name)
+def test_only_the_plugins_import_a_family(path):
+    got = {g for g in own_modules(imported(path), KNOWN) if family_of(g)}
+    assert not got, f"{module_name(path)} imports {sorted(got)}: reach a dimension or feature through a hook"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if family_of(module_name(p))], ids=module_name)
+def test_a_family_imports_no_other_family(path):
     name = module_name(path)
-    family = next((f for f, mods in FAMILIES.items() if name in mods), None)
-    others = set().union(*(mods for f, mods in FAMILIES.items() if f != family))
-    got = own_modules(imported(path), KNOWN)
-    assert not got & others, f"{name} imports another dimension's module {sorted(got & others)}: use a hook"
+    got = {g for g in own_modules(imported(path), KNOWN) if family_of(g) not in (None, family_of(name))}
+    assert not got, f"{name} imports another family's module {sorted(got)}: use a hook or a typed fact"
 
 
 def test_modules_have_one_name():
@@ -147,10 +150,31 @@ def test_modules_have_one_name():
 
     import ultrascale_plugins
 
-    for old in ("hookspecs", "plugins", "parallel_dims", "checkpoint", "pretrained", "recipe_data", "corpus"):
+    for old in ("hookspecs", "plugins", "parallel_dims", "checkpoint", "pretrained", "recipe_data", "corpus", "engine",
+                "train", "recipe", "launch", "step", "dims.tp_styles", "dims.expert_parallel", "models.peft_meta"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"ultrascale_plugins.{old}")
     for name in ultrascale_plugins.__all__:
         assert getattr(ultrascale_plugins, name) is not None, name
     from ultrascale_plugins.interface.hookspecs import hookimpl  # noqa: F401  (tests/outside_plugin uses these)
     from ultrascale_plugins.interface.parallel_dims import MeshAxis  # noqa: F401
+
+
+def test_the_maps_tree_lists_every_folder_and_module():
+    """docs/architecture.md draws the tree: every folder of the package, with each of its modules named on its line."""
+    tree = MAP.read_text().split("```", 4)[3]
+    drawn, top, current = {}, None, None
+    for line in tree.splitlines():
+        match = re.match(r"^(  |    )(\w+)/(\s|$)", line)
+        if match:
+            top = match.group(2) if match.group(1) == "  " else top
+            current = match.group(2) if match.group(1) == "  " else f"{top}/{match.group(2)}"
+            drawn[current] = line[match.end():]
+        elif current and line.startswith("      "):
+            drawn[current] += " " + line.strip()
+    for folder in sorted({p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE}):
+        rel = folder.relative_to(PACKAGE).as_posix()
+        assert rel in drawn, f"{rel}/ is not drawn in the map's tree"
+        for module in folder.glob("*.py"):
+            if module.stem != "__init__" and rel != "integrations":
+                assert re.search(rf"\b{module.stem}\b", drawn[rel]), f"{rel}/{module.name} is not on its folder's line"

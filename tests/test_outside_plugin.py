@@ -45,7 +45,7 @@ def _train(tmp_path, name, nproc, *sets):
     metrics = tmp_path / f"{name}.json"
     common = ["--set", "pp=1", "--set", "tp=1", "--set", "sequence_parallel=false", "--set", "train.steps=4",
               "--set", "train.log_every=1", "--set", "train.eval_batches=1"]
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", "--nproc", str(nproc), *common,
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", "--nproc", str(nproc), *common,
                            *sets, "--metrics", str(metrics)], capture_output=True, text=True, timeout=600,
                           env=outside_plugin_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -62,10 +62,10 @@ def test_command_line_parity_with_the_outside_axis(tmp_path):
 
 
 def test_outside_field_is_checked_before_launch(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", "--set", "acme_dp=0"],
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", "--set", "acme_dp=0"],
                           capture_output=True, text=True, timeout=120, env=outside_plugin_env())
     assert proc.returncode == 2 and "acme_dp=0: must be at least 1" in proc.stderr, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", "--set", "acme_dp=2"],
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", "--set", "acme_dp=2"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "ULTRASCALE_PLUGINS": ""})
     assert proc.returncode == 2 and "unknown parallel key 'acme_dp'" in proc.stderr, proc.stderr

@@ -131,7 +131,7 @@ def test_adapters_take_their_base_layers_plan_entries_and_regions_stay_the_block
     sequence-parallel regions are still the attention and MLP blocks, not the LoRA wrappers."""
     import ultrascale_plugins as us
     from peft_worker import peft_model
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.core.engine import model_plan
 
     plan = model_plan(peft_model("llama", {}), us.ParallelConfig(tp=2, dp_shard=1))
     attn = "base_model.model.model.layers.0.self_attn"
@@ -146,7 +146,7 @@ def test_the_plan_is_found_through_the_wrapper():
     """ZeRO-3 gives each decoder layer its own group only if the layers are found inside the PEFT wrapper."""
     import ultrascale_plugins as us
     from peft_worker import peft_model
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.core.engine import model_plan
 
     model = peft_model("llama", {})
     plan = model_plan(model, us.ParallelConfig())

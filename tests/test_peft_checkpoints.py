@@ -44,7 +44,7 @@ def base(run):
 
 
 def export(*args) -> int:
-    from ultrascale_plugins.cli import main
+    from ultrascale_plugins.cli.main import main
 
     return main(["export", *map(str, args)])
 

@@ -88,7 +88,7 @@ def test_adapters_get_peft_scheme_seeded_by_their_names():
     seed picks the values; a base entry gets the plain model's value for the same seed."""
     import types
 
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
 
     def initialized(seed, **fields):
         model = meta_peft(**fields)
@@ -154,7 +154,7 @@ SMALL = ["nproc=2", "pp=1", "tp=1", "dp_shard=2"]  # the embedded default recipe
     (["peft=lora"], ["peft='lora'", "section of fields", "Fix"]),
 ])
 def test_bad_peft_values_are_refused_naming_field_value_and_fix(sets, words):
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     import ultrascale_plugins as us
 
@@ -173,8 +173,8 @@ def test_peft_names_matching_nothing_are_refused_on_the_meta_model_before_launch
     import torch.distributed as dist
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.cli import check_recipe
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.cli.main import check_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     monkeypatch.setenv("ULTRASCALE_SKIP_MEMORY_CHECK", "1")
     recipe = load_recipe(None, [*SMALL, *sets])  # the values are well formed: the model decides
@@ -189,8 +189,8 @@ def test_a_peft_section_checks_and_costs_the_peft_model(tmp_path, monkeypatch):
     estimate counts gradients and optimizer states for the adapters only, and the section survives to_dict."""
     import yaml
 
-    from ultrascale_plugins.cli import check_recipe
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.cli.main import check_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     assert load_recipe(None, SMALL).peft is None and "peft" not in load_recipe(None, SMALL).to_dict()
     assert load_recipe(None, [*SMALL, "peft=null"]).peft is None
@@ -213,9 +213,9 @@ def test_a_peft_section_checks_and_costs_the_peft_model(tmp_path, monkeypatch):
     def check_memory(resolved, model_config, model, *args, **kwargs):
         seen["model"] = model
 
-    monkeypatch.setattr("ultrascale_plugins.cli.check_memory", check_memory)
+    monkeypatch.setattr("ultrascale_plugins.cli.main.check_memory", check_memory)
     check_recipe(recipe)
-    from ultrascale_plugins.models.peft_adapters import is_peft_model
+    from ultrascale_plugins.features.peft.adapters import is_peft_model
 
     assert is_peft_model(seen["model"]) and all(p.is_meta for p in seen["model"].parameters())
 
@@ -224,7 +224,7 @@ def test_a_peft_section_without_peft_installed_says_how_to_install_it(monkeypatc
     import importlib.util
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
@@ -236,7 +236,7 @@ def test_a_peft_section_without_peft_installed_says_how_to_install_it(monkeypatc
 def test_resuming_with_other_adapters_is_refused_before_launch(tmp_path):
     """The checkpoint's ultrascale.json keeps the recipe (extra.recipe) with its peft section."""
     import ultrascale_plugins as us
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     saved = load_recipe(None, [*SMALL, "peft.r=8", "peft.target_modules=[q_proj]"])
     step = tmp_path / "ckpt" / "step-00000010"
@@ -260,7 +260,7 @@ def test_resuming_a_peft_run_reads_its_base_from_the_recorded_directory(tmp_path
     --init-from, which the checkpoint records (extra.init_from); a directory that is not there is refused before
     launch, naming the fix."""
     import ultrascale_plugins as us
-    from ultrascale_plugins.recipe import load_recipe, recorded_init_from
+    from ultrascale_plugins.data.recipe import load_recipe, recorded_init_from
 
     saved = load_recipe(None, [*SMALL, "peft.r=8"])
     step = tmp_path / "ckpt" / "step-00000010"

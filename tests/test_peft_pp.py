@@ -69,8 +69,8 @@ def test_the_pipeline_split_reaches_into_the_wrapper():
 
     import ultrascale_plugins as us
     from peft_pp_worker import peft_worker
-    from ultrascale_plugins.dims.pipeline_split import build_stage
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.dims.pipeline.split import build_stage
+    from ultrascale_plugins.core.engine import model_plan
     from ultrascale_plugins.models.placeholder import present_modules
 
     model = peft_worker.peft_model("llama", {"modules_to_save": ["lm_head"]})

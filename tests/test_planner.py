@@ -11,7 +11,7 @@ import yaml
 import ultrascale_plugins as us
 from conftest import TESTS, outside_plugin_env
 from models import make_config
-from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.cli.main import main as cli
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_plan_ranks_runnable_layouts_and_prints_what_to_paste(capsys, tmp_path):
         assert c["dp_replicate"] * c["dp_shard"] * c["micro_batch_size"] * c["grad_accum"] == 256
     code, out, _ = _plan(capsys, "--model", "llama-3.2-1b", "--gpus", "8", "--gpu", "h100-sxm-80gb")
     assert "UltraScaleStrategy(" in out and "parallelism_config" in out and "micro_batch_size" in out
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     path = tmp_path / "plan.yaml"  # the printed recipe loads as it is: model, batch split and layout consistent
     path.write_text(textwrap.dedent(out.split("Recipe (ultrascale train FILE):\n", 1)[1]))
@@ -123,7 +123,7 @@ def test_explain_prints_the_chosen_layouts_stages_in_order(capsys):
     assert code == 0
     lines = out.split("Stages, in the order parallelize applies them:\n")[1].split("\n\n")[0].splitlines()
     assert [line.split()[1] for line in lines] == ["split", "tp", "ac", "dp"], lines
-    assert "[tp]" in lines[1] and "ultrascale_plugins.dims.tensor" in lines[1]
+    assert "[tp]" in lines[1] and "ultrascale_plugins.dims.tensor.plugin" in lines[1]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -190,7 +190,7 @@ def test_layout_auto_takes_the_planners_best():
 
 
 def test_layout_auto_in_a_recipe_sets_the_batch_split(tmp_path, capfd):
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     path = tmp_path / "auto.yaml"
     path.write_text(yaml.safe_dump({"nproc": 2, "model": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
@@ -284,12 +284,12 @@ def test_every_printed_snippet_passes_the_prelaunch_checks_at_the_planned_size(c
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.cli import check_memory, check_recipe
+    from ultrascale_plugins.cli.main import check_memory, check_recipe
     from ultrascale_plugins.interface.config import ParallelConfig
     from ultrascale_plugins.integrations.layout import from_accelerate_file
     from ultrascale_plugins.planner.model_spec import load_model_config
     from ultrascale_plugins.planner.render import DATASET_PLACEHOLDER
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     code, out, _ = _plan(capsys, "--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm-80gb", "--seq-len", "4096")
     assert code == 0
@@ -351,7 +351,7 @@ def test_the_nanotron_profile_splits_and_keeps_what_nanotron_does():
     a sequence shard (tp_recompute_allgather), so the layer activations fall by tp, not less."""
     from types import SimpleNamespace
 
-    from ultrascale_plugins.dims.pipeline_costs import nanotron_split
+    from ultrascale_plugins.dims.pipeline.costs import nanotron_split
     from ultrascale_plugins.planner.model_spec import load_model_config
     from ultrascale_plugins.planner.validation import MODELS
 

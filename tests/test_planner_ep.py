@@ -11,7 +11,7 @@ import ultrascale_plugins as us
 from models import make_config
 from ultrascale_plugins import hookimpl
 from ultrascale_plugins.interface import plugins
-from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.cli.main import main as cli
 from ultrascale_plugins.planner.cost import CostModel, Layout, Workload, layout_from_string
 from ultrascale_plugins.planner.hardware import PRESETS
 from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config

@@ -9,7 +9,7 @@ import torch
 
 import ultrascale_plugins as us
 from models import make_config
-from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.cli.main import main as cli
 from ultrascale_plugins.interface.estimates import Adapters, inventory, meta_model
 from ultrascale_plugins.planner.cost import CostModel, Layout, Workload
 from ultrascale_plugins.planner.hardware import PRESETS

@@ -110,7 +110,7 @@ def test_the_printed_recipe_trains_the_published_model(name):
     import yaml
 
     from ultrascale_plugins.planner.command import add_arguments, build
-    from ultrascale_plugins.recipe import model_config_of
+    from ultrascale_plugins.data.recipe import model_config_of
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -29,8 +29,8 @@ def test_builtins_are_registered_as_plugins():
     for builtin in plugins.DEFAULT_PLUGINS:
         assert builtin in names
         assert names[builtin]["source"] == "builtin"
-    assert "ultrascale_stages" in names["ultrascale_plugins.dims.tensor"]["hooks"]
-    assert [f.name for f in names["ultrascale_plugins.dims.tensor"]["fields"]] == ["tp", "sequence_parallel",
+    assert "ultrascale_stages" in names["ultrascale_plugins.dims.tensor.plugin"]["hooks"]
+    assert [f.name for f in names["ultrascale_plugins.dims.tensor.plugin"]["fields"]] == ["tp", "sequence_parallel",
                                                                                   "loss_parallel"]
 
 
@@ -101,7 +101,7 @@ def test_stage_order_is_declared_not_registration_order(reverse):
     """The documented example (docs/writing-a-plugin.md): a stage declared after "tp" and before "dp" runs there,
     whichever plugin registered first; the built-ins keep their order around it."""
     from models import make_config
-    from ultrascale_plugins.engine import stages
+    from ultrascale_plugins.core.engine import stages
 
     pairs = [("zz_between", _Staged(us.Stage("audit", _noop, after=("tp",), before=("dp",)))),
              ("aa_first", _Staged(us.Stage("first", _noop, before=("split",))))]
@@ -120,7 +120,7 @@ def test_stage_order_is_declared_not_registration_order(reverse):
 
 def test_a_stages_hook_may_take_only_the_arguments_it_needs():
     from models import make_config
-    from ultrascale_plugins.engine import stages
+    from ultrascale_plugins.core.engine import stages
 
     class OnlyConfig:
         @hookimpl
@@ -140,7 +140,7 @@ def test_a_stages_hook_may_take_only_the_arguments_it_needs():
      "stage 'mine' of bad runs after 'tensor_parallel', which no plugin declares. Fix: use one of"),
     ([us.Stage("a", _noop, after=("b",)), us.Stage("b", _noop, after=("a",))],
      r"the stages 'a' \(bad\), 'b' \(bad\), 'a' \(bad\) each wait for another"),
-    ([us.Stage("tp", _noop)], "stage 'tp' is declared by both bad and ultrascale_plugins.dims.tensor"),
+    ([us.Stage("tp", _noop)], "stage 'tp' is declared by both bad and ultrascale_plugins.dims.tensor.plugin"),
 ])
 def test_a_cycle_an_unknown_or_a_taken_stage_name_is_refused_before_any_process_group(stages, message):
     from models import make_config
@@ -235,7 +235,7 @@ def test_unknown_hook_name_fails_fast():
 
 def _plugins_cli(**env):
     full = {**os.environ, "PYTHONPATH": f"{OUTSIDE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "plugins"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "plugins"], capture_output=True,
                           text=True, env=full, timeout=120)
 
 
@@ -245,12 +245,12 @@ def test_entry_point_plugin_appears_in_cli_with_its_fields():
     assert "acme" in out.stdout and "acme-replicas 0.2.0" in out.stdout
     mine = out.stdout.split("acme-replicas", 1)[1]
     assert "ultrascale_shard_batch" in mine and "field acme_dp: int = 1" in mine
-    assert "ultrascale_plugins.dims.tensor" in out.stdout and "field tp: int = 1" in out.stdout
+    assert "ultrascale_plugins.dims.tensor.plugin" in out.stdout and "field tp: int = 1" in out.stdout
 
 
 def test_environment_variable_restricts_entry_points():
     out = _plugins_cli(ULTRASCALE_PLUGINS="")
     assert out.returncode == 0, out.stderr
     assert "acme" not in out.stdout
-    assert "ultrascale_plugins.dims.tensor" in out.stdout
+    assert "ultrascale_plugins.dims.tensor.plugin" in out.stdout
     assert "acme" in _plugins_cli(ULTRASCALE_PLUGINS="acme,other").stdout

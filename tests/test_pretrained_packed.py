@@ -11,7 +11,7 @@ def worker(path: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins import engine
+    from ultrascale_plugins.core import engine
 
     pmodel = engine.from_pretrained(path, {"tp": 2, "dp_shard": 1})
     packed = dict(pmodel.module.named_parameters())["transformer.h.0.attn.c_attn.weight"]

@@ -62,7 +62,7 @@ def test_qlora_matches_one_process(results, name):
 @pytest.mark.slow
 def test_a_quantized_models_checkpoint_resumes_bit_for_bit_and_only_on_its_base(results):
     """The checkpoint holds the adapters; the NF4 base comes from the model built to resume, checked against the
-    checkpoint's fingerprint of the base (models/peft_checkpoints), which must read NF4 shards."""
+    checkpoint's fingerprint of the base (features/peft/checkpoints), which must read NF4 shards."""
     r = results["resume"]
     assert "error" not in r, r.get("error")
     assert r["resumed"] == r["uninterrupted"][2:]
@@ -86,7 +86,7 @@ def _model(arch="llama", **lora):
 def test_quantize_base_keeps_names_and_computes_with_the_nf4_weights():
     import torch
 
-    from ultrascale_plugins.models.quantized_base import quantize_base, quantized_weights
+    from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_weights
 
     model = _model()
     names = [n for n, _ in model.named_parameters()]
@@ -125,7 +125,7 @@ def test_layouts_a_quantized_base_cannot_run_are_refused_before_any_process_grou
     import torch.distributed as dist
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.models.quantized_base import quantize_base
+    from ultrascale_plugins.features.peft.quantized_base import quantize_base
 
     model = quantize_base(_model(), "nf4")
     with pytest.raises(us.ConfigError) as err:
@@ -137,7 +137,7 @@ def test_layouts_a_quantized_base_cannot_run_are_refused_before_any_process_grou
 def test_four_ranks_without_sharding_the_base_are_accepted():
     """DDP (ZeRO-1 / plain) keeps the whole NF4 base on each rank: no block can be split."""
     import ultrascale_plugins as us
-    from ultrascale_plugins.models.quantized_base import quantize_base
+    from ultrascale_plugins.features.peft.quantized_base import quantize_base
 
     model = quantize_base(_model(), "nf4")
     for stage in (0, 1):
@@ -148,7 +148,7 @@ def test_what_quantize_base_refuses():
     import ultrascale_plugins as us
     from peft_worker import peft_model  # hidden 64: q_proj is 64 x 64, less than one 64 x 256 block
     from qlora_worker import base_model
-    from ultrascale_plugins.models.quantized_base import quantize_base, quantized_weights
+    from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_weights
 
     with pytest.raises(TypeError, match="expects a PEFT model.*LlamaForCausalLM"):
         quantize_base(base_model("llama"), "nf4")
@@ -165,7 +165,7 @@ def test_what_quantize_base_refuses():
 
 def test_without_torchao_quantize_base_says_what_to_install(monkeypatch):
     import ultrascale_plugins as us
-    from ultrascale_plugins.models import quantized_base
+    from ultrascale_plugins.features.peft import quantized_base
 
     model = _model()
     for name in quantized_base._NF4_MODULES:

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from ultrascale_plugins.interface.config import ConfigError
-from ultrascale_plugins.recipe import load_recipe
+from ultrascale_plugins.data.recipe import load_recipe
 
 TINY = {
     "nproc": 2,
@@ -100,7 +100,7 @@ def test_inconsistent_values_are_refused(tmp_path, overrides, words):
 
 
 def test_the_command_line_refuses_before_launch(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", str(tiny(tmp_path)),
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", str(tiny(tmp_path)),
                            "--set", "train.micro_batch_size=2", "--set", "train.grad_accum=3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -134,7 +134,7 @@ def test_pipeline_conflicts_name_both_fields():
 
 
 def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
-    from ultrascale_plugins.train import micro_batches
+    from ultrascale_plugins.cli.train import micro_batches
 
     batch = {"input_ids": torch.arange(4 * 5).view(4, 5), "attention_mask": torch.ones(4, 5), "note": "kept"}
     chunks = micro_batches(batch, load_recipe(tiny(tmp_path), ["train.grad_accum=2"]))
@@ -148,7 +148,7 @@ def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
 # ---- accumulation trains exactly like the whole batch --------------------------------------------------------
 def _train(tmp_path, name, *overrides):
     metrics, ckpt = tmp_path / f"{name}.json", tmp_path / name
-    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", str(tiny(tmp_path)),
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", str(tiny(tmp_path)),
                            "--set", "train.max_grad_norm=100",
                            "--set", f"train.save_dir={ckpt}", *overrides,
                            "--metrics", str(metrics)], capture_output=True, text=True, timeout=300)

@@ -123,11 +123,11 @@ def planner_layout(recipe, world: int):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
-    from ultrascale_plugins.cli import check_recipe
+    from ultrascale_plugins.cli.main import check_recipe
     from ultrascale_plugins.planner.cost import CostModel, Workload, layout_from_string
     from ultrascale_plugins.planner.hardware import hardware_from_args
     from ultrascale_plugins.planner.model_spec import ModelSpec
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     nodes = nnodes_of(path)
     real = pretrained_dir(path, tmp_path)
@@ -176,10 +176,10 @@ def test_expert_parallel_alternative_validates_and_fits(path, tmp_path, monkeypa
     """The header's expert-parallel layout (`--set ep=N` over the recipe's): `ultrascale train`'s pre-launch checks
     at full size (ep against the real model's experts and the ranks it borrows, the experts on the meta device,
     ZeRO 2 or 3), its memory check on against 80 GB per GPU, and the header quoting that estimate within 10 %."""
-    from ultrascale_plugins.cli import check_recipe
-    from ultrascale_plugins.engine import estimate
+    from ultrascale_plugins.cli.main import check_recipe
+    from ultrascale_plugins.core.engine import estimate
     from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     ep, nodes = expert_parallel_alternative(path), nnodes_of(path)
     recipe = load_recipe(path, [f"ep={ep}"], nnodes=nodes, init_from=str(pretrained_dir(path, tmp_path)))
@@ -207,10 +207,10 @@ def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.cli import check_recipe
-    from ultrascale_plugins.engine import estimate
+    from ultrascale_plugins.cli.main import check_recipe
+    from ultrascale_plugins.core.engine import estimate
     from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
-    from ultrascale_plugins.recipe import peft_model
+    from ultrascale_plugins.data.recipe import peft_model
 
     world = recipe.nproc * nodes
     monkeypatch.delenv("ULTRASCALE_SKIP_MEMORY_CHECK", raising=False)
@@ -279,7 +279,7 @@ def shrunk_model(real_config: Path, out: Path, layers: int) -> None:
 
 def ultrascale_train(*args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli", "train", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "train", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -288,7 +288,7 @@ def ultrascale_train(*args, timeout=300):
                          + [pytest.param(p, 2, id=f"{p.stem}-ep") for p in EP_RECIPES])
 def test_shrunk_model_trains_in_the_recipes_layout(path, ep, tmp_path):
     """... and a MoE recipe's expert-parallel alternative: the same scaled-down layout with `--set ep=2`."""
-    from ultrascale_plugins.recipe import load_recipe
+    from ultrascale_plugins.data.recipe import load_recipe
 
     real = pretrained_dir(path, tmp_path)
     recipe = load_recipe(path, nnodes=nnodes_of(path), init_from=str(real))

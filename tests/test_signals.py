@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from ultrascale_plugins import cli, supervisor
+from ultrascale_plugins.cli import main as cli, supervisor
 from ultrascale_plugins.interface.config import ConfigError
-from ultrascale_plugins.recipe import load_recipe
+from ultrascale_plugins.data.recipe import load_recipe
 
 TINY = ["--set", "pp=1", "--set", "tp=1", "--set", "sequence_parallel=false", "--set", "train.steps=100000",
         "--set", "train.log_every=1"]  # the embedded default's tiny Llama, training far longer than the test waits
@@ -25,7 +25,7 @@ def start(tmp_path, nproc: int, *args: str):
     """``ultrascale train`` as a user starts it, in a session of its own (so that a signal to its process group is
     what a terminal's Ctrl-C sends to the foreground job); its output in a file."""
     out = open(tmp_path / f"out-{time.monotonic_ns()}.txt", "w+")
-    cmd = [sys.executable, "-m", "ultrascale_plugins.cli", "train", "--nproc", str(nproc), "--set",
+    cmd = [sys.executable, "-m", "ultrascale_plugins.cli.main", "train", "--nproc", str(nproc), "--set",
            f"dp_shard={nproc}", *TINY, *args]
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), out
 
@@ -151,7 +151,7 @@ def test_every_rank_takes_the_vote_not_its_own_late_signal(monkeypatch):
     alone (that rank would save while the others train on, and wait for them for ever)."""
     import torch
 
-    from ultrascale_plugins import train
+    from ultrascale_plugins.cli import train
 
     stop = train.StopSignals()
     stop.installed = True  # as install() leaves it, without touching this process's handlers

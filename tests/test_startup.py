@@ -10,11 +10,12 @@ import sys
 import pytest
 
 import ultrascale_plugins
-from ultrascale_plugins import cli, engine
+from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.core import engine
 from ultrascale_plugins.interface import plugins
 from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.interface.hookspecs import hookimpl
-from ultrascale_plugins.recipe import load_recipe
+from ultrascale_plugins.data.recipe import load_recipe
 
 ISSUE_COMMAND = ["dp_shard=-1", "nproc=4"]  # ultrascale train --nproc 4 --set dp_shard=-1
 
@@ -127,6 +128,6 @@ def test_the_package_imports_torch_only_when_asked():
     code = ("import sys, ultrascale_plugins\n"
             "assert 'torch' not in sys.modules, 'import ultrascale_plugins pulled in torch'\n"
             "from ultrascale_plugins import init_distributed\n"
-            "assert 'torch' in sys.modules and init_distributed.__module__ == 'ultrascale_plugins.launch'\n")
+            "assert 'torch' in sys.modules and init_distributed.__module__ == 'ultrascale_plugins.distributed.launch'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -125,7 +125,7 @@ def test_a_region_whose_input_meets_anything_else_reduces_per_projection(monkeyp
 
     import ultrascale_plugins as us
     from models import make_config
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.core.engine import model_plan
     from ultrascale_plugins.models.dataflow import trace_tp
 
     with torch.device("meta"):
@@ -152,8 +152,8 @@ def test_a_shared_expert_is_sharded_like_an_mlp_and_a_biased_packed_linear_is_re
     from models import make_config
     from transformers import AutoModelForCausalLM
     from ultrascale_plugins.interface.config import ConfigError
-    from ultrascale_plugins.dims.tensor import ultrascale_validate_model
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.dims.tensor.plugin import ultrascale_validate_model
+    from ultrascale_plugins.core.engine import model_plan
 
     with torch.device("meta"):
         moe = AutoModelForCausalLM.from_config(make_config("qwen2_moe"))
@@ -181,7 +181,7 @@ def test_linear_attention_is_head_parallel_where_tp_divides_its_key_heads():
     import ultrascale_plugins as us
     from models import make_config
     from transformers import AutoModelForCausalLM
-    from ultrascale_plugins.engine import model_plan
+    from ultrascale_plugins.core.engine import model_plan
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config("qwen3_next"))  # 2 key heads, 4 value heads

@@ -79,7 +79,7 @@ def _fake() -> dict:
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ultrascale_plugins.dims.tp_styles import checkpoint_view, param_placement
+    from ultrascale_plugins.dims.tensor.styles import checkpoint_view, param_placement
 
     full = torch.arange(8 * 64 * 12, dtype=torch.float32).view(8, 64, 12)
     cases = {"tp2": ((2,), ("tp",), [param_placement("packed_colwise", 3)]),

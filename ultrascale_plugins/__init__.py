@@ -117,11 +117,11 @@ __all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelMod
 
 def __getattr__(name):  # the engine and the launch helpers pull in torch; import them on first use
     if name in ("parallelize", "from_pretrained", "ParallelModel", "validate", "estimate", "describe"):
-        from . import engine
+        from .core import engine
 
         return getattr(engine, name)
     if name == "init_distributed":
-        from .launch import init_distributed
+        from .distributed.launch import init_distributed
 
         return init_distributed
     raise AttributeError(name)

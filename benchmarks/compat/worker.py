@@ -171,7 +171,7 @@ def _unsplit_sequence(per_cp_rank: list, rows: int):
     holds its head-tail shard of every row; one record per router call, (rows x shard tokens, k))."""
     if len(per_cp_rank) == 1 or any(r is None for r in per_cp_rank):
         return per_cp_rank[0]
-    from ultrascale_plugins.dims.cp_layout import layout_index
+    from ultrascale_plugins.dims.context.layout import layout_index
 
     cp, out = len(per_cp_rank), []
     for calls in zip(*per_cp_rank):

@@ -144,7 +144,7 @@ def world_of_one_env(dry_run: bool) -> dict:
 
 def device() -> torch.device:
     """This process's device as the package picks it (``launch.device_for_rank``: CUDA unless told otherwise)."""
-    from ultrascale_plugins import launch
+    from ultrascale_plugins.distributed import launch
 
     return launch.device_for_rank()
 
@@ -167,7 +167,7 @@ def quiet() -> None:
     import logging
     import warnings
 
-    from ultrascale_plugins.train import quiet_known_warnings
+    from ultrascale_plugins.cli.train import quiet_known_warnings
 
     quiet_known_warnings()
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -44,7 +44,7 @@ def _reference_init(cfg, seed: int) -> dict:
     """The weights ``ModelInit`` gives ``seed``, drawn whole on the CPU without any layout or device."""
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.initialize import ModelInit
+    from ultrascale_plugins.core.initialize import ModelInit
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
@@ -188,7 +188,7 @@ def _moe_model(sizes: Sizes, seed: int = 0):
 def _grads(named_parameters) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from ultrascale_plugins.initialize import unwrapped_name
+    from ultrascale_plugins.core.initialize import unwrapped_name
 
     out = {}
     for name, p in named_parameters:
@@ -270,7 +270,7 @@ def ep_dispatch(rec: Recorder, sizes: Sizes) -> None:
     import torch.distributed as dist
 
     from ultrascale_plugins import init_distributed
-    from ultrascale_plugins.dims.ep_dispatch import ExpertDispatch
+    from ultrascale_plugins.dims.expert.dispatch import ExpertDispatch
 
     if not dist.is_initialized():
         init_distributed()  # the section's world of one: NCCL on the GPU, gloo in the dry run

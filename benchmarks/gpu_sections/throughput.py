@@ -48,7 +48,7 @@ def model_config(name: str, sizes: Sizes):
 def predicted_memory_gb(fields: dict, cfg, seq: int, micro_batch: int) -> float:
     """The planner's peak for this layout and shape (``engine.estimate`` + ``cost.peak_memory_gb``, as
     ``ultrascale plan``), in GB (1e9 bytes)."""
-    from ultrascale_plugins import engine
+    from ultrascale_plugins.core import engine
     from ultrascale_plugins.interface.config import ParallelConfig
     from ultrascale_plugins.planner.cost import peak_memory_gb
 

@@ -189,7 +189,7 @@ def agree(problem: str | None, device: torch.device) -> str | None:
     all-reduce and, on a failure, one broadcast."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return problem
-    from ..launch import broadcast_object
+    from ..distributed.launch import broadcast_object
 
     world = dist.get_world_size()
     first = torch.tensor([dist.get_rank() if problem else world], device=device)

@@ -8,7 +8,7 @@ named as transformers' own ``save_pretrained`` names them (a MoE model's fused e
     ultrascale export runs/ckpt/step-00000040 out/merged --merged [--base DIR]  # adapters folded into the base
 
 The forms a model's own library defines (``--adapter``, ``--merged``) are written by the plugin that owns that kind
-of model (``ultrascale_export``; PEFT's: ``models/peft_checkpoints.py``), from the tensors read here.
+of model (``ultrascale_export``; PEFT's: ``features/peft/checkpoints.py``), from the tensors read here.
 """
 from __future__ import annotations
 

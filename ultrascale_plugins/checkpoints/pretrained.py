@@ -67,7 +67,7 @@ class FusedSource:
         it holds where the converter allows (``by_rows``), else all of this one parameter's keys."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from ..initialize import local_chunk
+        from ..core.initialize import local_chunk
 
         try:
             from torch.distributed.tensor.placement_types import _StridedShard
@@ -117,7 +117,7 @@ class PretrainedWeights:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        from ..initialize import to_empty_tied
+        from ..core.initialize import to_empty_tied
 
         for module in ctx.modules:
             to_empty_tied(module, ctx.device)  # plain to_empty would untie a tied head from its embedding
@@ -268,7 +268,7 @@ def match_weights(model, path: str | Path, seed: int | None = None) -> Pretraine
     path = Path(path)
     found = file_tensors(path)
     if any(b.is_meta for b in model.buffers()):  # a meta build's buffers (rotary frequencies): no file holds them
-        from ..initialize import fill_buffers
+        from ..core.initialize import fill_buffers
 
         fill_buffers(model)
     full_state = model.state_dict()
@@ -305,7 +305,7 @@ def match_weights(model, path: str | Path, seed: int | None = None) -> Pretraine
     read = set(sources.values()) | {key for f in fused.values() for items in f.parts.values() for key, _ in items}
     init = None
     if introduced:
-        from ..initialize import ModelInit
+        from ..core.initialize import ModelInit
 
         init = ModelInit(model, seed)
     return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
@@ -341,7 +341,7 @@ def empty_model(model_config):
     """The causal LM on the meta device (tied weights stay tied), with its buffers computed."""
     from transformers import AutoModelForCausalLM
 
-    from ..initialize import fill_buffers
+    from ..core.initialize import fill_buffers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
@@ -368,7 +368,7 @@ def weights_for(model, init_from: str | Path | None, seed: int | None = None):
     shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
     build left empty are computed first. ``seed`` (default ``torch.initial_seed()``) draws what no file holds: the
     whole model without weights, a wrapper's introduced entries (a PEFT model's adapters) with them."""
-    from ..initialize import ModelInit, fill_buffers
+    from ..core.initialize import ModelInit, fill_buffers
 
     source = init_from
     meta = any(p.is_meta for p in model.parameters())

@@ -1,1 +1,1 @@
-"""The data path: dataset files, chat labels, the tokenized cache, packed rows, what the command line and the front ends read."""
+"""The data path and the recipe: dataset files, chat labels, the tokenized cache, packed rows, a recipe's sections."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ..interface.config import ConfigError
-from ..loss import IGNORE_INDEX
+from ..distributed.loss import IGNORE_INDEX
 
 
 def has_generation_tags(tokenizer) -> bool:

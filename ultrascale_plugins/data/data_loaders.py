@@ -32,7 +32,7 @@ class RowDataset(Dataset):
 
 def data_spec(data) -> "DataSpec":
     """A recipe's ``data`` section (a dict, as in a recipe file) or a ``DataSpec``, checked as a recipe's is."""
-    from ..recipe import DataSpec, _typed
+    from .recipe import DataSpec, _typed
 
     if isinstance(data, DataSpec):
         return data

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..interface.config import ConfigError
-from ..loss import IGNORE_INDEX
+from ..distributed.loss import IGNORE_INDEX
 
 
 class Rows:

@@ -108,7 +108,7 @@ class Tokenized:
 def _tokenize_batch(tokenizer, spec, source):
     """The ``datasets.map`` function (batched, with indices)."""
     from .chat_tokens import chat_sample
-    from ..loss import IGNORE_INDEX
+    from ..distributed.loss import IGNORE_INDEX
 
     eos = tokenizer.eos_token_id
 

@@ -1,1 +1,1 @@
-"""Built-in parallelism dimensions, each a pluggy plugin behind the hooks in ``hookspecs``."""
+"""Parallelism dimensions, one folder per family (data_parallel, tensor, pipeline, context, expert), each a plugin."""

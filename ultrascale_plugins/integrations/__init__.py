@@ -3,7 +3,7 @@
 The framework adapters live in the repository's top-level ``integrations/`` directory. An install (wheel, sdist or
 ``pip install -e .``) ships them as ``ultrascale_plugins.integrations`` through pyproject.toml's
 ``[tool.setuptools.package-dir]``; this file is not in the wheel. But whenever the repository root comes first on
-``sys.path`` (``python -m ultrascale_plugins.cli`` or ``python -c ...`` started from the root, as the tests'
+``sys.path`` (``python -m ultrascale_plugins.cli.main`` or ``python -c ...`` started from the root, as the tests'
 subprocesses are), Python imports ``ultrascale_plugins`` from this checkout, and then looks for its subpackages in
 this directory only, whatever is installed. So this package takes ``../../integrations`` as its search path, and
 the checkout imports the same files under the same names as an install does. ``integrations/__init__.py`` holds

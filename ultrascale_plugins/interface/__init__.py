@@ -1,1 +1,1 @@
-"""The interface: what a dimension is (hookspecs, fields, config, parallel_dims, plugins, mesh, runtime, presets, estimates)."""
+"""The interface: what a dimension is and what the engine asks of it (hookspecs, fields, config, meshes, stages, plan)."""

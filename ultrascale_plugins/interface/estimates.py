@@ -14,8 +14,8 @@ says whether it trains: a PEFT model's frozen base does not (its adapters do), a
 ``--peft lora`` — with the same records a real PEFT model gives, so every dimension costs both alike.
 
 This module holds what every dimension shares (the ``Estimate``, the ``Shape``, the inventory); each built-in
-dimension's own terms live beside it: ``dims/pipeline_costs.py``, ``dims/tp_costs.py``,
-``dims/data_parallel_costs.py``, ``dims/activation_costs.py`` and ``dims/context_parallel.py``'s wrapper.
+dimension's own terms live beside it: ``dims/pipeline/costs.py``, ``dims/tensor/costs.py``,
+``dims/data_parallel/costs.py``, ``features/activation_checkpointing/costs.py`` and ``dims/context/plugin.py``'s wrapper.
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def ultrascale_after_backward(pmodel: ParallelModel) -> None:
 @hookspec(firstresult=True)
 def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
     """Run forward and backward on this rank's batch and return the global-mean loss (a 0-d tensor, the same on
-    every rank). Gradients are those of ``loss_scale`` times that loss. The built-in step (``step.py``) runs the
+    every rank). Gradients are those of ``loss_scale`` times that loss. The built-in step (``core/step.py``) runs the
     model's runtime; a plugin may replace it (first result wins) or wrap it (``@hookimpl(wrapper=True)``)."""
 
 

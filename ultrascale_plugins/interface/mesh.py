@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from ..launch import collective_timeout
+from ..distributed.launch import collective_timeout
 
 
 def flat_name(names: tuple[str, ...]) -> str:

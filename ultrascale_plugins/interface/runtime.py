@@ -2,7 +2,7 @@
 gradient-norm and full-state gathering.
 
 ``Runtime`` runs one module (the whole, sharded model): forward, backward, done. A dimension that changes how a
-step runs returns its own subclass from its splitting stage (``interface.stages``) — the pipeline's (``dims.pipeline_runtime``)
+step runs returns its own subclass from its splitting stage (``interface.stages``) — the pipeline's (``dims.pipeline.runtime``)
 runs a schedule over its stages, with forward and backward inside one call.
 """
 from __future__ import annotations

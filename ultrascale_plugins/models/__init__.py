@@ -1,4 +1,4 @@
-"""Per-architecture knowledge: which modules are decoder layers, norms, TP regions, and the TP plan."""
+"""Architecture knowledge: decoder layers, norms, TP plans and regions, the data-flow trace of a model's blocks."""
 from .plan import ModelPlan
 
 __all__ = ["ModelPlan"]

@@ -78,7 +78,7 @@ class HeadParallelDeltaNet(ParallelStyle):
     (replicated, gradient-summed) convolution weight."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from ..dims.tp_styles import _LocalWithSummedGrad, run_on_local_params
+        from ..dims.tensor.styles import _LocalWithSummedGrad, run_on_local_params
 
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         rows = _channels(module, rank, tp)

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from ..interface.hookspecs import hookimpl
 from ..interface.stages import Stage
-from ..dims.tp_styles import PackedColwiseParallel, run_on_local_params
+from ..dims.tensor.styles import PackedColwiseParallel, run_on_local_params
 from .plan import hf_plan_from_model
 
 
@@ -42,7 +42,7 @@ class Conv1DColwise(ColwiseParallel):
 
 class Conv1DLocalColwise(ParallelStyle):
     """Column-parallel Conv1D that leaves its input's gradient partial (its region reduces it once: see
-    ``dims.tp_styles.LocalColwise``): this rank's columns of the weight and bias applied to the plain input."""
+    ``dims.tensor.styles.LocalColwise``): this rank's columns of the weight and bias applied to the plain input."""
 
     def _apply(self, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):

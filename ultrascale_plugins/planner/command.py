@@ -93,7 +93,7 @@ def build(args):
         raise ConfigError("--lora-r / --lora-target / --lora-alpha without --peft lora. Fix: add --peft lora")
     work = Workload(args.seq_len, args.global_batch_size, args.profile, args.optimizer,
                     "bf16" if args.precision == "bf16" else "no", adapters)
-    from ..model_section import code_reads, config_keys
+    from ..data.model_section import code_reads, config_keys
 
     known = config_keys(type(mc))[0] | code_reads(type(mc))  # not a config.json's keys transformers does not use
     fields = {k: v for k, v in mc.to_diff_dict().items() if not k.startswith("_") and k in known
@@ -174,7 +174,7 @@ def run_plan(args, accelerate_yaml) -> int:
 
 
 def _stages(result, cost, gpus: int) -> str:
-    from ..engine import describe
+    from ..core.engine import describe
 
     try:
         return describe(result.layout.config(), cost.spec.config, world_size=gpus)

@@ -180,7 +180,7 @@ class CostModel:
                lay.pp_virtual_stages, lay.grad_accum if lay.pp > 1 else 0, lay.activation_checkpointing, lay.cp_method,
                tuple(lay.extra.items()))
         if key not in self._runnable:
-            from ..engine import validate
+            from ..core.engine import validate
 
             try:
                 validate(lay.config(), self.spec.config, lay.world, self.pm)
@@ -231,7 +231,7 @@ class CostModel:
     def estimates(self, lay: Layout):
         """An ``Estimate`` per rank that can be the most loaded (``coordinates_to_cost``: the dimensions say which,
         e.g. a pipeline's first two stages and the ones holding the last)."""
-        from ..engine import estimate, model_plan
+        from ..core.engine import estimate, model_plan
         from ..interface.estimates import meta_model
 
         model = meta_model(self.spec.config)

@@ -2,7 +2,7 @@
 pipeline schedule as a timeline (ranks x time, forward / backward / idle), drawn the way the Ultra-Scale Playbook
 draws them.
 
-The timeline comes from the pipeline plugin's simulator (``dims/pipeline_timeline.py``, through
+The timeline comes from the pipeline plugin's simulator (``dims/pipeline/timeline.py``, through
 ``ultrascale_schedule_timeline``): each schedule is an order of actions per pipeline rank, scheduled as soon as
 its rank is free and what it waits for has finished.
 """

@@ -48,7 +48,7 @@ PIPELINE_ZERO3 = "ZeRO-3 runs as ZeRO-2 in a pipeline"
 def twin_notes(results: list[Result], top: int) -> dict[int, str]:
     """{row index: note} for the first ``top`` rows whose layout differs from another costed one only in a higher
     ZeRO stage and whose memory and time are the same: inside a pipeline the engine keeps each stage's weights
-    gathered between micro-batches (``dims/data_parallel.py``), so ZeRO-3 runs as ZeRO-2 does."""
+    gathered between micro-batches (``dims/data_parallel/plugin.py``), so ZeRO-3 runs as ZeRO-2 does."""
     rows = {}
     for i, r in enumerate(results):
         key = (dataclasses.replace(r.layout, zero_stage=0).label(), round(r.memory_gb["total"], 6), round(r.step_s, 9))

@@ -1,0 +1,209 @@
+"""Data parallel's part of a layout's cost: the parameter, gradient and optimizer bytes of this rank's
+parameters (what the pipeline and tensor parallel left it) sharded as its ZeRO stage says — FSDP2's dim-0 chunks,
+or ``ZeroRedundancyOptimizer``'s partition of whole tensors — and the data-parallel collectives of a step."""
+from __future__ import annotations
+
+import math
+
+from ...interface.estimates import OPTIMIZERS, Estimate, chunk_size
+
+
+def precision_bytes(config, profile: str) -> tuple[int, int, int]:
+    """(bytes per parameter element, per gradient element, per optimizer-state element beyond Adam's moments:
+    the fp32 master copy) for this layout's precision and profile."""
+    if profile == "nanotron":
+        return 2, 2 + 4, 4  # bf16 weights; bf16 grads + fp32 accumulation buffer; fp32 master weights
+    return 4, 4, 0  # this package keeps fp32 weights and gradients (bf16 is the compute dtype only)
+
+
+def grad_sync(config) -> str:
+    """``grad_sync`` as it runs: ``auto`` is ``step`` for ZeRO-0 and ZeRO-1 (they reduce once per step by
+    definition) and inside a pipeline (torch's stages defer FSDP2's reduce-scatter to a step's last micro-batch),
+    else ``micro_batch`` (FSDP2 reduce-scatters after every backward: the gradients accumulate sharded)."""
+    value = getattr(config, "grad_sync", "auto")
+    if value != "auto":
+        return value
+    return "step" if config.zero_stage <= 1 or getattr(config, "pp", 1) > 1 else "micro_batch"
+
+
+def zero1_on_fsdp(config) -> bool:
+    """ZeRO-1 over tensor-parallel (DTensor) parameters, which DDP and ``ZeroRedundancyOptimizer`` cannot hold:
+    FSDP2 sharded over every data-parallel rank (one flattened axis), gathered for the step, reduced once."""
+    return (config.zero_stage == 1 and getattr(config, "tp", 1) > 1
+            and config.dp_replicate * config.dp_shard > 1)
+
+
+def data_parallel_terms(config, shape, est: Estimate) -> None:
+    """Parameter, gradient and optimizer bytes of this rank's (already pipeline- and TP-cut) parameters, sharded
+    as ZeRO says; the data-parallel collectives per step."""
+    dp_shard, dp_rep = config.dp_shard, config.dp_replicate
+    dp = dp_shard * dp_rep
+    zero = config.zero_stage
+    profile = shape.profile
+    pbytes, gbytes, master = precision_bytes(config, profile)
+    states = OPTIMIZERS[shape.optimizer]
+    records = [r for r in shape.inventory if r.local_numel or r.numel]
+    coords = shape.coords
+    on_fsdp = zero1_on_fsdp(config) and profile == "ultrascale"  # nanotron's ZeRO-1 keeps whole weights
+    once = grad_sync(config) == "step"
+    if on_fsdp:
+        # FSDP2's dim-0 chunks of every (TP-local) parameter over the flattened data-parallel ranks
+        k = coords.get("dp_replicate", 0) * dp_shard + coords.get("dp_shard", 0)
+        local = [(r, (chunk_size(r.local[0], dp, k) if r.local else 0) * math.prod(r.local[1:])) for r in records]
+    elif zero >= 2:
+        # FSDP2 shards dim 0 of every (TP-local) parameter over dp_shard, torch.chunk-style; HSDP replicates over
+        # dp_replicate. The most loaded rank is shard 0.
+        s = coords.get("dp_shard", 0)
+        local = []
+        dims = _dims_of(config) if any(r.view for r in records) else None
+        for r in records:
+            if r.view:  # in a mesh view: sharded over the view's last gradient axis (shard_view_modules)
+                local.append((r, _view_shard(dims, r, coords)))
+                continue
+            rows = chunk_size(r.local[0], dp_shard, s) if r.local else 0
+            local.append((r, rows * math.prod(r.local[1:])))
+    else:
+        local = [(r, r.local_numel) for r in records]
+    held = sum(n for _, n in local)
+    trainable = [(r, n) for r, n in local if r.trainable]
+    # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
+    if zero == 1 and dp > 1 and profile == "ultrascale" and not on_fsdp:
+        opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
+    elif zero == 1 and dp > 1 and not on_fsdp:
+        opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
+    else:  # a trainable parameter held in another dtype (held_bytes) keeps its state in that dtype
+        opt_numel = sum(n * (r.held_bytes or 4) / 4 for r, n in trainable)
+        opt_tensors = len(trainable)
+    est.add_memory("params", pbytes * held)
+    est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
+    step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
+    est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
+    if profile == "ultrascale" and shape.optimizer in ("adam", "adamw"):
+        # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
+        # the square root of the second moments (the fused implementation needs none); see
+        # Estimate.optimizer_step_memory
+        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + 4 * opt_numel
+    full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
+    full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
+    if profile == "ultrascale":
+        compute = 2 if config.mixed_precision == "bf16" else 4
+        layers, layers_trained = _layer_sizes(records)
+        largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
+        if (zero >= 2 and dp_shard > 1) or on_fsdp:
+            # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 reduced every micro-batch the root
+            # group's (embedding, head, final norm: never resharded) plus a layer and the next (prefetched), else
+            # (ZeRO-1 and 2, or grad_sync: step) all of them, for the whole step. A layer's whole fp32 gradient
+            # waits for its reduce-scatter; with grad_sync: step over several micro-batches (a pipeline's, or
+            # gradient accumulation's) every whole fp32 gradient is held until the step's last backward
+            per_layer = zero == 3 and not once
+            gathered = full - sum(layers.values()) + 2 * largest if per_layer else full
+            whole_grads = full_local if once and shape.micro_batches > 1 else largest_trained
+            est.add_memory("other", compute * gathered + 4 * whole_grads)
+        elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
+            est.add_memory("other", 2 * full)
+    if dp <= 1:
+        return
+    if profile == "ultrascale" and zero <= 1 and config.pp == 1 and not on_fsdp:
+        est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
+        est.factors["step_other"] = est.factors.get("step_other", 0.0) + 4 * full_local  # held through the step
+    elif profile == "nanotron" and zero == 0:
+        est.add_memory("other", 2 * full_local)  # torch DDP's buckets in the weights' dtype (nanotron: ZeRO-0 only)
+    grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
+    weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
+    axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
+    if zero >= 2:
+        # reduce-scatter of the gradients after every micro-batch (grad_sync: micro_batch: they accumulate
+        # sharded) or once, after the step's last (step); all-gathers of the weights, frozen ones too: ZeRO-3
+        # reduced every micro-batch before each forward and each backward of every micro-batch, prefetched, else
+        # once per step (the weights stay gathered over the step's micro-batches). The root group (embedding,
+        # final norm, head) stays gathered from its forward to its backward. Parameters in a mesh view (experts)
+        # are sharded over the view's own last gradient axis, in groups of their own: their collectives run there
+        # (none on one rank).
+        again = zero == 3 and not once  # ZeRO-3 gathers each layer again for its backward
+        groups = {"": ("dp_shard", dp_shard)}
+        if any(r.view for r in records):
+            dims = _dims_of(config)
+            for view in {r.view for r in records if r.view}:
+                axis = dims.view_grad_axes(view)[-1]
+                groups[view] = (axis, dims.degree(axis))
+        for view, (axis, degree) in groups.items():
+            mine = [r for r in records if r.view == view]
+            if degree <= 1 or not mine:
+                continue
+            sizes, _ = _layer_sizes(mine)
+            weights = sum(r.local_numel for r in mine)
+            root = weights - sum(sizes.values())
+            n = len(sizes) + (1 if root else 0)
+            est.add_comm(axis, grad_wire * sum(r.local_numel for r in mine if r.trainable), "reduce_scatter",
+                         calls=n, overlap=shape.dp_overlap, per="step" if once else "micro_batch")
+            est.add_comm(axis, weight_wire * (weights + (weights - root if again else 0)), "all_gather",
+                         calls=n + (len(sizes) if again else 0), per="micro_batch" if again else "step",
+                         overlap=shape.gather_overlap)
+        if dp_rep > 1:
+            est.add_comm("dp_replicate", grad_wire * full_local / dp_shard, "all_reduce", overlap=shape.dp_overlap)
+        return
+    for axis in axes:  # DDP's all-reduce (ZeRO-1: reduce-scatter + all-gather, the same volume)
+        share = (dp_rep if axis == "dp_replicate" else dp_shard) / dp
+        if zero == 1:
+            est.add_comm(axis, grad_wire * full_local * share, "reduce_scatter", overlap=shape.dp_overlap)
+            est.add_comm(axis, weight_wire * full_local * share, "all_gather")
+        else:
+            est.add_comm(axis, grad_wire * full_local * share, "all_reduce", calls=max(1, _n_layers(records)),
+                         overlap=shape.dp_overlap)
+
+
+def _view_shard(dims, r, coords) -> int:
+    """Elements of ``r`` (a parameter in a mesh view) this rank holds under FSDP2 over the view's last gradient
+    axis: dim 0 in chunks, or dim 1 when dim 0 does not split evenly (``data_parallel.shard_view_modules``).
+    ``dims``: the layout's ``ParallelDims``."""
+    axis = dims.view_grad_axes(r.view)[-1]
+    shards, index = dims.degree(axis), coords.get(axis, 0)
+    dim = 1 if len(r.local) > 1 and r.local[0] % shards else 0
+    cut = list(r.local)
+    cut[dim] = chunk_size(cut[dim], shards, index)
+    return math.prod(cut)
+
+
+_DIMS: dict = {}
+
+
+def _dims_of(config):
+    """The layout's ``ParallelDims`` (no mesh), once per layout: the planner costs many records of each."""
+    from ...interface.parallel_dims import ParallelDims
+
+    key = repr(config.to_dict())
+    if key not in _DIMS:
+        _DIMS.clear()
+        _DIMS[key] = ParallelDims(config)
+    return _DIMS[key]
+
+
+def _layer_sizes(records) -> tuple[dict, dict]:
+    """({layer: its TP-local elements}, {layer: those that train}): what FSDP2 gathers, and reduces, per layer."""
+    sizes: dict = {}
+    trained: dict = {}
+    for r in records:
+        if r.layer is not None:
+            sizes[r.layer] = sizes.get(r.layer, 0) + r.local_numel
+            trained[r.layer] = trained.get(r.layer, 0) + (r.local_numel if r.trainable else 0)
+    return sizes, trained
+
+
+def _n_layers(records) -> int:
+    return len({r.layer for r in records if r.layer is not None})
+
+
+def _zero1_share(trainable, dp: int, coords, dp_shard: int) -> tuple[float, float]:
+    """ZeRO-1 as ``torch.distributed.optim.ZeroRedundancyOptimizer`` partitions: parameters by size, largest
+    first, each to the rank holding the fewest elements so far. (elements, tensors) of one rank: ``coords``'
+    data-parallel rank, else the most loaded."""
+    sizes, counts = [0] * dp, [0] * dp
+    for n in sorted((n for _, n in trainable), reverse=True):
+        k = sizes.index(min(sizes))
+        sizes[k] += n
+        counts[k] += 1
+    if "dp_shard" in coords or "dp_replicate" in coords:  # the flattened (dp_replicate, dp_shard) group rank
+        k = coords.get("dp_replicate", 0) * dp_shard + coords.get("dp_shard", 0)
+        return sizes[k], counts[k]
+    k = sizes.index(max(sizes))
+    return sizes[k], counts[k]

@@ -1,0 +1,1 @@
+"""Expert parallelism: the plugin and the token dispatch between ranks."""

@@ -1,0 +1,332 @@
+"""The pipeline at run time on one rank: its stages under a ``torch.distributed.pipelining`` schedule, the
+loss scaling that makes a pipelined step equal the unpipelined one, tied-weight gradient sums, a forward-only
+validation pass and per-step busy/idle timing."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...interface.config import ConfigError
+from ...models.placeholder import Absent
+from ...interface.runtime import Runtime
+from .split import LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, microbatches, pp_rank_of_stage
+
+
+class Pipeline(Runtime):
+    """The schedule and its stages on this rank; built lazily at the first step, after every other transform
+    has wrapped the stage modules (PipelineStage must wrap the final, FSDP-sharded module)."""
+
+    backward_in_forward = True
+
+    def __init__(self, ctx, stages, stage_ids, n_stages):
+        self.ctx, self.stages, self.stage_ids, self.n_stages = ctx, stages, stage_ids, n_stages
+        self.schedule = None
+        self.scale = 1.0
+        self._pmodel, self._has_mask = None, True  # the step's model and whether its batch has a mask
+        pp_mesh = ctx.sub_mesh("pp")
+        self.pp_group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.has_first = 0 in stage_ids
+        self.has_last = n_stages - 1 in stage_ids
+        self.tied = bool(ctx.plan is not None and ctx.plan.tied)
+        self.root = ctx.plan.root if ctx.plan is not None else ""  # the causal LM inside a wrapper (PEFT's)
+        self.tie_group = None
+        self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
+        self._busy = 0.0
+
+    def _loss(self, output, targets):
+        return self._loss_sum(output, targets) * self.scale
+
+    def _loss_sum(self, output, targets, count=None):
+        """This rank's token-loss sum of one micro-batch (the last stage's ``output``), with the plugins' loss
+        terms (``ultrascale_loss_terms``: the router auxiliary loss, from every stage's router logits) folded in
+        by the micro-batch's global token count: summed over the micro-batches, each term weighs by its
+        micro-batch's share of the step's tokens, as under gradient accumulation without a pipeline."""
+        from types import SimpleNamespace
+
+        from ...distributed.loss import token_loss_sum
+
+        if not isinstance(output, tuple):
+            return token_loss_sum(output, targets)
+        logits, routed, mask = output
+        loss_sum = token_loss_sum(logits, targets)
+        pmodel = self._pmodel
+        layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
+        seen = SimpleNamespace(logits=logits, router_logits=layers)
+        terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
+        if count is None:
+            count = pmodel.global_token_count(targets)  # this micro-batch's, over every rank holding its tokens
+        return pmodel.add_loss_terms(loss_sum, terms, count)
+
+    def build(self):
+        from torch.distributed import pipelining
+
+        cfg = self.ctx.config
+        for module in self.stages:  # a frozen first stage still hands on a graph (see build_stage)
+            module.pipeline_options["grad_chain"] = cfg.pp_schedule in SPLIT_BACKWARD
+        stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group)
+                  for m, sid in zip(self.stages, self.stage_ids)]
+        names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
+        cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
+        for stage in stages:
+            self._time_compute(stage)
+            _zero_inferred_inputs(stage)
+            self._mark_stand_in(stage)
+        arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
+        self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
+        if self.tied:
+            self._init_tie_group()
+
+    def _mark_stand_in(self, stage) -> None:
+        """torch infers a stage's shapes by running it on inputs made from metadata (and its backward): the
+        context says so while it does (``ParallelContext.stand_in``)."""
+        @contextlib.contextmanager
+        def stand_in():
+            self.ctx.stand_in = True
+            try:
+                yield
+            finally:
+                self.ctx.stand_in = False
+
+        _around(stage, ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"), stand_in)
+
+    def _time_compute(self, stage) -> None:
+        """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of
+        a step is bubble or communication."""
+        @contextlib.contextmanager
+        def timed():
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._busy += time.perf_counter() - start
+
+        _around(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"), timed)
+
+    def _init_tie_group(self):
+        """Ranks holding the first and the last stage with the same data/tensor coordinates sum the tied
+        embedding/head gradient. With V-shaped schedules both stages live on pp rank 0: summed locally."""
+        mesh = self.ctx.mesh
+        if self.ctx.config.pp_schedule in V_SHAPED:
+            return
+        grid = mesh.mesh  # pp is the outermost axis
+        firsts, lasts = grid[0].flatten().tolist(), grid[-1].flatten().tolist()
+        me = dist.get_rank()
+        for a, b in zip(firsts, lasts):
+            group = dist.new_group([a, b], timeout=_timeout())
+            if me in (a, b):
+                self.tie_group = group
+
+    def causal_lm(self, stage: nn.Module) -> nn.Module:
+        return stage.get_submodule(self.root) if self.root else stage
+
+    def tied_params(self) -> list[nn.Parameter]:
+        out = []
+        for m in self.stages:
+            sid, lm = m.pipeline_stage[0], self.causal_lm(m)
+            embed = lm.get_input_embeddings()
+            if sid == 0 and not isinstance(embed, Absent):
+                out.append(embed.weight)
+            elif sid == self.n_stages - 1 and not isinstance(lm.lm_head, Absent):
+                out.append(lm.lm_head.weight)
+        return out
+
+    def sync_tied_grads(self):
+        if not self.tied:
+            return
+        params = [p for p in self.tied_params() if p.grad is not None]
+        if not params:
+            return
+        for p in params:  # an embedding's gradient may come back replicated: give it the weight's layout
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        if self.tie_group is not None:
+            dist.all_reduce(total, group=self.tie_group)
+        for g in local:
+            g.copy_(total)
+
+    @torch.no_grad()
+    def _forward_only(self, ids, mask, positions, targets, count) -> torch.Tensor:
+        """Validation pass: the whole local batch through the stages in order, hidden states (and, with the router
+        auxiliary loss on, the router logits so far) sent point to point. Written here because torch's
+        ``schedule.eval()`` replays the training action list (with its backward actions) on the multi-stage
+        schedules and fails there."""
+        from .split import routed_logits_width
+
+        modules = dict(zip(self.stage_ids, self.stages))
+        lm = self.causal_lm(self.stages[0])
+        hidden_size, width = lm.config.hidden_size, routed_logits_width(lm)
+        x, routed, loss_sum = None, None, torch.zeros((), device=ids.device)
+        for stage in range(self.n_stages):
+            if stage not in modules:
+                continue
+            if stage == 0:
+                x = ids
+            elif stage - 1 not in modules:
+                src = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage - 1))
+                x = torch.empty(*ids.shape, hidden_size, device=ids.device)
+                dist.recv(x, src=src, group=self.pp_group)
+                if width:
+                    rows = torch.zeros(1, dtype=torch.long, device=ids.device)
+                    dist.recv(rows, src=src, group=self.pp_group)
+                    routed = torch.empty(int(rows), width, device=ids.device)
+                    dist.recv(routed, src=src, group=self.pp_group)
+            args = (x, mask, positions) if stage == 0 else (x, mask, positions, ids, *((routed,) if width else ()))
+            out = modules[stage](*args)
+            if stage == self.n_stages - 1:
+                loss_sum = self._loss_sum(out, targets, count=count)
+                break
+            x, routed = out[0], (out[4] if width else None)
+            if stage + 1 not in modules:
+                dst = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage + 1))
+                dist.send(x.float().contiguous(), dst=dst, group=self.pp_group)
+                if width:
+                    dist.send(torch.tensor([routed.shape[0]], device=ids.device), dst=dst, group=self.pp_group)
+                    dist.send(routed.float().contiguous(), dst=dst, group=self.pp_group)
+        return loss_sum
+
+    def _reshard(self) -> None:
+        """Free the parameters FSDP gathered for a forward-only pass. Stages keep them gathered between
+        micro-batches (reshard_after_forward=False) and no backward follows to release them, so without this
+        the next step could start from a gathered copy older than the optimizer's last update."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.stages:
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
+
+    # ---- the Runtime interface ------------------------------------------------------------------------
+    def train_step(self, pmodel, batch, loss_scale: float) -> torch.Tensor:
+        return self.step(pmodel, batch, train=True, loss_scale=loss_scale)
+
+    def eval_step(self, pmodel, batch) -> torch.Tensor:
+        return self.step(pmodel, batch, train=False)
+
+    def norm_parameters(self, params):
+        if self.has_last and self.tied:
+            head = self.tied_params()[-1]  # the head's copy of the tied weight: count it once
+            return [p for p in params if p is not head]
+        return params
+
+    def norm_group(self):
+        return self.pp_group
+
+    def after_backward(self, pmodel) -> None:
+        self.sync_tied_grads()
+
+    def gather_full_state(self, state: dict) -> dict:
+        parts = [None] * dist.get_world_size(self.pp_group)  # every stage's part, on every rank
+        dist.all_gather_object(parts, state, group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    @property
+    def stats(self) -> dict | None:
+        return self.last_step_stats
+
+    def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
+        if self.schedule is None:
+            self.build()
+        batch = pmodel.prepare_batch(batch)
+        ids, targets = batch["input_ids"], batch["targets"]
+        mask = batch.get("attention_mask")
+        self._pmodel, self._has_mask = pmodel, mask is not None
+        for module in self.stages:  # no mask: the stages pass None on, so packed rows keep their document masks
+            module.pipeline_options["mask"] = mask is not None
+        if mask is None:
+            mask = torch.ones_like(ids)  # a stage input must be a tensor
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+        m = microbatches(self.ctx.config)
+        if train and ids.shape[0] % m:
+            raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
+                              f"{m} micro-batches. Fix: make the per-rank batch a multiple of {m}")
+        count = pmodel.global_token_count(targets)
+        for module in self.stages:
+            module.train(train)
+        total = torch.zeros((), dtype=torch.float64, device=ids.device)
+        with pmodel.autocast():
+            if train:
+                self.scale = float(pmodel.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
+                losses: list = []
+                kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+                if _takes_return_outputs():  # else the last stage keeps every micro-batch's logits to merge them
+                    kwargs["return_outputs"] = False
+                self._busy, start = 0.0, time.perf_counter()
+                with pmodel.loss_context():  # around the schedule: its loss and its backward
+                    self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
+                elapsed = time.perf_counter() - start
+                self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
+                                        "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
+                pmodel.finish_backward()  # off inside pmodel.no_sync(): synced with the window's last step
+                if self.has_last:
+                    total += sum(float(loss.detach()) for loss in losses) / self.scale
+            else:
+                with pmodel.loss_context():
+                    total += float(self._forward_only(ids, mask, positions, targets, count))
+                self._reshard()
+        for module in self.stages:
+            module.train()
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
+        return pmodel.reduce_loss(total, count)
+
+
+@functools.cache
+def _takes_return_outputs() -> bool:
+    """Whether torch's schedules can be told not to merge and return the last stage's outputs (every
+    micro-batch's logits, kept to the end of the step): ``return_outputs``, in the releases that have it. The step
+    reads only the losses."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "return_outputs" in inspect.signature(PipelineScheduleSingle.step).parameters
+
+
+def _around(stage, names, context) -> None:
+    """Run each of the stage's methods ``names`` (those it has: torch's private helpers change between releases)
+    inside ``context()``; nothing else changes."""
+    for name in names:
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        def wrapped(*args, _inner=inner, **kwargs):
+            with context():
+                return _inner(*args, **kwargs)
+
+        setattr(stage, name, functools.wraps(inner)(wrapped))
+
+
+def _zero_inferred_inputs(stage) -> None:
+    """torch (2.13) infers a stage's output shapes by running its forward once on inputs made from metadata with
+    ``torch.empty``: token ids, positions and masks full of garbage, which models that index with them (CodeGen's
+    sinusoidal position table, GPT-J) turn into an out-of-bounds crash. Zero them instead. Wraps the stage's
+    private helper, where it exists; nothing else changes."""
+    inner = getattr(stage, "_to_tensor", None)
+    if inner is None:
+        return
+
+    def to_tensor(arg):
+        out = inner(arg)
+        if not isinstance(arg, torch.Tensor):  # made from metadata, not a real input
+            with torch.no_grad():
+                (out.to_local() if isinstance(out, DTensor) else out).zero_()
+        return out
+
+    stage._to_tensor = to_tensor
+
+
+def _timeout():
+    from ...distributed.launch import collective_timeout
+
+    return collective_timeout()

@@ -1,0 +1,373 @@
+"""Tensor parallel and Megatron-style sequence parallel, on the ``tp`` axis, driven by the model plan.
+
+Sequence parallel keeps the residual stream sharded over the sequence between TP regions (attention, MLP, MoE
+blocks: see ``models.plan``): each region all-gathers its input and hands back sequence shards; the norms in
+between, however many a layer has, run on ``S/tp`` tokens, and any other module there runs replicated on the
+gathered sequence (``sequence_parallel``: gathered regions). The
+embedding and the model's mask/position computation stay on the full sequence; the first decoder layer takes
+its shard (a local slice, no communication) and the last one all-gathers its output, so the final norm and the
+head see the full sequence as the model's own code expects (some models reshape there).
+
+One rule covers every parameter that all TP ranks hold whole but apply to different data (this rank's heads,
+this rank's sequence shard): it becomes a replicated DTensor whose gradient is summed over TP
+(``tp_styles.run_on_local_params``). The first kind is found by tracing the model's data flow on the meta
+device (``models.dataflow``; the plan's ``replicated_with_grad_allreduce`` marks some of them too); under
+sequence parallel the second kind is found from the module tree: every norm parameter in a decoder layer outside
+its regions.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ...interface.config import ConfigError
+from ...interface.hookspecs import hookimpl
+from ...interface.stages import Stage
+from ...models.placeholder import present_modules
+from ...models.plan import ROWWISE, region_holding
+from ...interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
+from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
+from .dry_run import dry_run as tp_dry_run
+from .styles import (
+    KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input, redistribute_output,
+    region_input, replicate_the_rest, run_on_local_params, scale_input_grad, takes_partial_input,
+)
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1)
+    fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions (auto: "
+               "on whenever tp > 1)", auto=lambda config: config.tp > 1)
+    fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
+
+
+@hookimpl
+def ultrascale_mesh_axes(config):
+    return [MeshAxis("tp", config.tp, TP_ORDER)]
+
+
+@hookimpl
+def ultrascale_validate_config(config, model_config, world_size):
+    if config.tp == 1:
+        for flag, what in (("sequence_parallel", "to shard the sequence over"),
+                           ("loss_parallel", "(the vocabulary is sharded over tp)")):
+            if getattr(config, flag):
+                raise ConfigError(f"{flag}=True: needs tensor parallel (tp > 1) {what}. Fix: set tp: 2 or more, or "
+                                  f"{flag}: false")
+        return
+    if model_config is None:
+        return
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and heads % config.tp:
+        raise ConfigError(f"tp={config.tp}: does not divide num_attention_heads={heads}. Fix: use a tp that divides "
+                          f"{heads}")
+    if kv_heads and kv_heads % config.tp:
+        raise ConfigError(f"tp={config.tp}: does not divide num_key_value_heads={kv_heads} (key/value heads are "
+                          f"sharded, not replicated). Fix: use a tp that divides {kv_heads}")
+    vocab = getattr(model_config, "vocab_size", None)
+    if config.loss_parallel and vocab and vocab % config.tp:
+        raise ConfigError(f"loss_parallel=True: needs vocab_size={vocab} divisible by tp={config.tp}. Fix: turn "
+                          "loss_parallel off or pad the vocabulary")
+
+
+def _model_type(model) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    """What only the module tree tells (the model may be on the meta device): a plan exists, its styles are
+    known, and under sequence parallel nothing but norms acts on the sequence shards between regions."""
+    if config.tp == 1:
+        return
+    arch = _model_type(model)
+    if plan is None:
+        raise ConfigError(
+            f"tp={config.tp}: model type '{arch}' has no tensor-parallel plan. Fix: use tp: 1, or register a "
+            "plugin whose ultrascale_model_plan returns one")
+    unknown = sorted({s for s in plan.tp_plan.values() if s not in KNOWN_STYLES and s not in plan.styles})
+    if unknown:
+        raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
+                          "version cannot apply. Fix: use tp: 1 for this model")
+    _build_styles(model, plan, config)  # every style and parameter placement shard_model will apply
+    # a packed Linear's weight is sharded by FSDP over its columns (data_parallel.beside_strided_rows); its bias has
+    # no other dim, and torch mis-places the gradients of nested strided shards of one dim
+    packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"
+              and getattr(model.get_submodule(fqn), "bias", None) is not None]
+    if packed and ParallelDims(config).fsdp:
+        raise ConfigError(f"tp={config.tp}: module '{packed[0]}' of model type '{arch}' has the tensor-parallel style "
+                          f"'packed_colwise' (a strided shard of its rows) and a bias, which FSDP (zero_stage="
+                          f"{config.zero_stage}, dp_shard={config.dp_shard}) can shard by rows only: the optimizer "
+                          "step would come out wrong. Fix: use zero_stage: 0, or give that module "
+                          "'colwise_gather_output'")
+    mixed = rank_local_params(model, plan).mixed
+    if mixed:
+        raise ConfigError(
+            f"tp={config.tp}: in model type '{arch}', {sorted(mixed)[:3]} meet both this rank's slice of the "
+            "features and replicated data, so neither summing nor keeping their gradients is right. Fix: use tp: 1 "
+            "for this model")
+    try:
+        tp_dry_run(model, plan, config.tp)
+    except Exception as exc:  # noqa: BLE001 - the model's code does not accept one rank's shapes
+        raise ConfigError(
+            f"tp={config.tp}: model type '{arch}' does not run with its tensor-parallel plan's shards (tried with "
+            f"one rank's shapes on the meta device: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: use tp: 1 for this model") from exc
+    if config.sequence_parallel:
+        gathered, stuck = gathered_regions(model, plan)
+        if stuck:
+            raise ConfigError(
+                f"sequence_parallel=True: in model type '{arch}', {stuck[:3]} hold parameters outside the "
+                "tensor-parallel regions of its plan and no module around them inside the decoder layer can run "
+                "on the gathered sequence instead, so they would see only this rank's part of the sequence. Fix: "
+                "set sequence_parallel: false for this model")
+        try:
+            dry_run(model, plan, gathered, config.tp)
+        except Exception as exc:  # noqa: BLE001 - any failure means the split sequence does not flow through
+            raise ConfigError(
+                f"sequence_parallel=True: model type '{arch}' does not run with its sequence split between the "
+                f"tensor-parallel regions of its plan (tried on the meta device: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}). Fix: set sequence_parallel: false for "
+                "this model") from exc
+
+
+def _build_styles(model, plan, config) -> None:
+    """Make the ParallelStyle of every module the plan matches and the placement of every parameter it names, as
+    ``shard_model`` does (construction needs no mesh), so a style this version cannot build is refused
+    before launch rather than in every worker."""
+    for fqn, name in plan.matches(model).items():
+        try:
+            make_style(name, sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel,
+                       is_head=(fqn == plan.lm_head), extra=plan.styles)
+        except ConfigError as exc:
+            raise ConfigError(f"tp={config.tp}: model type '{_model_type(model)}', module '{fqn}': {exc}") from None
+    for fqn, style in plan.param_matches(model).items():
+        owner, _, name = fqn.rpartition(".")
+        _placement(style, fqn, getattr(model.get_submodule(owner), name).ndim)
+
+
+def _placement(style: str, fqn: str, ndim: int):
+    placement = param_placement(style, ndim)
+    if placement is None:
+        raise ConfigError(f"tp plan style '{style}' on parameter '{fqn}' is not supported. Fix: use tp: 1 "
+                          "for this model")
+    return placement
+
+
+def simple_regions(plan, matched: dict) -> set[str]:
+    """The regions whose output one row-parallel layer hands back directly (reduced, or reduce-scattered under
+    SP); others (MoE blocks, several row-parallel layers) reduce a sum where they end (``TpDataflow.sums``) or,
+    where the trace cannot show it is one, all-reduce inside and slice their output back to sequence shards."""
+    regions = set(plan.regions)
+    rows: dict[str, int] = {}
+    whole = plan.whole_output_styles()
+    opened = set()  # regions holding a module whose output is whole (experts): never simple
+    for fqn, name in matched.items():
+        region = region_holding(fqn, regions)
+        if region is not None:
+            rows[region] = rows.get(region, 0) + (name in ROWWISE or "rowwise" in name)
+            if name in whole:
+                opened.add(region)
+    return {r for r in plan.regions if rows.get(r) == 1 and r not in opened}
+
+
+def rank_local_params(model: nn.Module, plan):
+    """The plain parameters that meet only this rank's slice of the features inside TP regions, those that meet
+    both, and the regions that reduce their input's gradient once, from a trace of the model's data flow
+    (``models.dataflow.TpDataflow``)."""
+    from ...models.dataflow import trace_tp
+
+    def partial_input(fqn, style, module):
+        return takes_partial_input(style, plan.styles) and (style in plan.styles or style == "moe_tp_experts"
+                                                             or isinstance(module, nn.Linear))
+
+    try:
+        return trace_tp(model, plan, partial_input)
+    except Exception as exc:  # noqa: BLE001 - any failure means the data flow is unknown
+        raise ConfigError(
+            f"tp>1: could not trace the data flow of model type '{_model_type(model)}' on the meta device "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}), so the parameters "
+            "that need their gradients summed over TP are unknown. Fix: use tp: 1 for this model") from exc
+
+
+@hookimpl
+def ultrascale_stages(config, model_config):
+    sp = " + sequence parallel between them" if config.sequence_parallel else ""
+    return [Stage("tp", shard_model, after=("float8", "ep"), axes=("tp",), active=config.tp > 1,
+                  does=f"attention heads and MLP features split over {config.tp} ranks{sp}, the plan's styles")]
+
+
+def shard_model(model, ctx):
+    if not ctx.dims.enabled("tp"):
+        return
+    plan = ctx.plan
+    mesh = ctx.sub_mesh("tp")
+    sp = ctx.config.sequence_parallel
+    present = present_modules(model)
+    matched = {fqn: name for fqn, name in plan.matches(model).items() if fqn in present}
+    simple = simple_regions(plan, matched)
+    region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
+    _shard_named_params(model, plan, mesh, present)
+    for fqn, name in matched.items():
+        if name == "mla_kv_a_proj":
+            model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
+    flow = rank_local_params(model, plan)
+    model._ultrascale_tp_flow = flow  # what the estimate of this model's collectives counts (dims.tensor.costs)
+    once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
+    layers = ctx.plan_layers(model)
+    # under SP, the stage that ends the model reduce-scatters the head's input gradient at the last layer's gather
+    head_end = (sp and flow.end is not None and plan.lm_head in present and bool(layers)
+                and layers[-1] == plan.layers[-1])
+    if head_end:
+        once.add(plan.lm_head)
+    # ... and the stage that starts it reduce-scatters a vocabulary-parallel embedding's partial sum
+    start_end = sp and flow.start and plan.embedding in present and bool(layers) and layers[0] == plan.layers[0]
+    summed = flow.sums - simple  # regions of several addends, reduced once where they end (Megatron's "g")
+    styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
+                              is_head=(fqn == plan.lm_head), extra=plan.styles,
+                              shard_output=region_of.get(fqn) in simple, partial_input=fqn in once,
+                              partial_output=region_of.get(fqn) in summed or (start_end and fqn == plan.embedding))
+              for fqn, name in matched.items()}
+    gathered = gathered_regions(model, plan)[0] if sp else []
+    seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
+    local = flow.local
+    parallelize_module(model, mesh, styles)
+    for fqn, module in seq_modules:
+        if fqn in present:
+            run_on_local_params(module, mesh, replicate_plain=True)
+    owners: dict[str, set[str]] = {}
+    for name in local:
+        owner, _, pname = name.rpartition(".")
+        owners.setdefault(owner, set()).add(pname)
+    for region in summed:  # e.g. LoRA's B after a row-parallel A: applied to a partial sum
+        gate_params = [f"{g}.{n}" for g in flow.gates.get(region, ()) if g in present
+                       for n, _ in model.get_submodule(g).named_parameters()]  # a gate of the sum
+        for name in [*flow.summed_params.get(region, ()), *gate_params]:
+            owner, _, pname = name.rpartition(".")
+            owners.setdefault(owner, set()).add(pname)
+    for name in flow.end if head_end else ():  # the final norm: it sees the head's partial gradient
+        owner, _, pname = name.rpartition(".")
+        owners.setdefault(owner, set()).add(pname)
+    for owner, names in owners.items():
+        if owner in present:
+            run_on_local_params(model.get_submodule(owner), mesh, replicate_plain=True, only=names)
+    for region in flow.block:  # one reduction of the input's gradient per region, Megatron's "f"
+        if region in present:
+            model.get_submodule(region).register_forward_pre_hook(region_input(mesh, sp), with_kwargs=True)
+            # readers whose input gradient is whole: 1/tp of it (a gate of a sum reduced once has a partial one)
+            for fqn in flow.scaled.get(region, set()) - (flow.gates.get(region, set()) if region in summed else set()):
+                model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
+                                                                   with_kwargs=True, prepend=True)
+    for region in summed:
+        if region in present and region in flow.sum_end:  # a norm on the sum ends the region: reduced at its input
+            norm = model.get_submodule(flow.sum_end[region])
+            norm.register_forward_pre_hook(redistribute_first_input(mesh, Partial(), Shard(1) if sp else Replicate()),
+                                           with_kwargs=True)
+            if sp:  # it runs on this rank's sequence shard, as the norms between regions do
+                run_on_local_params(norm, mesh, replicate_plain=True)
+        elif region in present:
+            model.get_submodule(region).register_forward_hook(
+                redistribute_output(mesh, Partial(), Shard(1) if sp else Replicate()))
+    if sp:
+        for region in plan.regions:
+            if region in present:
+                module = model.get_submodule(region)
+                if region not in flow.block:  # each projection reduces its input's gradient (a slice here)
+                    module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                                      with_kwargs=True)
+                if region not in simple and region not in summed:
+                    module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
+        for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence
+            if region in present:
+                module = model.get_submodule(region)
+                module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                                  with_kwargs=True)
+                module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
+        if layers:
+            # the sequence is split where the (stage's) layers start and gathered again where they end: the
+            # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
+            model.get_submodule(layers[0]).register_forward_pre_hook(
+                redistribute_first_input(mesh, Partial() if start_end else Replicate(), Shard(1)), with_kwargs=True)
+            model.get_submodule(layers[-1]).register_forward_hook(
+                redistribute_output(mesh, Shard(1), Replicate(), Partial() if head_end else None))
+    if plan.tied and plan.embedding in present and plan.lm_head in present:
+        # parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's.
+        embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)
+        if head.weight is not embed.weight:
+            if getattr(embed.weight, "placements", None) != getattr(head.weight, "placements", None):
+                raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
+                                  "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
+            head.weight = embed.weight
+    if not ctx.dims.fsdp:  # FSDP makes every parameter a DTensor itself
+        replicate_the_rest(model, mesh)
+
+
+def _shard_named_params(model, plan, mesh, present) -> None:
+    """Parameters the plan names directly (fused expert weights, attention sinks) become DTensors placed as
+    transformers places them; their module's style runs on the local shards."""
+    for fqn, style in plan.param_matches(model).items():
+        owner, _, name = fqn.rpartition(".")
+        if owner not in present:
+            continue
+        module = model.get_submodule(owner)
+        param = getattr(module, name)
+        if isinstance(param, DTensor):
+            continue
+        placement = _placement(style, fqn, param.ndim)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                     requires_grad=param.requires_grad))
+
+
+@hookimpl
+def ultrascale_checkpoint_view(tensor):
+    view = checkpoint_view(tensor)
+    return None if view is tensor else view
+
+
+@hookimpl
+def ultrascale_estimate(config, model_config, shape, estimate):
+    from .costs import tensor_parallel_terms
+
+    tensor_parallel_terms(config, shape, estimate)
+
+
+def tp_degree(devices_per_node: int, model_config) -> int:
+    """The largest divisor of the devices per node that divides the attention and key/value head counts."""
+    from ...interface.presets import largest_divisor
+
+    heads = getattr(model_config, "num_attention_heads", None) or 1
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    return largest_divisor(devices_per_node, devices_per_node, lambda d: heads % d == 0 and kv % d == 0)
+
+
+def _tp_layout(sequence_parallel: bool):
+    def layout(world, per_node, model_config):
+        tp = tp_degree(per_node, model_config)
+        return {"tp": tp, "dp_shard": world // tp, "sequence_parallel": sequence_parallel and tp > 1}
+    return layout
+
+
+@hookimpl
+def ultrascale_loss_context(pmodel):
+    """The vocabulary-parallel cross-entropy (``loss_parallel``): the head's logits stay sharded over TP."""
+    if pmodel.config.loss_parallel and pmodel.dims.enabled("tp"):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return None
+
+
+@hookimpl
+def ultrascale_presets():
+    from ...interface.presets import Preset
+
+    return [Preset("tp", "tensor parallel within a node, ZeRO-3 across", _tp_layout(False)),
+            Preset("tp_sp", "tensor + sequence parallel within a node, ZeRO-3 across", _tp_layout(True))]
+
+
+@hookimpl
+def ultrascale_accelerate_keys():
+    return {"tp_size": ("tp", {})}

@@ -1,0 +1,1 @@
+"""Collective ground every layer stands on: the process group and its timeouts, the global token loss, the global gradient norm, the router loss over every rank's tokens, the ledger of collectives."""

@@ -1,0 +1,1 @@
+"""Regional torch.compile of each decoder layer."""

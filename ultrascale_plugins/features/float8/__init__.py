@@ -1,0 +1,1 @@
+"""Float8 training through torchao (tensorwise, rowwise)."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts routers: the auxiliary load-balancing loss and auxiliary-loss-free bias balancing."""
