@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .moe_config import experts_per_token
+
 V_SHAPED = ("zbv", "dualpipev")  # a pipeline's V schedules: rank r holds stages r and 2p-1-r
 
 
@@ -178,8 +180,7 @@ def _experts(config, shape) -> list[MinimumTerm]:
     if not moe_layers:
         return []
     text = _text_config(shape)
-    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k")
-                  if isinstance(getattr(text, k, None), int) and getattr(text, k) > 0), 1)
+    top_k = experts_per_token(text)
     # the ranks holding the same tokens (tensor parallel) each route a slice of them
     tokens = -(-_tokens(config, shape) // _degree(config, "tp"))
     one = tokens * top_k * text.hidden_size * _act_bytes(config, shape)

@@ -13,8 +13,10 @@ says whether it trains: a PEFT model's frozen base does not (its adapters do), a
 ``Adapters``: LoRA as PEFT would add it) prices a model that has no adapters yet as if it had them — the planner's
 ``--peft lora`` — with the same records a real PEFT model gives, so every dimension costs both alike.
 
-This module holds what every dimension shares (the ``Estimate``, the ``Shape``, the inventory); each built-in
-dimension's own terms live beside it: ``dims/pipeline/costs.py``, ``dims/tensor/costs.py``,
+This module holds the ledger's types, which every dimension shares (the ``Estimate``, the ``Shape``, the
+inventory, the adapters asked for and their factors); the knowledge behind the terms lives with its owner: what
+LoRA adds, ``features/peft/pricing.py`` (through ``ultrascale_adapter_factors``); a mixture of experts' config
+keys, ``interface/moe_config.py``; each built-in dimension's own terms: ``dims/pipeline/costs.py``, ``dims/tensor/costs.py``,
 ``dims/data_parallel/costs.py``, ``features/activation_checkpointing/costs.py`` and ``dims/context/plugin.py``'s wrapper.
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+from .moe_config import expert_share
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -193,7 +197,7 @@ def inventory(model, plan=None, adapters=None) -> list[ParamRecord]:
 
 def _build_inventory(model, plan=None) -> list[ParamRecord]:
     """Every parameter of ``model`` (real or on the meta device) as a ``ParamRecord``: before, in or after the
-    decoder layers, and the MoE active share; a PEFT model's adapters tagged (``_peft_adapters``). (Tensor parallel
+    decoder layers, and the MoE active share; a PEFT model's adapters tagged (``_adapter_tags``). (Tensor parallel
     fills in the dims it shards from ``plan``.)"""
     layers, before = _layer_list(model, plan)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -205,7 +209,7 @@ def _build_inventory(model, plan=None) -> list[ParamRecord]:
                                             model.named_parameters(remove_duplicate=False)) > 1
     active = expert_share(model.config)
     names = {id(p): n for n, p in model.named_parameters()}
-    tags = _peft_adapters(model, names)
+    tags = _adapter_tags(model)
     # trainable parameters of several dtypes (a bf16 head copy beside fp32 adapters): each is held, with its
     # gradient and optimizer state, in its own dtype, which the layout's precision profile cannot say
     mixed = len({p.dtype for p in model.parameters() if p.requires_grad}) > 1
@@ -244,30 +248,25 @@ def _place(name: str, layers: str | None, before: list[str]) -> tuple[str, int |
     return "post", None
 
 
-def _peft_adapters(model, names: dict) -> dict:
-    """{parameter name: ParamRecord fields} of the LoRA factors of a PEFT model (found by PEFT's attributes, so
-    peft need not be imported): what each adapts, its rank, and whether PEFT merges it (``ParamWrapper``)."""
-    from torch import nn
+def _adapter_tags(model) -> dict:
+    """{parameter name: ParamRecord fields} of the adapter factors ``model`` holds (a PEFT model's LoRA factors), as
+    the plugin that owns them reads them (``ultrascale_adapter_factors`` with no adapters asked)."""
+    return {f.name: dict(adapter=f.adapter, adapter_of=f.adapter_of, rank=f.rank, merged=f.merged)
+            for f in _adapter_factors(model, None)}
 
-    out = {}
-    for _, module in model.named_modules():
-        ranks = getattr(module, "r", None)
-        if not isinstance(ranks, dict) or not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
-            continue
-        merged = type(module).__name__ == "ParamWrapper"
-        if merged:
-            base = module.get_param()
-        else:
-            base = getattr(module.get_base_layer(), "weight", None)
-        if base is None or id(base) not in names:
-            continue
-        for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-            for adapter, factor in getattr(module, kind, {}).items():
-                param = factor if isinstance(factor, nn.Parameter) else getattr(factor, "weight", None)
-                if param is not None and id(param) in names:
-                    out[names[id(param)]] = dict(adapter=kind, adapter_of=names[id(base)],
-                                                 rank=int(ranks.get(adapter, 0)), merged=merged)
-    return out
+
+def _adapter_factors(model, adapters) -> list:
+    # the plugin manager imports the hookspecs, which name this module's types: imported here, not at the top
+    from .plugins import get_plugin_manager
+
+    answers = get_plugin_manager().hook.ultrascale_adapter_factors(model=model, adapters=adapters)
+    if adapters is None:  # every plugin's factors the model holds
+        return [f for answer in answers for f in answer]
+    if not answers:
+        from .fields import ConfigError
+
+        raise ConfigError(f"adapters {adapters.method!r}: no installed plugin prices them. Fix: use lora")
+    return answers[0]  # the first plugin that prices the method
 
 
 def _layer_list(model, plan) -> tuple[str | None, list[str]]:
@@ -294,22 +293,13 @@ def _layer_list(model, plan) -> tuple[str | None, list[str]]:
     return fqn, before
 
 
-def expert_share(mc) -> float:
-    """top-k / experts of a mixture-of-experts config (1 for a dense model)."""
-    experts = next((getattr(mc, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-                    if isinstance(getattr(mc, k, None), int) and getattr(mc, k) > 0), None)
-    top_k = next((getattr(mc, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
-                  if isinstance(getattr(mc, k, None), int) and getattr(mc, k) > 0), None)
-    return min(1.0, top_k / experts) if experts and top_k else 1.0
-
-
-# ---- PEFT adapters on a model that has none ------------------------------------------------------------------
+# ---- adapters on a model that has none ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Adapters:
-    """LoRA adapters priced on a model that has none, as ``peft.get_peft_model(model, LoraConfig(r=r,
-    target_modules=target))`` (peft 0.21, transformers 5) would add them: ``target`` is "all-linear" or module names
-    (a module is targeted when its name is one of them or ends with "." and one). ``lora_alpha`` and dropout do not
-    change what a rank holds, so they are not asked (dropout > 0 would keep a dropped copy of each adapted input)."""
+    """Adapters priced on a model that has none (the planner's ``--peft lora``): ``method`` (the plugin that answers
+    ``ultrascale_adapter_factors`` for it shapes them: PEFT's LoRA, ``features/peft/pricing.py``), rank ``r`` and
+    ``target``, "all-linear" or module names (a module is targeted when its name is one of them or ends with "."
+    and one). Scaling and dropout do not change what a rank holds, so they are not asked."""
 
     r: int = 16
     target: str | tuple = "all-linear"
@@ -318,8 +308,8 @@ class Adapters:
     def __post_init__(self):
         from .fields import ConfigError
 
-        if self.method != "lora":
-            raise ConfigError(f"adapters {self.method!r}: only 'lora' is priced. Fix: use LoRA")
+        if not isinstance(self.method, str) or not self.method:
+            raise ConfigError(f"adapters method {self.method!r}: must be a name. Fix: e.g. lora")
         if not isinstance(self.r, int) or self.r < 1:
             raise ConfigError(f"LoRA rank {self.r!r}: must be a positive integer. Fix: e.g. r=16")
         target = self.target
@@ -338,141 +328,40 @@ class Adapters:
         return f"LoRA r={self.r} on {target}"
 
 
-# What peft 0.21 targets in a mixture of experts whose experts transformers 5 fuses into 3-D parameters
-# (``peft.utils.transformers_weight_conversion``: ``_MOE_TARGET_MODULE_MAPPING`` and ``_MOE_FUSED_TARGETS``): the
-# names the linear layers had before (transformers 4) become targeted parameters, and a fused parameter takes the
-# ranks of the layers fused into it. "all-linear" names them all, so the experts and the router train too.
-_MOE_TARGETS = {
-    "mixtral": ({"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-                {"gate_up_proj": ("w1", "w3")}),
-    "qwen2_moe": ({"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-                   "down_proj": "down_proj"}, {"gate_up_proj": ("gate_proj", "up_proj")}),
-}
+@dataclasses.dataclass(frozen=True)
+class AdapterFactor:
+    """One factor of an adapter: its parameter ``name``, its kind ``adapter`` (``lora_A``, ``lora_B``,
+    ``lora_embedding_A``, ``lora_embedding_B``), the parameter it adapts (``adapter_of``), its ``rank``, whether it
+    is ``merged`` into that parameter on every forward (``ParamRecord``), and its ``shape`` when it is priced on a
+    model that does not hold it yet (None for a factor the model holds)."""
 
-
-def _moe_pattern(model_type: str):
-    """Which of ``_MOE_TARGETS`` peft applies to ``model_type`` (transformers' conversion table, as peft reads it;
-    peft adds mixtral), or None."""
-    if model_type == "mixtral":
-        return _MOE_TARGETS["mixtral"]
-    try:
-        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN
-    except ImportError:  # transformers 4: experts are linear layers, targeted as such
-        return None
-    return _MOE_TARGETS.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type))
-
-
-def _matches(name: str, keys) -> bool:
-    return any(name == k or name.endswith("." + k) for k in keys)
-
-
-def lora_targets(model, adapters: Adapters) -> tuple[list, list]:
-    """(modules, parameters) PEFT adapts: [(FQN, module)] of linear, Conv1D and embedding layers, and [(FQN of the
-    module holding it, parameter name, rank)] of parameters targeted directly (a mixture of experts' fused weights
-    and router: ``_MOE_TARGETS``)."""
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
-
-    from .fields import ConfigError
-
-    named = list(model.named_modules())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    r = adapters.r
-    if adapters.target == "all-linear":
-        keys = {fqn for fqn, m in named if isinstance(m, (nn.Linear, Conv1D)) and m is not head}
-    else:
-        keys = set(adapters.target)
-    params: dict = {}
-    pattern = _moe_pattern(getattr(model.config, "model_type", ""))
-    if pattern is not None:
-        mapping, fused = pattern
-        if adapters.target == "all-linear":
-            keys = {k.rpartition(".")[2] for k in keys} | set(mapping)
-        renamed = {}
-        for key in keys:
-            old = next((o for o in mapping if key == o or key.endswith("." + o)), None)
-            if old is not None:
-                renamed[key] = old
-        for new, parts in fused.items():
-            present = {old for old in renamed.values() if mapping[old] == new}
-            if 0 < len(present) < len(parts):
-                raise ConfigError(f"LoRA targets {', '.join(sorted(present))} without "
-                                  f"{', '.join(sorted(set(parts) - present))}: PEFT refuses it, since transformers "
-                                  f"fuses them into {new}. Fix: target all of {', '.join(parts)}, or none")
-        for old in renamed.values():
-            new = mapping[old]
-            params[new] = r * (len(fused[new]) if new in fused else 1)
-        keys -= set(renamed)
-    modules = [(fqn, m) for fqn, m in named if fqn and _matches(fqn, keys)]
-    odd = [(fqn, m) for fqn, m in modules if not isinstance(m, (nn.Linear, Conv1D, nn.Embedding))]
-    if odd and adapters.target != "all-linear":
-        raise ConfigError(f"LoRA target '{odd[0][0]}' is a {type(odd[0][1]).__name__}, which LoRA does not adapt. "
-                          "Fix: name linear or embedding layers (e.g. q_proj,v_proj), or 'all-linear'")
-    modules = [(fqn, m) for fqn, m in modules if (fqn, m) not in odd]
-    wrapped = []
-    for fqn, m in named:
-        for pname, p in m.named_parameters(recurse=False):
-            key = f"{fqn}.{pname}" if fqn else pname
-            rank = next((params[t] for t in sorted(params) if key == t or key.endswith("." + t)), None)
-            if rank is not None and p.ndim in (2, 3):
-                wrapped.append((fqn, pname, rank))
-    if not modules and not wrapped:
-        raise ConfigError(f"LoRA targets {adapters.target!r} match no layer of this {model.config.model_type} "
-                          "model. Fix: 'all-linear', or names of its linear layers (e.g. q_proj,v_proj)")
-    return modules, wrapped
+    name: str
+    adapter: str
+    adapter_of: str
+    rank: int
+    merged: bool = False
+    shape: tuple | None = None
 
 
 def with_adapters(records: list[ParamRecord], model, adapters: Adapters) -> list[ParamRecord]:
-    """``records`` of a model without adapters, frozen, each targeted one followed by its LoRA factors as PEFT
-    shapes them: A (r, in) and B (out, r) for a linear layer (a Conv1D holds its weight as (in, out)); A (r,
-    embeddings) and B (embedding width, r) for an embedding; for a parameter targeted directly, (r*E, in) and
-    (out, r*E) over its E experts (one for a 2-D weight), merged (``ParamRecord``)."""
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
-
+    """``records`` of a model without adapters, frozen, each targeted one followed by the factors ``adapters`` add
+    to it, as the plugin that owns the method shapes them (``ultrascale_adapter_factors``)."""
     from .fields import ConfigError
 
     if any(r.adapter or not r.trainable for r in records):
         raise ConfigError("adapters asked for a model that has some already (a PEFT model, or frozen parameters). "
                           "Fix: estimate that model as it is, without adapters=")
-    modules, wrapped = lora_targets(model, adapters)
-    names = {id(p): n for n, p in model.named_parameters()}
-    factors: dict = {}  # base parameter name -> its factors' (kind, name, shape, rank, merged)
-    for fqn, m in modules:
-        weight = m.weight
-        if isinstance(m, nn.Embedding):
-            n_in, n_out = weight.shape
-            kinds = ("lora_embedding_A", "lora_embedding_B")
-            pair = [(f"{fqn}.lora_embedding_A.default", (adapters.r, n_in)),
-                    (f"{fqn}.lora_embedding_B.default", (n_out, adapters.r))]
-        else:
-            n_in, n_out = weight.shape if isinstance(m, Conv1D) else weight.shape[::-1]
-            kinds = ("lora_A", "lora_B")
-            pair = [(f"{fqn}.lora_A.default.weight", (adapters.r, n_in)),
-                    (f"{fqn}.lora_B.default.weight", (n_out, adapters.r))]
-        factors.setdefault(names[id(weight)], []).extend(
-            (kind, name, shape, adapters.r, False) for kind, (name, shape) in zip(kinds, pair))
-    for fqn, pname, rank in wrapped:
-        module = model.get_submodule(fqn) if fqn else model
-        param = getattr(module, pname)
-        if param.ndim == 3:  # (experts, out, in), or (experts, in, out) where the module says it is transposed
-            experts, n_out, n_in = param.shape
-            if getattr(module, "is_transposed", False):
-                n_in, n_out = n_out, n_in
-        else:
-            experts, (n_out, n_in) = 1, param.shape
-        base = names[id(param)]
-        factors.setdefault(base, []).extend([
-            ("lora_A", f"{base}.lora_A.default.weight", (rank * experts, n_in), rank, True),
-            ("lora_B", f"{base}.lora_B.default.weight", (n_out, rank * experts), rank, True)])
+    factors: dict = {}
+    for f in _adapter_factors(model, adapters):
+        factors.setdefault(f.adapter_of, []).append(f)
     out = []
     for rec in records:
         base = rec.clone()
         base.trainable = False
         out.append(base)
-        for kind, name, shape, rank, merged in factors.get(rec.name, ()):
-            out.append(ParamRecord(name, shape, rec.part, rec.layer, active=rec.active, adapter=kind,
-                                   adapter_of=rec.name, rank=rank, merged=merged))
+        for f in factors.get(rec.name, ()):
+            out.append(ParamRecord(f.name, f.shape, rec.part, rec.layer, active=rec.active, adapter=f.adapter,
+                                   adapter_of=rec.name, rank=f.rank, merged=f.merged))
     return out
 
 

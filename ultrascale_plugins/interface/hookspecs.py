@@ -43,7 +43,7 @@ import pluggy
 # The annotations below are names only (this module imports nothing of the package, so every module may import
 # it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
 # PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Stage
-# (interface.stages), Estimate / Shape (interface.estimates), ModelPlan (models.plan), ParallelContext /
+# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), ModelPlan (models.plan), ParallelContext /
 # ParallelModel (engine), PluginState (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
 # PretrainedConfig (transformers).
 
@@ -214,6 +214,15 @@ def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, 
     parallel last (``trylast``: shards what is left and adds parameter, gradient and optimizer bytes). A
     dimension that changes what the others see (context parallel: the tokens per rank) or needs their totals
     (a replica axis: the gradient bytes) is a ``wrapper=True`` implementation around them."""
+
+
+@hookspec
+def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
+    """Return the adapter factors this plugin's adapters put on ``model``, as ``estimates.AdapterFactor`` values,
+    so the estimates price them: with ``adapters`` None, the factors ``model`` holds (a PEFT model's LoRA
+    layers); with an ``estimates.Adapters`` whose ``method`` this plugin owns, the factors it would add to a model
+    that has none, with their shapes (the planner's ``--peft lora``). None when it has none or does not own the
+    method."""
 
 
 @hookspec(firstresult=True)

@@ -299,7 +299,8 @@ class CostModel:
         """(share of the training FLOPs per token in routed experts, elements of one expert's largest matrix,
         top-k / experts): what sizes an expert's matmul. (0, 0, 1) for a dense model."""
         if self._experts is None:
-            from ..interface.estimates import expert_share, flops_per_token
+            from ..interface.estimates import flops_per_token
+            from ..interface.moe_config import expert_share
 
             mc = self.spec.config
             records = self.spec.records(self.work.adapters)

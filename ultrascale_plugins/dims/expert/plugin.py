@@ -30,6 +30,7 @@ from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...interface.parallel_dims import MeshAxis, MeshView
 from ...interface.plan_edit import PlanEdit
+from ...interface.moe_config import experts_per_token, routed_experts, text_config
 
 VIEW = "experts"
 STYLE = "ep_experts"  # the experts modules' entry in the tensor-parallel plan
@@ -67,22 +68,13 @@ def ultrascale_validate_config(config, model_config, world_size):
                           f"{config.dp_shard}*{config.cp}*{config.tp} = {_borrowed(config)}, which {config.ep} does "
                           "not divide", f"pick an ep that divides {_borrowed(config)}")
     if model_config is not None:
-        count = num_experts(model_config)
+        count = routed_experts(model_config)
         if count is None:
             raise field_error("ep", config.ep, f"model type '{getattr(model_config, 'model_type', '?')}' has no "
                               "routed experts", "use ep: 1")
         if count % config.ep:
             raise field_error("ep", config.ep, f"the model's {count} experts per layer do not split evenly over "
                               f"{config.ep} ranks", f"pick an ep that divides {count}")
-
-
-def num_experts(model_config) -> int | None:
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    for name in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 1:
-            return value
-    return None
 
 
 def _ep_plan(model: nn.Module, plan) -> dict[str, str]:
@@ -242,9 +234,8 @@ def ultrascale_estimate(config, model_config, shape, estimate):
             moe_layers.add(r.layer)
     if not moe_layers:  # a pipeline rank without MoE layers exchanges nothing
         return
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
-                  if isinstance(getattr(text, k, None), int) and getattr(text, k) > 0), 1)
+    text = text_config(model_config)
+    top_k = experts_per_token(text)
     dims = ParallelDims(config)
     same = [a.degree for a in dims.live_axes if a.name in SOURCE and not a.counts_tokens]
     sharing = 1
@@ -259,7 +250,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     n = len(moe_layers)
     estimate.add_comm("ep", passes * volume * n, "all_to_all", calls=calls * n, per="micro_batch")
     # each local expert's matmul gets the rows the ep ranks route to it: ep x this rank's share of them
-    count = num_experts(model_config) or config.ep
+    count = routed_experts(model_config) or config.ep
     width = max((math.prod(r.shape[1:]) for r in shape.inventory if r.view == VIEW and len(r.shape) == 3), default=0)
     if width:
         estimate.factors["expert_matmul_gflop"] = 2 * config.ep * tokens * top_k / count * width / 1e9
@@ -270,7 +261,7 @@ def ultrascale_presets():
     from ...interface.presets import Preset
 
     def layout(world, per_node, model_config):
-        count = num_experts(model_config) if model_config is not None else None
+        count = routed_experts(model_config) if model_config is not None else None
         ep = max(d for d in range(1, max(1, per_node) + 1)
                  if world % d == 0 and (count is None or count % d == 0))
         return {"dp_shard": world, "ep": ep, "zero_stage": 3}
@@ -290,7 +281,7 @@ def ultrascale_search_choices(config, model_config, world_size):
     experts per MoE layer and the ranks ep borrows (dp_shard*cp*tp). Only under ZeRO-2/3: the experts get FSDP2
     groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which the
     search does not run)."""
-    count = num_experts(model_config) if model_config is not None else None
+    count = routed_experts(model_config) if model_config is not None else None
     if count is None or config.zero_stage < 2:
         return None
     borrowed = _borrowed(config)

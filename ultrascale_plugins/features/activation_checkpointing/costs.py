@@ -6,7 +6,8 @@ of their own (``adapter_bytes``, checked the same way), and the backward is chea
 costs a larger share of the step."""
 from __future__ import annotations
 
-from ...interface.estimates import Estimate, expert_share, flops_per_token, merge_flops
+from ...interface.estimates import Estimate, flops_per_token, merge_flops
+from ...interface.moe_config import expert_share, experts_per_token
 
 
 def activation_bytes_per_token(mc, config, mode: str, element: int,
@@ -47,11 +48,11 @@ def _ffn_width(mc) -> int:
     dense = getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * h
     moe = getattr(mc, "moe_intermediate_size", None)
     if moe and expert_share(mc) < 1:
-        k = next((getattr(mc, a) for a in ("num_experts_per_tok", "moe_top_k", "top_k") if getattr(mc, a, None)), 1)
+        k = experts_per_token(mc)
         shared = getattr(mc, "n_shared_experts", 0) or 0
         return moe * (k + shared)
     if expert_share(mc) < 1:
-        k = next((getattr(mc, a) for a in ("num_experts_per_tok", "moe_top_k", "top_k") if getattr(mc, a, None)), 1)
+        k = experts_per_token(mc)
         return dense * k
     return dense
 
