@@ -53,7 +53,7 @@ def test_unknown_recipe_key_suggests(tmp_path):
 def test_the_final_loss_line_says_what_it_compares():
     """A 2-step run printed "loss 5.337 -> 5.337 (mean of first/last 5 steps)": both means were of the same two
     steps. Each window is now at most half the run, and says how many steps it holds."""
-    from ultrascale_plugins.cli.train import loss_summary
+    from ultrascale_plugins.cli.progress import loss_summary
 
     assert loss_summary([5.337, 5.1]) == "loss 5.337 -> 5.100 (first/last step of 2)"
     assert loss_summary([4.0]) == "loss 4.000 (one step)"

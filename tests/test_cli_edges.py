@@ -188,7 +188,7 @@ def test_a_refusal_is_said_even_when_rank_0_reaches_it_last(tmp_path):
     its line was printed (seen once on CI: no line at all). The other ranks now wait for rank 0 to say it (bounded)."""
     script = tmp_path / "refuse.py"
     script.write_text("import os, time\n"
-                      "from ultrascale_plugins import launch\n"
+                      "from ultrascale_plugins.distributed import launch\n"
                       "from ultrascale_plugins.interface.config import ConfigError\n"
                       "if os.environ['RANK'] == '0':\n"
                       "    time.sleep(3)  # rank 0 reaches the same check last\n"
@@ -366,7 +366,7 @@ def test_resume_without_init_from_log_dir_events_and_clean_output(tmp_path, monk
 
 
 def test_log_dir_without_tensorboard_says_so_once(tmp_path, monkeypatch, capsys):
-    from ultrascale_plugins.cli.train import EventLog
+    from ultrascale_plugins.cli.progress import EventLog
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     log = EventLog(str(tmp_path))

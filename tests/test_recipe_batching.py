@@ -134,7 +134,7 @@ def test_pipeline_conflicts_name_both_fields():
 
 
 def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
-    from ultrascale_plugins.cli.train import micro_batches
+    from ultrascale_plugins.cli.loop import micro_batches
 
     batch = {"input_ids": torch.arange(4 * 5).view(4, 5), "attention_mask": torch.ones(4, 5), "note": "kept"}
     chunks = micro_batches(batch, load_recipe(tiny(tmp_path), ["train.grad_accum=2"]))

@@ -65,9 +65,11 @@ def test_recipes_docs_and_tests_name_modules_by_their_current_names():
     """Every dotted ``ultrascale_plugins.…`` name in the recipes, docs, benchmarks, front ends and tests is a module
     of the package or a name one defines: modules that moved (tests/test_module_map.py) leave no stale name behind."""
     import importlib
+    import importlib.util
     import re
 
     dotted = re.compile(r"\bultrascale_plugins(?:\.\w+)+")
+    importing = re.compile(r"from (ultrascale_plugins[\w.]*) import \(?([\w, ]+)")
     places = [*(ROOT / "recipes").rglob("*.py"), *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "docs").glob("*.md"),
               ROOT / "README.md", *(ROOT / "benchmarks").rglob("*.py"), ROOT / "benchmarks" / "README.md",
               *(ROOT / "integrations").glob("*.py"), *(ROOT / "tests").rglob("*.py")]
@@ -85,6 +87,14 @@ def test_recipes_docs_and_tests_name_modules_by_their_current_names():
                 where, module, parts = where / parts[0], f"{module}.{parts[0]}", parts[1:]
             if parts and parts[0] != "py" and not hasattr(importlib.import_module(module), parts[0]):
                 stale.append(f"{path.relative_to(ROOT)}: {name}")
+        for module, names in importing.findall(path.read_text()):  # each name a from-import takes
+            if (ROOT / "integrations").is_dir() and module.startswith("ultrascale_plugins.integrations"):
+                continue  # the checkout's stand-in package: checked by tests/test_packaging.py
+            for name in (n.split(" as ")[0].strip() for n in names.split(",")):
+                imported = importlib.import_module(module)
+                if name and not hasattr(imported, name) and not (
+                        hasattr(imported, "__path__") and importlib.util.find_spec(f"{module}.{name}")):
+                    stale.append(f"{path.relative_to(ROOT)}: from {module} import {name}")
     assert not stale, stale
 
 
