@@ -254,3 +254,48 @@ def test_environment_variable_restricts_entry_points():
     assert "acme" not in out.stdout
     assert "ultrascale_plugins.dims.tensor.plugin" in out.stdout
     assert "acme" in _plugins_cli(ULTRASCALE_PLUGINS="acme,other").stdout
+
+
+def test_every_hook_is_in_one_group_and_documented_under_it():
+    """hookspecs.GROUPS holds every hook once, in the module's order; docs/writing-a-plugin.md documents each group
+    under its own heading, every hook of it there and nowhere else."""
+    import re
+    from pathlib import Path
+
+    specs = [name for name, _ in sorted(((n, getattr(hookspecs, n)) for n in dir(hookspecs)
+                                         if n.startswith("ultrascale_")),
+                                        key=lambda item: item[1].__code__.co_firstlineno)]
+    grouped = [name for names in hookspecs.GROUPS.values() for name in names]
+    assert grouped == specs
+    assert list(hookspecs.GROUPS) == ["declare", "validate", "transform", "step", "state", "cost"]
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md").read_text()
+    hooks = doc.split("## The hooks\n", 1)[1].split("\n## ", 1)[0]
+    sections = dict(re.findall(r"### (\w+)\n(.*?)(?=\n### |\Z)", hooks, re.S))
+    assert list(sections) == list(hookspecs.GROUPS)
+    for group, names in hookspecs.GROUPS.items():
+        for name in names:
+            holders = [g for g, text in sections.items() if f"`{name}(" in text]
+            assert holders == [group], (name, holders)
+
+
+def test_the_documented_outside_plugin_is_the_tested_file():
+    """The walkthrough's code (docs/writing-a-plugin.md, "An example outside the package") is the outside test
+    plugin's own: each hook it shows is that file's implementation, line for line, and the file implements a hook
+    of every group (the tests that run it: test_outside_plugin, test_lightning, test_accelerate, test_planner)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "writing-a-plugin.md").read_text().split("## An example outside the package", 1)[1]
+    shown = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    source = (root / "tests" / "outside_plugin" / "acme_replicas.py").read_text()
+    defined = {node.name: ast.get_source_segment(source, node)
+               for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    functions = [node for node in ast.parse(shown).body if isinstance(node, ast.FunctionDef)]
+    assert len(functions) >= 3
+    for node in functions:
+        assert ast.get_source_segment(shown, node) == defined.get(node.name), node.name
+    implemented = {name for name in defined if name.startswith("ultrascale_")}
+    for group, names in hookspecs.GROUPS.items():
+        assert implemented & set(names), f"the outside plugin implements no '{group}' hook"

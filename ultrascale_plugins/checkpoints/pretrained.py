@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..interface.model_wrapper import wrapper_of
 from .sharded import CheckpointError
 
 SUFFIX = ".safetensors"
@@ -106,11 +107,12 @@ class PretrainedWeights:
     # initializer that draws them (initialize.ModelInit: the plugin's own scheme, seeded by the entry's name)
     introduced: list[str] = dataclasses.field(default_factory=list)
     init: object = None
+    wrapper: object = None  # the model's ``ModelWrapper``: the values computed from others (DoRA's magnitude)
 
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their pretrained values; restore the buffers
         computed at construction (``to_empty`` leaves them uninitialised); draw the entries a plugin introduced
-        (``introduced``), then set the values computed from others (``ultrascale_init_dependent``: DoRA's
+        (``introduced``), then set the values computed from others (``ModelWrapper.init_dependent``: DoRA's
         magnitude, from the loaded base)."""
         import torch.distributed.checkpoint as dcp
         from safetensors import safe_open
@@ -166,12 +168,11 @@ class PretrainedWeights:
                 for dst, src in copies:
                     dst.copy_(src)
             set_model_state_dict(module, state)
-        from ..interface.plugins import get_plugin_manager
-
         with torch.no_grad():
             if self.init is not None:
                 self.init.fill(ctx.modules, only=set(self.introduced))
-            get_plugin_manager().hook.ultrascale_init_dependent(modules=list(ctx.modules))
+            if self.wrapper is not None:
+                self.wrapper.init_dependent(list(ctx.modules))
 
 
 def read_config(path: str | Path, trust_remote_code: bool = False):
@@ -233,25 +234,19 @@ def conversions(model, found: dict, state: dict) -> tuple[dict[str, str], dict[s
 
 def plain_entries(model, keys, pm=None) -> tuple[dict[str, str], list[str], object]:
     """Where each entry of ``model``'s state dict (``keys``) starts from, asked of the plugins
-    (``ultrascale_pretrained_name``) for a wrapper around a causal LM (a PEFT model): ({key: its name in the plain
+    (``ModelWrapper.pretrained_name``) for a wrapper around a causal LM (a PEFT model): ({key: its name in the plain
     causal LM, as its pretrained files name it}, [keys a plugin introduced, which no file holds], the causal LM the
     plain names are of). A key no plugin answers for is its name without the wrapper's prefix; for a model that
     wraps nothing, every key is its own name."""
-    from ..interface.plugins import get_plugin_manager
-
-    pm = pm or get_plugin_manager()
-    wrapped = pm.hook.ultrascale_wrapped_model(model=model)
-    inner, prefix = (model, "") if wrapped is None else wrapped
+    wrapper = wrapper_of(model, pm)
     plain, introduced = {}, []
     for key in keys:
-        name = pm.hook.ultrascale_pretrained_name(model=model, name=key)
-        if name is None:
-            name = key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else key
+        name = wrapper.pretrained_name(key)
         if name == "":
             introduced.append(key)
         else:
             plain[key] = name
-    return plain, introduced, inner
+    return plain, introduced, wrapper.inner
 
 
 def match_weights(model, path: str | Path, seed: int | None = None) -> PretrainedWeights:
@@ -311,7 +306,7 @@ def match_weights(model, path: str | Path, seed: int | None = None) -> Pretraine
     return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
                              unexpected=sorted(k for k in found if k not in read),
                              fused={key: fused[name] for key, name in plain.items() if name in fused},
-                             introduced=introduced, init=init)
+                             introduced=introduced, init=init, wrapper=wrapper_of(model))
 
 
 def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: set[str],

@@ -20,6 +20,7 @@ from ..interface.parallel_dims import ParallelDims, resolve
 from ..interface.plugins import get_plugin_manager
 from ..interface.runtime import Runtime
 from ..interface.stages import collect_stages, describe_stages, order_stages
+from ..interface.model_wrapper import wrapper_of
 
 
 @dataclasses.dataclass
@@ -92,14 +93,13 @@ class ParallelContext:
 
 
 def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan | None:
-    """The plugins' ``ModelPlan`` for ``model``, found through a wrapper (``ultrascale_wrapped_model``) and named
+    """The plugins' ``ModelPlan`` for ``model``, found through a wrapper (``ultrascale_model_wrapper``) and named
     from ``model``'s root. Every place that needs the plan asks here."""
     pm = pm or get_plugin_manager()
-    wrapped = pm.hook.ultrascale_wrapped_model(model=model)
-    if wrapped is not None:
-        inner, prefix = wrapped
-        plan = pm.hook.ultrascale_model_plan(model=inner, config=config)
-        plan = plan.rerooted(prefix) if plan is not None else None
+    wrapper = wrapper_of(model, pm)
+    if wrapper.wraps:
+        plan = pm.hook.ultrascale_model_plan(model=wrapper.inner, config=config)
+        plan = plan.rerooted(wrapper.prefix) if plan is not None else None
     else:
         plan = pm.hook.ultrascale_model_plan(model=model, config=config)
     if plan is None:
@@ -109,14 +109,13 @@ def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan |
 
 
 def causal_lm_of(obj, pm=None):
-    """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_wrapped_model``: a PEFT model), or
+    """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_model_wrapper``: a PEFT model), or
     None: what the front ends hand to ``parallelize``."""
     from transformers import PreTrainedModel
 
     if not isinstance(obj, nn.Module):
         return None
-    wrapped = (pm or get_plugin_manager()).hook.ultrascale_wrapped_model(model=obj)
-    inner = wrapped[0] if wrapped is not None else obj
+    inner = wrapper_of(obj, pm).inner
     return inner if isinstance(inner, PreTrainedModel) and hasattr(inner, "lm_head") else None
 
 

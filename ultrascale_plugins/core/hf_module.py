@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..interface.config import ConfigError
+from ..interface.model_wrapper import wrapper_of
 
 
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -134,10 +135,10 @@ class ParallelCausalLM(nn.Module):
 
     def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **ignored) -> None:
         """Write a Hugging Face directory (safetensors, config, generation config) of the whole model, or what a
-        plugin writes for its kind of model (a PEFT model: its adapters, ``ultrascale_save_pretrained``). Every
+        plugin writes for its kind of model (a PEFT model: its adapters, ``ModelWrapper.save_pretrained``). Every
         rank must call it: each writes its shards to a temporary sharded checkpoint, which rank 0 then streams
         into safetensors tensor by tensor (memory bounded by one output shard)."""
-        if self.pmodel.pm.hook.ultrascale_save_pretrained(pmodel=self.pmodel, directory=str(save_directory)):
+        if wrapper_of(self.pmodel.module, self.pmodel.pm).save_pretrained(self.pmodel, str(save_directory)):
             return
         import shutil
         from pathlib import Path

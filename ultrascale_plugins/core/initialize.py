@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..interface.meta_copy import meta_copy
+from ..interface.model_wrapper import wrapper_of
 from ..interface.plugins import get_plugin_manager
 
 # wrapper segments torch inserts into parameter names (checkpoint_wrapper, torch.compile, FSDP1); the engine's own
@@ -166,16 +167,17 @@ class ModelInit:
     Make it before ``parallelize`` (it keeps a meta-device twin of the unparallelized model).
 
     A wrapper around a causal LM (a PEFT model) is initialized through the plugins: each of its entries that starts
-    from an entry of the plain model (``ultrascale_pretrained_name``: a LoRA layer's ``base_layer``, a
+    from an entry of the plain model (``ModelWrapper.pretrained_name``: a LoRA layer's ``base_layer``, a
     ``modules_to_save`` copy) is seeded by that entry's name in the plain model, so it gets the plain model's
     values for the seed; the entries a plugin introduced (the adapters) are seeded by their own names and drawn by
-    that plugin (``ultrascale_init_module``); values computed from others (DoRA's magnitude) are set once every
-    shard holds its values (``ultrascale_init_dependent``)."""
+    that plugin (``ModelWrapper.init_module``); values computed from others (DoRA's magnitude) are set once every
+    shard holds its values (``ModelWrapper.init_dependent``)."""
 
     def __init__(self, model: nn.Module, seed: int | None = None, pm=None):
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.pm = pm or get_plugin_manager()
         self.twin = meta_copy(model)
+        self.wrapper = wrapper_of(self.twin, self.pm)  # the plugin's description of a wrapper (a PEFT model)
         fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
         # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the
@@ -191,7 +193,7 @@ class ModelInit:
         self.introduced: set[str] = set()
         self.seed_names: dict[str, str] = {}
         for unit, pnames in self.units.items():
-            plain = [self.pm.hook.ultrascale_pretrained_name(model=self.twin, name=_join(unit, p)) for p in pnames]
+            plain = [self.wrapper.pretrained_name(_join(unit, p)) for p in pnames]
             self.introduced.update(_join(unit, p) for p, name in zip(pnames, plain) if name == "")
             owners = {name[:-len(p)].rstrip(".") for p, name in zip(pnames, plain)
                       if name and (name == p or name.endswith("." + p))}
@@ -212,7 +214,7 @@ class ModelInit:
         """The initial values of one unit's parameters, whole, on the CPU: the unit's parameters made real in the
         twin, then the model's ``_init_weights`` on the unit and on each of its ancestors (as ``initialize_weights``
         visits them, children first: GPT-2's attention block rescales its ``c_proj`` after the Conv1D's own init),
-        or the plugin's own initialization where a plugin introduced the module (``ultrascale_init_module``: a LoRA
+        or the plugin's own initialization where a plugin introduced the module (``ModelWrapper.init_module``: a LoRA
         layer and its adapters), from the generator seeded for this unit (by its ``seed_names`` entry). Everything
         else in the twin is meta, so those calls touch nothing else and draw nothing else."""
         module = self.twin.get_submodule(unit)
@@ -227,7 +229,7 @@ class ModelInit:
             with torch.device("cpu"), _seeded_cpu_rng(unit_seed(self.seed, self.seed_names[unit])), _guard():
                 for name in chain:
                     sub = self.twin.get_submodule(name)
-                    if not self.pm.hook.ultrascale_init_module(model=self.twin, name=name, module=sub):
+                    if not self.wrapper.init_module(name, sub):
                         _init_module(self.owners.get(name), sub)
             return {pname: module._parameters[pname].detach() for pname in self.units[unit]}
         finally:
@@ -237,7 +239,7 @@ class ModelInit:
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their initial values; restore the buffers computed at
         construction (``to_empty`` leaves them uninitialised); then the values computed from others
-        (``ultrascale_init_dependent``)."""
+        (``ModelWrapper.init_dependent``)."""
         twin_buffers = dict(self.twin.named_buffers())
         for module in ctx.modules:
             to_empty_tied(module, ctx.device)
@@ -250,7 +252,7 @@ class ModelInit:
                 else:
                     buf.zero_()
         self.fill(ctx.modules)
-        self.pm.hook.ultrascale_init_dependent(modules=list(ctx.modules))
+        self.wrapper.init_dependent(list(ctx.modules))
 
     @torch.no_grad()
     def fill(self, modules, only: set[str] | None = None) -> None:
@@ -301,5 +303,5 @@ def init_introduced(model: nn.Module, seed: int | None = None) -> list[str]:
     init = ModelInit(model, seed)
     init.fill([model], only=init.introduced)
     with torch.no_grad():
-        init.pm.hook.ultrascale_init_dependent(modules=[model])
+        init.wrapper.init_dependent([model])
     return sorted(init.introduced)

@@ -1,37 +1,27 @@
-"""What a parallelism dimension is: the pluggy hook specifications.
+"""What a parallelism dimension is: the pluggy hook specifications, in six groups.
 
-Every built-in dimension (data parallel / ZeRO, tensor and sequence parallel, pipeline parallel, activation
-checkpointing, the training step, the model plans) implements these hooks exactly as a third-party plugin
-registered under the ``ultrascale_plugins`` entry point would. Hook names start with ``ultrascale_``; an
-implementation whose name matches no specification is rejected when plugins load.
+Every built-in dimension and feature (data parallel / ZeRO, tensor and sequence parallel, pipeline, context and
+expert parallel, PEFT, routers, float8, compile, activation checkpointing, the training step, the model plans)
+implements these hooks exactly as a third-party plugin registered under the ``ultrascale_plugins`` entry point
+would. Hook names start with ``ultrascale_``; an implementation whose name matches no specification is rejected
+when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
 
-A dimension, in the order the engine asks (``engine.parallelize`` reads top to bottom):
+- **declare**: the plugin's layout fields and mesh axes, the model plans it knows (and its additions to other
+  plugins' plans), a model wrapper it owns (a PEFT model: ``model_wrapper.ModelWrapper``), the names front ends
+  offer (Lightning strategies, Accelerate keys);
+- **validate**: before any process group, the layout chosen when asked (``layout: auto``), then checked against the
+  world size, the model's config and its structure;
+- **transform**: its model transforms as named stages, each declaring which stages it runs after and before
+  (``interface.stages`` orders them);
+- **step**: its part of every step: the batch, the optimizer, the loss (how it is computed, what is added to it),
+  gradient accumulation, what follows the last backward, the step itself (replace it, or wrap it with a
+  ``@hookimpl(wrapper=True)`` generator);
+- **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe, its own exported forms;
+- **cost**: its per-rank costs, the adapters it prices, the micro-batches of a step, the ranks worth costing, the
+  values the planner's search should try, a schedule's timeline for the plot.
 
-1. its layout fields (``ultrascale_add_fields``) and mesh axes (``ultrascale_mesh_axes``), chosen when asked
-   (``ultrascale_resolve_layout``: ``layout: auto``) and checked before any process group exists
-   (``ultrascale_validate_config``, ``ultrascale_validate_model``); its model plan (``ultrascale_model_plan``,
-   through a wrapper such as PEFT's: ``ultrascale_wrapped_model``; then each plugin's additions and claims:
-   ``ultrascale_extend_plan``);
-2. its model transform, as named stages (``ultrascale_stages``: the pipeline's split, float8, EP, TP + SP, CP,
-   activation checkpointing, compile, FSDP/DDP), each declaring which stages it runs after and before;
-   ``interface.stages`` orders them;
-3. its part of every step: the batch (``ultrascale_shard_batch``), the optimizer
-   (``ultrascale_prepare_optimizer``), the loss (``ultrascale_loss_context``: how it is computed;
-   ``ultrascale_loss_terms``: what is added to it), gradient accumulation (``ultrascale_no_sync``), what follows a step's last backward
-   (``ultrascale_after_backward``), the step itself
-   (``ultrascale_train_step``: replace it, or wrap it with a ``@hookimpl(wrapper=True)`` generator);
-4. its state in checkpoints (``ultrascale_state_dict`` / ``ultrascale_load_state_dict``; tensors placed in pieces
-   DCP cannot describe: ``ultrascale_checkpoint_view``) and its costs (``ultrascale_estimate``; the ranks worth
-   costing: ``ultrascale_cost_coordinates``; a step's micro-batches: ``ultrascale_microbatches``; a schedule's
-   timeline for the planner's plot: ``ultrascale_schedule_timeline``; the values of its fields the planner's
-   search should try: ``ultrascale_search_choices``); a model's own saved form
-   (``ultrascale_save_pretrained``: a PEFT model's adapters) and its own exported forms
-   (``ultrascale_export``: ``ultrascale export --adapter`` / ``--merged``);
-5. how the front ends name it (``ultrascale_presets``: Lightning strategy names; ``ultrascale_accelerate_keys``:
-   Accelerate's ``parallelism_config`` sizes);
-6. for a wrapper built on the meta device (a PEFT model), where its entries start from: the plain model's
-   pretrained names (``ultrascale_pretrained_name``), the initialization of what it introduced
-   (``ultrascale_init_module``) and of values computed from others (``ultrascale_init_dependent``).
+A family's own runtime needs are methods of its own objects, not hooks: a pipeline's schedule is its
+``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``.
 """
 from __future__ import annotations
 
@@ -43,8 +33,9 @@ import pluggy
 # The annotations below are names only (this module imports nothing of the package, so every module may import
 # it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
 # PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Stage
-# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), ModelPlan (models.plan), ParallelContext /
-# ParallelModel (engine), PluginState (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
+# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), ModelWrapper
+# (interface.model_wrapper), ModelPlan (models.plan), ParallelContext / ParallelModel (core.engine), PluginState
+# (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
 # PretrainedConfig (transformers).
 
 PROJECT = "ultrascale_plugins"
@@ -52,7 +43,9 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-# ---- the layout -------------------------------------------------------------------------------------------
+# ---- declare ---------------------------------------------------------------------------------------------------------
+# What the plugin adds: its layout fields and mesh axes, the model plans it knows, a wrapper it owns, the names
+# front ends offer.
 @hookspec
 def ultrascale_add_fields(fields: Fields) -> None:
     """Declare this dimension's layout fields: ``fields.add(name, type, default, help, choices=..., minimum=...,
@@ -65,6 +58,48 @@ def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | 
     in the whole layout may have degree -1, the rest of the world). Their product is the world size."""
 
 
+@hookspec(firstresult=True)
+def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
+    """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_model_wrapper(model: nn.Module) -> ModelWrapper | None:
+    """When ``model`` wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``), return
+    a ``model_wrapper.ModelWrapper`` describing it: the causal LM and its path, where each entry's pretrained value
+    comes from, the initial values of what the wrapper introduced and of values computed from others, its own saved
+    form. The engine asks the plans of the inner model and names them from ``model``'s root, so every dimension
+    finds the layers, the embedding and the head through the wrapper. None when ``model`` is not this plugin's."""
+
+
+@hookspec
+def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
+    """Return a ``plan_edit.PlanEdit`` for modules this plugin introduces into ``model`` (adapters around a planned
+    layer) or claims from the plan (experts for another dimension), or None.
+
+    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_model_plan`` (and
+    the wrapper's renaming) and before ``ultrascale_validate_model``, with the plan as the other plugins made it
+    (names from ``model``'s root); never with ``plan=None``. Every plugin's edit applies to that same plan, in
+    pluggy's call order; two plugins that give one name different styles are refused (``ConfigError``). The
+    plan's regions (what sequence parallel gathers) are then recomputed from the edited entries, so every
+    dimension, the data-flow trace and the dry runs see the edited plan."""
+
+
+@hookspec
+def ultrascale_presets() -> list[Preset] | None:
+    """Return named layouts (``presets.Preset``) that front ends offer by name: Lightning registers each as the
+    strategy ``ultrascale_<name>`` (``Trainer(strategy="ultrascale_cp", devices=8)``)."""
+
+
+@hookspec
+def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
+    """Return the Accelerate ``parallelism_config`` size keys this dimension reads, as ``{key: (field, implied)}``:
+    the YAML key ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>`` set ``field`` to
+    their value and the fields of ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``)."""
+
+
+# ---- validate --------------------------------------------------------------------------------------------------------
+# Before any process group: the layout chosen when asked, then checked against the world and the model.
 @hookspec(firstresult=True)
 def ultrascale_resolve_layout(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> ParallelConfig | None:
     """Return the concrete ``ParallelConfig`` to run for a layout that asks to be chosen (the planner's
@@ -84,33 +119,8 @@ def ultrascale_validate_model(model: nn.Module, plan: ModelPlan | None, config: 
     group exists; ``model`` may live on the meta device, ``plan`` is the model plan (or None)."""
 
 
-@hookspec(firstresult=True)
-def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
-    """Return a ``ModelPlan`` for this Hugging Face model, or None to let another plugin answer."""
-
-
-@hookspec(firstresult=True)
-def ultrascale_wrapped_model(model: nn.Module) -> tuple[nn.Module, str] | None:
-    """When ``model`` wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``),
-    return ``(inner, prefix)``: the inner model and its name inside ``model``; else None. The engine then asks
-    ``ultrascale_model_plan`` for ``inner`` and names the plan's modules from ``model`` (``ModelPlan.rerooted``),
-    so every dimension finds the layers, the embedding and the head through the wrapper."""
-
-
-@hookspec
-def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
-    """Return a ``plan_edit.PlanEdit`` for modules this plugin introduces into ``model`` (adapters around a planned
-    layer) or claims from the plan (experts for another dimension), or None.
-
-    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_model_plan`` (and
-    the wrapper's renaming) and before ``ultrascale_validate_model``, with the plan as the other plugins made it
-    (names from ``model``'s root); never with ``plan=None``. Every plugin's edit applies to that same plan, in
-    pluggy's call order; two plugins that give one name different styles are refused (``ConfigError``). The
-    plan's regions (what sequence parallel gathers) are then recomputed from the edited entries, so every
-    dimension, the data-flow trace and the dry runs see the edited plan."""
-
-
-# ---- the model transform: named stages, ordered by their declarations -------------------------------------
+# ---- transform -------------------------------------------------------------------------------------------------------
+# What it does to the model, as named stages the engine orders by their declarations.
 @hookspec
 def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) -> list[Stage]:
     """This plugin's model transforms for the layout ``config`` and the model of ``model_config`` (None when only
@@ -125,6 +135,9 @@ def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) ->
     the engine averages the others)."""
 
 
+# ---- step ------------------------------------------------------------------------------------------------------------
+# Its part of every training step: the batch, the optimizer, the loss, accumulation, after the backward, the step
+# itself.
 @hookspec
 def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of ``batch`` in place (a dict of tensors: ``input_ids``, ``attention_mask``,
@@ -176,7 +189,8 @@ def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor],
     model's runtime; a plugin may replace it (first result wins) or wrap it (``@hookimpl(wrapper=True)``)."""
 
 
-# ---- state and costs ----------------------------------------------------------------------------------------
+# ---- state -----------------------------------------------------------------------------------------------------------
+# What it keeps in checkpoints and how a checkpoint of its model is exported.
 @hookspec
 def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
     """Add this dimension's entries to ``state`` (a ``checkpoint.PluginState``): ``state.shared[key]`` for what
@@ -200,6 +214,18 @@ def ultrascale_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
     None to save and load it as it is. Every sharded save and load, and pretrained loading, ask it per tensor."""
 
 
+@hookspec(firstresult=True)
+def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
+    """Write the sharded checkpoint ``checkpoint`` (a ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``,
+    ``config`` (its transformers config), ``names`` (the model tensors it holds) and ``read(names)``, those
+    tensors whole on the CPU, read in this one process) into the new directory ``out_dir`` in the form ``form``
+    (``"adapter"``: PEFT's own files; ``"merged"``: a plain transformers model with the adapters folded in, the
+    frozen base from the directory ``base`` when given) and return True, when this plugin's model wrote it (a PEFT
+    model's); None leaves it to another plugin. ``ultrascale export --adapter`` / ``--merged``."""
+
+
+# ---- cost ------------------------------------------------------------------------------------------------------------
+# What a layout costs one rank, for the estimate and the planner.
 @hookspec
 def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, shape: Shape, estimate: Estimate) -> None:
     """Add this dimension's per-rank costs to ``estimate`` (an ``estimates.Estimate``): memory in bytes per
@@ -259,75 +285,16 @@ def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, 
     not know. The planner's plot draws it."""
 
 
-@hookspec(firstresult=True)
-def ultrascale_save_pretrained(pmodel: ParallelModel, directory: str) -> bool | None:
-    """Write ``pmodel``'s model to ``directory`` as its own library's ``save_pretrained`` would, when this plugin
-    owns that format (a PEFT model: its adapters, in PEFT's files), and return True; None leaves it to the
-    whole-model Hugging Face export. Every rank calls it (the front ends' ``save_model`` / ``save_pretrained``)."""
-
-
-@hookspec(firstresult=True)
-def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
-    """Write the sharded checkpoint ``checkpoint`` (a ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``,
-    ``config`` (its transformers config), ``names`` (the model tensors it holds) and ``read(names)``, those
-    tensors whole on the CPU, read in this one process) into the new directory ``out_dir`` in the form ``form``
-    (``"adapter"``: PEFT's own files; ``"merged"``: a plain transformers model with the adapters folded in, the
-    frozen base from the directory ``base`` when given) and return True, when this plugin's model wrote it (a PEFT
-    model's); None leaves it to another plugin. ``ultrascale export --adapter`` / ``--merged``."""
-
-
-# ---- names in the front ends --------------------------------------------------------------------------------
-@hookspec
-def ultrascale_presets() -> list[Preset] | None:
-    """Return named layouts (``presets.Preset``) that front ends offer by name: Lightning registers each as the
-    strategy ``ultrascale_<name>`` (``Trainer(strategy="ultrascale_cp", devices=8)``)."""
-
-
-@hookspec
-def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
-    """Return the Accelerate ``parallelism_config`` size keys this dimension reads, as ``{key: (field, implied)}``:
-    the YAML key ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>`` set ``field`` to
-    their value and the fields of ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``)."""
-
-
-# ---- a wrapper's parameters on the meta device: pretrained names and initial values -------------------------
-@hookspec(firstresult=True)
-def ultrascale_pretrained_name(model: nn.Module, name: str) -> str | None:
-    """Where the state-dict entry ``name`` of ``model`` (a wrapper around a causal LM, ``ultrascale_wrapped_model``:
-    a PEFT model) takes its initial value from. Return the name of that entry in the plain causal LM, as its
-    ``save_pretrained`` files name it (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``; a trained copy of a module, PEFT's ``modules_to_save``, -> the
-    module it copies); ``""`` when the entry is one this plugin introduced, which no pretrained file holds (an
-    adapter: ``ultrascale_init_module`` gives it its values); None when ``model`` or ``name`` is not this plugin's
-    (the engine then strips the wrapper's prefix, or keeps ``name`` for an unwrapped model).
-
-    Asked for every entry, on the model as handed to ``parallelize`` (it may live on the meta device), before any
-    process group exists: when pretrained weights are matched to it (``checkpoints.pretrained.match_weights``:
-    every name must resolve to a key of the files, or be introduced) and when a model built on the meta device is
-    initialized (``initialize.ModelInit``: an entry named here is drawn as that entry of the plain model, so the
-    same seed gives a wrapper's base the plain model's weights)."""
-
-
-@hookspec(firstresult=True)
-def ultrascale_init_module(model: nn.Module, name: str, module: nn.Module) -> bool | None:
-    """Give ``module`` (the submodule ``name`` of ``model``) this plugin's own initialization and return True, when
-    it holds, or is the layer that owns, parameters this plugin introduced (``ultrascale_pretrained_name``
-    answered ``""``): a PEFT LoRA layer's ``lora_A`` / ``lora_B``, drawn as PEFT draws them (kaiming-uniform A,
-    zero B); None leaves ``module`` to the model's own ``_init_weights``.
-
-    Called by ``initialize.ModelInit`` when a model built on the meta device gets its values, shard by shard: on a
-    meta-device twin of the unparallelized ``model`` in which only one unit's parameters are real, for that unit
-    (a module with parameters of its own) and then each of its ancestors, children first, inside the CPU
-    generator seeded with (seed, the unit's name). Draw with torch's init functions on the module's parameters:
-    the others are on the meta device, where writes draw nothing and change nothing, so a unit's values depend only
-    on the seed and its name."""
-
-
-@hookspec
-def ultrascale_init_dependent(modules: list[nn.Module]) -> None:
-    """Set the initial values that are functions of other parameters' values (DoRA's magnitude: the norm of its
-    base layer's weight plus the adapter's update), once ``modules`` (this rank's model parts, in their final
-    layout: DTensors under FSDP2) hold their pretrained or drawn values. Called on every rank at the end of a meta
-    -device model's materialization (``ModelInit.load``, ``PretrainedWeights.load``) and by
-    ``initialize.init_introduced``, before the first step. The ranks that shard a part together hold it alike and
-    call this in the same order, so collectives over that part's mesh (``DTensor.full_tensor``) pair up."""
+# The hooks by what they are for (docs/writing-a-plugin.md walks through them in this order).
+GROUPS = {
+    "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_model_plan", "ultrascale_model_wrapper",
+                "ultrascale_extend_plan", "ultrascale_presets", "ultrascale_accelerate_keys"),
+    "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
+    "transform": ("ultrascale_stages",),
+    "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
+             "ultrascale_loss_terms", "ultrascale_no_sync", "ultrascale_after_backward", "ultrascale_train_step"),
+    "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
+              "ultrascale_export"),
+    "cost": ("ultrascale_estimate", "ultrascale_adapter_factors", "ultrascale_microbatches",
+             "ultrascale_cost_coordinates", "ultrascale_search_choices", "ultrascale_schedule_timeline"),
+}

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.features.peft.adapters",
     "ultrascale_plugins.features.peft.pricing",
+    "ultrascale_plugins.features.peft.wrapper",
     "ultrascale_plugins.features.peft.checkpoints",
     "ultrascale_plugins.features.peft.meta",
     "ultrascale_plugins.features.peft.quantized_base",

@@ -1,7 +1,7 @@
 """PEFT models (``peft.get_peft_model``: LoRA, DoRA, ...) handed to ``parallelize``.
 
 A PEFT model wraps the causal LM (``base_model.model``), so this plugin tells the engine where it is
-(``ultrascale_wrapped_model``): the plans of the wrapped model then apply through the wrapper, and ZeRO-3 shards
+(``ultrascale_model_wrapper``, ``wrapper.PeftWrapper``): the plans of the wrapped model then apply through the wrapper, and ZeRO-3 shards
 each decoder layer on its own, adapters included, instead of gathering the whole model as one group. The frozen
 base has no gradients and no optimizer state: data parallel averages, and ZeRO shards, only what trains.
 
@@ -26,17 +26,7 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-@hookimpl
-def ultrascale_wrapped_model(model):
-    if not is_peft_model(model):
-        return None
-    inner = model.get_base_model()
-    prefix = next(fqn for fqn, module in model.named_modules() if module is inner)
-    return inner, prefix
-
-
-@hookimpl
-def ultrascale_save_pretrained(pmodel, directory):
+def save_adapters(pmodel, directory) -> bool:
     """The adapters in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``), as a PEFT model's
     ``save_pretrained`` writes them: every rank gathers the trainable tensors (the adapters, a ``modules_to_save``
     copy), which are small, never the frozen base; rank 0 hands them to PEFT to name and write."""
@@ -45,7 +35,7 @@ def ultrascale_save_pretrained(pmodel, directory):
 
     model = pmodel.module
     if not is_peft_model(model):
-        return None
+        return False
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     state = {}
     for part in pmodel.modules:

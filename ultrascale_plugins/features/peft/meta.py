@@ -6,18 +6,18 @@ initialization of the adapters, drawn shard by shard like the rest of the model.
         model = get_peft_model(base, LoraConfig(r=16, target_modules="all-linear"))
     pmodel = parallelize(model, ParallelConfig(dp_shard=-1), init_weights=match_weights(model, DIR))
 
-- **Names** (``ultrascale_pretrained_name``): PEFT replaces each targeted layer by a LoRA layer holding the original
+- **Names** (``PeftWrapper.pretrained_name``): PEFT replaces each targeted layer by a LoRA layer holding the original
   as ``base_layer`` (``q_proj.weight`` becomes ``q_proj.base_layer.weight``) beside its adapters, and keeps a
   ``modules_to_save`` module twice (``lm_head.original_module`` and the trained copy
   ``lm_head.modules_to_save.<adapter>``, both starting from ``lm_head``); the pretrained files, and the seeds of a
   model initialized from scratch, name the plain causal LM's modules. The adapters (``lora_A``, ``lora_B``,
   ``lora_embedding_A`` / ``_B``, ``lora_magnitude_vector``) are this plugin's: no file holds them.
-- **Adapters** (``ultrascale_init_module``): what PEFT does when it builds a LoRA layer, in its order — the adapter
+- **Adapters** (``PeftWrapper.init_module``): what PEFT does when it builds a LoRA layer, in its order — the adapter
   modules' construction (``nn.Linear``'s ``reset_parameters``, ``torch.randn`` for the embedding's) then the layer's
   ``reset_lora_parameters``: kaiming-uniform A and zero B (``init_lora_weights=True``), normal A
   (``"gaussian"``), or the construction's values (``False``); LoRA on an embedding: zero A, normal B. rsLoRA's
   scaling is the config's, nothing to draw.
-- **DoRA's magnitude** (``ultrascale_init_dependent``): the norm of the base weight plus the adapter's update,
+- **DoRA's magnitude** (``PeftWrapper.init_dependent``): the norm of the base weight plus the adapter's update,
   computed by PEFT's own DoRA layer once the base holds its values — one layer at a time, its shards gathered.
 
 The engine seeds each unit's draws by (seed, its name): an adapter by its name in the PEFT model
@@ -28,7 +28,6 @@ are PEFT's scheme but not the numbers ``get_peft_model`` draws from the global g
 """
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -38,7 +37,7 @@ from ...interface.fields import ConfigError
 from ...interface.hookspecs import hookimpl
 from .adapters import is_peft_model
 
-INTRODUCED = ""  # ultrascale_pretrained_name's answer for an entry no pretrained file holds
+INTRODUCED = ""  # pretrained_name's answer for an entry no pretrained file holds
 NEW = object()  # plain_names' mark of a module the adapters introduced
 SUPPORTED_INITS = (True, False, "gaussian")  # the schemes reset_lora_parameters draws without the base's values
 _names: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # plain_names, per model
@@ -98,7 +97,7 @@ class _Copies:
         self.of = of
 
 
-def _entry_plain_name(model, name: str):
+def entry_plain_name(model, name: str):
     module_name, _, entry = name.rpartition(".")
     plain = plain_names(model).get(module_name)
     if plain is NEW:
@@ -108,21 +107,12 @@ def _entry_plain_name(model, name: str):
     return f"{plain}.{entry}" if plain else entry
 
 
-@hookimpl
-def ultrascale_pretrained_name(model, name):
-    if not is_peft_model(model):
-        return None
-    return _entry_plain_name(model, name)
-
-
 def _introduced(model, name: str) -> bool:
     return plain_names(model).get(name) is NEW
 
 
-@hookimpl
-def ultrascale_init_module(model, name, module):
-    if not is_peft_model(model):
-        return None
+def init_module(model, name, module) -> bool:
+    """PEFT's initialization of ``module`` when it is a LoRA layer or one of the modules its adapters introduced."""
     from peft.tuners.lora import LoraLayer
 
     if isinstance(module, LoraLayer):  # PEFT's reset after construction, for each adapter this layer holds
@@ -130,14 +120,14 @@ def ultrascale_init_module(model, name, module):
             module.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
         return True
     if not _introduced(model, name):
-        return None
+        return False
     # an adapter module: its construction's values (PEFT then resets them in the layer above)
     if isinstance(module, nn.ParameterDict):  # lora_embedding_A / _B: torch.randn at construction
         for p in module.values():
             nn.init.normal_(p)
     elif hasattr(module, "reset_parameters"):  # lora_A / lora_B: nn.Linear (or a convolution)
         module.reset_parameters()
-    else:  # DoRA's magnitude: set from the base weight's values (ultrascale_init_dependent)
+    else:  # DoRA's magnitude: set from the base weight's values (PeftWrapper.init_dependent)
         for p in module.parameters(recurse=False):
             nn.init.zeros_(p)
     return True
@@ -149,10 +139,8 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-@hookimpl
-def ultrascale_init_dependent(modules):
-    if "peft" not in sys.modules:
-        return
+def init_dependent(modules) -> None:
+    """DoRA's magnitude of every LoRA layer in ``modules``, from its base weight and adapters."""
     from peft.tuners.lora import LoraLayer
 
     with torch.no_grad():
@@ -188,7 +176,7 @@ def _set_magnitude(layer, adapter: str, magnitude: nn.Module) -> None:
 
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
-    """A PEFT model on the meta device gets its adapters from ``ultrascale_init_module``: refuse, before any process
+    """A PEFT model on the meta device gets its adapters from ``PeftWrapper.init_module``: refuse, before any process
     group, what that does not draw (adapters whose initial values depend on the base's, other tuners)."""
     if not is_peft_model(model) or not any(p.is_meta for p in model.parameters()):
         return

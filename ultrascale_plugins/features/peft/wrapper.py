@@ -1,0 +1,32 @@
+"""A PEFT model as the engine sees it (``ultrascale_model_wrapper``): the causal LM at ``base_model.model``, the
+pretrained name of each entry and PEFT's initialization of its adapters (``meta``), its adapters saved in PEFT's own
+format (``adapters.save_adapters``)."""
+from __future__ import annotations
+
+from ...interface.hookspecs import hookimpl
+from ...interface.model_wrapper import ModelWrapper
+from .adapters import is_peft_model, save_adapters
+from .meta import entry_plain_name, init_dependent, init_module
+
+
+class PeftWrapper(ModelWrapper):
+    def pretrained_name(self, name: str) -> str:
+        plain = entry_plain_name(self.model, name)
+        return plain if plain is not None else super().pretrained_name(name)
+
+    def init_module(self, name: str, module) -> bool:
+        return init_module(self.model, name, module)
+
+    def init_dependent(self, modules: list) -> None:
+        init_dependent(modules)
+
+    def save_pretrained(self, pmodel, directory: str) -> bool:
+        return save_adapters(pmodel, directory)
+
+
+@hookimpl
+def ultrascale_model_wrapper(model):
+    if not is_peft_model(model):
+        return None
+    inner = model.get_base_model()
+    return PeftWrapper(model, inner, next(fqn for fqn, module in model.named_modules() if module is inner))

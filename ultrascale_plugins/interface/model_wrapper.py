@@ -1,0 +1,56 @@
+"""A model that wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``), described by
+the plugin that owns that kind of wrapper (``ultrascale_model_wrapper``). The engine asks this object, and nothing
+else, what depends on the wrapper: where the causal LM sits, where each entry's pretrained value comes from, the
+initial values of what the wrapper introduced and of what depends on other values, and its own saved form."""
+from __future__ import annotations
+
+
+class ModelWrapper:
+    """``model`` wraps ``inner`` (a transformers causal LM) at the submodule path ``prefix`` ("" for a model that
+    wraps nothing: ``ModelWrapper.none(model)``). A plugin returns a subclass from ``ultrascale_model_wrapper``,
+    overriding what its wrapper changes; the defaults are those of a wrapper that only nests the model."""
+
+    def __init__(self, model, inner=None, prefix: str = ""):
+        self.model, self.inner, self.prefix = model, model if inner is None else inner, prefix
+
+    @classmethod
+    def none(cls, model) -> "ModelWrapper":
+        return cls(model)
+
+    @property
+    def wraps(self) -> bool:
+        return self.inner is not self.model
+
+    def pretrained_name(self, name: str) -> str:
+        """Where the state-dict entry ``name`` of ``model`` takes its initial value from: its name in the plain
+        causal LM, as that model's ``save_pretrained`` files name it; ``""`` for an entry the wrapper introduced,
+        which no pretrained file holds (its value comes from ``init_module``). Default: the name without the
+        prefix. Asked for every entry before any process group exists (``checkpoints.pretrained.match_weights``)
+        and when a meta-device model is initialized (``initialize.ModelInit``), on the model as handed to
+        ``parallelize``."""
+        return name[len(self.prefix) + 1:] if self.prefix and name.startswith(self.prefix + ".") else name
+
+    def init_module(self, name: str, module) -> bool:
+        """Give ``module`` (the submodule ``name`` of ``model``) the wrapper's own initialization and return True,
+        when it holds, or is the layer that owns, entries the wrapper introduced; False leaves it to the model's own
+        ``_init_weights``. Called on a meta-device twin of ``model`` in which only one unit's parameters are real,
+        inside the CPU generator seeded with (seed, the unit's name): draw with torch's init functions."""
+        return False
+
+    def init_dependent(self, modules: list) -> None:
+        """Set the initial values that are functions of other parameters' values (DoRA's magnitude), once
+        ``modules`` (this rank's model parts, in their final layout) hold their pretrained or drawn values. Every
+        rank calls it in the same order, so collectives over a part's mesh pair up."""
+
+    def save_pretrained(self, pmodel, directory: str) -> bool:
+        """Write ``pmodel``'s model to ``directory`` as the wrapper's own library would (a PEFT model: its adapters)
+        and return True; False leaves it to the whole-model Hugging Face export. Every rank calls it."""
+        return False
+
+
+def wrapper_of(model, pm=None) -> ModelWrapper:
+    """The plugins' description of ``model`` (``ultrascale_model_wrapper``), or a wrapper of nothing."""
+    from .plugins import get_plugin_manager  # the plugin manager imports the hookspecs, which name this module
+
+    wrapper = (pm or get_plugin_manager()).hook.ultrascale_model_wrapper(model=model)
+    return wrapper if wrapper is not None else ModelWrapper.none(model)
