@@ -299,3 +299,23 @@ def test_the_documented_outside_plugin_is_the_tested_file():
     implemented = {name for name in defined if name.startswith("ultrascale_")}
     for group, names in hookspecs.GROUPS.items():
         assert implemented & set(names), f"the outside plugin implements no '{group}' hook"
+
+
+def test_describe_says_what_wraps_the_model_before_the_stages():
+    """``us.describe(..., model=)`` of a PEFT model: the wrapper's line (its plugin's ``ModelWrapper.describe``)
+    comes first, then the same stages as for the plain model; a plain model adds no line."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from models import make_config
+
+    mc = make_config("llama")
+    config = us.ParallelConfig(pp=2, tp=2, dp_shard=2)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(mc)
+        wrapped = get_peft_model(AutoModelForCausalLM.from_config(mc), LoraConfig(r=4, target_modules=["q_proj"]))
+    lines = us.describe(config, mc, model=wrapped).splitlines()
+    assert lines[0].startswith(" 0. the model: a PEFT model (LORA r=4) around the LlamaForCausalLM")
+    assert lines[0].endswith("(ultrascale_plugins.features.peft.wrapper)")
+    assert lines[1:] == us.describe(config, mc).splitlines() == us.describe(config, mc, model=plain).splitlines()

@@ -192,13 +192,20 @@ def stages(config: ParallelConfig, model_config: Any, *, world_size: int, pm=Non
     return order_stages(collect_stages(pm, resolved, model_config))
 
 
-def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None) -> str:
+def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None, model=None,
+             pm=None) -> str:
     """The stages ``parallelize`` applies for this layout, in order, one line each: name, mesh axes, what it does
-    to the model and the plugin it comes from. ``world_size``: default, the product of the layout's degrees."""
+    to the model and the plugin it comes from. ``world_size``: default, the product of the layout's degrees.
+    ``model``: the model to be parallelized, when it wraps the causal LM (a PEFT model): a first line says what
+    its wrapper (``ultrascale_model_wrapper``) is and how its modules go through the stages."""
     config = as_config(config)
     if world_size is None:
         world_size = math.prod(max(a.degree, 1) for a in ParallelDims(config).axes)
-    return describe_stages(stages(config, model_config, world_size=world_size))
+    text = describe_stages(stages(config, model_config, world_size=world_size, pm=pm))
+    wrapper = wrapper_of(model, pm) if model is not None else None
+    if wrapper is not None and wrapper.wraps:
+        text = f" 0. the model: {wrapper.describe()}  ({type(wrapper).__module__})\n" + text
+    return text
 
 
 def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_len: int = 2048,

@@ -21,6 +21,10 @@ class ModelWrapper:
     def wraps(self) -> bool:
         return self.inner is not self.model
 
+    def describe(self) -> str:
+        """What ``us.describe`` says of the wrapper, before the stages."""
+        return f"a {type(self.model).__name__} around the {type(self.inner).__name__} at {self.prefix}"
+
     def pretrained_name(self, name: str) -> str:
         """Where the state-dict entry ``name`` of ``model`` takes its initial value from: its name in the plain
         causal LM, as that model's ``save_pretrained`` files name it; ``""`` for an entry the wrapper introduced,

@@ -10,6 +10,13 @@ from .meta import entry_plain_name, init_dependent, init_module
 
 
 class PeftWrapper(ModelWrapper):
+    def describe(self) -> str:
+        configs = ", ".join(f"{getattr(c.peft_type, 'value', c.peft_type)} r={getattr(c, 'r', '?')}"
+                            for c in self.model.peft_config.values())
+        return (f"a PEFT model ({configs}) around the {type(self.inner).__name__}: the base frozen, each adapter "
+                "sharded as its base layer by every stage (ultrascale_extend_plan), data parallel reducing and "
+                "sharding only what trains")
+
     def pretrained_name(self, name: str) -> str:
         plain = entry_plain_name(self.model, name)
         return plain if plain is not None else super().pretrained_name(name)
