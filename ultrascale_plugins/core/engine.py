@@ -14,12 +14,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import launch
+from ..distributed.comm_ledger import CommLedger, GroupLabels, last_record_id
+from ..distributed.grad_norm import clip_grad_norm_
+from ..distributed.loss import IGNORE_INDEX, shifted_targets, token_loss_sum, valid_token_counts
 from ..interface.config import ConfigError, ParallelConfig
+from ..interface.estimates import Estimate, Shape, inventory, meta_model
 from ..models.plan import ModelPlan, layers_present
 from ..interface.parallel_dims import ParallelDims, resolve
 from ..interface.plugins import get_plugin_manager
 from ..interface.runtime import Runtime
 from ..interface.stages import collect_stages, describe_stages, order_stages
+from .comm_report import StepProfile
 from ..interface.model_wrapper import wrapper_of
 
 
@@ -230,8 +235,6 @@ def estimate_with_shape(config: ParallelConfig, model_config: Any, *, world_size
                         **constants):
     """``estimate``, and the ``Shape`` as the dimensions left it (the inventory cut to this rank's share, the
     pipeline's layers): what the layout's communication minimum (``comm_minimum``) is computed from."""
-    from ..interface.estimates import Estimate, Shape, inventory, meta_model
-
     pm = pm or get_plugin_manager()
     resolved = validate(config, model_config, world_size, pm) if check else resolve(as_config(config), world_size,
                                                                                       pm, check=False)
@@ -469,9 +472,6 @@ class ParallelModel:
         the same step and the layout's minimum (``comm_report``). Every rank must run the block. Yields a
         ``comm_report.StepProfile``, whose ``table`` (text) and ``rows`` are filled when the block ends; rank 0
         hands the table to ``out`` (None: nothing printed). Nothing it records changes what runs."""
-        from ..distributed.comm_ledger import CommLedger, GroupLabels, last_record_id
-        from .comm_report import StepProfile
-
         profile = StepProfile(self)
         labels = GroupLabels(self.meshes)
         after = last_record_id()  # the flight recorder's last entry, when it is on (the independent count)
@@ -489,8 +489,6 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
-        from ..distributed.grad_norm import clip_grad_norm_
-
         params = list(self.parameters())
         return clip_grad_norm_(self.runtime.norm_parameters(params), max_norm, norm_type,
                                group=self.runtime.norm_group(), clip=params)
@@ -498,11 +496,12 @@ class ParallelModel:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state: ``{"model": ...}`` (DTensors where sharded, the unparallelized
         model's parameter names), the layout, and what each dimension adds through ``ultrascale_state_dict``."""
-        from ..checkpoints.sharded import PluginState
-
         model_state: dict[str, Any] = {}
         for module in self.modules:
             model_state.update(module.state_dict())
+        # torch.distributed.checkpoint takes over a second to import: only for a run that saves
+        from ..checkpoints.sharded import PluginState
+
         plugins = PluginState()
         self.pm.hook.ultrascale_state_dict(pmodel=self, state=plugins)
         return {"model": model_state, "config": self.config.to_dict(), "plugins": plugins}
@@ -538,8 +537,6 @@ class ParallelModel:
         """This rank's inputs and next-token ``targets`` on the device: the data loader's rows, then each
         dimension's part of them (``ultrascale_shard_batch``). Targets are shifted before any plugin splits the
         sequence, so the token after a split point stays the target of the one before it."""
-        from ..distributed.loss import shifted_targets
-
         batch = self.to_device(batch)
         if self._profile is not None:
             self._profile.saw_batch(batch)
@@ -550,8 +547,6 @@ class ParallelModel:
 
     def global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
         """Valid target tokens over every rank that holds different tokens (the ``counts_tokens`` axes)."""
-        from ..distributed.loss import IGNORE_INDEX
-
         count = (targets != IGNORE_INDEX).sum().to(torch.float64)
         if self._token_group is not None:
             dist.all_reduce(count, group=self._token_group)
@@ -573,8 +568,6 @@ class ParallelModel:
         exactly the step's global token mean, in value and gradient, however unevenly padding falls."""
         if len(chunks) == 1:
             return [1.0]
-        from ..distributed.loss import valid_token_counts
-
         counts = self.sum_over_rows(valid_token_counts(chunks))
         total = float(counts.sum())
         return [float(c) / total if total else 1.0 / len(chunks) for c in counts]
@@ -635,8 +628,6 @@ class ParallelModel:
         """The model's output on this rank's batch, with ``loss``: its value is the global-mean loss over every
         valid token of the global batch (the same on every rank), its gradient this rank's share of it. Under
         ``torch.no_grad`` the loss is the plain global mean."""
-        from ..distributed.loss import token_loss_sum
-
         batch = self.prepare_batch(batch)
         targets = batch.pop("targets")
         count = self.global_token_count(targets)
