@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from .. import _timing_mark
-from ..checkpoints.sharded import load_checkpoint, save_checkpoint
 from ..data.recipe import Recipe
 from ..data.recipe_data import TrainingData
 from ..interface.config import ConfigError
@@ -52,6 +51,8 @@ def resume_state(resume: str | None, pmodel, optimizer, data: TrainingData) -> i
     and the data position; the step to continue from (0 without one)."""
     if not resume:
         return 0
+    from ..checkpoints.sharded import load_checkpoint  # DCP takes over a second to import: only for a run that loads
+
     p = Path(resume)
     meta = load_checkpoint(pmodel, optimizer, p if (p / "ultrascale.json").exists() else None, directory=p)
     first_step = int(meta["extra"].get("data_position", meta["step"]))
@@ -124,6 +125,8 @@ class Checkpoints:
 
     def save(self, steps_done: int):
         """Write the checkpoint of ``steps_done`` steps (in the background with ``train.async_save``: its handle)."""
+        from ..checkpoints.sharded import save_checkpoint  # DCP takes over a second to import: only when saving
+
         t = self.recipe.train
         if self.saving is not None:  # one checkpoint in flight at a time
             self.saving.wait()

@@ -8,7 +8,6 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..checkpoints.pretrained import empty_model, match_weights, read_config
 from ..core.engine import ParallelModel, from_pretrained, parallelize
 from ..data.recipe import Recipe, peft_model, recorded_init_from
 from ..interface.estimates import meta_model
@@ -47,6 +46,9 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
     if init_from and recipe.peft is None:  # a plain pretrained model: the engine reads it shard by shard
         return BuiltModel(from_pretrained(init_from, recipe.parallel, device=device), None, base_from=base_from)
     if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
+        # checkpoints import DCP, which takes over a second: only for a run that starts from pretrained weights
+        from ..checkpoints.pretrained import empty_model, match_weights, read_config
+
         model = empty_model(read_config(base_from))
     else:
         with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
