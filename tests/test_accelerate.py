@@ -69,7 +69,8 @@ def check(proc, out: Path, reference, replicas: int, accumulate: int = 1, adamw:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,replicas,adamw", [("tp_sp", 1, "fused"), ("zero1", 2, "fused"),
-                                                  ("pp_tp_zero3", 2, "for_loop")])
+                                                  pytest.param("pp_tp_zero3", 2, "for_loop", marks=pytest.mark.sweep)])
+# pp_tp_zero3 (8 processes, 45 s on 2 cores): benchmarks/sweep_tests.py.
 # zero3 runs in test_accumulation_save_state_resume_and_save_model, pp_tp (with foreach AdamW) in
 # test_plain_accelerate_launch_cpu_with_the_environment_variable; tp x ZeRO-3 inside pp_tp_zero3;
 # zero1 is DDP + a partitioned optimizer (ddp.yaml without the partitioning). AdamW(fused=True) and

@@ -283,8 +283,15 @@ def ultrascale_train(*args, timeout=300):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+# layouts another recipe's shrunk run already covers (ZeRO-3 with bf16, on a dense or a MoE model, with or without
+# LoRA): run by benchmarks/sweep_tests.py, the rest in CI
+SWEEP_ONLY = ("llama-3.1-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-lora")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path,ep", [pytest.param(p, None, id=p.stem) for p in RECIPES]
+@pytest.mark.parametrize("path,ep", [pytest.param(p, None, id=p.stem,
+                                                  marks=[pytest.mark.sweep] * (p.stem in SWEEP_ONLY))
+                                     for p in RECIPES]
                          + [pytest.param(p, 2, id=f"{p.stem}-ep") for p in EP_RECIPES])
 def test_shrunk_model_trains_in_the_recipes_layout(path, ep, tmp_path):
     """... and a MoE recipe's expert-parallel alternative: the same scaled-down layout with `--set ep=2`."""
