@@ -284,8 +284,8 @@ def ultrascale_train(*args, timeout=300):
 
 
 # layouts another recipe's shrunk run already covers (ZeRO-3 with bf16, on a dense or a MoE model, with or without
-# LoRA): run by benchmarks/sweep_tests.py, the rest in CI
-SWEEP_ONLY = ("llama-3.1-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-lora")
+# LoRA; ZeRO-3 x TP + SP inside llama-3.1-70b's pp x tp x dp): run by benchmarks/sweep_tests.py, the rest in CI
+SWEEP_ONLY = ("llama-3.1-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-lora", "qwen3-32b")
 
 
 @pytest.mark.slow
