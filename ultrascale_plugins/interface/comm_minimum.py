@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .moe_config import experts_per_token
+from .moe_config import experts_per_token, text_config
 
 V_SHAPED = ("zbv", "dualpipev")  # a pipeline's V schedules: rank r holds stages r and 2p-1-r
 
@@ -66,8 +66,7 @@ def _holds(shape, part: str) -> bool:
 
 
 def _text_config(shape):
-    mc = shape.model_config
-    return mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+    return text_config(shape.model_config)
 
 
 # ---- tensor parallel: Megatron's count per block and at the ends ------------------------------------------------

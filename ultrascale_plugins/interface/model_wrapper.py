@@ -7,15 +7,11 @@ from __future__ import annotations
 
 class ModelWrapper:
     """``model`` wraps ``inner`` (a transformers causal LM) at the submodule path ``prefix`` ("" for a model that
-    wraps nothing: ``ModelWrapper.none(model)``). A plugin returns a subclass from ``ultrascale_model_wrapper``,
+    wraps nothing: ``ModelWrapper(model)``). A plugin returns a subclass from ``ultrascale_model_wrapper``,
     overriding what its wrapper changes; the defaults are those of a wrapper that only nests the model."""
 
     def __init__(self, model, inner=None, prefix: str = ""):
         self.model, self.inner, self.prefix = model, model if inner is None else inner, prefix
-
-    @classmethod
-    def none(cls, model) -> "ModelWrapper":
-        return cls(model)
 
     @property
     def wraps(self) -> bool:
@@ -57,4 +53,4 @@ def wrapper_of(model, pm=None) -> ModelWrapper:
     from .plugins import get_plugin_manager  # the plugin manager imports the hookspecs, which name this module
 
     wrapper = (pm or get_plugin_manager()).hook.ultrascale_model_wrapper(model=model)
-    return wrapper if wrapper is not None else ModelWrapper.none(model)
+    return wrapper if wrapper is not None else ModelWrapper(model)
