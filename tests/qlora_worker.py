@@ -134,8 +134,8 @@ def run(name: str) -> dict | None:
         base_unchanged &= all(torch.equal(getattr(whole, k), v) for k, v in start_inner.items())
     held = {"nf4_bytes": quantized_bytes(pmodel.parameters()), "packed_data_bytes": data_bytes, "numel": numel,
             # what the same weights take in bf16 on this rank: sharded as FSDP2 shards, whole under DDP / CP
-            "bf16_bytes": numel * 2 // (pmodel.config.dp_shard if pmodel.dims.fsdp else 1),
-            "shards": pmodel.config.dp_shard if pmodel.dims.fsdp else 1, "dtypes": sorted(dtypes)}
+            "bf16_bytes": numel * 2 // (pmodel.dims.facts.fsdp_shards),
+            "shards": pmodel.dims.facts.fsdp_shards, "dtypes": sorted(dtypes)}
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (held, all(still_nf4), len(still_nf4), base_unchanged))
     final = pmodel.full_state_dict()

@@ -178,3 +178,40 @@ def test_the_maps_tree_lists_every_folder_and_module():
         for module in folder.glob("*.py"):
             if module.stem != "__init__" and rel != "integrations":
                 assert re.search(rf"\b{module.stem}\b", drawn[rel]), f"{rel}/{module.name} is not on its folder's line"
+
+
+def declared_fields() -> dict[str, str]:
+    """{layout field: the family whose plugin declares it} (``fields.add("name", ...)`` in the family's source)."""
+    out = {}
+    for path in MODULES:
+        family = family_of(module_name(path))
+        if family:
+            out.update({name: family for name in re.findall(r"\bfields\.add\(\s*f?\"(\w+)\"", path.read_text())})
+    return out
+
+
+def field_reads(source: str) -> set[str]:
+    """The layout fields a module reads: ``config.<field>`` / ``cfg.<field>`` (``ctx.config.<field>`` too) and
+    ``getattr(config, "<field>", ...)``."""
+    return (set(re.findall(r"\b(?:config|cfg)\.(\w+)", source))
+            | set(re.findall(r"getattr\(\s*(?:\w+\.)*(?:config|cfg)\s*,\s*\"(\w+)\"", source)))
+
+
+def test_the_families_declare_the_fields():
+    fields = declared_fields()
+    assert {fields["zero_stage"], fields["tp"], fields["pp"], fields["cp"], fields["ep"], fields["float8"],
+            fields["activation_checkpointing"]} == {"dims.data_parallel", "dims.tensor", "dims.pipeline",
+                                                    "dims.context", "dims.expert", "features.float8",
+                                                    "features.activation_checkpointing"}
+    assert field_reads('ctx.config.tp > 1 and getattr(config, "zero_stage", 3) and cfg.pp') == {"tp", "zero_stage",
+                                                                                              "pp"}
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if family_of(module_name(p))], ids=module_name)
+def test_a_family_reads_no_other_familys_fields(path):
+    """What another family decided is read from ``layout_facts`` (``interface/facts.py``): a mesh degree by the axis's
+    name, or a typed flag its owner answers, never that family's layout fields."""
+    mine, fields = family_of(module_name(path)), declared_fields()
+    foreign = sorted(f"{name} ({fields[name]})" for name in field_reads(path.read_text())
+                     if fields.get(name, mine) != mine)
+    assert not foreign, f"{module_name(path)} reads {foreign}: read layout_facts(config) instead"

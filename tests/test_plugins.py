@@ -319,3 +319,58 @@ def test_describe_says_what_wraps_the_model_before_the_stages():
     assert lines[0].startswith(" 0. the model: a PEFT model (LORA r=4) around the LlamaForCausalLM")
     assert lines[0].endswith("(ultrascale_plugins.features.peft.wrapper)")
     assert lines[1:] == us.describe(config, mc).splitlines() == us.describe(config, mc, model=plain).splitlines()
+
+
+def test_the_documented_layout_facts_hold():
+    """docs/writing-a-plugin.md, "What other plugins decided": its example runs, and each flag's documented owner
+    is the plugin that answers it."""
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md").read_text()
+    section = doc.split("## What other plugins decided\n", 1)[1].split("\n## ", 1)[0]
+    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
+    owners = {"data parallel": "dims.data_parallel", "tensor parallel": "dims.tensor",
+              "activation checkpointing": "features.activation_checkpointing", "float8": "features.float8"}
+    documented = {flag: owners[owner] for flag, owner in re.findall(r"^\| `(\w+)` \| ([\w ]+) \|", section, re.M)}
+    from ultrascale_plugins.interface.facts import FLAGS
+
+    assert sorted(documented) == sorted(FLAGS)
+    pm = plugins.get_plugin_manager()
+    answered = {}
+    for impl in pm.hook.ultrascale_layout_facts.get_hookimpls():
+        for flag in impl.function(config=us.ParallelConfig(), degrees={}) or {}:
+            answered[flag] = impl.plugin_name.removeprefix("ultrascale_plugins.").rsplit(".", 1)[0]
+    assert answered == documented
+
+
+class _Answers:
+    def __init__(self, **flags):
+        self.flags = flags
+
+    @hookimpl
+    def ultrascale_layout_facts(self, config, degrees):
+        return self.flags
+
+
+def test_a_fact_has_one_owner_and_is_one_of_the_typed_flags():
+    """A third party's answer becomes a typed flag when no installed plugin owns it; one the data-parallel plugin
+    already answers, or a name LayoutFacts does not have, is refused naming the plugins."""
+    from ultrascale_plugins.interface.facts import layout_facts
+
+    config = us.ParallelConfig(dp_shard=2, zero_stage=3)
+    assert layout_facts(config).fsdp_shards == 2 and layout_facts(config).degree("dp_shard") == 2
+    for flags, words in (({"fsdp_shards": 8}, ["'fsdp_shards'", "ultrascale_plugins.dims.data_parallel.plugin",
+                                               "'acme_sharding'"]),
+                         ({"params_on_disk": True}, ["'acme_sharding'", "'params_on_disk'", "fsdp_units"])):
+        us.register(_Answers(**flags), name="acme_sharding")
+        try:
+            with pytest.raises(us.ConfigError) as err:
+                layout_facts(config)
+            assert all(w in str(err.value) for w in words), str(err.value)
+        finally:
+            plugins.unregister(name="acme_sharding")
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(_Answers(fsdp_shards=8, recompute="full"), name="acme_sharding")
+    facts = layout_facts(config, pm)
+    assert (facts.fsdp_shards, facts.recompute, facts.float8, facts.degree("tp")) == (8, "full", "none", 1)

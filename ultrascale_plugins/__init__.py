@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 import sys as _sys
 
 from .interface.config import ConfigError, ParallelConfig
+from .interface.facts import LayoutFacts, layout_facts
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.parallel_dims import MeshAxis, MeshView
 from .interface.plugins import get_plugin_manager, list_plugins, register
@@ -110,7 +111,8 @@ def _freeze_at_exit() -> None:
 _quiet_torchao_import()
 _timing_mark("package_import")  # the start of every process that imports the package (workers: their first mark)
 
-__all__ = ["ConfigError", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "Stage", "hookimpl", "hookspec",
+__all__ = ["ConfigError", "LayoutFacts", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "Stage",
+           "hookimpl", "hookspec", "layout_facts",
            "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
            "validate", "estimate", "describe", "__version__"]
 

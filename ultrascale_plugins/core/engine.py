@@ -48,6 +48,9 @@ class ParallelContext:
     # True while a runtime runs the model on stand-in inputs (a pipeline's shape inference): a plugin that keeps
     # statistics of the real batches leaves these forwards out
     stand_in: bool = False
+    # what wrappers free after a forward that no backward follows (FSDP2's gathered parameters): each is called
+    # with the modules that ran, by ``release_gathered``
+    releases: list = dataclasses.field(default_factory=list)
 
     _materializer: Any = None
 
@@ -76,6 +79,17 @@ class ParallelContext:
             return  # claimed already (one wrapper per module of the view claims the same axes)
         applied *= divisor if divisor is not None else math.prod(self.dims.degree(a) for a in axes)
         self.view_claims[view] = (claimed | set(axes), applied)
+
+    def on_forward_only(self, release) -> None:
+        """Have ``release(modules)`` called after a forward-only pass over ``modules`` (once per function): a
+        wrapper that gathers parameters for the forward and frees them in the backward frees them there."""
+        if release not in self.releases:
+            self.releases.append(release)
+
+    def release_gathered(self, modules: list[nn.Module]) -> None:
+        """A runtime that ran ``modules`` forward with no backward to follow calls this."""
+        for release in self.releases:
+            release(modules)
 
     def view_modules(self, model: nn.Module) -> dict[str, str]:
         """{module FQN in ``model``: mesh view} for the modules of ``model`` the plan puts in a view."""

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import re
 
+from .facts import layout_facts
 from .moe_config import expert_share
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
@@ -445,7 +446,8 @@ class Shape:
         return self.seq_len * self.micro_batch
 
     def activation_bytes(self, config) -> int:
-        return 2 if (config.mixed_precision == "bf16" or self.profile == "nanotron") else 4
+        """Bytes of an activation element: the compute width the layout decides, 2 under nanotron's bf16."""
+        return 2 if (layout_facts(config).compute_bytes == 2 or self.profile == "nanotron") else 4
 
     # dict-style access for plugins written against the first interface (shape["seq_len"])
     def __getitem__(self, key):

@@ -6,9 +6,9 @@ implements these hooks exactly as a third-party plugin registered under the ``ul
 would. Hook names start with ``ultrascale_``; an implementation whose name matches no specification is rejected
 when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
 
-- **declare**: the plugin's layout fields and mesh axes, the model plans it knows (and its additions to other
-  plugins' plans), a model wrapper it owns (a PEFT model: ``model_wrapper.ModelWrapper``), the names front ends
-  offer (Lightning strategies, Accelerate keys);
+- **declare**: the plugin's layout fields and mesh axes, the facts it decides for other families to read, the
+  model plans it knows (and its additions to other plugins' plans), a model wrapper it owns (a PEFT model:
+  ``model_wrapper.ModelWrapper``), the names front ends offer (Lightning strategies, Accelerate keys);
 - **validate**: before any process group, the layout chosen when asked (``layout: auto``), then checked against the
   world size, the model's config and its structure;
 - **transform**: its model transforms as named stages, each declaring which stages it runs after and before
@@ -32,7 +32,7 @@ import pluggy
 
 # The annotations below are names only (this module imports nothing of the package, so every module may import
 # it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
-# PlanEdit (interface.plan_edit), Preset (interface.presets), Runtime (interface.runtime), Stage
+# PlanEdit (interface.plan_edit), Preset (interface.presets), LayoutFacts (interface.facts), Runtime (interface.runtime), Stage
 # (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), ModelWrapper
 # (interface.model_wrapper), ModelPlan (models.plan), ParallelContext / ParallelModel (core.engine), PluginState
 # (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
@@ -56,6 +56,14 @@ def ultrascale_add_fields(fields: Fields) -> None:
 def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
     """Return the ``parallel_dims.MeshAxis`` values this dimension needs for ``config`` (degree 1 allowed; one axis
     in the whole layout may have degree -1, the rest of the world). Their product is the world size."""
+
+
+@hookspec
+def ultrascale_layout_facts(config: ParallelConfig, degrees: dict[str, int]) -> dict[str, Any] | None:
+    """Return ``{flag: value}`` for the ``facts.LayoutFacts`` flags this plugin owns, decided from its own fields
+    of ``config`` (resolved or not) and the mesh degrees (``degrees``: every declared axis, by name), e.g. data
+    parallel's ``{"fsdp_units": zero_stage >= 2}``. Other families read them from ``facts.layout_facts(config)``
+    instead of this plugin's fields. Each flag has one owner."""
 
 
 @hookspec(firstresult=True)
@@ -287,8 +295,9 @@ def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, 
 
 # The hooks by what they are for (docs/writing-a-plugin.md walks through them in this order).
 GROUPS = {
-    "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_model_plan", "ultrascale_model_wrapper",
-                "ultrascale_extend_plan", "ultrascale_presets", "ultrascale_accelerate_keys"),
+    "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_layout_facts", "ultrascale_model_plan",
+                "ultrascale_model_wrapper", "ultrascale_extend_plan", "ultrascale_presets",
+                "ultrascale_accelerate_keys"),
     "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
     "transform": ("ultrascale_stages",),
     "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",

@@ -170,6 +170,7 @@ class ParallelDims:
     def __init__(self, config, world_size: int | None = None, pm=None):
         self.config = config  # resolved
         self.world_size = world_size
+        self._pm = pm
         self.axes = declared_axes(config, pm)
         self.views = {v.name: v for v in declared_views(config, self.axes, pm)}
         self.mesh = None
@@ -218,13 +219,12 @@ class ParallelDims:
         return math.prod(self.degree(n) for n in self.grad_axes)
 
     @property
-    def fsdp(self) -> bool:
-        """Parameters (ZeRO-3) or gradients and optimizer states (ZeRO-2) sharded by FSDP2 over dp_shard, or the
-        optimizer states of tensor-parallel (DTensor) parameters (ZeRO-1) by FSDP2 over every data-parallel rank."""
-        cfg = self.config
-        if cfg.zero_stage == 1:
-            return self.degree("tp") > 1 and self.degree("dp_replicate") * self.degree("dp_shard") > 1
-        return cfg.zero_stage >= 2 and self.degree("dp_shard") > 1
+    def facts(self):
+        """What the families decided for each other (``facts.LayoutFacts``): read a flag there, not another
+        family's field."""
+        from .facts import layout_facts
+
+        return layout_facts(self.config, self._pm)
 
     def view_axes(self, view: str) -> list[MeshAxis]:
         """The axes of ``view``'s mesh, outermost first: the layout's live axes with the view's source replaced by
@@ -302,6 +302,10 @@ class ParallelDims:
         if view is not None:
             return sub_mesh(self.view_meshes.get(view), names, keep_unit=True)
         return sub_mesh(self.mesh, names)
+
+    def view_mesh(self, view: str) -> Any:
+        """The whole mesh of ``view`` (its axes named as the view declares them; index it by name)."""
+        return self.view_meshes[view]
 
     def group(self, names: str | tuple[str, ...]):
         mesh = self.sub_mesh(names)

@@ -24,6 +24,7 @@ from torch import nn
 from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
+from ...interface.facts import layout_facts
 from ...interface.parallel_dims import CP_ORDER, MeshAxis
 from . import layout as cp_layout
 from .attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
@@ -71,7 +72,7 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "which differs between the sequence shards. Fix: use a static rotary type, or cp: 1")
     heads, kv = _heads(model_config)
     if config.cp_method == "ulysses" and heads:
-        tp = getattr(config, "tp", 1)
+        tp = layout_facts(config).degree("tp")
         kv_replication(heads // tp, max(kv // tp, 1), config.cp)
 
 
@@ -134,9 +135,10 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     tokens = -(-full // config.cp) * shape["micro_batch"]  # this rank's tokens of one micro-batch
     layers = shape["layers_here"] if shape["layers_here"] is not None else model_config.num_hidden_layers
-    width = 2 if config.mixed_precision == "bf16" or shape["profile"] == "nanotron" else 4
-    tp = getattr(config, "tp", 1)
-    recomputed = 1 if config.activation_checkpointing == "full" else 0  # the forward's exchanges once more
+    facts = layout_facts(config)
+    width = shape.activation_bytes(config)
+    tp = facts.degree("tp")
+    recomputed = 1 if facts.recompute == "full" else 0  # the forward's exchanges once more
     if config.cp_method == "ring":
         block = 2 * kv * head_dim * tokens  # this rank's keys and values, concatenated: elements
         kv_hops = (config.cp - 1) * (2 + recomputed)

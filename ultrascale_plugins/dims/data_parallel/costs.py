@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ...interface.estimates import OPTIMIZERS, Estimate, chunk_size
+from ...interface.facts import layout_facts
 
 
 def precision_bytes(config, profile: str) -> tuple[int, int, int]:
@@ -16,21 +17,33 @@ def precision_bytes(config, profile: str) -> tuple[int, int, int]:
     return 4, 4, 0  # this package keeps fp32 weights and gradients (bf16 is the compute dtype only)
 
 
-def grad_sync(config) -> str:
+def grad_sync(config, degrees=None) -> str:
     """``grad_sync`` as it runs: ``auto`` is ``step`` for ZeRO-0 and ZeRO-1 (they reduce once per step by
     definition) and inside a pipeline (torch's stages defer FSDP2's reduce-scatter to a step's last micro-batch),
-    else ``micro_batch`` (FSDP2 reduce-scatters after every backward: the gradients accumulate sharded)."""
+    else ``micro_batch`` (FSDP2 reduce-scatters after every backward: the gradients accumulate sharded).
+    ``degrees``: the mesh degrees by axis name (default: the layout's)."""
     value = getattr(config, "grad_sync", "auto")
     if value != "auto":
         return value
-    return "step" if config.zero_stage <= 1 or getattr(config, "pp", 1) > 1 else "micro_batch"
+    degrees = layout_facts(config).degrees if degrees is None else degrees
+    return "step" if config.zero_stage <= 1 or degrees.get("pp", 1) > 1 else "micro_batch"
 
 
-def zero1_on_fsdp(config) -> bool:
+def zero1_on_fsdp(config, degrees) -> bool:
     """ZeRO-1 over tensor-parallel (DTensor) parameters, which DDP and ``ZeroRedundancyOptimizer`` cannot hold:
     FSDP2 sharded over every data-parallel rank (one flattened axis), gathered for the step, reduced once."""
-    return (config.zero_stage == 1 and getattr(config, "tp", 1) > 1
+    return (config.zero_stage == 1 and degrees.get("tp", 1) > 1
             and config.dp_replicate * config.dp_shard > 1)
+
+
+def layout_facts_of(config, degrees) -> dict:
+    """What data parallel decides for the other families (``facts.LayoutFacts``)."""
+    zero, shard = config.zero_stage, degrees.get("dp_shard", 1)
+    return {"fsdp_units": zero >= 2,
+            "fsdp_shards": shard if zero >= 2 and shard > 1 else 1,
+            "states_sharded": zero1_on_fsdp(config, degrees) or (zero >= 2 and shard > 1),
+            "grad_reduce": grad_sync(config, degrees) if zero >= 2 else "step",
+            "compute_bytes": 2 if config.mixed_precision == "bf16" else 4}
 
 
 def data_parallel_terms(config, shape, est: Estimate) -> None:
@@ -44,7 +57,7 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     states = OPTIMIZERS[shape.optimizer]
     records = [r for r in shape.inventory if r.local_numel or r.numel]
     coords = shape.coords
-    on_fsdp = zero1_on_fsdp(config) and profile == "ultrascale"  # nanotron's ZeRO-1 keeps whole weights
+    on_fsdp = zero1_on_fsdp(config, layout_facts(config).degrees) and profile == "ultrascale"  # nanotron's ZeRO-1 keeps whole weights
     once = grad_sync(config) == "step"
     if on_fsdp:
         # FSDP2's dim-0 chunks of every (TP-local) parameter over the flattened data-parallel ranks
@@ -103,7 +116,7 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             est.add_memory("other", 2 * full)
     if dp <= 1:
         return
-    if profile == "ultrascale" and zero <= 1 and config.pp == 1 and not on_fsdp:
+    if profile == "ultrascale" and zero <= 1 and layout_facts(config).degree("pp") == 1 and not on_fsdp:
         est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
         est.factors["step_other"] = est.factors.get("step_other", 0.0) + 4 * full_local  # held through the step
     elif profile == "nanotron" and zero == 0:

@@ -23,14 +23,14 @@ step and reduces once, after the last micro-batch, with the weights gathered onc
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
-from ...interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis, ParallelDims
-from .costs import grad_sync
+from ...interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis, ParallelDims, declared_views
+from .costs import grad_sync, layout_facts_of
 
 DTYPES = {"bf16": torch.bfloat16}
 
@@ -72,6 +72,11 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
+def ultrascale_layout_facts(config, degrees):
+    return layout_facts_of(config, degrees)
+
+
+@hookimpl
 def ultrascale_mesh_axes(config):
     return [MeshAxis("dp_replicate", config.dp_replicate, DP_REPLICATE_ORDER, splits_rows=True, reduces_grads=True,
                      counts_tokens=True),
@@ -88,7 +93,7 @@ def ultrascale_stages(config, model_config):
 def _wrapping(config) -> str:
     dims = ParallelDims(config)
     dp = dims.degree("dp_replicate") * dims.degree("dp_shard")
-    if dims.fsdp:
+    if dims.facts.states_sharded:
         how = f"FSDP2 over {dp} ranks (ZeRO-{config.zero_stage})"
     elif dp > 1:
         how = f"replicated over {dp} ranks (ZeRO-{config.zero_stage}), gradients averaged"
@@ -105,9 +110,10 @@ def wrap_model(model, ctx):
     # reduced every micro-batch; reduced once per step (a pipeline's default, as torchtitan does) the weights stay
     # gathered for the step: one all-gather per step, not two per micro-batch
     reshard = cfg.zero_stage == 3 and cfg.grad_sync == "micro_batch"
+    ctx.on_forward_only(reshard_gathered)
     if cfg.zero_stage >= 2:
         shard_view_modules(model, ctx, reshard, policy)
-    if dims.fsdp:
+    if dims.facts.states_sharded:
         mesh = fsdp_mesh(ctx)
         groups = fsdp_groups(model, ctx.plan_layers(model))
         for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
@@ -241,7 +247,7 @@ def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
         if not axes or len(axes) > 2:
             raise ConfigError(f"mesh view '{view}' has gradient axes {axes}: FSDP2 shards over one axis and replicates "
                               "over at most one more. Fix: give the view one or two gradient axes")
-        mesh = dims.view_meshes[view][axes if len(axes) == 2 else axes[0]]
+        mesh = dims.view_mesh(view)[axes if len(axes) == 2 else axes[0]]
         shards = dims.degree(axes[-1])
 
         def placement(param, shards=shards):  # few rows (experts per rank) vs many ranks: split the next dim
@@ -278,11 +284,25 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "use zero_stage: 2 or 3 to reduce (reduce-scatter) every micro-batch, or grad_sync: step")
     if config.zero_stage >= 2:
         return
+    for view in declared_views(config):  # a view's modules are sharded by FSDP2 over the view's own axes
+        own = [a for a in view.axes if not a.reduces_grads and a.degree != 1]
+        raise field_error("zero_stage", config.zero_stage, f"{', '.join(f'{a.name}={a.degree}' for a in own)} shards "
+                          f"the {view.name} in FSDP2 groups of their own, which zero_stage 0 and 1 (DDP, ZeRO-1) do "
+                          "not use", "use zero_stage: 2 or 3, or " + ", ".join(f"{a.name}: 1" for a in own))
     for way in ("forward", "backward"):
         value = getattr(config, f"fsdp_{way}_prefetch")
         if value:
             raise field_error(f"fsdp_{way}_prefetch", value, f"prefetches FSDP2's all-gathers, and zero_stage="
                               f"{config.zero_stage} does not use FSDP2", "use zero_stage: 2 or 3, or leave it 0")
+
+
+def reshard_gathered(modules) -> None:
+    """Free the parameters FSDP2 holds gathered after a forward-only pass (a pipeline's evaluation: its stages keep
+    them gathered between micro-batches, ``reshard_after_forward=False``, and no backward releases them)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
 
 
 def fsdp_groups(model, layers: list[str]) -> list[str]:
@@ -374,7 +394,7 @@ def ultrascale_validate_model(model, plan, config):
 @hookimpl
 def ultrascale_prepare_optimizer(pmodel, optimizer):
     group = pmodel.dims.group(("dp_replicate", "dp_shard"))
-    if pmodel.config.zero_stage != 1 or group is None or pmodel.dims.fsdp:  # ZeRO-1 on FSDP2: sharded already
+    if pmodel.config.zero_stage != 1 or group is None or pmodel.dims.facts.states_sharded:  # ZeRO-1 on FSDP2: sharded already
         return None
     return partitioned(optimizer, group)
 

@@ -22,10 +22,12 @@ Routing is untouched: the router runs as the model wrote it, on every token (dro
 from __future__ import annotations
 
 import fnmatch
+import math
 
 from torch import nn
 
 from ...interface.config import ConfigError, field_error
+from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...interface.parallel_dims import MeshAxis, MeshView
@@ -52,21 +54,22 @@ def ultrascale_mesh_axes(config):
     return [MeshView(VIEW, SOURCE, (MeshAxis("efsdp", -1, reduces_grads=True), MeshAxis("ep", config.ep)))]
 
 
-def _borrowed(config) -> int:
-    return max(config.dp_shard, 1) * config.cp * config.tp
+def _borrowed(config) -> tuple[list[int], int]:
+    """The degrees of the axes ep borrows its ranks from, and their product (-1 for the one not resolved yet)."""
+    facts = layout_facts(config)
+    degrees = [facts.degree(axis) for axis in SOURCE]
+    return degrees, math.prod(max(d, 1) for d in degrees)
 
 
 @hookimpl(tryfirst=True)
 def ultrascale_validate_config(config, model_config, world_size):
     if config.ep == 1:
         return
-    if config.zero_stage < 2:
-        raise field_error("zero_stage", config.zero_stage, f"ep={config.ep} shards the experts in FSDP2 groups of their "
-                          "own, which zero_stage 0 and 1 (DDP, ZeRO-1) do not use", "use zero_stage: 2 or 3, or ep: 1")
-    if config.dp_shard != -1 and _borrowed(config) % config.ep:
-        raise field_error("ep", config.ep, f"expert parallelism borrows its ranks from dp_shard*cp*tp = "
-                          f"{config.dp_shard}*{config.cp}*{config.tp} = {_borrowed(config)}, which {config.ep} does "
-                          "not divide", f"pick an ep that divides {_borrowed(config)}")
+    degrees, borrowed = _borrowed(config)
+    if -1 not in degrees and borrowed % config.ep:
+        raise field_error("ep", config.ep, f"expert parallelism borrows its ranks from {'*'.join(SOURCE)} = "
+                          f"{'*'.join(map(str, degrees))} = {borrowed}, which {config.ep} does not divide",
+                          f"pick an ep that divides {borrowed}")
     if model_config is not None:
         count = routed_experts(model_config)
         if count is None:
@@ -151,12 +154,16 @@ def ultrascale_validate_model(model, plan, config):
                           "use ep: 1, or a transformers release whose modeling file has an expert-parallel plan")
     for fqn in found:
         module = model.get_submodule(fqn)
-        adapted = [n for n, _ in module.named_parameters() if "lora_" in n or "base_layer" in n]
-        if adapted or any(type(m).__module__.startswith("peft.") for m in module.modules()):
-            raise field_error("ep", config.ep, f"'{fqn}' carries adapters (PEFT's target_parameters, which "
-                              "all-linear adds on MoE models), which expert parallelism does not split with the experts",
-                              "keep adapters off the experts (target_modules without the experts' parameters), "
-                              "or use ep: 1")
+        # the experts module and its parts (a per-expert norm) are the modeling file's (transformers', or a remote
+        # model's transformers_modules) or torch's; another library's module was put around them (adapters: PEFT's
+        # target_parameters, which all-linear adds on MoE models)
+        added = [(n or "the module itself", type(m).__module__.split(".")[0]) for n, m in module.named_modules()
+                 if not type(m).__module__.startswith(("transformers", "torch."))]
+        if added:
+            raise field_error("ep", config.ep, f"'{fqn}' carries modules from {added[0][1]} ({added[0][0]}: adapters, "
+                              "e.g. PEFT's target_parameters, which all-linear adds on MoE models), which expert "
+                              "parallelism does not split with the experts", "keep adapters off the experts "
+                              "(target_modules without the experts' parameters), or use ep: 1")
         missing = [a for a in (*LAYOUT_FLAGS, "num_experts") if not hasattr(module, a)]
         if missing:
             raise field_error("ep", config.ep, f"'{fqn}' ({type(module).__name__}) does not go through transformers' "
@@ -190,7 +197,7 @@ def shard_experts(model, ctx):
     from .dispatch import ExpertDispatch
 
     dims = ctx.dims
-    ep_mesh = dims.view_meshes[VIEW]["ep"]
+    ep_mesh = dims.sub_mesh("ep", view=VIEW)
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     # the ranks of the borrowed axes that hold the same tokens (tensor parallel outside its regions): each
     # sends a disjoint slice of them
@@ -244,7 +251,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     tokens = -(-shape.tokens_per_micro_batch // sharing)  # this rank's slice (the most loaded one)
     # the bytes handed to each all-to-all (the planner's time counts the (ep - 1) / ep of them that leave the rank)
     volume = tokens * top_k * text.hidden_size * shape.activation_bytes(config)
-    recompute = config.activation_checkpointing != "none"  # selective re-runs the exchange too (not saved)
+    recompute = layout_facts(config).recompute != "none"  # selective re-runs the exchange too (not saved)
     passes = 4 + (2 if recompute else 0)  # dispatch + combine: forward, backward, recomputed forward
     calls = 5 + (3 if recompute else 0)  # and each forward's exchange of the split sizes
     n = len(moe_layers)
@@ -282,7 +289,7 @@ def ultrascale_search_choices(config, model_config, world_size):
     groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which the
     search does not run)."""
     count = routed_experts(model_config) if model_config is not None else None
-    if count is None or config.zero_stage < 2:
+    if count is None or not layout_facts(config).fsdp_units:
         return None
-    borrowed = _borrowed(config)
+    borrowed = _borrowed(config)[1]
     return {"ep": [d for d in range(1, borrowed + 1) if borrowed % d == 0 and count % d == 0]}

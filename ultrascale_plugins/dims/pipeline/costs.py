@@ -3,6 +3,7 @@ micro-batches of activations its schedule keeps in flight, the bubble, and the p
 (formulas: the reference notes' pipeline table — Narayanan et al. 2021, the ZB-pipeline and DualPipe papers)."""
 from __future__ import annotations
 
+from ...interface.facts import layout_facts
 from .split import LOOPED, V_SHAPED, stage_ids_for_rank, stage_layer_counts, stages_per_rank
 
 
@@ -93,8 +94,9 @@ def pipeline_terms(config, shape, est) -> None:
     est.factors["bubble"] = bubble(config.pp_schedule, p, v, m)
     element = shape.activation_bytes(config)
     act = shape.tokens_per_micro_batch * shape.model_config.hidden_size * element
-    if config.sequence_parallel:
-        act /= config.tp
+    facts = layout_facts(config)
+    if facts.sequence_sharded:
+        act /= facts.degree("tp")
     # each micro-batch: activations to the next stage and their gradient back, on every stage boundary it crosses
     est.add_comm("pp", 2 * act * v, "p2p", calls=2 * v, per="micro_batch")
     if shape.profile == "ultrascale" and 0 not in stages:

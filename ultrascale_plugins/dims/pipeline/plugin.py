@@ -17,6 +17,7 @@ separate copies; after backward their gradients are summed, so they stay equal.
 from __future__ import annotations
 
 from ...interface.config import ConfigError
+from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.parallel_dims import PP_ORDER, MeshAxis
 from ...interface.stages import Stage
@@ -84,7 +85,7 @@ def ultrascale_validate_config(config, model_config, world_size):
     if name in LOOPED and m % config.pp:
         raise ConfigError(f"pp_microbatches={m}: '{name}' needs a multiple of pp={config.pp}. Fix: set "
                           f"pp_microbatches: {config.pp * max(1, m // config.pp)}")
-    if name in SPLIT_BACKWARD and getattr(config, "grad_sync", "step") == "micro_batch" and config.zero_stage >= 2:
+    if name in SPLIT_BACKWARD and layout_facts(config).grad_reduce == "micro_batch":
         raise ConfigError(f"grad_sync='micro_batch' with pp_schedule='{name}': the schedule computes a micro-batch's "
                           "weight gradients apart from its backward, so FSDP2 would reduce them before they are "
                           "complete. Fix: use grad_sync: step, or pp_schedule: 1f1b, gpipe or interleaved_1f1b")

@@ -193,17 +193,6 @@ class Pipeline(Runtime):
                     dist.send(routed.float().contiguous(), dst=dst, group=self.pp_group)
         return loss_sum
 
-    def _reshard(self) -> None:
-        """Free the parameters FSDP gathered for a forward-only pass. Stages keep them gathered between
-        micro-batches (reshard_after_forward=False) and no backward follows to release them, so without this
-        the next step could start from a gathered copy older than the optimizer's last update."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.stages:
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.reshard()
-
     # ---- the Runtime interface ------------------------------------------------------------------------
     def train_step(self, pmodel, batch, loss_scale: float) -> torch.Tensor:
         return self.step(pmodel, batch, train=True, loss_scale=loss_scale)
@@ -273,7 +262,9 @@ class Pipeline(Runtime):
             else:
                 with pmodel.loss_context():
                     total += float(self._forward_only(ids, mask, positions, targets, count))
-                self._reshard()
+                # stages keep their parameters gathered between micro-batches and no backward follows to free
+                # them: without this the next step could start from a copy older than the optimizer's update
+                self.ctx.release_gathered(self.stages)
         for module in self.stages:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast

@@ -26,7 +26,8 @@ from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...models.placeholder import present_modules
 from ...models.plan import ROWWISE, region_holding
-from ...interface.parallel_dims import TP_ORDER, MeshAxis, ParallelDims
+from ...interface.facts import layout_facts
+from ...interface.parallel_dims import TP_ORDER, MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .dry_run import dry_run as tp_dry_run
 from .styles import (
@@ -46,6 +47,13 @@ def ultrascale_add_fields(fields):
 @hookimpl
 def ultrascale_mesh_axes(config):
     return [MeshAxis("tp", config.tp, TP_ORDER)]
+
+
+@hookimpl
+def ultrascale_layout_facts(config, degrees):
+    sharded = degrees.get("tp", 1) > 1
+    return {"sequence_sharded": sharded and config.sequence_parallel in (True, "auto"),
+            "vocab_sharded_loss": sharded and bool(config.loss_parallel)}
 
 
 @hookimpl
@@ -97,12 +105,11 @@ def ultrascale_validate_model(model, plan, config):
     # no other dim, and torch mis-places the gradients of nested strided shards of one dim
     packed = [fqn for fqn, name in plan.matches(model).items() if name == "packed_colwise"
               and getattr(model.get_submodule(fqn), "bias", None) is not None]
-    if packed and ParallelDims(config).fsdp:
+    if packed and layout_facts(config).states_sharded:
         raise ConfigError(f"tp={config.tp}: module '{packed[0]}' of model type '{arch}' has the tensor-parallel style "
-                          f"'packed_colwise' (a strided shard of its rows) and a bias, which FSDP (zero_stage="
-                          f"{config.zero_stage}, dp_shard={config.dp_shard}) can shard by rows only: the optimizer "
-                          "step would come out wrong. Fix: use zero_stage: 0, or give that module "
-                          "'colwise_gather_output'")
+                          "'packed_colwise' (a strided shard of its rows) and a bias, which this layout's FSDP "
+                          "sharding can split by rows only: the optimizer step would come out wrong. Fix: use "
+                          "zero_stage: 0, or give that module 'colwise_gather_output'")
     mixed = rank_local_params(model, plan).mixed
     if mixed:
         raise ConfigError(
@@ -301,7 +308,7 @@ def shard_model(model, ctx):
                 raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
                                   "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
             head.weight = embed.weight
-    if not ctx.dims.fsdp:  # FSDP makes every parameter a DTensor itself
+    if not ctx.dims.facts.states_sharded:  # FSDP makes every parameter a DTensor itself
         replicate_the_rest(model, mesh)
 
 

@@ -7,6 +7,7 @@ costs a larger share of the step."""
 from __future__ import annotations
 
 from ...interface.estimates import Estimate, flops_per_token, merge_flops
+from ...interface.facts import layout_facts
 from ...interface.moe_config import expert_share, experts_per_token
 
 
@@ -63,9 +64,10 @@ def activation_terms(config, shape, est: Estimate) -> None:
     mc = shape.model_config
     element = shape.activation_bytes(config)
     mode = config.activation_checkpointing
-    tp = config.tp
+    facts = layout_facts(config)
+    tp = facts.degree("tp")
     tp_part, sp_part, whole, working = activation_bytes_per_token(mc, config, mode, element, shape.profile)
-    sp_div = tp if config.sequence_parallel else 1
+    sp_div = tp if facts.sequence_sharded else 1
     per_token = tp_part / tp + sp_part / sp_div + whole
     tokens = shape.tokens_per_micro_batch
     layers = shape.layers_here if shape.layers_here is not None else mc.num_hidden_layers
@@ -85,13 +87,13 @@ def activation_terms(config, shape, est: Estimate) -> None:
             # head's inputs as sequence shards (tp_recompute_allgather)
             logits = 8 * mc.vocab_size * tokens / tp + 2 * element * mc.hidden_size * tokens / sp_div
         else:
-            vocab_div = tp if config.loss_parallel else 1
+            vocab_div = tp if facts.vocab_sharded_loss else 1
             # at the start of the loss's backward (the peak of a step): the fp32 log-probabilities the loss keeps,
             # their gradient and the gradient of the fp32 logits (the logits themselves are freed once the loss is
             # computed: the step keeps only the loss, Runtime.train_step); the head's input, kept for its weight
             # gradient (not when the head is frozen)
             logits = 12 * mc.vocab_size * tokens / vocab_div
-            if config.pp > 1:  # torch's pipeline stage keeps its output, the logits, until the stage's backward
+            if facts.degree("pp") > 1:  # torch's pipeline stage keeps its output, the logits, until the stage's backward
                 logits += element * mc.vocab_size * tokens / vocab_div
             if head_trains:
                 saved += element * mc.hidden_size * tokens

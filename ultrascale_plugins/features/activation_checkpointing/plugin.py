@@ -52,6 +52,11 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
+def ultrascale_layout_facts(config, degrees):
+    return {"recompute": config.activation_checkpointing}
+
+
+@hookimpl
 def ultrascale_stages(config, model_config):
     return [Stage("ac", wrap_layers, after=("cp",), active=config.activation_checkpointing != "none",
                   does=f"each decoder layer recomputes its activations in backward ({config.activation_checkpointing})")]

@@ -19,6 +19,7 @@ import torch
 import torch._dynamo
 
 from ...interface.config import field_error
+from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 
@@ -33,11 +34,12 @@ def ultrascale_add_fields(fields):
 
 @hookimpl
 def ultrascale_validate_config(config, model_config, world_size):
-    if config.compile != "none" and config.activation_checkpointing == "full" and config.tp > 1:
+    facts = layout_facts(config)
+    if config.compile != "none" and facts.recompute == "full" and facts.degree("tp") > 1:
         # torch 2.13 fails in the first backward: a compiled, fully recomputed region saves tensor parallel's
         # device mesh among the tensors it keeps ("expected all tensors_saved_with_vc_check to be Tensors")
         raise field_error("compile", config.compile, "torch cannot compile a fully recomputed layer that holds "
-                          f"tensor-parallel shards (activation_checkpointing=full, tp={config.tp})",
+                          f"tensor-parallel shards (activation_checkpointing=full, tp={facts.degree('tp')})",
                           "use activation_checkpointing: selective (it compiles with tp), or compile: none")
 
 
@@ -51,7 +53,7 @@ def compile_layers(model, ctx):
     """Last among the per-layer wrappers: the compiled region holds activation checkpointing, not the reverse."""
     if ctx.config.compile == "none":
         return
-    if ctx.config.activation_checkpointing != "none":
+    if ctx.dims.facts.recompute != "none":
         # A forward that sets and resets state outside the layer (transformers' hub-kernel wrappers set a context
         # variable around attention) is refused inside a compiled checkpoint, which would not replay it while
         # recomputing, and the whole layer falls back to eager. The recomputation needs no such state: the

@@ -19,6 +19,7 @@ import os
 import torch
 from torch import nn
 
+from ...interface.facts import layout_facts
 from ...interface.fields import field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
@@ -35,6 +36,11 @@ def ultrascale_add_fields(fields):
                "(pip install \"ultrascale-plugins[float8]\"): tensorwise (one scale per tensor) or rowwise (one "
                "per row: more accurate); weights and optimizer states keep their precision; needs a GPU "
                "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES)
+
+
+@hookimpl
+def ultrascale_layout_facts(config, degrees):
+    return {"float8": config.float8}
 
 
 def _import_torchao():
@@ -92,10 +98,10 @@ def ultrascale_validate_config(config, model_config, world_size):
         _import_torchao()
     except ImportError:
         raise field_error("float8", recipe, "torchao is not installed", f"{EXTRA}, or float8: none") from None
-    if getattr(config, "tp", 1) > 1:
+    if layout_facts(config).degree("tp") > 1:
         # torchao converts TP shards with its own Float8ColwiseParallel / Float8RowwiseParallel styles (the cast and
         # its amax reduction have to happen on the whole activation); this package's TP plans use torch's styles
-        raise field_error("float8", recipe, f"float8 with tensor parallel (tp={config.tp}) is not supported: "
+        raise field_error("float8", recipe, f"float8 with tensor parallel (tp={layout_facts(config).degree('tp')}) is not supported: "
                           "torchao's float8 needs its own tensor-parallel styles", "use tp: 1 (FSDP, pipeline and "
                           "context parallel work with float8), or float8: none")
     if _cuda_in_use():

@@ -14,6 +14,7 @@ import sys
 
 from torch import nn
 
+from ...interface.facts import layout_facts
 from ...interface.fields import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 
@@ -139,11 +140,12 @@ def ultrascale_extend_plan(model, plan, config):
 def ultrascale_validate_model(model, plan, config):
     if not is_peft_model(model):
         return
-    if getattr(config, "tp", 1) > 1 and plan is not None:
-        _check_tensor_parallel(model, plan, config)
+    facts = layout_facts(config)
+    if facts.degree("tp") > 1 and plan is not None:
+        _check_tensor_parallel(model, plan, facts)
 
 
-def _check_tensor_parallel(model, plan, config) -> None:
+def _check_tensor_parallel(model, plan, facts) -> None:
     """Under tp > 1 every adapter follows its base layer's style (``ultrascale_extend_plan`` moved those it could
     onto their base layers, so a PEFT layer still in the plan is one it could not)."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
@@ -152,17 +154,17 @@ def _check_tensor_parallel(model, plan, config) -> None:
         if isinstance(module, ParamWrapper) or (isinstance(module, LoraLayer) and any(module.use_dora.values())):
             what = ("LoRA on parameters (PEFT's target_parameters; its 'all-linear' adds a mixture-of-experts "
                     "model's expert and router weights)" if isinstance(module, ParamWrapper) else "DoRA")
-            raise field_error("tp", config.tp, f"{what} at '{fqn}' is not sharded over tensor parallel by this "
+            raise field_error("tp", facts.degree("tp"), f"{what} at '{fqn}' is not sharded over tensor parallel by this "
                               "version", "target modules by name (e.g. target_modules=['q_proj', 'k_proj', "
                               "'v_proj', 'o_proj']), use_dora=False, or tp: 1")
     for fqn, module, style in _adapted(model, plan):
         try:
             _adapter_entries(model, fqn, module, style)
         except _CannotFollow as exc:
-            raise field_error("tp", config.tp, f"the PEFT layer '{fqn}' cannot be sharded like its base ({exc})",
+            raise field_error("tp", facts.degree("tp"), f"the PEFT layer '{fqn}' cannot be sharded like its base ({exc})",
                               "leave that module out of the PEFT config (target_modules / modules_to_save), or use "
                               "tp: 1") from None
     head = model.get_submodule(plan.lm_head) if plan.lm_head else None
-    if getattr(config, "loss_parallel", False) and head is not None and not isinstance(head, nn.Linear):
+    if facts.vocab_sharded_loss and head is not None and not isinstance(head, nn.Linear):
         raise field_error("loss_parallel", True, f"the head '{plan.lm_head}' is wrapped by PEFT "
                           f"({type(head).__name__}), and its logits are not kept sharded", "set loss_parallel: false")

@@ -34,6 +34,7 @@ import sys
 
 from torch import nn
 
+from ...interface.facts import layout_facts
 from ...interface.fields import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from .adapters import is_peft_model
@@ -169,25 +170,26 @@ def ultrascale_validate_model(model, plan, config):
     if not weights:
         return
     what = "a quantized (NF4) base"
-    if getattr(config, "tp", 1) > 1:
+    facts = layout_facts(config)
+    if facts.degree("tp") > 1:
         # row-wise layers shard the weight's dim 1: aten.split(NF4Tensor, dim=1) raises NotImplementedError
-        raise field_error("tp", config.tp, f"{what} under tp > 1 is not supported (torchao's NF4Tensor splits only "
+        raise field_error("tp", facts.degree("tp"), f"{what} under tp > 1 is not supported (torchao's NF4Tensor splits only "
                           "along its rows, and row-wise layers shard the columns)", "use tp: 1 with data parallel "
                           "(ZeRO-1/2/3, HSDP, DDP) or context parallel")
-    if getattr(config, "pp", 1) > 1:
+    if facts.degree("pp") > 1:
         # the stage copy rebuilds each parameter as type(param)(...): NF4Tensor.__new__ takes its blocks
-        raise field_error("pp", config.pp, f"{what} under pp > 1 is not supported (the pipeline's stage copy cannot "
+        raise field_error("pp", facts.degree("pp"), f"{what} under pp > 1 is not supported (the pipeline's stage copy cannot "
                           "rebuild an NF4Tensor)", "use pp: 1 with data parallel (ZeRO-1/2/3, HSDP, DDP) or context "
                           "parallel")
-    if getattr(config, "float8", "none") != "none":
-        raise field_error("float8", config.float8, f"float8 would swap the linear layers of {what} for torchao's "
+    if facts.float8 != "none":
+        raise field_error("float8", facts.float8, f"float8 would swap the linear layers of {what} for torchao's "
                           "Float8Linear, which cannot read an NF4 weight", "use float8: none")
     dora = [name for name, layer, _ in _lora_linears(model) if _uses_dora(layer)
             and name + ".base_layer.weight" in weights]
     if dora:
         raise ConfigError(f"{dora[0]}: DoRA with {what} is not supported (PEFT's DoRA dequantizes the base with "
                           "weight.dequantize(), which NF4Tensor does not provide). Fix: use_dora=False")
-    shards = config.dp_shard if config.zero_stage >= 2 and config.dp_shard > 1 else 1
+    shards = facts.fsdp_shards
     if shards > 1:
         for name, w in weights.items():
             scale_blocks = w.quantization_factor.numel()
