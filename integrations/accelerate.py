@@ -43,6 +43,7 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
+from ..core.accumulation import AccumulationWindow
 from ..interface.config import ConfigError, ParallelConfig
 from .layout import ACCELERATE_ENV_PREFIXES, compile_from_dynamo, layout_from_environment, make_config
 
@@ -187,15 +188,15 @@ class UltraScaleAccelerator(Accelerator):
     def _parallelize(self, model):
         from ..core import engine
         from ..core.hf_module import ParallelCausalLM
-        from ..checkpoints.pretrained import weights_for
 
         if not hasattr(model, "lm_head"):
             raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "
                               "lm_head). Fix: prepare an AutoModelForCausalLM")
-        weights = weights_for(model, self.ultrascale_plugin.init_from)
-        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_weights=weights)
+        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device,
+                                    init_from=self.ultrascale_plugin.init_from)
         adapter = ParallelCausalLM(pmodel)
-        adapter.loss_scale = 1.0 / self.gradient_accumulation_steps
+        # Accelerate's contract: the window's micro-batches weighted evenly (its loss / gradient_accumulation_steps)
+        adapter.loss_scale = AccumulationWindow.even(self.gradient_accumulation_steps).take()
         self.ultrascale_models.append(adapter)
         self._models.append(adapter)
         return adapter

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..core.accumulation import AccumulationWindow
 from ..interface.config import ConfigError, ParallelConfig
 from ..interface.presets import config_for_preset, presets
 from ..distributed.launch import refuse
@@ -285,7 +286,6 @@ class _UltraScaleStrategyMixin:
     def setup(self, trainer) -> None:
         from ..core import engine
         from ..core.hf_module import ParallelCausalLM
-        from ..checkpoints.pretrained import weights_for
 
         self.accelerator.setup(trainer)
         lm = self.lightning_module
@@ -293,9 +293,8 @@ class _UltraScaleStrategyMixin:
         config = self.layout_for(hf.config)
         if self.precision_plugin.precision == "bf16-true":
             hf.to(torch.bfloat16)
-        weights = weights_for(hf, self.init_from)
         n_params = sum(p.numel() for p in hf.parameters())  # the whole model's (meta parameters included)
-        self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_weights=weights)
+        self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_from=self.init_from)
         self._log_layout(hf, n_params)
         self.adapter = ParallelCausalLM(self.pmodel)
         setattr(lm, self._attr, self.adapter)
@@ -338,7 +337,9 @@ class _UltraScaleStrategyMixin:
     # ---- the step -------------------------------------------------------------------------------------
     def training_step(self, *args, **kwargs):
         if self.adapter is not None:
-            self.adapter.loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+            # Lightning's contract: the window's micro-batches weighted evenly (its loss / accumulate_grad_batches)
+            self.adapter.loss_scale = AccumulationWindow.even(self.lightning_module.trainer.accumulate_grad_batches
+                                                              ).take()
         return super().training_step(*args, **kwargs)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):

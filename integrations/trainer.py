@@ -41,6 +41,7 @@ import warnings
 import torch
 from transformers import Trainer
 
+from ..core.accumulation import AccumulationWindow
 from ..interface.config import ConfigError
 from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
 
@@ -63,7 +64,7 @@ class UltraScaleTrainer(Trainer):
         # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
         # num_items_in_batch; the accumulation window is weighted by tokens in training_step instead
         self.model_accepts_loss_kwargs = False
-        self._token_shares: list[float] = []
+        self._window: AccumulationWindow | None = None  # the accumulation window being run
 
     # ---- the accelerator ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -135,10 +136,10 @@ class UltraScaleTrainer(Trainer):
         tensor-, context- or pipeline-parallel group hold the same rows."""
         batch_samples, num_items_in_batch = super().get_batch_samples(*args, **kwargs)
         adapter = self._ultrascale_adapter()
-        self._token_shares = []
+        self._window = None
         if adapter is not None and batch_samples and all(isinstance(b, dict) and "labels" in b
                                                          for b in batch_samples):
-            self._token_shares = adapter.pmodel.token_shares(batch_samples)
+            self._window = AccumulationWindow.by_tokens(adapter.pmodel, batch_samples)
         return batch_samples, num_items_in_batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -147,7 +148,8 @@ class UltraScaleTrainer(Trainer):
         ``current_gradient_accumulation_steps``, so that divisor is set to 1 / share for the call; a pipeline's
         backward runs inside the call, so its ``loss_scale`` is the share."""
         steps = self.current_gradient_accumulation_steps
-        share = self._token_shares.pop(0) if self._token_shares else 1.0 / steps
+        share = self._window.take() if self._window is not None else None
+        share = 1.0 / steps if share is None else share
         for adapter in self.accelerator.ultrascale_models:
             adapter.loss_scale = share
         self.current_gradient_accumulation_steps = 1.0 / share if share else float("inf")

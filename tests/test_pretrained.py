@@ -61,3 +61,24 @@ def test_pickled_weights_are_refused_not_unpickled(tmp_path, hf_dir):
         prepare(hf_dir)
     with pytest.raises(CheckpointError, match="no config.json"):
         prepare(tmp_path)
+
+
+def test_parallelize_reads_init_from_and_warns_of_unused_keys(hf_dir):
+    """``parallelize(model, init_from=DIR)``, the one way every front end builds its model: a meta-device model
+    takes the directory's weights, and rank 0 warns of keys in the files the model does not read."""
+    import ultrascale_plugins as us
+
+    state = load_file(hf_dir / "model.safetensors")
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    model = empty_model(make_config("llama_tied"))
+    try:
+        with pytest.warns(UserWarning, match=r"1 key\(s\) in the files are not used by the model: extra\.weight"):
+            pmodel = us.parallelize(model, us.ParallelConfig(dp_shard=1), device=torch.device("cpu"),
+                                    init_from=str(hf_dir))
+        got = pmodel.full_state_dict()
+        assert torch.equal(got["model.norm.weight"], state["model.norm.weight"])
+        assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

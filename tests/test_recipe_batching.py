@@ -134,15 +134,28 @@ def test_pipeline_conflicts_name_both_fields():
 
 
 def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
+    """The command line cuts a rank's batch into grad_accum micro-batches unless the model runs them itself (a
+    pipeline's schedule: ``ParallelModel.microbatches_inside``, from the ``ultrascale_microbatches`` hook)."""
+    from types import SimpleNamespace
+
     from ultrascale_plugins.cli.loop import micro_batches
+    from ultrascale_plugins.core.engine import ParallelModel
+    from ultrascale_plugins.interface.plugins import get_plugin_manager
+
+    def model_for(recipe):  # what the recipe's ParallelModel answers
+        stand_in = SimpleNamespace(pm=get_plugin_manager(), config=recipe.parallel)
+        return SimpleNamespace(microbatches_inside=ParallelModel.microbatches_inside.fget(stand_in))
 
     batch = {"input_ids": torch.arange(4 * 5).view(4, 5), "attention_mask": torch.ones(4, 5), "note": "kept"}
-    chunks = micro_batches(batch, load_recipe(tiny(tmp_path), ["train.grad_accum=2"]))
+    recipe = load_recipe(tiny(tmp_path), ["train.grad_accum=2"])
+    chunks = micro_batches(batch, recipe, model_for(recipe))
     assert [c["input_ids"].tolist() for c in chunks] == [batch["input_ids"][:2].tolist(),
                                                          batch["input_ids"][2:].tolist()]
     assert all(c["attention_mask"].shape == (2, 5) and c["note"] == "kept" for c in chunks)
-    assert micro_batches(batch, load_recipe(tiny(tmp_path))) == [batch]
-    assert micro_batches(batch, load_recipe(None, ["train.grad_accum=4"])) == [batch]  # pp=2: the schedule splits
+    recipe = load_recipe(tiny(tmp_path))
+    assert micro_batches(batch, recipe, model_for(recipe)) == [batch]
+    recipe = load_recipe(None, ["train.grad_accum=4"])  # pp=2: the schedule splits
+    assert model_for(recipe).microbatches_inside == 4 and micro_batches(batch, recipe, model_for(recipe)) == [batch]
 
 
 # ---- accumulation trains exactly like the whole batch --------------------------------------------------------
@@ -196,3 +209,48 @@ def test_grad_accum_trains_like_the_whole_batch(tmp_path):
             assert (a - b).abs().max() <= 1e-5, key
         else:  # exp_avg, exp_avg_sq: relative to the tensor's scale
             assert (a - b).abs().max() <= 1e-4 * a.abs().max() + 1e-12, key
+
+
+class _Recorder:
+    """A ParallelModel's accumulation surface: token counts over the rows, no_sync; records which calls synced."""
+
+    def __init__(self):
+        self.synced = []
+        self.inside = False
+
+    def token_shares(self, chunks):
+        counts = [int((c["labels"] != -100).sum()) for c in chunks]
+        return [c / sum(counts) for c in counts]
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def local():
+            self.inside = True
+            yield
+            self.inside = False
+        return local()
+
+    def step(self, chunk, weight):
+        self.synced.append(not self.inside)
+        return float(chunk["loss"])
+
+
+def test_the_accumulation_window_weights_and_syncs_every_front_end_alike():
+    """``AccumulationWindow``: by tokens (the command line, the Trainer) the window's loss is the token mean, and
+    only the last micro-batch's backward syncs; evenly (Lightning, Accelerate) each weighs 1/n; ``take`` hands a
+    framework's per-call steps the weights in order, then None."""
+    from ultrascale_plugins.core.accumulation import AccumulationWindow
+
+    labels = [torch.tensor([1, 2, -100, -100]), torch.tensor([1, 2, 3, 4]), torch.tensor([5, -100, -100, -100])]
+    # a micro-batch's loss is the mean over its own valid tokens: 3.0 over 2 tokens, 1.0 over 4, 6.0 over 1
+    chunks = [{"labels": l, "loss": v} for l, v in zip(labels, (3.0, 1.0, 6.0))]
+    pmodel = _Recorder()
+    window = AccumulationWindow.by_tokens(pmodel, chunks)
+    assert window.weights == [2 / 7, 4 / 7, 1 / 7]
+    assert window.run(pmodel, chunks, pmodel.step) == pytest.approx((3.0 * 2 + 1.0 * 4 + 6.0 * 1) / 7)
+    assert pmodel.synced == [False, False, True]
+    assert window.combine([3.0, 1.0, 6.0]) == pytest.approx(16 / 7)
+    even = AccumulationWindow.even(4)
+    assert [even.take() for _ in range(5)] == [0.25, 0.25, 0.25, 0.25, None]

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import _timing_mark
+from ..core.accumulation import AccumulationWindow
 from ..data.recipe import Recipe
 from ..data.recipe_data import TrainingData
 from ..interface.config import ConfigError
@@ -60,12 +61,12 @@ def resume_state(resume: str | None, pmodel, optimizer, data: TrainingData) -> i
     return first_step
 
 
-def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
+def micro_batches(batch: dict, recipe: Recipe, pmodel) -> list[dict]:
     """A rank's batch as ``grad_accum`` chunks of ``micro_batch_size`` rows (every tensor entry sliced along its
-    first dimension, the rows); the whole batch when a pipeline runs the micro-batches itself (pp > 1) or there is
-    no accumulation."""
+    first dimension, the rows); the whole batch when the model runs the micro-batches itself (a pipeline's
+    schedule: ``ParallelModel.microbatches_inside``) or there is no accumulation."""
     t = recipe.train
-    if t.grad_accum <= 1 or getattr(recipe.parallel, "pp", 1) > 1:
+    if t.grad_accum <= 1 or pmodel.microbatches_inside > 1:
         return [batch]
     size = t.micro_batch_size
     return [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -75,27 +76,17 @@ def micro_batches(batch: dict, recipe: Recipe) -> list[dict]:
 def accumulate_step(pmodel, batch: dict, recipe: Recipe) -> float:
     """Forward and backward of one optimizer step over this rank's batch, micro-batch by micro-batch, with the
     gradients synchronised once, after the last; returns the step's loss: the mean over every valid token of the
-    global batch.
-
-    Each micro-batch's own loss is the mean over its valid tokens on all data-parallel ranks; weighting it by its
-    share of the step's valid tokens (``loss_scale``) makes the sum exactly the global-batch mean, in value and
-    gradient, however unevenly padding and prompt tokens (``-100``) fall across micro-batches."""
-    chunks = micro_batches(batch, recipe)
-    shares = pmodel.token_shares(chunks)
-    losses = []
-    for i, chunk in enumerate(chunks):
-        last = i == len(chunks) - 1
-        with (contextlib.nullcontext() if last else pmodel.no_sync()):
-            losses.append(float(pmodel.train_step(chunk, loss_scale=shares[i])))
-    return sum(w * v for w, v in zip(shares, losses))
+    global batch (each micro-batch weighted by its share of the step's valid tokens: ``AccumulationWindow``)."""
+    chunks = micro_batches(batch, recipe, pmodel)
+    return AccumulationWindow.by_tokens(pmodel, chunks).run(
+        pmodel, chunks, lambda chunk, weight: pmodel.train_step(chunk, loss_scale=weight))
 
 
 def eval_batch(pmodel, batch: dict, recipe: Recipe) -> float:
     """Validation loss of a rank's batch in the training micro-batches (the memory the recipe sized): the mean over
     the valid tokens of the global batch."""
-    chunks = micro_batches(batch, recipe)
-    shares = pmodel.token_shares(chunks)
-    return sum(w * float(pmodel.eval_step(chunk)) for w, chunk in zip(shares, chunks))
+    chunks = micro_batches(batch, recipe, pmodel)
+    return AccumulationWindow.by_tokens(pmodel, chunks).combine([pmodel.eval_step(chunk) for chunk in chunks])
 
 
 def validation_loss(pmodel, data: TrainingData, recipe: Recipe) -> float | None:

@@ -38,16 +38,16 @@ def pretrained_source(recipe: Recipe, init_from: str | None, resume: str | None)
     return init_from
 
 
-def build_model(recipe: Recipe, device: torch.device, init_from: str | None = None, resume: str | None = None,
-                say=print) -> BuiltModel:
+def build_model(recipe: Recipe, device: torch.device, init_from: str | None = None,
+                resume: str | None = None) -> BuiltModel:
     """This rank's part of the recipe's model, with its weights: pretrained (``init_from``), or drawn per shard from
-    the seed already set. ``say``: how rank 0 reports keys of the files the model does not use."""
+    the seed already set."""
     base_from = pretrained_source(recipe, init_from, resume)
     if init_from and recipe.peft is None:  # a plain pretrained model: the engine reads it shard by shard
         return BuiltModel(from_pretrained(init_from, recipe.parallel, device=device), None, base_from=base_from)
     if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
         # checkpoints import DCP, which takes over a second: only for a run that starts from pretrained weights
-        from ..checkpoints.pretrained import empty_model, match_weights, read_config
+        from ..checkpoints.pretrained import empty_model, read_config
 
         model = empty_model(read_config(base_from))
     else:
@@ -58,11 +58,6 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
         model = peft_model(model, recipe.peft)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_params = sum(p.numel() for p in model.parameters())
-    weights = None
-    if base_from:
-        weights = match_weights(model, base_from)  # the adapters: drawn from train.seed
-        if weights.unexpected and torch.distributed.get_rank() == 0:
-            say(f"ultrascale: {base_from}: {len(weights.unexpected)} key(s) in the files are not used by the "
-                f"model: {', '.join(weights.unexpected[:8])}", flush=True)
-    pmodel = parallelize(model, recipe.parallel, device=device, init_weights=weights)
+    # the base's weights from base_from, the adapters drawn from train.seed
+    pmodel = parallelize(model, recipe.parallel, device=device, init_from=base_from)
     return BuiltModel(pmodel, n_params, trainable, base_from)

@@ -1,1 +1,1 @@
-"""The engine: parallelize and its ParallelModel, the Hugging Face module behind it, initialization of a meta-device model's shards, the built-in step, the communication report."""
+"""The engine: parallelize and its ParallelModel, the Hugging Face module behind it, initialization of a meta-device model's shards, the built-in step, the accumulation window every front end weights its micro-batches with, the communication report."""

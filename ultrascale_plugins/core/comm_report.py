@@ -46,7 +46,7 @@ class StepProfile:
         mine = [dict(r, rank=dist.get_rank()) for r in summarise(records)]
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        self.step = step_shape(self.pmodel.config, self.batches)
+        self.step = step_shape(self.pmodel.microbatches_inside, self.batches)
         estimate, minimum = expected(self.pmodel, self.step) if self.step else ([], [])
         self.rows = merge_rows([r for rank_rows in every for r in rank_rows], estimate, minimum)
         self.table = format_table(self.rows, self.pmodel.dims.describe(), self.step)
@@ -54,12 +54,11 @@ class StepProfile:
             out(self.table)
 
 
-def step_shape(config, batches: list[tuple[int, int]]) -> dict:
-    """The estimate's arguments for the recorded step: micro-batches, rows per micro-batch, sequence. A pipeline
-    splits each batch it is handed into ``pp_microbatches``."""
+def step_shape(pieces: int, batches: list[tuple[int, int]]) -> dict:
+    """The estimate's arguments for the recorded step: micro-batches, rows per micro-batch, sequence. The model
+    splits each batch it is handed into ``pieces`` micro-batches (a pipeline's schedule; 1 otherwise)."""
     if not batches:
         return {}
-    pieces = (config.pp_microbatches or config.pp) if config.pp > 1 else 1
     rows, seq = batches[0]
     return {"micro_batches": len(batches) * pieces, "micro_batch": max(1, rows // pieces), "seq_len": seq}
 

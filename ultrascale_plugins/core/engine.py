@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -283,19 +284,24 @@ def pin_hub_kernels(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None,
-                init_weights=None) -> "ParallelModel":
+                init_from: str | None = None, init_weights=None) -> "ParallelModel":
     """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``.
 
-    ``model`` may live on the meta device (built under ``torch.device("meta")``): then every rank gives only its
-    own shards storage and values once the layout is final — from ``init_weights`` (an object with
-    ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``), else from the directory its config was read
-    from, else with the model's own initialization — so no rank ever holds the whole model."""
+    ``init_from``: a Hugging Face directory whose weights the model takes, each rank reading only its own shards
+    (what the files do not hold, a PEFT model's adapters, is drawn from the seed; rank 0 warns of keys the model
+    does not use). ``model`` may live on the meta device (built under ``torch.device("meta")``): then every rank
+    gives only its own shards storage and values once the layout is final — from ``init_from``, else from
+    ``init_weights`` (an object with ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``), else from the
+    directory its config was read from, else with the model's own initialization — so no rank ever holds the
+    whole model. The command line, Lightning, Accelerate and the Trainer all build their model here."""
     pm = get_plugin_manager()
     config = validate(as_config(config), model.config, launch.world_size(), pm, model=model)  # no group yet
-    if init_weights is None and any(p.is_meta for p in model.parameters()):
+    if init_weights is None and (init_from is not None or any(p.is_meta for p in model.parameters())):
         from ..checkpoints.pretrained import weights_for
 
-        init_weights = weights_for(model, None)
+        init_weights = weights_for(model, init_from)
+        if init_from is not None:
+            warn_unused(init_from, init_weights.unexpected)
     if device is None:
         device = launch.init_distributed()
     elif not dist.is_initialized():
@@ -360,15 +366,18 @@ def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device
     """Build the model of the Hugging Face directory ``path`` in the layout ``config`` and load its weights, each
     rank reading only its own shards (``pretrained``: names, tied weights and shapes are checked before any process
     group exists)."""
-    import warnings
-
     from ..checkpoints.pretrained import prepare
 
     weights, model = prepare(path, trust_remote_code=trust_remote_code)
-    if weights.unexpected and launch.global_rank() == 0:
-        warnings.warn(f"'{path}': {len(weights.unexpected)} key(s) in the files are not used by the model: "
-                      f"{', '.join(weights.unexpected[:8])}", stacklevel=2)
+    warn_unused(path, weights.unexpected)
     return parallelize(model, config, device=device, init_weights=weights)
+
+
+def warn_unused(path, unexpected: list[str]) -> None:
+    """Rank 0's warning of the keys in a pretrained directory's files that the model does not read."""
+    if unexpected and launch.global_rank() == 0:
+        warnings.warn(f"'{path}': {len(unexpected)} key(s) in the files are not used by the model: "
+                      f"{', '.join(unexpected[:8])}", stacklevel=3)
 
 
 class ParallelModel:
@@ -574,6 +583,12 @@ class ParallelModel:
         out = values.to(self.device)
         dist.all_reduce(out, group=group)
         return out.cpu()
+
+    @property
+    def microbatches_inside(self) -> int:
+        """How many micro-batches one ``train_step`` call runs inside the model (a pipeline schedule's, from the
+        ``ultrascale_microbatches`` hook); 1 when each call is one micro-batch."""
+        return self.pm.hook.ultrascale_microbatches(config=self.config) or 1
 
     def token_shares(self, chunks: list[dict]) -> list[float]:
         """Each micro-batch's share of the valid target tokens of a whole optimizer step on all data-parallel

@@ -4,7 +4,7 @@ initialization of the adapters, drawn shard by shard like the rest of the model.
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR))
         model = get_peft_model(base, LoraConfig(r=16, target_modules="all-linear"))
-    pmodel = parallelize(model, ParallelConfig(dp_shard=-1), init_weights=match_weights(model, DIR))
+    pmodel = parallelize(model, ParallelConfig(dp_shard=-1), init_from=DIR)
 
 - **Names** (``PeftWrapper.pretrained_name``): PEFT replaces each targeted layer by a LoRA layer holding the original
   as ``base_layer`` (``q_proj.weight`` becomes ``q_proj.base_layer.weight``) beside its adapters, and keeps a
