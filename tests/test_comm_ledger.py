@@ -107,15 +107,15 @@ def test_minimum_is_the_playbooks_formulas():
     psi = 4 * sum(p.numel() for p in make_model("llama").parameters())  # fp32 bytes of the model
     act = 2 * 32 * 64 * 4  # b·s·h of one micro-batch, fp32
     step = {"seq_len": 32, "micro_batch": 2}
-    # tensor parallel (Megatron): 2 forward + 2 backward all-reduces per layer, + the head's input gradient (this
-    # Llama's embedding is not sharded: its output needs no reduction); the logits gathered for the loss (vocabulary
-    # 256 = 4 h), or with loss_parallel 3 scalar reductions in their place
+    # tensor parallel (Megatron): 2 forward + 2 backward all-reduces per layer, + the head's input gradient and the
+    # vocabulary-parallel embedding's output; the logits gathered for the loss (vocabulary 256 = 4 h), or with
+    # loss_parallel 3 scalar reductions in their place
     tp = _minimum({"tp": 2, "dp_shard": 1}, 2, **step)
-    assert tp["tp", "all_reduce"] == (9, 9 * act) and tp["tp", "all_gather"] == (1, 4 * act)
-    assert _minimum({"tp": 2, "dp_shard": 1, "loss_parallel": True}, 2, **step)["tp", "all_reduce"][0] == 9 + 3
+    assert tp["tp", "all_reduce"] == (10, 10 * act) and tp["tp", "all_gather"] == (1, 4 * act)
+    assert _minimum({"tp": 2, "dp_shard": 1, "loss_parallel": True}, 2, **step)["tp", "all_reduce"][0] == 10 + 3
     sp = _minimum({"tp": 2, "sequence_parallel": True, "dp_shard": 1}, 2, **step)
-    assert sp["tp", "all_gather"] == (10 + 1, (10 + 4) * act) and sp["tp", "reduce_scatter"] == (9, 9 * act)
-    # a tied (vocabulary-parallel) embedding is one more end: its output reduced (scattered under SP)
+    assert sp["tp", "all_gather"] == (10 + 1, (10 + 4) * act) and sp["tp", "reduce_scatter"] == (10, 10 * act)
+    # a tied embedding is vocabulary-parallel like an untied one: its output reduced (scattered under SP)
     tied = us.validate(us.ParallelConfig(tp=2, sequence_parallel=True, dp_shard=1), make_config("llama_tied"), 2)
     _, shape = estimate_with_shape(tied, make_config("llama_tied"), world_size=2, check=False, **step)
     calls = {}
@@ -179,10 +179,10 @@ def test_the_ledger_counts_the_layouts_collectives(ledger):
     layers = model.config.num_hidden_layers
     _, rows = ledger["tp2"]
     assert {axis for axis, _ in rows} == {"tp"}
-    assert rows["tp", "all_reduce"]["calls"] == rows["tp", "all_reduce"]["minimum"]["calls"] == 4 * layers + 1
+    assert rows["tp", "all_reduce"]["calls"] == rows["tp", "all_reduce"]["minimum"]["calls"] == 4 * layers + 2
     _, rows = ledger["tp2_sp"]
     assert ("tp", "all_reduce") not in rows, rows.get(("tp", "all_reduce"))
-    assert rows["tp", "reduce_scatter"]["calls"] == rows["tp", "reduce_scatter"]["minimum"]["calls"] == 4 * layers + 1
+    assert rows["tp", "reduce_scatter"]["calls"] == rows["tp", "reduce_scatter"]["minimum"]["calls"] == 4 * layers + 2
     assert rows["tp", "all_gather"]["calls"] == rows["tp", "all_gather"]["minimum"]["calls"] == 4 * layers + 3
 
 

@@ -20,9 +20,11 @@ ACTIVATION = 1000  # elements: a tiny model's activation (4 x 16 x 64 / tp) agai
 # Per step of a 2-layer model, activation-sized collectives only (norm weights, routing values and LoRA's r-wide
 # ones are below ACTIVATION). L = 2 layers, 2 regions each.
 L = 2
-TP = {"forward": {"all_reduce": 2 * L, "all_gather": 1},  # each region's output; the logits' gather
+# The embedding is vocabulary-parallel (tied or not): its partial output is summed once, reduce-scattered onto the
+# sequence shards under SP.
+TP = {"forward": {"all_reduce": 2 * L + 1, "all_gather": 1},  # the embedding's, each region's output; the logits'
       "backward": {"all_reduce": 2 * L + 1}}  # each region's input; the head's input
-SP = {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L},  # + the last layer's gather, the logits'
+SP = {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1},  # + the last layer's gather, the logits'
       "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}}  # + the first layer's split; the head
 EXPECTED = {
     "llama:tp": TP, "llama:sp": SP, "qwen3:sp": SP, "qwen3_moe:sp": SP,
@@ -30,10 +32,10 @@ EXPECTED = {
     "qwen2_moe:tp": TP, "qwen2_moe:sp": SP,
     # head-parallel linear attention (each rank its key heads and their value heads) beside softmax attention
     "qwen3_next:tp": TP, "qwen3_next:sp": SP,
-    # a tied, vocabulary-parallel embedding: its partial sum reduce-scattered onto the sequence shards
-    "llama_tied:sp": {"forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1}, "backward": SP["backward"]},
+    # a tied embedding is vocabulary-parallel like an untied one (its weight is the head's)
+    "llama_tied:sp": SP,
     # GPT-2: the vocabulary-parallel embedding is added to a replicated position embedding: reduced whole
-    "gpt2:sp": {"forward": {**SP["forward"], "all_reduce": 1}, "backward": SP["backward"]},
+    "gpt2:sp": {"forward": {**SP["forward"], "reduce_scatter": 2 * L, "all_reduce": 1}, "backward": SP["backward"]},
     # latent attention: kv_b_proj reads the replicated latent, not the region's input, and reduces its own
     # (rank-wide: kv_lora_rank, not hidden) input gradient
     "deepseek_v3:tp": {"forward": TP["forward"], "backward": {"all_reduce": 2 * L + 1 + L}},
@@ -82,8 +84,10 @@ def _count(arch: str, layout: str) -> dict:
         out = pmodel.module(input_ids=ids, labels=ids)
     with Count() as bwd:
         out.loss.backward()
+    grad = pmodel.module.get_input_embeddings().weight.grad
+    rows = None if grad is None else (grad.to_local() if hasattr(grad, "to_local") else grad).shape[0]
     dist.destroy_process_group()
-    return {"forward": dict(fwd.seen), "backward": dict(bwd.seen)}
+    return {"forward": dict(fwd.seen), "backward": dict(bwd.seen), "embedding_grad_rows": rows}
 
 
 def main(cases: list[str]) -> None:
@@ -115,6 +119,15 @@ def _activations(seen: dict) -> dict:
 def test_one_collective_per_region_forward_and_backward(counts, case):
     got = {phase: _activations(counts[case][phase]) for phase in ("forward", "backward")}
     assert got == EXPECTED[case], (case, counts[case])
+
+
+def test_the_embedding_is_vocabulary_parallel_and_its_gradient_is_this_ranks_rows(counts):
+    """Tied or not, the embedding is split by vocabulary rows under TP, and the gradient a rank holds (and data
+    parallel reduces) is its own rows: 128 of the tiny models' 256, not the whole table torch's vocabulary-parallel
+    lookup hands back. A frozen embedding (LoRA) has none."""
+    for case in ("llama:tp", "llama:sp", "llama_tied:sp", "gpt2:sp", "qwen3_moe:sp", "deepseek_v3:tp"):
+        assert counts[case]["embedding_grad_rows"] == 128, (case, counts[case]["embedding_grad_rows"])
+    assert counts["llama+lora:sp"]["embedding_grad_rows"] is None
 
 
 def test_a_region_whose_input_meets_anything_else_reduces_per_projection(monkeypatch):
@@ -167,7 +180,7 @@ def test_a_shared_expert_is_sharded_like_an_mlp_and_a_biased_packed_linear_is_re
     plan.tp_plan["model.layers.*.mlp.up_proj"] = "packed_colwise"  # bias-free: sharded by columns under FSDP
     ultrascale_validate_model(qwen2, plan, config)
     plan.tp_plan["model.layers.*.self_attn.q_proj"] = "packed_colwise"
-    with pytest.raises(ConfigError, match="'model.layers.0.self_attn.q_proj'.*'packed_colwise'.*bias.*zero_stage=3"):
+    with pytest.raises(ConfigError, match="'model.layers.0.self_attn.q_proj'.*'packed_colwise'.*bias.*FSDP.*zero_stage: 0"):
         ultrascale_validate_model(qwen2, plan, config)
     ultrascale_validate_model(qwen2, plan, us.ParallelConfig(tp=2, dp_shard=2, zero_stage=0))
 

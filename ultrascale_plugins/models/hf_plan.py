@@ -37,8 +37,11 @@ def ultrascale_model_plan(model, config):
     result = hf_plan_from_model(model, plan)
     if delta_net:
         result.styles[DELTA_NET] = delta_net_style
-    # A tied head and embedding share one tensor, so they must share one placement: when the plan shards the
-    # head by vocabulary rows, shard the embedding the same way.
-    if result.tied and result.lm_head in plan and result.embedding not in plan:
+    # The embedding is sharded by vocabulary rows whenever the plan shards the head (torchtitan's and Megatron's
+    # vocabulary-parallel embedding): a tied head and embedding share one tensor, so they must share one placement,
+    # and an untied one would otherwise stay whole on every TP rank (vocab x hidden parameters, their gradients
+    # and optimizer states). Its output is partial over TP: one all-reduce per forward (a reduce-scatter under
+    # sequence parallel, which the first region's gather needed anyway).
+    if result.embedding and result.lm_head in plan and result.embedding not in plan:
         result.tp_plan[result.embedding] = "embedding_rowwise"
     return result

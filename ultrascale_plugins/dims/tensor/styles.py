@@ -346,11 +346,18 @@ class PartialRowwise(RowwiseParallel):
 
 
 class LocalVocabEmbedding(ParallelStyle):
-    """Vocabulary-parallel embedding whose output stays this rank's addend: its rows of the table (``Shard(0)``,
-    as torch's ``RowwiseParallel`` places them, so checkpoints and a tied head match), zeros for the ids other
-    ranks hold. The first decoder layer reduce-scatters the sum onto sequence shards (Megatron's embedding end
-    under sequence parallel), where torch's style all-reduces the whole sequence (its ``MaskPartial`` output
-    cannot be redistributed to anything but a replicated tensor)."""
+    """Vocabulary-parallel embedding computed on this rank's rows of the table (``Shard(0)``, as torch's
+    ``RowwiseParallel`` places them, so checkpoints and a tied head match), zeros for the ids other ranks hold.
+    Without ``reduce`` the output stays this rank's addend: the first decoder layer reduce-scatters the sum onto
+    sequence shards (Megatron's embedding end under sequence parallel), where torch's style all-reduces the whole
+    sequence (its ``MaskPartial`` output cannot be redistributed to anything but a replicated tensor). With
+    ``reduce`` the addends are all-reduced here. Either way the weight's gradient is this rank's rows only: torch's
+    embedding backward on a ``MaskPartial`` lookup hands back the whole table's gradient on every rank (most of it
+    zeros), which is held until the step and reduced whole by data parallel."""
+
+    def __init__(self, reduce: bool = False):
+        super().__init__()
+        self.reduce = reduce
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         vocab = module.weight.shape[0]
@@ -364,11 +371,26 @@ class LocalVocabEmbedding(ParallelStyle):
             pad = module.padding_idx
             pad = pad - start if pad is not None and start <= pad < start + table.shape[0] else None
             out = torch.nn.functional.embedding(torch.where(held, ids - start, 0), table, padding_idx=pad)
-            return out * held.unsqueeze(-1).to(out.dtype)
+            out = out * held.unsqueeze(-1).to(out.dtype)
+            return all_reduce_forward(out, device_mesh) if self.reduce else out
 
         module.forward = forward
         run_on_local_params(module, device_mesh, replicate_plain=False)
         return module
+
+
+class VocabEmbedding(ParallelStyle):
+    """A vocabulary-parallel embedding with a replicated output: torch's own lookup (``nn.Embedding.forward``,
+    no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``) runs on this rank's rows (``LocalVocabEmbedding``, its
+    gradient this rank's rows); a subclass whose forward does more (Gemma's scaled lookup) keeps torch's
+    ``RowwiseParallel``, which runs the module's own forward."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        plain = (type(module).forward is nn.Embedding.forward and module.max_norm is None
+                 and not module.scale_grad_by_freq and not module.sparse)
+        style = (LocalVocabEmbedding(reduce=True) if plain
+                 else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        return style._apply(module, device_mesh)
 
 
 class ForwardHookStyle(ParallelStyle):
@@ -454,7 +476,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
     if name in ("embedding_rowwise", "vocab_parallel_embedding"):
         # Output replicated even under SP: the first decoder layer splits the sequence (see dims.tensor.plugin),
         # so the model still builds its masks and positions on the full sequence.
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return VocabEmbedding()
     if name == "embedding_colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":

@@ -125,10 +125,18 @@ def ultrascale_extend_plan(model, plan, config):
     follow keeps its entry; ``ultrascale_validate_model`` refuses it under tp > 1."""
     if not is_peft_model(model):
         return None
+    from peft.tuners.lora import LoraLayer
+
     from ...interface.plan_edit import PlanEdit
 
     entries = {}
     for fqn, module, style in _adapted(model, plan):
+        if (style == "embedding_rowwise" and not plan.tied and isinstance(module, LoraLayer)
+                and isinstance(module.get_base_layer(), nn.Embedding)):
+            # LoRA's embedding factors look tokens up in A's columns, which a vocabulary-parallel base would split
+            # among the ranks: an untied embedding with adapters stays whole on every TP rank, its adapters too
+            entries[fqn] = None
+            continue
         try:
             entries.update(_adapter_entries(model, fqn, module, style))
         except _CannotFollow:
