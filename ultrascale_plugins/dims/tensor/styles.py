@@ -386,8 +386,8 @@ class VocabEmbedding(ParallelStyle):
     ``RowwiseParallel``, which runs the module's own forward."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        plain = (type(module).forward is nn.Embedding.forward and module.max_norm is None
-                 and not module.scale_grad_by_freq and not module.sparse)
+        plain = (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+                 and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse)
         style = (LocalVocabEmbedding(reduce=True) if plain
                  else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         return style._apply(module, device_mesh)
