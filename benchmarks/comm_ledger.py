@@ -29,6 +29,7 @@ SEQ, ROWS = 32, 2  # tokens per row, rows per micro-batch on each data-parallel 
 LAYOUTS = [
     ("tp2", 2, {"tp": 2, "dp_shard": 1}, 1, "llama", {}),
     ("tp2_sp", 2, {"tp": 2, "sequence_parallel": True, "dp_shard": 1}, 1, "llama", {}),
+    ("tp2_sp_chunked", 2, {"tp": 2, "sequence_parallel": True, "dp_shard": 1, "chunked_loss": 16}, 1, "llama", {}),
     *[(f"zero{z}_m{m}", 2, {"dp_shard": 2, "zero_stage": z}, m, "llama", {}) for z in (1, 2, 3) for m in (1, 4)],
     ("ddp_tp2", 4, {"dp_shard": 2, "zero_stage": 0, "tp": 2}, 1, "llama", {}),
     ("zero1_tp2_sp", 4, {"dp_shard": 2, "zero_stage": 1, "tp": 2, "sequence_parallel": True}, 1, "llama", {}),

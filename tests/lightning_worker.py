@@ -67,6 +67,8 @@ RUNS = {
     # using the same implementation
     "tp_fused": ("ultrascale_tp", {"adamw": "fused"}),
     "tp_sp_foreach": ({"tp": 2, "sequence_parallel": True, "dp_shard": 1}, {"adamw": "foreach"}),
+    # the chunked loss (no whole logits) under TP + SP with foreach AdamW
+    "tp_sp_chunked": ({"tp": 2, "sequence_parallel": True, "dp_shard": 1, "chunked_loss": 16}, {"adamw": "foreach"}),
     "pp2_tp2_fused": ({"pp": 2, "tp": 2, "dp_shard": 1}, {"adamw": "fused"}),
     # expert parallel on a mixture of experts (Qwen3-MoE, 8 experts, top-2; compared with it on one device): the
     # registered name (ep = devices per node, ZeRO-3 over every device) and an explicit layout under ZeRO-2

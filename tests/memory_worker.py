@@ -76,7 +76,16 @@ CASES = {
     "ddp_dp2_ac_full": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 0, "activation_checkpointing": "full"},
                         "mbs": 2},
     "zero3_dp2_bf16": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "mixed_precision": "bf16"}, "mbs": 2},
+    # the chunked loss (features/chunked_loss): 128 of a micro-batch's 512 tokens at a time
+    "zero3_dp2_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "chunked_loss": 128}, "mbs": 2},
+    "zero3_dp2_bf16_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "mixed_precision": "bf16",
+                                                      "chunked_loss": 128}, "mbs": 2},
     # 4 ranks
+    "zero2_dp2_tp2_sp_chunked": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                        "zero_stage": 2, "chunked_loss": 128}, "mbs": 2},
+    "zero1_dp2_pp2_1f1b_chunked": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
+                                                          "dp_shard": 2, "zero_stage": 1, "chunked_loss": 128},
+                                   "mbs": 1},
     "zero2_dp2_tp2_sp": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 2},
                          "mbs": 2},
     "zero1_dp2_pp2_1f1b": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,

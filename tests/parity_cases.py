@@ -231,6 +231,26 @@ CASES.update({
                                    "router_bias_update": BIAS_RATE}},
 })
 
+# the chunked loss (head + cross-entropy 24 or 100 tokens at a time, no whole logits): over ZeRO-3 with
+# accumulation, TP's two head inputs (a DTensor without SP; the plain gathered sequence under SP, tied), GPT-2's
+# plan, a pipeline's last stage, context parallel on packed rows, bf16
+CASES.update({
+    "chunked_zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "chunked_loss": 24},
+                          "accumulate": (2, 2)},
+    "chunked_tp2": {"world": 2, "arch": "llama", "layout": {"tp": 2, "chunked_loss": 24}},
+    "chunked_tied_tp2_sp": {"world": 2, "arch": "llama_tied",
+                            "layout": {"tp": 2, "sequence_parallel": True, "chunked_loss": 24}},
+    "chunked_gpt2_dp2_tp2_sp": {"world": 4, "arch": "gpt2",
+                                "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "chunked_loss": 24}},
+    "chunked_pp2_1f1b": {"world": 2, "arch": "llama8_tied", "layout": {"pp": 2, "chunked_loss": 24}},
+    "chunked_pp2_zbv": {"world": 2, "arch": "llama8_tied", "layout": {"pp": 2, "pp_schedule": "zbv",
+                                                                      "chunked_loss": 24}},
+    "chunked_cp2_ring_packed": {"world": 2, "arch": "llama", "seq": 256, "data": "packed",
+                                "layout": {"cp": 2, "chunked_loss": 100}},
+    "chunked_bf16_tp2": {"world": 2, "arch": "llama", "tol": 2e-2,
+                         "layout": {"tp": 2, "mixed_precision": "bf16", "chunked_loss": 24}},
+})
+
 # torch's AdamW as for-loop, foreach and fused (tests/parity_worker.py: adamw_implementations_agree). An optimizer
 # sees only the parameters and their gradients, so what decides whether foreach and fused run, and agree, is how a
 # layout places its parameters: plain tensors (DDP, ZeroRedundancyOptimizer's partitions, a pipeline's stages, context

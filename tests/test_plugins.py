@@ -330,7 +330,8 @@ def test_the_documented_layout_facts_hold():
     section = doc.split("## What other plugins decided\n", 1)[1].split("\n## ", 1)[0]
     exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
     owners = {"data parallel": "dims.data_parallel", "tensor parallel": "dims.tensor",
-              "activation checkpointing": "features.activation_checkpointing", "float8": "features.float8"}
+              "activation checkpointing": "features.activation_checkpointing", "float8": "features.float8",
+              "chunked loss": "features.chunked_loss"}
     documented = {flag: owners[owner] for flag, owner in re.findall(r"^\| `(\w+)` \| ([\w ]+) \|", section, re.M)}
     from ultrascale_plugins.interface.facts import FLAGS
 

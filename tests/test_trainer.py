@@ -69,6 +69,8 @@ def _close(a, b, tol):
 # (the first is mostly padding), weighted by their tokens as a plain Trainer weights them (num_items_in_batch)
 ACCUMULATION_LAYOUTS = {"zero3": ["dp_shard=2"], "zero1": ["dp_shard=2", "zero_stage=1"], "tp": ["tp=2"],
                         "tp_sp": ["tp=2", "sequence_parallel=true"], "pp": ["pp=2"], "cp": ["cp=2"],
+                        # the chunked loss (no whole logits), on the pipeline's last stage
+                        "pp_chunked": ["pp=2", "chunked_loss=16"],
                         # gradients reduced once per step (whole fp32 gradients held over the window)
                         "zero2_step": ["dp_shard=2", "zero_stage=2", "grad_sync=step"],
                         # expert parallel on a mixture of experts, against a plain Trainer of the same MoE

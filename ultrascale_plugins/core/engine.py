@@ -616,6 +616,22 @@ class ParallelModel:
                     stack.enter_context(context)
             yield
 
+    @contextlib.contextmanager
+    def forward_targets(self, targets: torch.Tensor):
+        """Where one micro-batch's forward runs: every plugin's ``ultrascale_forward_targets`` entered with its
+        targets (a loss computed inside the forward reads them)."""
+        with contextlib.ExitStack() as stack:
+            for context in self.pm.hook.ultrascale_forward_targets(pmodel=self, targets=targets):
+                if context is not None:
+                    stack.enter_context(context)
+            yield
+
+    def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's token-loss sum of one micro-batch: a plugin's, when the forward computed it
+        (``ultrascale_loss_sum``), else the cross-entropy of ``logits`` against ``targets``."""
+        computed = self.pm.hook.ultrascale_loss_sum(pmodel=self, logits=logits, targets=targets)
+        return computed if computed is not None else token_loss_sum(logits, targets)
+
     @property
     def token_group(self):
         """The process group of the ranks that hold different tokens of the global batch (None: one rank)."""
@@ -660,10 +676,12 @@ class ParallelModel:
         batch = self.prepare_batch(batch)
         targets = batch.pop("targets")
         count = self.global_token_count(targets)
-        with self.autocast():
+        with self.autocast(), self.forward_targets(targets):
             output = self.forward_module(**batch, use_cache=False)
         with self.loss_context():
-            loss_sum = token_loss_sum(output.logits, targets)
+            loss_sum = self.token_loss_sum(output.logits, targets)
+        if output.logits is loss_sum:  # the forward computed the loss (the chunked loss): there are no logits
+            output.logits = None
         loss_sum = self.add_loss_terms(loss_sum, self.loss_terms(output, batch), count)
         mean = self.reduce_loss(loss_sum, count)
         if torch.is_grad_enabled():

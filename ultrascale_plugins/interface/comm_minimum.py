@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .facts import layout_facts
 from .moe_config import experts_per_token, text_config
 
 V_SHAPED = ("zbv", "dualpipev")  # a pipeline's V schedules: rank r holds stages r and 2p-1-r
@@ -83,7 +84,13 @@ def _tensor(config, shape) -> list[MinimumTerm]:
                                                                                 "vocab_parallel_embedding")
     head = shape.holds_head and (shape.plan is None or shape.plan.lm_head in matched)
     ends = int(embedding) + int(head)
-    if getattr(config, "loss_parallel", False):  # vocabulary-parallel cross-entropy: max, target logit, sum of exps
+    chunk = layout_facts(config).loss_chunk
+    if chunk:  # the chunked loss: vocabulary-parallel, max then (sum of exps, target logit) per chunk
+        calls = 2 * m * -(-_tokens(config, shape) // chunk)
+        loss = [MinimumTerm("tp", "all_reduce", calls, 3 * m * _tokens(config, shape) * 4,
+                            "vocabulary-parallel loss: 3 fp32 values per token (max, sum of exps, target logit)")
+                ] if head else []
+    elif getattr(config, "loss_parallel", False):  # vocabulary-parallel cross-entropy: max, target logit, sum of exps
         loss = [MinimumTerm("tp", "all_reduce", 3 * m, 3 * m * _tokens(config, shape) * 4,
                             "vocabulary-parallel loss: 3 per micro-batch of b·s fp32 values")] if head else []
     else:  # the loss needs every logit: gathered over the vocabulary

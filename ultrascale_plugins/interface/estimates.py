@@ -445,6 +445,14 @@ class Shape:
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch
 
+    def head_split(self, config) -> int:
+        """Over how many ranks the head's vocabulary rows are split: the ``tp`` degree when the model's plan
+        shards the head, else 1."""
+        tp = layout_facts(config).degree("tp")
+        if tp == 1 or self.plan is None or self.model is None or not self.plan.lm_head:
+            return 1
+        return tp if self.plan.lm_head in self.plan.matches(self.model) else 1
+
     def activation_bytes(self, config) -> int:
         """Bytes of an activation element: the compute width the layout decides, 2 under nanotron's bf16."""
         return 2 if (layout_facts(config).compute_bytes == 2 or self.profile == "nanotron") else 4

@@ -30,6 +30,7 @@ class LayoutFacts:
     - ``vocab_sharded_loss``: the head's logits stay split over the vocabulary into the loss.
     - ``recompute``: what the backward recomputes of the forward: ``none``, ``selective`` or ``full``.
     - ``float8``: the float8 recipe the linear layers run (``none``: they do not).
+    - ``loss_chunk``: the head and the loss run this many tokens at a time (0: the whole logits at once).
     """
 
     degrees: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -42,6 +43,7 @@ class LayoutFacts:
     vocab_sharded_loss: bool = False
     recompute: str = "none"
     float8: str = "none"
+    loss_chunk: int = 0
 
     def degree(self, axis: str) -> int:
         """The degree of a mesh axis (a view's too), by name: 1 when no plugin declares it, -1 before a layout

@@ -167,6 +167,21 @@ def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | N
 
 
 @hookspec
+def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor) -> AbstractContextManager | None:
+    """Return a context manager that one micro-batch's forward runs inside, given that micro-batch's next-token
+    ``targets`` (this rank's part, shifted, -100 where ignored), or None: a head that computes the loss inside the
+    model's forward reads them there (the chunked loss). Every runtime enters every plugin's around each
+    micro-batch's forward (a pipeline: around its last stage's)."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_loss_sum(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """Return this rank's token-loss sum of one micro-batch when the model's forward computed it (``logits`` is
+    what the model's output holds there), or None for the built-in cross-entropy of ``logits`` against
+    ``targets``. First answer wins."""
+
+
+@hookspec
 def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
     """Return terms to add to the step's objective for this forward, besides the token loss (a list of 0-d
     tensors), or None: a mixture of experts' router auxiliary loss. ``output`` is the model's output, ``batch``
@@ -301,7 +316,8 @@ GROUPS = {
     "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
     "transform": ("ultrascale_stages",),
     "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
-             "ultrascale_loss_terms", "ultrascale_no_sync", "ultrascale_after_backward", "ultrascale_train_step"),
+             "ultrascale_forward_targets", "ultrascale_loss_sum", "ultrascale_loss_terms", "ultrascale_no_sync",
+             "ultrascale_after_backward", "ultrascale_train_step"),
     "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
               "ultrascale_export"),
     "cost": ("ultrascale_estimate", "ultrascale_adapter_factors", "ultrascale_microbatches",

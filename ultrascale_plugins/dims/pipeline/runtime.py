@@ -29,6 +29,7 @@ class Pipeline(Runtime):
         self.schedule = None
         self.scale = 1.0
         self._pmodel, self._has_mask = None, True  # the step's model and whether its batch has a mask
+        self._target_chunks = None  # the step's targets, one block per micro-batch (the last stage's forward)
         pp_mesh = ctx.sub_mesh("pp")
         self.pp_group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -50,13 +51,11 @@ class Pipeline(Runtime):
         micro-batch's share of the step's tokens, as under gradient accumulation without a pipeline."""
         from types import SimpleNamespace
 
-        from ...distributed.loss import token_loss_sum
-
-        if not isinstance(output, tuple):
-            return token_loss_sum(output, targets)
-        logits, routed, mask = output
-        loss_sum = token_loss_sum(logits, targets)
         pmodel = self._pmodel
+        if not isinstance(output, tuple):
+            return pmodel.token_loss_sum(output, targets)
+        logits, routed, mask = output
+        loss_sum = pmodel.token_loss_sum(logits, targets)
         layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
         seen = SimpleNamespace(logits=logits, router_logits=layers)
         terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
@@ -76,6 +75,8 @@ class Pipeline(Runtime):
         cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
         for stage in stages:
             self._time_compute(stage)
+            if stage.is_last:
+                self._give_targets(stage)
             _zero_inferred_inputs(stage)
             self._mark_stand_in(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
@@ -95,6 +96,20 @@ class Pipeline(Runtime):
                 self.ctx.stand_in = False
 
         _around(stage, ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"), stand_in)
+
+    def _give_targets(self, stage) -> None:
+        """Run each micro-batch's forward on the last stage inside ``pmodel.forward_targets`` with that
+        micro-batch's targets (split as the schedule splits them: into equal row blocks)."""
+        inner = stage.forward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            chunks = self._target_chunks
+            if chunks is None:  # shape inference: no real batch
+                return inner(fwd_chunk_id, *args, **kwargs)
+            with self._pmodel.forward_targets(chunks[fwd_chunk_id]):
+                return inner(fwd_chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = functools.wraps(inner)(forward_one_chunk)
 
     def _time_compute(self, stage) -> None:
         """Count the time this rank spends computing (forward, input-grad and weight-grad chunks); the rest of
@@ -180,7 +195,8 @@ class Pipeline(Runtime):
                     routed = torch.empty(int(rows), width, device=ids.device)
                     dist.recv(routed, src=src, group=self.pp_group)
             args = (x, mask, positions) if stage == 0 else (x, mask, positions, ids, *((routed,) if width else ()))
-            out = modules[stage](*args)
+            with self._pmodel.forward_targets(targets) if stage == self.n_stages - 1 else contextlib.nullcontext():
+                out = modules[stage](*args)
             if stage == self.n_stages - 1:
                 loss_sum = self._loss_sum(out, targets, count=count)
                 break
@@ -251,8 +267,12 @@ class Pipeline(Runtime):
                 if _takes_return_outputs():  # else the last stage keeps every micro-batch's logits to merge them
                     kwargs["return_outputs"] = False
                 self._busy, start = 0.0, time.perf_counter()
-                with pmodel.loss_context():  # around the schedule: its loss and its backward
-                    self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
+                self._target_chunks = targets.tensor_split(m) if self.has_last else None
+                try:
+                    with pmodel.loss_context():  # around the schedule: its loss and its backward
+                        self.schedule.step(*((ids, mask, positions) if self.has_first else ()), **kwargs)
+                finally:
+                    self._target_chunks = None
                 elapsed = time.perf_counter() - start
                 self.last_step_stats = {"step_s": elapsed, "busy_s": self._busy,
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}

@@ -9,6 +9,7 @@ own, and the estimate counts what runs, region by region, from the same trace th
 from __future__ import annotations
 
 from ...interface.estimates import chunk_size
+from ...interface.facts import layout_facts
 from .styles import param_placement
 
 # The dims the weight and the bias of a module are sharded on, by style name (transformers' and this package's;
@@ -73,7 +74,11 @@ def tensor_parallel_terms(config, shape, est) -> None:
     matched = _per_model(shape.model, shape.plan, _flow(shape.model, shape.plan), config.sequence_parallel)[1]
     head = matched.get(shape.plan.lm_head) if shape.holds_head else None
     if head in ("colwise_gather_output", "colwise_rep"):
-        if config.loss_parallel:  # max, target logit and sum of exponentials of each token, fp32
+        chunk = layout_facts(config).loss_chunk
+        if chunk:  # the chunked loss: per chunk, the max, then the sum of exponentials with the target logit
+            calls = 2 * -(-tokens // chunk)
+            est.add_comm("tp", 3 * tokens * 4, "all_reduce", calls=calls, per="micro_batch")
+        elif config.loss_parallel:  # max, target logit and sum of exponentials of each token, fp32
             est.add_comm("tp", 3 * tokens * 4, "all_reduce", calls=3, per="micro_batch")
         else:  # the logits gathered over the vocabulary
             vocab = getattr(_text(shape.model_config), "vocab_size", 0)

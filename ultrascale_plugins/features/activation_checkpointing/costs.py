@@ -86,6 +86,17 @@ def activation_terms(config, shape, est: Estimate) -> None:
             # exponentials it keeps as the softmax (the bf16 logits are freed at the copy); the final norm's and the
             # head's inputs as sequence shards (tp_recompute_allgather)
             logits = 8 * mc.vocab_size * tokens / tp + 2 * element * mc.hidden_size * tokens / sp_div
+        elif facts.loss_chunk:
+            # the chunked loss (features.chunked_loss) in its backward: one chunk's fp32 logits and their
+            # exponentials (in a low-precision compute dtype, the chunk's gradient in that dtype too); the fp32
+            # log-sum-exp of every token; the head's weight gradient, accumulated in fp32 from the first chunk on
+            # (in a low-precision dtype, each chunk's product beside it); the head's input, kept for the recomputation
+            rows = mc.vocab_size / shape.head_split(config)
+            chunk = min(facts.loss_chunk, tokens)
+            logits = (8 + (element if element < 4 else 0)) * rows * chunk + 4 * tokens
+            if head_trains:
+                logits += (4 + (element if element < 4 else 0)) * rows * mc.hidden_size
+            saved += element * mc.hidden_size * tokens
         else:
             vocab_div = tp if facts.vocab_sharded_loss else 1
             # at the start of the loss's backward (the peak of a step): the fp32 log-probabilities the loss keeps,
@@ -150,3 +161,4 @@ def adapter_bytes(shape, element: int, mode: str, sp_div: int, layers: int) -> t
     names = {r.name for r in heads}
     head_trains = not heads or any(r.trainable for r in heads) or any(r.adapter_of in names for r in records)
     return held, transient, head_trains
+

@@ -1,0 +1,123 @@
+"""The chunked loss (``chunked_loss: N``): the head and the cross-entropy N tokens at a time, never the whole
+logits. Its parity under every dimension is in tests/parity_cases.py (``chunked_*``), its memory against the
+estimate in tests/memory_worker.py (``*_chunked``), its front ends in the Lightning and Trainer tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ultrascale_plugins as us
+from ultrascale_plugins.distributed.chunked_loss import chunked_head_loss
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_chunked_loss_is_the_cross_entropy_of_the_whole_logits(bias, autocast):
+    """Value and gradients (hidden states, weight, bias) against F.cross_entropy of the whole logits: ignored
+    targets, a last chunk shorter than the others; in fp32 to rounding, under bf16 autocast to bf16's precision."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    b = torch.randn(50, requires_grad=True) if bias else None
+    targets = torch.randint(0, 50, (3, 11))
+    targets[0, :4] = -100
+    params = [t for t in (hidden, weight, b) if t is not None]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        whole = F.cross_entropy(F.linear(hidden, weight, b).float().flatten(0, 1), targets.flatten(),
+                                ignore_index=-100, reduction="sum")
+        chunked = chunked_head_loss(hidden, weight, b, targets, chunk=7)
+    tol = 2e-2 if autocast else 1e-6  # bf16: the parity cases' tolerance
+    assert abs(float(chunked) - float(whole)) <= tol * abs(float(whole))
+    for want, got in zip(torch.autograd.grad(whole, params), torch.autograd.grad(chunked, params)):
+        assert float((want - got).abs().max()) <= tol * float(want.abs().max())
+
+
+def test_each_tokens_loss_and_its_gradient_for_per_row_sums():
+    """``chunked_token_losses``: each token's loss (0 where ignored), and gradients for any weighting of them (a
+    preference loss weighs the rows' sums differently)."""
+    from ultrascale_plugins.distributed.chunked_loss import chunked_token_losses
+
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 9, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    targets = torch.randint(0, 30, (2, 9))
+    targets[1, 5:] = -100
+    whole = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten(), ignore_index=-100,
+                            reduction="none").view(2, 9)
+    chunked = chunked_token_losses(hidden, weight, None, targets, chunk=4)
+    assert torch.allclose(chunked, whole, atol=1e-6) and bool((chunked[1, 5:] == 0).all())
+    rows = torch.tensor([1.5, -0.5])  # e.g. chosen and rejected
+    for want, got in zip(torch.autograd.grad((whole.sum(1) * rows).sum(), [hidden, weight]),
+                         torch.autograd.grad((chunked.sum(1) * rows).sum(), [hidden, weight])):
+        assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_the_step_has_no_logits_and_the_model_outside_it_still_gives_them():
+    """Through the engine's forward the loss is the plain run's and ``logits`` is None (they were never made);
+    called as a model (generation, a front end's own forward without labels) it returns the whole logits."""
+    from models import make_model
+
+    ids = torch.randint(0, 200, (2, 40))
+    plain = us.parallelize(make_model("llama"), us.ParallelConfig())
+    chunked = us.parallelize(make_model("llama"), us.ParallelConfig(chunked_loss=16))
+    want, got = plain.forward({"input_ids": ids}), chunked.forward({"input_ids": ids})
+    assert got.logits is None and want.logits is not None
+    assert abs(float(got.loss) - float(want.loss)) <= 1e-6
+    with torch.no_grad():
+        assert torch.allclose(chunked(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-6)
+
+
+def _tiny(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=16, **extra)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_a_model_that_changes_its_logits_after_the_head_is_refused_before_launch(kind):
+    """Gemma-2's soft-capping, Cohere's and Granite's scaling: found by a meta-device forward, not by name."""
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig
+
+    cls = {"gemma2": Gemma2Config, "cohere": CohereConfig, "granite": GraniteConfig}[kind]
+    with pytest.raises(us.ConfigError, match="changes the logits after its head.*Fix: set chunked_loss: 0"):
+        model = _tiny(cls)
+        us.validate(us.ParallelConfig(chunked_loss=64), model.config, 1, model=model)
+
+
+def test_loss_parallel_beside_the_chunked_loss_is_one_line_naming_the_field():
+    with pytest.raises(us.ConfigError, match="chunked_loss=64: .*Fix: set loss_parallel: false"):
+        us.validate(us.ParallelConfig(tp=2, loss_parallel=True, chunked_loss=64), None, 2)
+
+
+def test_an_adapter_on_the_head_is_refused():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig
+
+    model = get_peft_model(_tiny(LlamaConfig), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(us.ConfigError, match="not a torch Linear.*Fix: set chunked_loss: 0"):
+        us.validate(us.ParallelConfig(chunked_loss=64), model.config, 1, model=model)
+
+
+def test_the_estimate_holds_one_chunk_of_logits_and_one_more_head_matmul():
+    """Per rank, for a 128k vocabulary: the whole logits' bytes grow with the tokens of a micro-batch, the chunked
+    loss's do not (one chunk, plus the head's weight gradient it accumulates from its first chunk on), so what it
+    saves more than doubles from 4,096 to 8,192 tokens; under TP the head's rows are split; the head's matmul is
+    priced once more."""
+    from transformers import LlamaConfig
+
+    mc = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    for layout in ({"dp_shard": 8}, {"dp_shard": 4, "tp": 2}):
+        saved = {}
+        for seq in (4096, 8192):
+            whole, chunked = (us.estimate(us.ParallelConfig(**layout, mixed_precision="bf16", chunked_loss=chunk), mc,
+                                          world_size=8, seq_len=seq) for chunk in (0, 1024))
+            saved[seq] = whole.memory["activations"] - chunked.memory["activations"]
+            tp = layout.get("tp", 1)
+            extra = chunked.factors["extra_flops"] - whole.factors.get("extra_flops", 0.0)
+            assert extra == pytest.approx(2 * seq * 4096 * 128256 / tp)
+        assert 0 < 2 * saved[4096] < saved[8192], (layout, saved)

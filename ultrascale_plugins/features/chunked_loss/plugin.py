@@ -1,0 +1,253 @@
+"""Built-in plugin: ``chunked_loss: N`` computes the head and the cross-entropy N tokens at a time inside the
+model's forward (``distributed.chunked_loss``), so the logits of a micro-batch never exist whole: the loss's peak
+memory is one chunk's, whatever the vocabulary.
+
+The head's ``forward`` is replaced in place (parameter names unchanged, so checkpoints load across settings) after
+tensor parallel has placed it and before data parallel wraps it. It reads the micro-batch's targets from the step
+(``ultrascale_forward_targets``: the built-in step and a pipeline's last stage give them) and returns the token-loss
+sum, which the step takes as the loss (``ultrascale_loss_sum``). Called without targets (generation, a front end's
+own forward) it returns the whole logits as before.
+
+Under tensor parallel the head's weight is a vocabulary-sharded DTensor: the loss reduces its per-token statistics
+over the ranks holding the other rows, and the hidden states' gradient is left partial for the reduction tensor
+parallel placed there (a plain input: the region before the head reduces it; a DTensor input: its own
+redistribution does). A model that changes the logits after its head (Gemma's soft-capping, Cohere's and Granite's
+scaling) cannot be computed this way and is refused before launch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ...distributed.chunked_loss import VocabShard, chunked_head_loss
+from ...interface.config import ConfigError
+from ...interface.facts import layout_facts
+from ...interface.hookspecs import hookimpl
+from ...interface.stages import Stage
+
+STATE = "chunked_loss"  # ParallelContext.plugin_state key: the targets of the micro-batch being run
+MARK = "_ultrascale_loss_sum"  # set on the tensor the head returns: the step takes it as the loss sum
+
+
+class _Targets:
+    value: torch.Tensor | None = None
+
+
+@hookimpl
+def ultrascale_add_fields(fields):
+    fields.add("chunked_loss", int, 0, "compute the head and the loss this many tokens at a time, so no rank holds a "
+               "micro-batch's logits (0: the whole micro-batch at once)", minimum=0)
+
+
+@hookimpl
+def ultrascale_layout_facts(config, degrees):
+    return {"loss_chunk": config.chunked_loss}
+
+
+@hookimpl
+def ultrascale_validate_config(config, model_config, world_size):
+    if config.chunked_loss and layout_facts(config).vocab_sharded_loss:
+        raise ConfigError(f"chunked_loss={config.chunked_loss}: the chunked loss is vocabulary-parallel itself and "
+                          "returns no logits for loss_parallel to keep sharded. Fix: set loss_parallel: false")
+
+
+@hookimpl
+def ultrascale_validate_model(model, plan, config):
+    if not config.chunked_loss:
+        return
+    if plan is None or not plan.lm_head:
+        raise ConfigError(f"chunked_loss={config.chunked_loss}: no output head found in model type "
+                          f"'{_model_type(model)}'. Fix: set chunked_loss: 0")
+    head = model.get_submodule(plan.lm_head)
+    if type(head) is not nn.Linear:
+        raise ConfigError(f"chunked_loss={config.chunked_loss}: the head '{plan.lm_head}' is a "
+                          f"{type(head).__module__}.{type(head).__name__}, not a torch Linear (an adapter on it, or "
+                          "the model's own head), so it cannot be run in chunks. Fix: set chunked_loss: 0, or leave the "
+                          "head out of the adapters")
+    changed = _changes_logits(plan.causal_lm(model), plan.lm_head[len(plan.root) + 1:] if plan.root else plan.lm_head)
+    if changed:
+        raise ConfigError(f"chunked_loss={config.chunked_loss}: model type '{_model_type(model)}' changes the logits "
+                          "after its head (e.g. soft-capping or scaling them), which the chunked loss does not "
+                          "apply. Fix: set chunked_loss: 0 for this model")
+
+
+def _changes_logits(lm: nn.Module, head_name: str) -> bool:
+    """Whether the model's forward returns something other than what its head returned, from one forward of a
+    meta twin (no memory, no values) whose head hands back a marked tensor."""
+    from ...models.dataflow import meta_inputs, meta_twin
+
+    twin = meta_twin(lm)
+    head = twin.get_submodule(head_name)
+    returned = []
+
+    def forward(x):
+        returned.append(torch.empty(*x.shape[:-1], head.out_features, device="meta", dtype=x.dtype))
+        return returned[-1]
+
+    head.forward = forward
+    with torch.no_grad():
+        out = twin(**meta_inputs(4))
+    return not returned or out.logits is not returned[-1]
+
+
+def _model_type(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", type(model).__name__)
+
+
+@hookimpl
+def ultrascale_stages(config, model_config):
+    return [Stage("chunked_loss", run_head_in_chunks, after=("split", "tp"), before=("dp",),
+                  active=config.chunked_loss > 0,
+                  does=f"the head and the loss run {config.chunked_loss} tokens at a time (no whole logits)")]
+
+
+def run_head_in_chunks(model, ctx):
+    if not ctx.config.chunked_loss or ctx.plan is None or not ctx.plan.lm_head:
+        return
+    try:
+        head = model.get_submodule(ctx.plan.lm_head)
+    except AttributeError:
+        return
+    if not isinstance(head, nn.Linear):  # a pipeline stage without the head holds a stand-in
+        return
+    slot = ctx.plugin_state.setdefault(STATE, _Targets())
+    chunk = ctx.config.chunked_loss
+
+    def forward(hidden):
+        # a DTensor input comes through torch's ColwiseParallel, whose output hook wants a DTensor back
+        wrap = isinstance(hidden, DTensor)
+        weight, bias, vocab, hidden = _local(head, hidden)
+        targets = slot.value
+        if targets is None and ctx.stand_in:  # a pipeline's shape inference: the output's kind is what counts
+            targets = torch.full(hidden.shape[:-1], -100, dtype=torch.long, device=hidden.device)
+        if targets is None:  # not a training or evaluation step: the whole logits, as the head would give
+            return _whole_logits(hidden, weight, bias, head, wrap)
+        loss = chunked_head_loss(hidden, weight, bias, targets, chunk, vocab)
+        if wrap:
+            mesh = head.weight.device_mesh
+            return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return loss
+
+    head.forward = forward
+    head.register_forward_hook(_mark)  # after tensor parallel's hooks: marks what the model gets
+
+
+def _mark(module, args, out):
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        setattr(out, MARK, True)
+    return out
+
+
+def _local(head, hidden):
+    """The head's weight and bias as this rank's local tensors, its vocabulary shard (or None), and the hidden
+    states as a plain tensor whose gradient stays partial where the weight is vocabulary-sharded."""
+    weight, bias = head.weight, head.bias
+    if not isinstance(weight, DTensor):
+        if isinstance(hidden, DTensor):
+            hidden = hidden.full_tensor()
+        return weight, bias, None, hidden
+    mesh, placements = weight.device_mesh, weight.placements
+    dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i not in dims) or len(dims) > 1:
+        raise ConfigError(f"chunked_loss: the head's weight is placed {placements}, not split by vocabulary rows "
+                          "over one mesh axis. Fix: set chunked_loss: 0")
+    vocab = None
+    if dims:
+        d = dims[0]
+        size, rank = mesh.size(d), mesh.get_local_rank(d)
+        # torch's Shard(0) gives every rank ceil(V / size) rows, the last ones fewer
+        vocab = VocabShard(mesh.get_group(d), min(rank * -(-weight.shape[0] // size), weight.shape[0]))
+    if isinstance(hidden, DTensor):  # replicated (tensor parallel gathered it): its gradient is this rank's part
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+        hidden = hidden.to_local(grad_placements=[Partial() if vocab is not None and i == dims[0] else Replicate()
+                                                  for i in range(hidden.device_mesh.ndim)])
+    return weight.to_local(), bias.to_local() if isinstance(bias, DTensor) else bias, vocab, hidden
+
+
+def _whole_logits(hidden, weight, bias, head, wrap: bool):
+    """The head's logits over the whole vocabulary (gathered where the weight holds this rank's rows only), or,
+    for torch's ColwiseParallel (``wrap``), this rank's as a vocabulary-sharded DTensor its output hook gathers."""
+    logits = nn.functional.linear(hidden, weight, bias)
+    if not isinstance(head.weight, DTensor):
+        return logits
+    mesh = head.weight.device_mesh
+    placements = [Shard(logits.dim() - 1) if isinstance(p, Shard) else Replicate() for p in head.weight.placements]
+    full = DTensor.from_local(logits, mesh, placements, run_check=False)
+    return full if wrap else full.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
+
+
+@hookimpl
+def ultrascale_forward_targets(pmodel, targets):
+    slot = pmodel.ctx.plugin_state.get(STATE)
+    if slot is None:
+        return None
+    return _given(slot, targets)
+
+
+@contextlib.contextmanager
+def _given(slot, targets):
+    slot.value = targets
+    try:
+        yield
+    finally:
+        slot.value = None
+
+
+@hookimpl
+def ultrascale_loss_sum(pmodel, logits, targets):
+    if not pmodel.config.chunked_loss:
+        return None
+    if not getattr(logits, MARK, False):
+        raise RuntimeError("chunked_loss: the model's output is not the loss its head computed in chunks (the model "
+                           "changed it after the head). Set chunked_loss: 0 for this model")
+    return logits
+
+
+# tokens per chunk the planner tries: one chunk of a 128k vocabulary's fp32 logits is 0.5 GB
+SEARCHED_CHUNK = 1024
+
+
+@hookimpl
+def ultrascale_search_choices(config, model_config, world_size):
+    """The planner costs each candidate with and without the chunked loss: it ranks by speed among the layouts
+    that fit, so it picks the chunked loss (one more head matmul) only where the whole logits do not fit. Not offered
+    for a model whose head it cannot run (a meta-device forward says, once per model)."""
+    if model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
+        return None
+    return {"chunked_loss": [0, SEARCHED_CHUNK]}
+
+
+_RUNS: dict = {}
+
+
+def _runs_in_chunks(model_config) -> bool:
+    from ...interface.estimates import meta_model
+
+    key = model_config.to_json_string(use_diff=False)
+    if key not in _RUNS:
+        try:
+            model = meta_model(model_config)
+            head = model.get_output_embeddings()
+            name = next(n for n, m in model.named_modules() if m is head)
+            _RUNS[key] = type(head) is nn.Linear and not _changes_logits(model, name)
+        except Exception:  # noqa: BLE001 - a model the check cannot run (or without a head): not offered
+            _RUNS[key] = False
+    return _RUNS[key]
+
+
+@hookimpl
+def ultrascale_estimate(config, model_config, shape, estimate):
+    """The head's matmul once more per micro-batch (backward recomputes each chunk's logits). Its memory, one
+    chunk's logits in place of the micro-batch's, is priced with the other activations (the loss's peak and a
+    recomputed layer's are never alive together)."""
+    if not config.chunked_loss or not shape.holds_head:
+        return
+    mc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    rows = mc.vocab_size / shape.head_split(config)
+    estimate.factors["extra_flops"] = (estimate.factors.get("extra_flops", 0.0)
+                                       + 2 * shape.tokens_per_micro_batch * mc.hidden_size * rows)
+
