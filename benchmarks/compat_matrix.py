@@ -104,7 +104,7 @@ def classify_types(types=None) -> tuple[dict, dict, dict]:
     return testable, untiny, planless
 
 
-PLANLESS_LAYOUTS = ("dp2", "cp2_ring", "cp2_ulysses")  # what needs no TP or PP plan
+PLANLESS_LAYOUTS = ("dp2", "cp2_ring", "cp2_ulysses", "dp2_chunked")  # what needs no TP or PP plan
 
 
 def cases_for(testable: dict, layouts=None, planless: dict | None = None) -> list[str]:
@@ -222,7 +222,9 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     matrix_layouts = list(MATRIX)
     rows, reasons = [], []
     full_pass, tp_fsdp_pass = 0, 0
-    tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n]
+    tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n and "chunked" not in n]
+    chunked = [n for n in matrix_layouts if "chunked" in n]
+    chunked_pass = chunked_refused = 0
     cp_layouts = [n for n in matrix_layouts if n.startswith("cp") and "tp" not in n]
     cp_pass = cp_refused = cp_tp_pass = 0
     for model_type in sorted(testable):
@@ -244,6 +246,9 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         cp_refused += cp_verdicts == {"refused"}
         cp_tp_pass += all(verdict(cells.get(f"{model_type}:{n}", {})) == "pass"
                           for n in matrix_layouts if n.startswith("cp") and "tp" in n)
+        chunked_verdicts = {verdict(cells.get(f"{model_type}:{n}", {})) for n in chunked}
+        chunked_pass += chunked_verdicts <= {"pass", "refused"} and "pass" in chunked_verdicts
+        chunked_refused += chunked_verdicts == {"refused"}
         plans_ = "+".join(k.upper() for k in ("tp", "pp") if testable[model_type][k])
         rows.append(f"| `{model_type}` | {plans_} | " + " | ".join(marks) + " |")
     sched_rows = []
@@ -302,10 +307,12 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         marks = [SYMBOL.get(verdict(r), "?") if r else "?" for r in found]
         why = "; ".join(f"{n}: {_md(r.get('reason') or _diff_text(r))[:160]}" for n, r in zip(PLANLESS_LAYOUTS, found)
                         if r and verdict(r) != "pass")
-        planless_cp_pass += all(r and verdict(r) == "pass" for r in found[1:])
+        planless_cp_pass += all(r and verdict(r) == "pass" for n, r in zip(PLANLESS_LAYOUTS, found)
+                                if n.startswith("cp"))
         planless_rows.append(f"| `{model_type}` | " + " | ".join(marks) + f" | {why} |")
     counts = collections.Counter(verdict(r) for r in cells.values())
     summary = {"denominator": len(testable) + len(untiny), "testable": len(testable), "untinyable": len(untiny),
+               "chunked_pass": chunked_pass, "chunked_refused": chunked_refused,
                "planless": len(planless), "all_layouts": full_pass, "tp_fsdp_all_pass": tp_fsdp_pass,
                "cp_all_pass": cp_pass, "cp_refused": cp_refused, "cp_tp_pass": cp_tp_pass, "lora_all": lora_pass,
                "ep_types": len(ep_types), "ep_all": ep_all, "ep_all_pass": ep_full,
@@ -335,7 +342,10 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         f"cp=2, {cp_refused} are refused before any worker starts (attention outside transformers' attention "
         "interface, convolutions or state-space layers over the sequence, a model-built mask or sparse-attention "
         f"indexer); {cp_tp_pass} pass Ulysses composed with TP + SP (`cp2_tp2_sp`); the router auxiliary loss "
-        f"under cp is in the MoE table. Expert parallelism: {ep_all} of the {len(ep_types)} types whose experts "
+        f"under cp is in the MoE table. The chunked loss ({', '.join(f'`{n}`' for n in chunked)}): {chunked_pass} "
+        f"types pass it (in each of those layouts their plans allow), {chunked_refused} are refused before any worker "
+        "starts (a model that changes its logits after the head, or whose head is not a plain Linear). Expert "
+        f"parallelism: {ep_all} of the {len(ep_types)} types whose experts "
         "transformers' expert-parallel plan names pass every expert-parallel layout or are refused before any "
         f"worker starts, {ep_full} pass all {len(EP)} (" + ", ".join(f"`{n}`" for n in EP) + "; the expert-parallel "
         "table).",

@@ -86,7 +86,7 @@ class _UltraScalePrecisionMixin:
         self.strategy = None
 
     def convert_module(self, module):
-        return module  # bf16-true is applied to the HF model before it is parallelized
+        return module  # bf16-true is the layout's param_dtype: bf16, applied to the HF model as it is parallelized
 
     def clip_grad_by_norm(self, optimizer, clip_val, norm_type: float = 2.0) -> None:
         # the norm of the whole unsharded model: DTensor shards, pipeline stages and TP replicas counted once
@@ -281,6 +281,8 @@ class _UltraScaleStrategyMixin:
         mp = PRECISIONS[self.precision_plugin.precision]
         if mp == "bf16":
             config = config.replace(mixed_precision="bf16")
+        elif mp == "bf16-true":  # the weights, gradients and optimizer states held in bf16
+            config = config.replace(param_dtype="bf16")
         return config
 
     def setup(self, trainer) -> None:
@@ -291,8 +293,6 @@ class _UltraScaleStrategyMixin:
         lm = self.lightning_module
         self._attr, hf = find_causal_lm(lm)
         config = self.layout_for(hf.config)
-        if self.precision_plugin.precision == "bf16-true":
-            hf.to(torch.bfloat16)
         n_params = sum(p.numel() for p in hf.parameters())  # the whole model's (meta parameters included)
         self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_from=self.init_from)
         self._log_layout(hf, n_params)

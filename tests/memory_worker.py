@@ -80,7 +80,18 @@ CASES = {
     "zero3_dp2_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "chunked_loss": 128}, "mbs": 2},
     "zero3_dp2_bf16_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "mixed_precision": "bf16",
                                                       "chunked_loss": 128}, "mbs": 2},
+    # weights, gradients and optimizer states in bf16 (param_dtype); torchao's 8-bit and 4-bit AdamW states (one
+    # torchao class per launch: inductor's compiled step of one is reused, wrongly, for the other in a process)
+    "zero3_dp2_bf16_params": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "param_dtype": "bf16"}, "mbs": 2},
+    "zero3_dp2_adamw_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2, "optimizer": "adamw_8bit"},
+    "zero3_dp2_bf16_params_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "param_dtype": "bf16"},
+                                   "mbs": 2, "optimizer": "adamw_8bit"},
     # 4 ranks
+    "zero2_dp2_tp2_sp_adamw_4bit": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                           "zero_stage": 2}, "mbs": 2, "optimizer": "adamw_4bit"},
+    "zero1_dp2_pp2_1f1b_bf16_params": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
+                                                              "dp_shard": 2, "zero_stage": 1, "param_dtype": "bf16"},
+                                       "mbs": 1},
     "zero2_dp2_tp2_sp_chunked": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
                                                         "zero_stage": 2, "chunked_loss": 128}, "mbs": 2},
     "zero1_dp2_pp2_1f1b_chunked": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
@@ -135,9 +146,12 @@ def storages(t) -> list:
     if t.device.type == "meta":
         return []
     try:
-        return [t.untyped_storage()]
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return []
+    # a fake tensor (torch.compile's caches keep them: torchao's compiled optimizer step) says its device is the
+    # CPU, but its storage is on the meta device: no memory
+    return [] if st.device.type == "meta" else [st]
 
 
 def fsdp_params(pmodel) -> list:
@@ -474,7 +488,16 @@ def optimizer_step(pmodel, opt, batch: dict, mbs: int, ledger=None) -> float:
     phase("clip")
     pmodel.clip_grad_norm_(CLIP)
     phase("optimizer_step")
-    opt.step()
+    if ledger is not None and type(getattr(opt, "optim", opt)).__module__.startswith("torchao"):
+        # torchao's step is torch.compile'd, which dynamo refuses under a dispatch mode: it runs outside the two
+        # counters (its states exist since the first step and are counted; its temporaries, one parameter's at a
+        # time, are not)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            opt.step()
+    else:
+        opt.step()
     phase("zero_grad")
     opt.zero_grad(set_to_none=True)
     phase("after")
@@ -519,7 +542,7 @@ def predicted(pmodel, spec: dict, micro_batches: int) -> dict:
     model_config = pmodel.modules[0].config
     est = us.estimate(pmodel.config, model_config, world_size=dist.get_world_size(), seq_len=SEQ,
                       micro_batch=spec["mbs"], micro_batches=micro_batches, coords=coords,
-                      model=meta_model(model_config), optimizer="adamw", check=False)
+                      model=meta_model(model_config), optimizer=spec.get("optimizer", "adamw"), check=False)
     raw = {k: int(v) for k, v in est.memory.items()}
     raw["total"] = int(est.total_memory)  # the backward's sum, or the optimizer step's memory if larger
     with_constants = {k: int(v * GB) for k, v in peak_memory_gb([est]).items()}
@@ -549,8 +572,13 @@ def run_case(name: str, spec: dict) -> dict | None:
     earlier = alive_storages()
     batches = make_batches()
     pmodel = us.parallelize(make_model(), us.ParallelConfig(**spec["layout"]))
-    flags = spec.get("adamw", ADAMW_DEFAULT)
-    opt = pmodel.build_optimizer(torch.optim.AdamW, lr=LR, **flags)
+    if spec.get("optimizer", "adamw") != "adamw":  # torchao's low-bit AdamW, as the recipe's train.optimizer builds it
+        from ultrascale_plugins.cli.loop import optimizer_class
+
+        cls, flags = optimizer_class(spec["optimizer"], stochastic_round=False)
+    else:
+        cls, flags = torch.optim.AdamW, spec.get("adamw", ADAMW_DEFAULT)
+    opt = pmodel.build_optimizer(cls, lr=LR, **flags)
     rows_here = GLOBAL_BATCH // pmodel.data_parallel_size
     micro_batches = pmodel.config.pp_microbatches if pmodel.config.pp > 1 else rows_here // spec["mbs"]
     times, losses = [], []

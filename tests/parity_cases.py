@@ -251,6 +251,15 @@ CASES.update({
                          "layout": {"tp": 2, "mixed_precision": "bf16", "chunked_loss": 24}},
 })
 
+# weights, gradients and optimizer states held in bf16 (param_dtype: bf16): against the fp32 run at a bf16
+# tolerance; ZeRO-3, TP + SP, a pipeline
+CASES.update({
+    "bf16_params_zero3_dp2": {"world": 2, "arch": "llama", "tol": 2e-2, "layout": {"dp_shard": 2, "param_dtype": "bf16"}},
+    "bf16_params_tp2_sp": {"world": 2, "arch": "llama", "tol": 2e-2,
+                           "layout": {"tp": 2, "sequence_parallel": True, "param_dtype": "bf16"}},
+    "bf16_params_pp2": {"world": 2, "arch": "llama8_tied", "tol": 2e-2, "layout": {"pp": 2, "param_dtype": "bf16"}},
+})
+
 # torch's AdamW as for-loop, foreach and fused (tests/parity_worker.py: adamw_implementations_agree). An optimizer
 # sees only the parameters and their gradients, so what decides whether foreach and fused run, and agree, is how a
 # layout places its parameters: plain tensors (DDP, ZeroRedundancyOptimizer's partitions, a pipeline's stages, context

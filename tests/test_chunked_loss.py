@@ -11,6 +11,16 @@ import ultrascale_plugins as us
 from ultrascale_plugins.distributed.chunked_loss import chunked_head_loss
 
 
+@pytest.fixture(autouse=True)
+def _no_group_left():
+    """``parallelize`` in this process makes a world of one; later tests check that nothing made a group."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_the_chunked_loss_is_the_cross_entropy_of_the_whole_logits(bias, autocast):

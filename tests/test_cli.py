@@ -85,6 +85,26 @@ def test_embedded_default_trains(tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_states_stochastic_rounding_and_the_chunked_loss_from_the_command_line(tmp_path):
+    """param_dtype: bf16 with torchao's stochastic-rounding AdamW and the chunked loss, under ZeRO-3: it trains."""
+    metrics = tmp_path / "metrics.json"
+    proc = ultrascale("train", "--nproc", "2", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=2",
+                      "--set", "sequence_parallel=false", "--set", "param_dtype=bf16", "--set", "chunked_loss=64",
+                      "--set", "train.bf16_stochastic_round=true", "--set", "train.steps=8", "--set",
+                      "train.log_every=4", "--metrics", str(metrics), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    losses = json.loads(metrics.read_text())["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+
+
+def test_low_bit_states_of_sharded_bf16_weights_are_refused_before_launch():
+    proc = ultrascale("train", "--nproc", "2", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=2",
+                      "--set", "sequence_parallel=false", "--set", "param_dtype=bf16",
+                      "--set", "train.optimizer=adamw_8bit")
+    assert_clean_error(proc, "train.optimizer=adamw_8bit", "Fix: use parallel.param_dtype: fp32")
+
+
+@pytest.mark.slow
 def test_pipeline_schedule_from_the_command_line(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = ultrascale("train", "--nproc", "2", "--set", "pp=2", "--set", "tp=1", "--set", "dp_shard=1",

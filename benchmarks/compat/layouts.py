@@ -13,6 +13,11 @@ MATRIX = {
     "cp2_ring": (2, {"cp": 2, "cp_method": "ring"}),
     "cp2_ulysses": (2, {"cp": 2, "cp_method": "ulysses"}),
     "cp2_tp2_sp": (4, {"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True}),
+    # the chunked loss (24 of a micro-batch's 64 tokens at a time): plain, vocabulary-parallel under TP + SP, on a
+    # pipeline's last stage
+    "dp2_chunked": (2, {"dp_shard": 2, "chunked_loss": 24}),
+    "dp2_tp2_sp_chunked": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "chunked_loss": 24}),
+    "pp2_chunked": (2, {"pp": 2, "chunked_loss": 24}),
 }
 
 # A few representative architectures run every pipeline schedule with TP, TP + SP and ZeRO-3.

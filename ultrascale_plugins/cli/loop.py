@@ -19,9 +19,50 @@ from ..interface.config import ConfigError
 
 
 def make_optimizer(pmodel, recipe: Recipe):
-    # torch's fused AdamW: one kernel per parameter group (every parameter is a DTensor under TP, so it composes)
-    return pmodel.build_optimizer(torch.optim.AdamW, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
-                                  fused=True)
+    """The recipe's AdamW: torch's fused one (one kernel per parameter group; every parameter is a DTensor under
+    TP, so it composes), or torchao's where the recipe asks for low-bit states or stochastic rounding."""
+    t = recipe.train
+    cls, flags = optimizer_class(t.optimizer, t.bf16_stochastic_round)
+    return pmodel.build_optimizer(cls, lr=t.lr, weight_decay=t.weight_decay, **flags)
+
+
+def check_optimizer(name: str, stochastic_round: bool, config) -> None:
+    """Before launch: torchao is installed for the recipe's optimizer, and its low-bit states can hold this
+    layout's weights."""
+    from ..interface.facts import layout_facts
+
+    optimizer_class(name, stochastic_round)
+    facts = layout_facts(config)
+    dtensors = facts.states_sharded or any(facts.degree(a) > 1 for a in ("tp", "ep"))
+    if name != "adamw" and facts.param_bytes == 2 and dtensors:
+        raise ConfigError(f"train.optimizer={name}: torchao's low-bit states of bf16 weights fail in its compiled "
+                          "step when the weights are DTensors, as this layout's are (sharded by FSDP2 or tensor "
+                          "parallel): torchao 0.18 on torch 2.13 has no aten.view.dtype for them. Fix: use "
+                          "parallel.param_dtype: fp32 with low-bit states, or optimizer: adamw with "
+                          "bf16_stochastic_round: true")
+
+
+def optimizer_class(name: str, stochastic_round: bool):
+    """(optimizer class, its flags) for ``train.optimizer`` and ``train.bf16_stochastic_round``. torchao's classes:
+    ``AdamW8bit`` and ``AdamW4bit`` (DTensor-aware: states sharded with the weights), ``_AdamW`` for stochastic
+    rounding alone (torchao 0.18 keeps its name private, and documents it for bf16 training)."""
+    if name == "adamw" and not stochastic_round:
+        return torch.optim.AdamW, {"fused": True}
+    try:
+        import torchao.optim as ao
+    except ImportError:
+        raise ConfigError(f"train.optimizer={name}{', bf16_stochastic_round' if stochastic_round else ''}: needs "
+                          "torchao. Fix: pip install \"ultrascale-plugins[float8]\"") from None
+    cls = {"adamw": getattr(ao, "_AdamW", None), "adamw_8bit": ao.AdamW8bit, "adamw_4bit": ao.AdamW4bit}[name]
+    return cls, ({"bf16_stochastic_round": True} if stochastic_round else {})
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """A parameter group's learning rate: in place where the optimizer keeps it as a tensor (torchao's)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -160,7 +201,7 @@ def train_loop(recipe: Recipe, pmodel, optimizer, data: TrainingData, checkpoint
         checkpoints.poll()
         lr = lr_at(step, recipe)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            set_lr(group, lr)
         batch = data.train_rows(step, dp_rank, dp_size)
         recorder = contextlib.nullcontext()
         if step + 1 == profile_step:  # --profile-step: this step's collectives; rank 0 prints their table

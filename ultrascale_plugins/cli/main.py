@@ -59,7 +59,11 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
     t = recipe.train
     check_memory(resolved, model_config, model, recipe.nproc * nnodes, recipe.data.seq_len, t.micro_batch_size or 1,
-                 t.grad_accum or 1, recipe.nproc, memory_gb)
+                 t.grad_accum or 1, recipe.nproc, memory_gb, optimizer=t.optimizer)
+    if t.optimizer != "adamw" or t.bf16_stochastic_round:  # torchao is there, before any worker needs it
+        from .loop import check_optimizer
+
+        check_optimizer(t.optimizer, t.bf16_stochastic_round, resolved)
     try:
         return validated_fingerprint(resolved, recipe.nproc * nnodes, model)
     except Exception:  # noqa: BLE001 - a config that does not serialize: the workers run the checks themselves
@@ -86,7 +90,7 @@ def machine_memory_gb(nproc: int) -> tuple[float, str]:
 
 
 def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_batch: int, micro_batches: int,
-                 local_processes: int, memory_gb: float | None = None) -> None:
+                 local_processes: int, memory_gb: float | None = None, optimizer: str = "adamw") -> None:
     """Refuse a model that cannot fit: the planner's per-rank memory estimate of the layout (the most loaded
     rank) against ``memory_gb`` per process, or else each local process's share of this machine's memory.
     ``ULTRASCALE_SKIP_MEMORY_CHECK=1`` launches anyway."""
@@ -96,7 +100,7 @@ def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_
     from ..planner.cost import coordinates_to_cost, peak_memory_gb
 
     ests = [estimate(resolved, model_config, world_size=world, seq_len=seq_len, micro_batch=micro_batch,
-                     micro_batches=micro_batches, coords=coords, model=model, check=False)
+                     micro_batches=micro_batches, coords=coords, model=model, check=False, optimizer=optimizer)
             for coords in coordinates_to_cost(resolved)]
     mem = peak_memory_gb(ests)
     have, where = ((memory_gb, f"{memory_gb:g} GB per GPU") if memory_gb is not None

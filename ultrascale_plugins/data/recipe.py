@@ -46,6 +46,9 @@ class DataSpec:
 FORMATS = ("text", "chat")
 
 
+TRAIN_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
+
+
 @dataclasses.dataclass
 class TrainSpec:
     steps: int = 60
@@ -56,6 +59,12 @@ class TrainSpec:
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.0
+    # adamw: torch's fused AdamW, states in the weights' dtype; adamw_8bit / adamw_4bit: torchao's low-bit states
+    # (the float8 extra installs torchao)
+    optimizer: str = "adamw"
+    # round each bf16 weight update stochastically (torchao), so updates smaller than bf16's step are not lost on
+    # average: for parallel.param_dtype: bf16
+    bf16_stochastic_round: bool = False
     max_grad_norm: float = 1.0
     seed: int = 0
     log_every: int = 5
@@ -72,6 +81,9 @@ class TrainSpec:
     signal_grace_s: int = 30
 
     def __post_init__(self):
+        if self.optimizer not in TRAIN_OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: not one of {', '.join(TRAIN_OPTIMIZERS)}. Fix: "
+                              "use adamw, or adamw_8bit / adamw_4bit for torchao's low-bit states")
         if self.save_on_signal and not self.save_dir:
             raise ConfigError("train.save_on_signal=true needs train.save_dir (where the checkpoint goes). Fix: set "
                               "train.save_dir, or train.save_on_signal: false")

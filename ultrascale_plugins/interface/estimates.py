@@ -36,7 +36,22 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 # "nanotron": the Playbook's runs (bf16 weights and gradients, fp32 gradient accumulation buffer, fp32 master
 # weights kept by the optimizer).
 PROFILES = ("ultrascale", "nanotron")
-OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}  # fp32 state tensors per parameter
+# state tensors per parameter, each in the parameter's dtype, except the low-bit ones
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "adamw_8bit": 2, "adamw_4bit": 2}
+# torchao's low-bit AdamW (AdamW8bit, AdamW4bit): bits per state element, elements per fp32 block scale, entries of
+# its fp32 lookup table. A state is quantized only where this rank's part of the parameter has at least 4,096
+# elements and the block size divides them (torchao's rule, after bitsandbytes); the others stay in the parameter's
+# dtype.
+LOW_BIT_STATES = {"adamw_8bit": (8, 256, 256), "adamw_4bit": (4, 128, 16)}
+
+
+def state_bytes(optimizer: str, numel: float, held: float) -> float:
+    """Bytes of one optimizer state of a parameter of which this rank holds ``numel`` elements of ``held`` bytes."""
+    low = LOW_BIT_STATES.get(optimizer)
+    if low is not None and numel >= 4096 and numel % low[1] == 0:
+        bits, block, table = low
+        return numel * (bits / 8 + 4 / block) + 4 * table
+    return numel * held
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ class LayoutFacts:
     - ``grad_reduce``: ``step`` (gradients reduced once, after a step's last backward) or ``micro_batch`` (after
       every backward, so each backward's gradients must be complete when it ends).
     - ``compute_bytes``: bytes of an activation element (2 under bf16 compute).
+    - ``param_bytes``: bytes of a weight element as held, and of its gradient and optimizer states (2: bf16).
     - ``sequence_sharded``: the activations between blocks are split over the sequence on the ``tp`` ranks.
     - ``vocab_sharded_loss``: the head's logits stay split over the vocabulary into the loss.
     - ``recompute``: what the backward recomputes of the forward: ``none``, ``selective`` or ``full``.
@@ -39,6 +40,7 @@ class LayoutFacts:
     states_sharded: bool = False
     grad_reduce: str = "step"
     compute_bytes: int = 4
+    param_bytes: int = 4
     sequence_sharded: bool = False
     vocab_sharded_loss: bool = False
     recompute: str = "none"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ...interface.estimates import OPTIMIZERS, Estimate, chunk_size
+from ...interface.estimates import LOW_BIT_STATES, OPTIMIZERS, Estimate, chunk_size, state_bytes
 from ...interface.facts import layout_facts
 
 
@@ -14,7 +14,13 @@ def precision_bytes(config, profile: str) -> tuple[int, int, int]:
     the fp32 master copy) for this layout's precision and profile."""
     if profile == "nanotron":
         return 2, 2 + 4, 4  # bf16 weights; bf16 grads + fp32 accumulation buffer; fp32 master weights
-    return 4, 4, 0  # this package keeps fp32 weights and gradients (bf16 is the compute dtype only)
+    held = param_bytes(config)
+    return held, held, 0  # weights and gradients as held (param_dtype; bf16 compute alone keeps them fp32)
+
+
+def param_bytes(config) -> int:
+    """Bytes of a parameter element as held (``param_dtype``): its gradient's and its optimizer states' too."""
+    return 2 if getattr(config, "param_dtype", "fp32") == "bf16" else 4
 
 
 def grad_sync(config, degrees=None) -> str:
@@ -43,7 +49,8 @@ def layout_facts_of(config, degrees) -> dict:
             "fsdp_shards": shard if zero >= 2 and shard > 1 else 1,
             "states_sharded": zero1_on_fsdp(config, degrees) or (zero >= 2 and shard > 1),
             "grad_reduce": grad_sync(config, degrees) if zero >= 2 else "step",
-            "compute_bytes": 2 if config.mixed_precision == "bf16" else 4}
+            "compute_bytes": 2 if "bf16" in (config.mixed_precision, config.param_dtype) else 4,
+            "param_bytes": param_bytes(config)}
 
 
 def data_parallel_terms(config, shape, est: Estimate) -> None:
@@ -82,24 +89,28 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
     if zero == 1 and dp > 1 and profile == "ultrascale" and not on_fsdp:
         opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
+        state = state_bytes(shape.optimizer, opt_numel, pbytes)  # the partition, priced as one tensor
     elif zero == 1 and dp > 1 and not on_fsdp:
         opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
-    else:  # a trainable parameter held in another dtype (held_bytes) keeps its state in that dtype
-        opt_numel = sum(n * (r.held_bytes or 4) / 4 for r, n in trainable)
+        state = state_bytes(shape.optimizer, opt_numel, pbytes)
+    else:  # each state in its parameter's dtype (held_bytes: one held in another dtype), or low-bit
+        opt_numel = sum(n * (r.held_bytes or pbytes) / 4 for r, n in trainable)
         opt_tensors = len(trainable)
+        state = sum(state_bytes(shape.optimizer, n, r.held_bytes or pbytes) for r, n in trainable)
     est.add_memory("params", pbytes * held)
     est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
-    step_counters = 4 * opt_tensors if shape.optimizer in ("adam", "adamw") else 0  # Adam's 0-d fp32 step
-    est.add_memory("optimizer", (4 * states + master) * opt_numel + step_counters)
+    adam = shape.optimizer in ("adam", "adamw", *LOW_BIT_STATES)
+    step_counters = 4 * opt_tensors if adam else 0  # Adam's 0-d fp32 step
+    est.add_memory("optimizer", states * state + master * opt_numel + step_counters)
     if profile == "ultrascale" and shape.optimizer in ("adam", "adamw"):
         # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
         # the square root of the second moments (the fused implementation needs none); see
-        # Estimate.optimizer_step_memory
+        # Estimate.optimizer_step_memory. torchao's low-bit AdamW steps one parameter at a time.
         est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + 4 * opt_numel
     full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
-        compute = 2 if config.mixed_precision == "bf16" else 4
+        compute = 2 if config.mixed_precision == "bf16" else pbytes
         layers, layers_trained = _layer_sizes(records)
         largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
         if (zero >= 2 and dp_shard > 1) or on_fsdp:
@@ -111,18 +122,21 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             per_layer = zero == 3 and not once
             gathered = full - sum(layers.values()) + 2 * largest if per_layer else full
             whole_grads = full_local if once and shape.micro_batches > 1 else largest_trained
-            est.add_memory("other", compute * gathered + 4 * whole_grads)
-        elif compute == 2:  # DDP under autocast caches a bf16 copy of every weight during the forward
+            est.add_memory("other", compute * gathered + gbytes * whole_grads)
+        elif compute == 2 and pbytes == 4:  # DDP under autocast caches a bf16 copy of every fp32 weight in the forward
             est.add_memory("other", 2 * full)
     if dp <= 1:
         return
     if profile == "ultrascale" and zero <= 1 and layout_facts(config).degree("pp") == 1 and not on_fsdp:
-        est.add_memory("other", 4 * full_local)  # DDP's gradient buckets: a flat fp32 copy of every gradient
-        est.factors["step_other"] = est.factors.get("step_other", 0.0) + 4 * full_local  # held through the step
+        # DDP's gradient buckets: a flat copy of every gradient, in the gradients' dtype
+        est.add_memory("other", gbytes * full_local)
+        est.factors["step_other"] = est.factors.get("step_other", 0.0) + gbytes * full_local  # held through the step
     elif profile == "nanotron" and zero == 0:
         est.add_memory("other", 2 * full_local)  # torch DDP's buckets in the weights' dtype (nanotron: ZeRO-0 only)
-    grad_wire = 4  # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator)
-    weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else 4
+    # both profiles reduce gradients in fp32 (FSDP2's reduce_dtype; nanotron's fp32 accumulator), except bf16 weights
+    # (param_dtype: bf16), whose gradients are reduced as they are held
+    grad_wire = 4 if profile == "nanotron" else gbytes
+    weight_wire = 2 if (config.mixed_precision == "bf16" or profile == "nanotron") else pbytes
     axes = [a for a, d in (("dp_replicate", dp_rep), ("dp_shard", dp_shard)) if d > 1]
     if zero >= 2:
         # reduce-scatter of the gradients after every micro-batch (grad_sync: micro_batch: they accumulate

@@ -69,6 +69,9 @@ def ultrascale_add_fields(fields):
                choices=("auto", "micro_batch", "step"), auto=grad_sync)
     fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
                choices=("no", "bf16", "fp16"), check=_precision)
+    fields.add("param_dtype", str, "fp32", "the dtype the weights, their gradients and the optimizer states are held "
+               "in: fp32, or bf16 (everything bfloat16, torchtune's dtype: bf16; half the bytes, pair it with a "
+               "stochastic-rounding optimizer so small updates are not lost)", choices=("fp32", "bf16"))
 
 
 @hookimpl
@@ -87,7 +90,25 @@ def ultrascale_mesh_axes(config):
 @hookimpl
 def ultrascale_stages(config, model_config):
     axes = tuple(a for a in ("dp_replicate", "dp_shard") if getattr(config, a) != 1)
-    return [Stage("dp", wrap_model, after=("compile",), axes=axes, does=_wrapping(config))]
+    return [Stage("param_dtype", cast_parameters, before=("split",), active=config.param_dtype != "fp32",
+                  does=f"every weight held in {config.param_dtype} (gradients and optimizer states follow)"),
+            Stage("dp", wrap_model, after=("compile",), axes=axes, does=_wrapping(config))]
+
+
+def cast_parameters(model, ctx):
+    """Every floating-point parameter in ``param_dtype``, in place (tied ones stay one), on the whole model before
+    any transform, so every dimension shards and reduces the weights as they are held; buffers (rotary tables)
+    keep theirs, and so do the modules the model keeps in fp32 (transformers' ``_keep_in_fp32_modules``)."""
+    dtype = {"bf16": torch.bfloat16}.get(ctx.config.param_dtype)
+    if dtype is None:
+        return
+    keep = set()
+    for sub in model.modules():
+        keep.update(getattr(sub, "_keep_in_fp32_modules", None) or ())
+        keep.update(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype and not any(k in name.split(".") for k in keep):
+            param.data = param.data.to(dtype)
 
 
 def _wrapping(config) -> str:
@@ -278,6 +299,10 @@ def prefetch(layers: list, forward: int, backward: int) -> None:
 
 @hookimpl
 def ultrascale_validate_config(config, model_config, world_size):
+    if config.param_dtype == "bf16" and config.mixed_precision != "no":
+        raise field_error("mixed_precision", config.mixed_precision, "param_dtype=bf16 holds the weights in bf16, "
+                          "so there are no fp32 master weights for mixed precision to keep",
+                          "set mixed_precision: no (the compute is bf16 already), or param_dtype: fp32")
     if config.zero_stage <= 1 and config.grad_sync == "micro_batch":
         raise field_error("grad_sync", config.grad_sync, f"zero_stage={config.zero_stage} reduces gradients once per "
                           "step (whole gradients on every rank: DDP's all-reduce, ZeRO-1's partition)",

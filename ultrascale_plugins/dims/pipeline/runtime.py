@@ -178,6 +178,9 @@ class Pipeline(Runtime):
 
         modules = dict(zip(self.stage_ids, self.stages))
         lm = self.causal_lm(self.stages[0])
+        # hidden states cross the stages in the weights' dtype (fp32 under mixed precision: autocast keeps the
+        # residual stream fp32; bf16 where the weights are held in bf16)
+        held = next((p.dtype for p in self.stages[0].parameters() if p.is_floating_point()), torch.float32)
         hidden_size, width = lm.config.hidden_size, routed_logits_width(lm)
         x, routed, loss_sum = None, None, torch.zeros((), device=ids.device)
         for stage in range(self.n_stages):
@@ -187,7 +190,7 @@ class Pipeline(Runtime):
                 x = ids
             elif stage - 1 not in modules:
                 src = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage - 1))
-                x = torch.empty(*ids.shape, hidden_size, device=ids.device)
+                x = torch.empty(*ids.shape, hidden_size, device=ids.device, dtype=held)
                 dist.recv(x, src=src, group=self.pp_group)
                 if width:
                     rows = torch.zeros(1, dtype=torch.long, device=ids.device)
@@ -203,7 +206,7 @@ class Pipeline(Runtime):
             x, routed = out[0], (out[4] if width else None)
             if stage + 1 not in modules:
                 dst = dist.get_global_rank(self.pp_group, pp_rank_of_stage(self.ctx.config, stage + 1))
-                dist.send(x.float().contiguous(), dst=dst, group=self.pp_group)
+                dist.send(x.to(held).contiguous(), dst=dst, group=self.pp_group)
                 if width:
                     dist.send(torch.tensor([routed.shape[0]], device=ids.device), dst=dst, group=self.pp_group)
                     dist.send(routed.float().contiguous(), dst=dst, group=self.pp_group)

@@ -58,25 +58,37 @@ def ultrascale_validate_config(config, model_config, world_size):
 def ultrascale_validate_model(model, plan, config):
     if not config.chunked_loss:
         return
-    if plan is None or not plan.lm_head:
+    name = head_name(model, plan)
+    if name is None:
         raise ConfigError(f"chunked_loss={config.chunked_loss}: no output head found in model type "
                           f"'{_model_type(model)}'. Fix: set chunked_loss: 0")
-    head = model.get_submodule(plan.lm_head)
+    head = model.get_submodule(name)
     if type(head) is not nn.Linear:
-        raise ConfigError(f"chunked_loss={config.chunked_loss}: the head '{plan.lm_head}' is a "
+        raise ConfigError(f"chunked_loss={config.chunked_loss}: the head '{name}' is a "
                           f"{type(head).__module__}.{type(head).__name__}, not a torch Linear (an adapter on it, or "
                           "the model's own head), so it cannot be run in chunks. Fix: set chunked_loss: 0, or leave the "
                           "head out of the adapters")
-    changed = _changes_logits(plan.causal_lm(model), plan.lm_head[len(plan.root) + 1:] if plan.root else plan.lm_head)
+    root = plan.root if plan is not None else ""
+    changed = _changes_logits(model.get_submodule(root) if root else model, name[len(root) + 1:] if root else name)
     if changed:
         raise ConfigError(f"chunked_loss={config.chunked_loss}: model type '{_model_type(model)}' changes the logits "
                           "after its head (e.g. soft-capping or scaling them), which the chunked loss does not "
                           "apply. Fix: set chunked_loss: 0 for this model")
 
 
+def head_name(model: nn.Module, plan) -> str | None:
+    """The output head's name in ``model``: the plan's, or (a model without a plan) the module its
+    ``get_output_embeddings`` returns."""
+    if plan is not None and plan.lm_head:
+        return plan.lm_head
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
 def _changes_logits(lm: nn.Module, head_name: str) -> bool:
     """Whether the model's forward returns something other than what its head returned, from one forward of a
-    meta twin (no memory, no values) whose head hands back a marked tensor."""
+    meta twin (no memory, no values) whose head hands back a marked tensor. A model that runs on the meta device
+    neither way is let through: the step refuses its first output if the head's loss is not what it returns."""
     from ...models.dataflow import meta_inputs, meta_twin
 
     twin = meta_twin(lm)
@@ -88,9 +100,16 @@ def _changes_logits(lm: nn.Module, head_name: str) -> bool:
         return returned[-1]
 
     head.forward = forward
-    with torch.no_grad():
-        out = twin(**meta_inputs(4))
-    return not returned or out.logits is not returned[-1]
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    for inputs in (meta_inputs(4), {"input_ids": ids, "use_cache": False}):  # a 4-D mask, else the ids alone
+        try:
+            with torch.no_grad():
+                out = twin(**inputs)
+        except Exception:  # noqa: BLE001 - this model does not run so on the meta device
+            returned.clear()
+            continue
+        return not returned or out.logits is not returned[-1]
+    return False  # unknown here: the step checks the first forward's output (ultrascale_loss_sum)
 
 
 def _model_type(model) -> str:
@@ -106,11 +125,12 @@ def ultrascale_stages(config, model_config):
 
 
 def run_head_in_chunks(model, ctx):
-    if not ctx.config.chunked_loss or ctx.plan is None or not ctx.plan.lm_head:
+    name = head_name(model, ctx.plan) if ctx.config.chunked_loss else None
+    if name is None:
         return
     try:
-        head = model.get_submodule(ctx.plan.lm_head)
-    except AttributeError:
+        head = model.get_submodule(name)
+    except AttributeError:  # a pipeline stage without the head
         return
     if not isinstance(head, nn.Linear):  # a pipeline stage without the head holds a stand-in
         return
@@ -231,9 +251,8 @@ def _runs_in_chunks(model_config) -> bool:
     if key not in _RUNS:
         try:
             model = meta_model(model_config)
-            head = model.get_output_embeddings()
-            name = next(n for n, m in model.named_modules() if m is head)
-            _RUNS[key] = type(head) is nn.Linear and not _changes_logits(model, name)
+            name = head_name(model, None)
+            _RUNS[key] = type(model.get_submodule(name)) is nn.Linear and not _changes_logits(model, name)
         except Exception:  # noqa: BLE001 - a model the check cannot run (or without a head): not offered
             _RUNS[key] = False
     return _RUNS[key]
