@@ -218,7 +218,8 @@ def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> Non
     resolved = recipe.parallel.resolve(world)
     assert math.prod(getattr(resolved, d) for d in MESH_DEGREES) == world
     with torch.device("meta"):
-        model = peft_model(AutoModelForCausalLM.from_config(recipe.model_config()), recipe.peft)
+        model = peft_model(AutoModelForCausalLM.from_config(recipe.model_config(), dtype=recipe.peft.torch_base_dtype),
+                           recipe.peft)  # the frozen base in the recipe's dtype (bf16 by default), as the CLI builds it
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < trainable < 0.05 * sum(p.numel() for p in model.parameters()), path.name
     t = recipe.train

@@ -332,21 +332,22 @@ def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: 
     return fused
 
 
-def empty_model(model_config):
-    """The causal LM on the meta device (tied weights stay tied), with its buffers computed."""
+def empty_model(model_config, dtype=torch.float32):
+    """The causal LM on the meta device (tied weights stay tied) with its weights in ``dtype`` (a PEFT recipe's
+    frozen base: bf16), its buffers computed."""
     from transformers import AutoModelForCausalLM
 
     from ..core.initialize import fill_buffers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     fill_buffers(model)  # the buffers the meta build left empty, from the model's own _init_weights
     return model
 
 
-def prepare(path: str | Path, trust_remote_code: bool = False):
-    """(weights, empty model) for ``path``: every check that needs no process group."""
-    model = empty_model(read_config(path, trust_remote_code))
+def prepare(path: str | Path, trust_remote_code: bool = False, dtype=None):
+    """(weights, empty model in ``dtype``, default fp32) for ``path``: every check that needs no process group."""
+    model = empty_model(read_config(path, trust_remote_code), dtype=dtype or torch.float32)
     return match_weights(model, path), model
 
 

@@ -113,6 +113,15 @@ class PeftSpec:
     modules_to_save: list = dataclasses.field(default_factory=list)  # modules trained whole (e.g. lm_head)
     use_dora: bool = False  # DoRA: a trained magnitude per output feature, from the base weight's norms
     use_rslora: bool = False  # rank-stabilized scaling: alpha / sqrt(r)
+    # the frozen base's dtype: bf16 (half the bytes of weights that never train; the adapters stay fp32, as PEFT
+    # keeps them), or fp32
+    base_dtype: str = "bf16"
+
+    @property
+    def torch_base_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.base_dtype == "bf16" else torch.float32
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -151,6 +160,9 @@ def peft_spec(section: Any) -> PeftSpec | None:
         if key not in names:
             raise ConfigError(f"unknown key 'peft.{key}': {suggest(str(key), names)}")
     spec = PeftSpec(**section)
+    if spec.base_dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"peft.base_dtype={spec.base_dtype!r}: the frozen base is held in bf16 or fp32. Fix: "
+                          "base_dtype: bf16 (the default), or fp32")
     if spec.method not in PEFT_METHODS:
         raise ConfigError(f"peft.method={spec.method!r}: only lora is supported (DoRA is lora with use_dora: true). "
                           "Fix: method: lora")

@@ -132,9 +132,10 @@ class ParamRecord:
     directly: a mixture of experts' fused 3-D expert weights and router) instead of running the factors on the
     tokens: the merged weight is then kept for the backward and gets a gradient, which flows on to the factors.
 
-    ``held_bytes``: when the model's trainable parameters mix dtypes, the element size of one held in a dtype other
-    than fp32 (PEFT's bf16 copy of a bf16 head beside fp32 adapters): its gradient and optimizer state take that
-    size; 0 prices it by the layout's precision profile.
+    ``held_bytes``: the element size of a frozen parameter held in a dtype other than fp32 (a PEFT model's bf16
+    base), or, when the model's trainable parameters mix dtypes, of one held in a dtype other than fp32 (PEFT's bf16
+    copy of a bf16 head beside fp32 adapters): its gradient and optimizer state take that size; 0 prices it by the
+    layout's precision profile.
 
     ``view``: the mesh view the plan puts its module in (``ModelPlan.views``: experts under expert parallelism),
     whose plugin cuts it and over whose gradient axes data parallelism shards it; "" for the layout's own mesh."""
@@ -248,9 +249,11 @@ def _build_inventory(model, plan=None) -> list[ParamRecord]:
 
 
 def _held_bytes(param, mixed: bool) -> int:
+    """The element size of a parameter the layout's precision does not decide: a frozen one held in another
+    dtype than fp32 (a PEFT model's bf16 base), or a trainable one beside trainable ones of other dtypes."""
     import torch
 
-    if not mixed or not param.requires_grad or not param.is_floating_point() or param.dtype == torch.float32:
+    if not param.is_floating_point() or param.dtype == torch.float32 or (param.requires_grad and not mixed):
         return 0
     return param.element_size()
 
@@ -320,6 +323,7 @@ class Adapters:
     r: int = 16
     target: str | tuple = "all-linear"
     method: str = "lora"
+    base_bytes: int = 2  # the frozen base's element size: bf16, as the recipes hold it (peft.base_dtype)
 
     def __post_init__(self):
         from .fields import ConfigError
@@ -499,6 +503,8 @@ def _adapted_inventory(records: list[ParamRecord], model, adapters: Adapters) ->
             out.append(twin)
         elif t.name in by_name:
             by_name[t.name].trainable = False
+            if by_name[t.name].held_bytes == 0 and adapters.base_bytes != 4:  # the frozen base in its own dtype
+                by_name[t.name].held_bytes = adapters.base_bytes
             out.append(by_name[t.name])
     if len(out) != len(records) + sum(1 for t in _ADAPTED[key][1] if t.adapter):
         raise ValueError("adapters: the inventory does not list the model's parameters")

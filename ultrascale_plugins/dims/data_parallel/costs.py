@@ -84,20 +84,22 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             local.append((r, rows * math.prod(r.local[1:])))
     else:
         local = [(r, r.local_numel) for r in records]
-    held = sum(n for _, n in local)
     trainable = [(r, n) for r, n in local if r.trainable]
     # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
+    # a state element: the weights' dtype here (fp32, or bf16 under param_dtype: bf16); nanotron keeps fp32 states
+    # beside its fp32 master weights
+    sbytes = 4 if profile == "nanotron" else pbytes
     if zero == 1 and dp > 1 and profile == "ultrascale" and not on_fsdp:
         opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
-        state = state_bytes(shape.optimizer, opt_numel, pbytes)  # the partition, priced as one tensor
+        state = state_bytes(shape.optimizer, opt_numel, sbytes)  # the partition, priced as one tensor
     elif zero == 1 and dp > 1 and not on_fsdp:
         opt_numel, opt_tensors = sum(n for _, n in trainable) / dp, len(trainable) / dp
-        state = state_bytes(shape.optimizer, opt_numel, pbytes)
+        state = state_bytes(shape.optimizer, opt_numel, sbytes)
     else:  # each state in its parameter's dtype (held_bytes: one held in another dtype), or low-bit
-        opt_numel = sum(n * (r.held_bytes or pbytes) / 4 for r, n in trainable)
+        opt_numel = sum(n * (r.held_bytes or 4) / 4 for r, n in trainable)
         opt_tensors = len(trainable)
-        state = sum(state_bytes(shape.optimizer, n, r.held_bytes or pbytes) for r, n in trainable)
-    est.add_memory("params", pbytes * held)
+        state = sum(state_bytes(shape.optimizer, n, r.held_bytes or sbytes) for r, n in trainable)
+    est.add_memory("params", sum(n * (r.held_bytes or pbytes) for r, n in local))
     est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
     adam = shape.optimizer in ("adam", "adamw", *LOW_BIT_STATES)
     step_counters = 4 * opt_tensors if adam else 0  # Adam's 0-d fp32 step
@@ -106,7 +108,7 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
         # the square root of the second moments (the fused implementation needs none); see
         # Estimate.optimizer_step_memory. torchao's low-bit AdamW steps one parameter at a time.
-        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + 4 * opt_numel
+        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + sbytes * opt_numel
     full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
