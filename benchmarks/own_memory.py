@@ -1,5 +1,6 @@
 """Per-rank peak memory of whole training steps, measured, beside the package's own estimate for that rank: five
-layouts of a tiny Llama on 2-8 CPU processes (gloo), one torchrun launch per process count
+layouts of a tiny Llama, a bf16 run and the memory features (the chunked loss, bf16 states, torchao's low-bit AdamW)
+on 2-8 CPU processes (gloo), one torchrun launch per process count
 (``tests/memory_worker.py`` measures; see its docstring for how).
 
     python benchmarks/own_memory.py                 # the five layouts and a bf16 run (about 60 s on 2 cores)

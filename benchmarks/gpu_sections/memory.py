@@ -11,9 +11,13 @@ import torch
 from .common import Recorder, Sizes, device, free_memory, random_batches, synchronize
 
 MEMORY_TOL = 0.10  # |measured - estimate| / measured, as the CPU launches are held to (tests/test_estimates.py)
-# one device's layouts: the precisions and recomputation (what changes the activations and the optimizer step)
+# one device's layouts: the precisions and recomputation (what changes the activations and the optimizer step),
+# and the memory features each beside its "off" above: the chunked loss (bf16 beside it), the weights, gradients and
+# AdamW states held in bf16 (bf16 compute on fp32 states beside it)
 LAYOUTS = {"fp32": {}, "bf16": {"mixed_precision": "bf16"},
-           "bf16, full recomputation": {"mixed_precision": "bf16", "activation_checkpointing": "full"}}
+           "bf16, full recomputation": {"mixed_precision": "bf16", "activation_checkpointing": "full"},
+           "bf16, chunked loss": {"mixed_precision": "bf16", "chunked_loss": 1024},
+           "bf16 weights and states": {"param_dtype": "bf16"}}
 # on the GPU a model whose bytes dwarf the CUDA libraries' workspaces (about 160M parameters); the dry run: tiny
 GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
