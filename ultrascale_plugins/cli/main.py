@@ -45,7 +45,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
 
         with torch.device("meta"):  # a PEFT recipe's frozen base in its dtype (bf16 by default), as the workers'
             model = AutoModelForCausalLM.from_config(
-                model_config, dtype=recipe.peft.torch_base_dtype if recipe.peft is not None else torch.float32)
+                model_config, **({"dtype": recipe.peft.torch_base_dtype} if recipe.peft is not None else {}))
     if recipe.peft is not None:  # the worker's PEFT model, on the meta device: its targets, names and memory
         from ..data.recipe import peft_model
 
