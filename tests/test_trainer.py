@@ -124,6 +124,26 @@ def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
     assert runs[list(ACCUMULATION_LAYOUTS).index("ep")]["ep"] == 2  # the layout that ran
 
 
+def test_torchaos_8bit_adamw_by_its_trainer_name_matches_a_plain_trainer_under_zero3(tmp_path):
+    """TrainingArguments(optim="adamw_torch_8bit"): the Trainer builds torchao's AdamW8bit on the ZeRO-3 shards
+    (DTensor-aware: each shard's states quantized in 256-element blocks, which the shards' rows align with), and the
+    run follows a plain Trainer's with the same optimizer on one process (8-bit states: to 1e-3)."""
+    import subprocess
+    import sys
+
+    ref = tmp_path / "ref" / "out.json"
+    ref.parent.mkdir()
+    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--optim", "adamw_torch_8bit",
+                           "--no-save-model"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = _launch([[str(tmp_path / "zero3" / "out.json"), "dp_shard=2", "--optim", "adamw_torch_8bit",
+                       "--no-save-model"]])
+    want = json.loads(ref.read_text())
+    assert _close(run["losses"], want["losses"], 1e-3), (run["losses"], want["losses"])
+    assert _close(run["grad_norms"], want["grad_norms"], 1e-2), (run["grad_norms"], want["grad_norms"])
+
+
 def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):
     from transformers.trainer_utils import get_last_checkpoint
 

@@ -17,6 +17,7 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --torch-compile        TrainingArguments(torch_compile=True): ultrascale compiles each decoder layer
     --peft                 the model is a PEFT (LoRA) model
     --arch ARCH            the model's architecture (tests/models.py; default llama8_tied), e.g. qwen3_moe for ep
+    --optim NAME           TrainingArguments(optim=NAME), e.g. adamw_torch_8bit (torchao's low-bit AdamW)
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
@@ -53,7 +54,7 @@ EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_B
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
            "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1,
-           "--torch-compile": 0, "--peft": 0, "--arch": 1}
+           "--torch-compile": 0, "--peft": 0, "--arch": 1, "--optim": 1}
 
 
 def parse(argv):
@@ -139,6 +140,7 @@ def run(argv):
                              weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential",
                              disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
+                             **({"optim": opts["--optim"][0]} if "--optim" in opts else {}),
                              **({"save_strategy": "no"} | checkpoints), **evaluation)
     model = make_model(opts.get("--arch", ["llama8_tied"])[0], seed=0)
     if "--peft" in opts:
