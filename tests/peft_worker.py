@@ -46,6 +46,8 @@ CASES = {
     "zero3_bf16_mixed_trainable_llama": ("llama", {"dp_shard": 2},
                                          {"base_dtype": "bf16", "tol": 2e-2, "modules_to_save": ["lm_head"],
                                           "target_modules": ["embed_tokens", "q_proj", "v_proj"]}),
+    # the recipes' LoRA (a bf16 base) with the chunked loss on its frozen head
+    "zero3_chunked_bf16_base_llama": ("llama", {"dp_shard": 2, "chunked_loss": 24}, {"base_dtype": "bf16", "tol": 2e-2}),
     # PEFT's task_type="CAUSAL_LM" (PeftModelForCausalLM, most users' choice): its forward hands the labels on
     "zero3_task_causal_lm_llama": ("llama", {"dp_shard": 2}, {"task_type": "CAUSAL_LM", "save": True}),
     "cp2_ring_task_causal_lm_qwen2": ("qwen2", {"cp": 2}, {"task_type": "CAUSAL_LM", "data": "packed"}),

@@ -31,7 +31,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", ["zero3_llama", "zero2_qwen2", "zero1_llama_head", "ddp_qwen3_moe",
                                   "zero3_qwen3_moe_ac", "cp2_ring_llama", "cp2_ulysses_qwen2", "zero3_dora_llama", "ddp_dora_llama",
                                   "zero3_embedding_rslora_llama",
-                                  "zero3_bf16_base_llama", "zero3_bf16_mixed_trainable_llama",
+                                  "zero3_bf16_base_llama", "zero3_bf16_mixed_trainable_llama", "zero3_chunked_bf16_base_llama",
                                   "zero3_task_causal_lm_llama", "cp2_ring_task_causal_lm_qwen2", "tp2_llama", "tp2_sp_qwen2_head", "tp2_sp_qwen3_moe", "tp2_sp_pretrained_llama",
                                   "zero3_tp2_sp_llama", "hsdp_qwen2", "cp2_tp2_sp_qwen2"])
 def test_lora_matches_one_process(results, name):
