@@ -345,9 +345,9 @@ def empty_model(model_config, dtype=torch.float32):
     return model
 
 
-def prepare(path: str | Path, trust_remote_code: bool = False, dtype=None):
-    """(weights, empty model in ``dtype``, default fp32) for ``path``: every check that needs no process group."""
-    model = empty_model(read_config(path, trust_remote_code), dtype=dtype or torch.float32)
+def prepare(path: str | Path, trust_remote_code: bool = False, dtype=torch.float32):
+    """(weights, empty model in ``dtype``) for ``path``: every check that needs no process group."""
+    model = empty_model(read_config(path, trust_remote_code), dtype=dtype)
     return match_weights(model, path), model
 
 

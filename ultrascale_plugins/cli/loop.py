@@ -54,6 +54,9 @@ def optimizer_class(name: str, stochastic_round: bool):
         raise ConfigError(f"train.optimizer={name}{', bf16_stochastic_round' if stochastic_round else ''}: needs "
                           "torchao. Fix: pip install \"ultrascale-plugins[float8]\"") from None
     cls = {"adamw": getattr(ao, "_AdamW", None), "adamw_8bit": ao.AdamW8bit, "adamw_4bit": ao.AdamW4bit}[name]
+    if cls is None:
+        raise ConfigError("train.bf16_stochastic_round=true: this torchao has no AdamW with stochastic rounding "
+                          "(torchao.optim._AdamW). Fix: pip install \"torchao>=0.18\", or bf16_stochastic_round: false")
     return cls, ({"bf16_stochastic_round": True} if stochastic_round else {})
 
 

@@ -34,7 +34,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     if init_from:
         from ..checkpoints.pretrained import prepare
 
-        weights, model = prepare(init_from, dtype=recipe.peft.torch_base_dtype if recipe.peft is not None else None)
+        weights, model = prepare(init_from, **recipe.base_dtype())
         model_config = model.config
         if model_config.vocab_size < 256 and not recipe.data.dataset:
             raise ConfigError(f"--init-from {init_from}: vocab_size={model_config.vocab_size}, but the byte-level "
@@ -44,8 +44,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):  # a PEFT recipe's frozen base in its dtype (bf16 by default), as the workers'
-            model = AutoModelForCausalLM.from_config(
-                model_config, **({"dtype": recipe.peft.torch_base_dtype} if recipe.peft is not None else {}))
+            model = AutoModelForCausalLM.from_config(model_config, **recipe.base_dtype())
     if recipe.peft is not None:  # the worker's PEFT model, on the meta device: its targets, names and memory
         from ..data.recipe import peft_model
 

@@ -45,15 +45,14 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
     base_from = pretrained_source(recipe, init_from, resume)
     if init_from and recipe.peft is None:  # a plain pretrained model: the engine reads it shard by shard
         return BuiltModel(from_pretrained(init_from, recipe.parallel, device=device), None, base_from=base_from)
-    base = {"dtype": recipe.peft.torch_base_dtype} if recipe.peft is not None else {}  # a frozen base: bf16
     if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
         # checkpoints import DCP, which takes over a second: only for a run that starts from pretrained weights
         from ..checkpoints.pretrained import empty_model, read_config
 
-        model = empty_model(read_config(base_from), **base)
+        model = empty_model(read_config(base_from), **recipe.base_dtype())
     else:
         with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
-            model = AutoModelForCausalLM.from_config(recipe.model_config(), **base)
+            model = AutoModelForCausalLM.from_config(recipe.model_config(), **recipe.base_dtype())
     trainable = None
     if recipe.peft is not None:  # the adapters on the meta device too: the engine draws them per shard
         model = peft_model(model, recipe.peft)

@@ -280,6 +280,11 @@ class Recipe:
             out["peft"] = self.peft.to_dict()
         return out
 
+    def base_dtype(self) -> dict:
+        """How the model is built (``from_config``'s keyword): a PEFT recipe's frozen base in ``peft.base_dtype``;
+        otherwise nothing (fp32, transformers' default)."""
+        return {"dtype": self.peft.torch_base_dtype} if self.peft is not None else {}
+
     def model_config(self):
         if self.init_from:
             return pretrained_config(self.init_from)

@@ -22,6 +22,8 @@ step and reduces once, after the last micro-batch, with the weights gathered onc
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -107,7 +109,8 @@ def cast_parameters(model, ctx):
         keep.update(getattr(sub, "_keep_in_fp32_modules", None) or ())
         keep.update(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())
     for name, param in model.named_parameters():
-        if param.is_floating_point() and param.dtype != dtype and not any(k in name.split(".") for k in keep):
+        kept = any(re.search(rf"(^|\.){re.escape(k)}($|\.)", name) for k in keep)  # a name or a dotted path
+        if param.is_floating_point() and param.dtype != dtype and not kept:
             param.data = param.data.to(dtype)
 
 
