@@ -260,6 +260,18 @@ CASES.update({
     "bf16_params_pp2": {"world": 2, "arch": "llama8_tied", "tol": 2e-2, "layout": {"pp": 2, "param_dtype": "bf16"}},
 })
 
+# the shards, their gradients and the optimizer states held on the host (cpu_offload: FSDP2's CPUOffloadPolicy):
+# ZeRO-3 with accumulation, ZeRO-2 beside TP + SP, a pipeline's stages on one data-parallel rank (FSDP2 groups that
+# shard nothing)
+CASES.update({
+    "offload_zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "cpu_offload": True},
+                          "accumulate": (2, 2), "roundtrip": True},
+    "offload_zero2_dp2_tp2_sp": {"world": 4, "arch": "llama", "layout": {"dp_shard": 2, "tp": 2, "zero_stage": 2,
+                                                                          "sequence_parallel": True,
+                                                                          "cpu_offload": True}},
+    "offload_pp2": {"world": 2, "arch": "llama8_tied", "layout": {"pp": 2, "cpu_offload": True}},
+})
+
 # torch's AdamW as for-loop, foreach and fused (tests/parity_worker.py: adamw_implementations_agree). An optimizer
 # sees only the parameters and their gradients, so what decides whether foreach and fused run, and agree, is how a
 # layout places its parameters: plain tensors (DDP, ZeroRedundancyOptimizer's partitions, a pipeline's stages, context
@@ -273,6 +285,7 @@ ADAMW_CASES = {
     "gpt2_dp2_tp2_sp", "pp2_gpipe_llama8", "pp2_gpipe_llama8_tied", "pp4_1f1b_llama8", "pp2_zero3_dp2",
     "pp2_zero1_dp2", "pp2_ddp_dp2_gpt_neox", "pp2_tp2", "cp2_ring_padded", "cp2_dp2_ring_packed",
     "cp2_tp2_sp_ulysses_padded", "cp2_ddp_dp2", "cp2_zero1_dp2", "ddp_dp2_tp2", "zero1_dp2_tp2_sp", *EP_ADAMW,
+    "offload_zero3_dp2",
 }
 for _name, _case in CASES.items():
     _case["adamw"] = _name in ADAMW_CASES

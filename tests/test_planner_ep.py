@@ -61,7 +61,7 @@ def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
     cost = _cost(make_config("llama"))
     results = search(cost, 2)
     values = {r.layout.extra.get("acme_gemm", "slow") for r in results}
-    assert values == {"slow", "fast"} and cost.searched == {"acme_gemm", "chunked_loss"}
+    assert values == {"slow", "fast"} and cost.searched == {"acme_gemm"}  # everything fits: no memory saver
     best = results[0].layout
     assert best.extra == {"acme_gemm": "fast"} and best.fields()["acme_gemm"] == "fast"
     assert "acme_gemm=fast" in best.label() and results[0].to_json()["acme_gemm"] == "fast"
@@ -211,3 +211,25 @@ def test_a_plan_of_exact_names_expands_as_the_wildcards_did():
     assert _expand(plan, names)["model.layers.3.self_attn.q_proj"] == "rowwise"  # exact, after the wildcard
     assert _expand(plan, names)["model.layers.10.mlp.gate"] == "replicated"
     assert _expand(plan, names)["model.layers.2.mlp.experts"] is None
+
+
+def test_memory_savers_are_searched_only_when_nothing_fits():
+    """The chunked loss saves memory at the price of one more head matmul, bf16 states at a price in precision,
+    offload at the host link's: the planner tries them (a second pass, ``ultrascale_search_savers``) only when no
+    layout fits without them, and then picks one."""
+    import dataclasses
+
+    mc = make_config("llama")
+    mc.vocab_size = 200_000  # the logits dominate: 512 tokens x 200k x fp32
+    roomy = CostModel(ModelSpec.of(mc), PRESETS["h100-sxm-80gb"], Workload(512, 1))
+    results = search(roomy, 1)
+    assert results[0].fits and "chunked_loss" not in roomy.searched
+    assert not any("chunked_loss" in r.layout.extra for r in results)
+    need = min(r.memory_gb["total"] for r in results if r.runnable)
+    chunked = roomy.evaluate(dataclasses.replace(results[0].layout, extra={"chunked_loss": 1024}))
+    assert chunked.memory_gb["total"] < need - 0.1
+    tight = dataclasses.replace(PRESETS["h100-sxm-80gb"], memory_gb=(need + chunked.memory_gb["total"]) / 2)
+    cost = CostModel(ModelSpec.of(mc), tight, Workload(512, 1))
+    best = search(cost, 1)[0]
+    assert best.fits and best.layout.extra and set(best.layout.extra) <= cost.savers
+    assert cost.savers == {"chunked_loss", "param_dtype", "cpu_offload"}

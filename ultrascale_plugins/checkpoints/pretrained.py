@@ -122,7 +122,7 @@ class PretrainedWeights:
         from ..core.initialize import to_empty_tied
 
         for module in ctx.modules:
-            to_empty_tied(module, ctx.device)  # plain to_empty would untie a tied head from its embedding
+            to_empty_tied(module, ctx.device, ctx.param_device)  # plain to_empty would untie a tied head from its embedding
             with torch.no_grad():
                 for name, buf in module.named_buffers():
                     if name in buffers:

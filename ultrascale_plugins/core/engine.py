@@ -99,6 +99,12 @@ class ParallelContext:
         present = {fqn for fqn, _ in model.named_modules()}
         return {fqn: view for fqn, view in self.plan.views.items() if fqn in present}
 
+    @property
+    def param_device(self) -> torch.device:
+        """Where this rank's parameters are held: the host when a dimension keeps them there (``params_on_host``:
+        offloaded FSDP2 shards), else ``device``. Buffers stay on ``device``."""
+        return torch.device("cpu") if self.dims.facts.params_on_host else self.device
+
     def materialize(self) -> None:
         """Give a meta-device model's parameters storage and their values, in their layout at this point (once).
         The engine calls it after the last transform; a transform that needs real tensors (DDP broadcasts them
@@ -110,6 +116,17 @@ class ParallelContext:
     def plan_layers(self, model: nn.Module) -> list[str]:
         """The decoder layers present in ``model`` (a pipeline stage holds only some)."""
         return layers_present(model, self.plan)
+
+
+def to_devices(model: nn.Module, param_device, buffer_device) -> None:
+    """``model.to(buffer_device)``, its parameters on ``param_device`` (the host, when they are offloaded: FSDP2
+    takes them from there)."""
+    model.to(param_device)
+    if param_device != buffer_device:
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(buffer_device)
 
 
 def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan | None:
@@ -314,7 +331,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *
         buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
         ctx._materializer = lambda: init_weights.load(ctx, buffers)
     else:
-        model.to(device)
+        to_devices(model, ctx.param_device, device)
 
     pin_hub_kernels(model)
     # the named stages, in the order their declarations give (interface.stages): split (this rank's pipeline

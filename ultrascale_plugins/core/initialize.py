@@ -123,16 +123,23 @@ def fill_buffers(model: nn.Module) -> None:
             _init_module(owners.get(name), target)
 
 
-def to_empty_tied(module: nn.Module, device) -> None:
+def to_empty_tied(module: nn.Module, device, param_device=None) -> None:
     """``module.to_empty(device=device)`` that keeps tied parameters tied: ``to_empty`` replaces a plain
     parameter by a new one in every module that holds it (DTensor parameters are swapped in place, so tied ones
-    stay one object). Each group of names that held one parameter is pointed back at a single new one."""
+    stay one object). Each group of names that held one parameter is pointed back at a single new one.
+    ``param_device``: the parameters' storage there instead (the host, when they are offloaded), the buffers'
+    on ``device``."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=device)
+    module.to_empty(device=param_device or device)
+    if param_device is not None and param_device != device:
+        for m in module.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[key] = torch.empty_like(buf, device=device)
     for refs in holders.values():
         keep = refs[0][0]._parameters[refs[0][1]]
         for m, name in refs[1:]:
@@ -242,7 +249,7 @@ class ModelInit:
         (``ModelWrapper.init_dependent``)."""
         twin_buffers = dict(self.twin.named_buffers())
         for module in ctx.modules:
-            to_empty_tied(module, ctx.device)
+            to_empty_tied(module, ctx.device, ctx.param_device)
             for name, buf in module.named_buffers():
                 source = buffers.get(name)
                 if source is None:

@@ -19,12 +19,18 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
+    # the mesh's device: gradients held on the host (cpu_offload) reduce their norms there, as NCCL needs
+    device = next((g.device_mesh.device_type for g in grads if isinstance(g, DTensor)), None)
     norms = []
     for same_placement in groups.values():
         n = torch.nn.utils.get_total_norm(same_placement, norm_type=norm_type)
         if isinstance(n, DTensor):
+            local = n.to_local()
+            if local.device.type != n.device_mesh.device_type:
+                n = DTensor.from_local(local.to(n.device_mesh.device_type), n.device_mesh, n.placements,
+                                       run_check=False)
             n = n.full_tensor()
-        norms.append(n.float())
+        norms.append(n.float() if device is None else n.float().to(device))
     stacked = torch.stack(norms) if norms else torch.zeros(1)
     inf = norm_type == float("inf")
     total = stacked.max() if inf else stacked.norm(norm_type)

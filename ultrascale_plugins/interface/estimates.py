@@ -80,6 +80,10 @@ class Estimate:
     terms: list = dataclasses.field(default_factory=list)
     factors: dict = dataclasses.field(default_factory=dict)
     micro_batches: int = 1  # per optimizer step on this rank (engine.estimate sets it from the shape)
+    # the categories held in host memory, not on the device (offloaded shards, gradients and optimizer states);
+    # ``host_copy_bytes`` in ``factors``: what crosses the host link per step, ``host_step_elements``: the
+    # elements the optimizer steps on the host
+    on_host: set = dataclasses.field(default_factory=set)
 
     def add_memory(self, category: str, nbytes: float) -> None:
         if category not in self.memory:
@@ -107,13 +111,23 @@ class Estimate:
     def optimizer_step_memory(self) -> float:
         """Bytes held during the optimizer step: the model states, what stays held through it (``step_other``:
         DDP's buckets) and the optimizer's temporaries (``step_temporary``); no activations."""
-        return (sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer"))
-                + self.factors.get("step_other", 0.0) + self.factors.get("step_temporary", 0.0))
+        temporary = 0.0 if "optimizer" in self.on_host else self.factors.get("step_temporary", 0.0)
+        return (sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer") if k not in self.on_host)
+                + self.factors.get("step_other", 0.0) + temporary)
 
     @property
     def total_memory(self) -> float:
-        """The rank's peak: the backward's (every category at once) or the optimizer step's, whichever is larger."""
-        return max(sum(self.memory.values()), self.optimizer_step_memory)
+        """The rank's device peak: the backward's (every category on the device at once) or the optimizer step's,
+        whichever is larger."""
+        return max(sum(v for k, v in self.memory.items() if k not in self.on_host), self.optimizer_step_memory)
+
+    @property
+    def host_memory(self) -> float:
+        """Bytes this rank holds in host memory (the offloaded categories, the host optimizer's temporary)."""
+        if not self.on_host:
+            return 0.0
+        temporary = self.factors.get("step_temporary", 0.0) if "optimizer" in self.on_host else 0.0
+        return sum(self.memory.get(k, 0.0) for k in self.on_host) + temporary
 
 
 # ---- the parameter inventory --------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ class LayoutFacts:
     - ``recompute``: what the backward recomputes of the forward: ``none``, ``selective`` or ``full``.
     - ``float8``: the float8 recipe the linear layers run (``none``: they do not).
     - ``loss_chunk``: the head and the loss run this many tokens at a time (0: the whole logits at once).
+    - ``params_on_host``: the parameters (their shards) live in host memory, the device holds only what a step
+      gathers; a meta-device build gives them host storage.
     """
 
     degrees: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -46,6 +48,7 @@ class LayoutFacts:
     recompute: str = "none"
     float8: str = "none"
     loss_chunk: int = 0
+    params_on_host: bool = False
 
     def degree(self, axis: str) -> int:
         """The degree of a mesh axis (a view's too), by name: 1 when no plugin declares it, -1 before a layout

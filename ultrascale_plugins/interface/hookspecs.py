@@ -301,6 +301,15 @@ def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedCo
     that is an axis of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh."""
 
 
+@hookspec
+def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
+    """Return ``{field: [value, ...]}``: values of this plugin's layout fields that save memory at a price in time
+    or precision (a loss computed in chunks, states held on the host or in bf16), worth costing with ``config``
+    (as ``ultrascale_search_choices``) only when nothing fits without them. The planner searches them in a second
+    pass, once no layout of the first fits, in every combination with the field's current value (which the
+    first pass costed), and says what each costs against the same layout without it."""
+
+
 @hookspec(firstresult=True)
 def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
     """Return, per rank of a schedule this dimension runs (a pipeline's), its actions as (start, end, kind,
@@ -321,5 +330,6 @@ GROUPS = {
     "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
               "ultrascale_export"),
     "cost": ("ultrascale_estimate", "ultrascale_adapter_factors", "ultrascale_microbatches",
-             "ultrascale_cost_coordinates", "ultrascale_search_choices", "ultrascale_schedule_timeline"),
+             "ultrascale_cost_coordinates", "ultrascale_search_choices", "ultrascale_search_savers",
+             "ultrascale_schedule_timeline"),
 }

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-tflops", type=float, help="dense bf16 peak per GPU")
     p.add_argument("--intra-node-gbps", type=float, help="per-GPU bandwidth inside a node, GB/s")
     p.add_argument("--inter-node-gbps", type=float, help="per-GPU bandwidth between nodes, GB/s")
+    p.add_argument("--host-link-gbps", type=float, help="per-GPU bandwidth to host memory, GB/s (the preset's "
+                   "PCIe, else 32): what offloaded states cross")
+    p.add_argument("--host-memory-gb", type=float, help="host memory per GPU for offloaded states (default 256: "
+                   "a DGX H100's 2 TB over 8 GPUs)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch-size", type=int, default=256, help="sequences per optimizer step")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
@@ -81,6 +85,12 @@ def build(args):
     hw = hardware_from_args(args.gpu, memory_gb=args.gpu_memory_gb, tflops=args.gpu_tflops,
                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                             gpus_per_node=args.gpus_per_node)
+    for flag, key in (("--host-link-gbps", "host_link_gbps"), ("--host-memory-gb", "host_memory_gb")):
+        value = getattr(args, key)
+        if value is not None:
+            if value <= 0:
+                raise ConfigError(f"{flag} {value}: must be positive. Fix: e.g. {flag} 64")
+            hw = dataclasses.replace(hw, **{key: value})
     spec = ModelSpec.of(mc, name=str(args.model))
     adapters = None
     if getattr(args, "peft", None):
@@ -149,15 +159,18 @@ def run_plan(args, accelerate_yaml) -> int:
     print(render.table(results, hw.memory_gb, args.top, args.memory_margin, args.speed_tolerance))
     print()
     if not best.fits:
+        host = (f" and {best.memory_gb['host']:.1f} of {hw.host_memory_gb:g} GB of host memory"
+                if "host" in best.memory_gb else "")
         print(f"ultrascale plan: no layout of {args.gpus} GPUs fits {hw.memory_gb:g} GB per GPU (the closest needs "
-              f"{best.memory_gb['total']:.1f} GB, listed first). Fix: more GPUs, a shorter --seq-len, a smaller "
+              f"{best.memory_gb['total']:.1f} GB{host}, listed first). Fix: more GPUs, a shorter --seq-len, a smaller "
               "--global-batch-size, or a GPU with more memory", file=sys.stderr)
         return 1
     if not best.runnable:
         print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
     room = render.headroom_line(best, results, hw.memory_gb, args.memory_margin, args.speed_tolerance,
                                 searched=not args.layout)
-    print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n")
+    savers = render.saver_costs(best, cost)
+    print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n" + (f"  {savers}\n" if savers else ""))
     if args.explain:
         print("Stages, in the order parallelize applies them:\n" + _indent(_stages(best, cost, args.gpus)) + "\n")
     if adapters is not None:

@@ -28,6 +28,9 @@ CONSTANTS = {
     "gather_overlap": 0.8,  # share of ZeRO-3 weight gathers hidden behind compute (prefetch)
     "memory_overhead_gb": 0.25,  # allocator workspaces per GPU outside the categories
     "fragmentation": 1.15,  # allocator slack on activations
+    # AdamW on the host (cpu_offload), elements per second of a node's CPU, shared by the node's ranks: PyTorch's
+    # CPU Adam at about 1.4 s per billion parameters (ZeRO-Offload, Ren et al. 2021)
+    "host_step_elements_s": 7e8,
 }
 GB = 1e9
 # the ParallelConfig fields a Layout sets itself (``Layout.fields``); plugins' fields travel in ``Layout.extra``
@@ -89,6 +92,8 @@ class Layout:
         if self.cp > 1:
             out["cp_method"] = self.cp_method
         out.update(self.extra)
+        if out.get("param_dtype", "fp32") != "fp32":  # the weights held in bf16 compute in it: no mixed precision
+            out["mixed_precision"] = "no"
         return out
 
     def config(self) -> ParallelConfig:
@@ -132,6 +137,12 @@ class Result:
     # hardware FLOPs utilization: the MFU with recomputed forwards counted as work (Korthikanti et al.'s HFU; what
     # Megatron-LM's printed TFLOP/s measure under activation checkpointing). Equal to the MFU without recomputation.
     hfu: float = 0.0
+    # the model states (weights, gradients, optimizer; device and host) of every GPU over the model's parameters:
+    # 16 for fp32 AdamW whatever the sharding, less with bf16 or low-bit states, about 2 for LoRA on a bf16 base
+    bytes_per_param: float = 0.0
+    # how full the fullest memory is: device memory over the GPU's, or host memory over the host's share per GPU
+    # (offloaded states), whichever is larger; fits when <= 1
+    load: float = 0.0
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -143,7 +154,7 @@ class Result:
                 "sequence_parallel": bool(lay.fields().get("sequence_parallel", False)), **lay.extra,
                 "fits": self.fits, "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "mfu": round(self.mfu, 4),
-                "hfu": round(self.hfu, 4),
+                "hfu": round(self.hfu, 4), "bytes_per_param": round(self.bytes_per_param, 2),
                 "step_s": round(self.step_s, 4), "dominant": self.dominant, "runnable": self.runnable,
                 **({"not_runnable_because": self.not_runnable_because} if not self.runnable else {}),
                 "times_s": {k: round(v, 5) for k, v in self.times_s.items()},
@@ -163,6 +174,7 @@ class CostModel:
         self._plans: dict = {}
         self._choices: dict = {}
         self.searched: set = set()  # the plugin fields the search has tried (``plugin_choices``)
+        self.savers: set = set()  # those of them offered as memory savers (``ultrascale_search_savers``)
         self._flops_token = None  # model FLOPs per token of the workload (the MFU's numerator per token)
         self._experts = None  # a mixture of experts' routed experts: ``expert_figures``
 
@@ -189,43 +201,58 @@ class CostModel:
                 self._runnable[key] = (False, str(exc).split(". Fix")[0])
         return self._runnable[key]
 
-    def plugin_choices(self, lay: Layout, world: int) -> list[dict]:
+    def plugin_choices(self, lay: Layout, world: int, savers: bool = False) -> list[dict]:
         """Every combination of the values the plugins offer for ``lay`` (``ultrascale_search_choices``), as
-        ``Layout.extra`` dicts; ``[{}]`` when none offers any."""
+        ``Layout.extra`` dicts; ``[{}]`` when none offers any. ``savers``: instead, every combination of those
+        with the memory savers the plugins offer (``ultrascale_search_savers``), each saver also at its current
+        value, less the combinations with none of them on (the first pass costed those); ``[]`` when none
+        offers any."""
         import itertools
 
         from ..interface.parallel_dims import resolve
-        from ..interface.plugins import layout_fields
 
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage)
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage, savers)
         if key in self._choices:
             return self._choices[key]
         config = resolve(lay.config(), world, self.pm, check=False)
+        args = dict(config=config, model_config=self.spec.config, world_size=world)
+        offered = self._offers("ultrascale_search_choices", self.pm.hook.ultrascale_search_choices(**args), {})
+        combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
+        if savers:
+            saving = self._offers("ultrascale_search_savers", self.pm.hook.ultrascale_search_savers(**args), offered)
+            self.savers.update(saving)
+            saving = {name: list(dict.fromkeys([getattr(config, name)] + values)) for name, values in saving.items()}
+            on = [dict(zip(saving, values)) for values in itertools.product(*saving.values())
+                  if any(v != getattr(config, n) for n, v in zip(saving, values))]
+            combos = [{**c, **s} for c in combos for s in on]
+        self._choices[key] = combos
+        return combos
+
+    def _offers(self, hook: str, answers, taken: dict) -> dict:
+        """The plugins' answers to ``hook``, checked: only declared plugin fields, each offered by one plugin
+        (not in ``taken`` either), as non-empty lists of valid values."""
+        from ..interface.plugins import layout_fields
+
         own = LAYOUT_FIELDS | {f.name for f in dataclasses.fields(Layout)}
         declared = layout_fields()
         offered: dict = {}
-        for answer in self.pm.hook.ultrascale_search_choices(config=config, model_config=self.spec.config,
-                                                              world_size=world):
+        for answer in answers:
             for name, values in (answer or {}).items():
                 if name in own:
-                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, a field the planner's "
-                                      "search sets itself. Fix: offer only your plugin's own layout fields")
+                    raise ConfigError(f"{hook} offered {name}={values!r}, a field the planner's search sets "
+                                      "itself. Fix: offer only your plugin's own layout fields")
                 if name not in declared:
-                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, but no plugin declares "
-                                      f"a layout field '{name}'. Fix: declare it (ultrascale_add_fields) or offer "
-                                      "a declared field")
-                if name in offered:
-                    raise ConfigError(f"ultrascale_search_choices: two plugins offer values of '{name}' "
-                                      f"({offered[name]!r} and {values!r}). Fix: offer only your plugin's own layout "
-                                      "fields")
+                    raise ConfigError(f"{hook} offered {name}={values!r}, but no plugin declares a layout field "
+                                      f"'{name}'. Fix: declare it (ultrascale_add_fields) or offer a declared field")
+                if name in offered or name in taken:
+                    raise ConfigError(f"{hook}: two plugins offer values of '{name}' ({ {**taken, **offered}[name]!r} "
+                                      f"and {values!r}). Fix: offer only your plugin's own layout fields")
                 if not isinstance(values, (list, tuple)) or not values:
-                    raise ConfigError(f"ultrascale_search_choices offered {name}={values!r}, not a non-empty list. "
+                    raise ConfigError(f"{hook} offered {name}={values!r}, not a non-empty list. "
                                       f"Fix: return {{'{name}': [value, ...]}}")
                 offered[name] = [declared.by_name[name].validate(v) for v in dict.fromkeys(values)]
         self.searched.update(offered)
-        combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
-        self._choices[key] = combos
-        return combos
+        return offered
 
     # ---- the estimate hooks ---------------------------------------------------------------------------------
     def estimates(self, lay: Layout):
@@ -354,10 +381,16 @@ class CostModel:
                 (per_mb if t.per == "micro_batch" else per_step)[t.axis] += exposed
             t_mb = t_compute + sum(per_mb.values())
             bubble = est.factors.get("bubble", 0.0)
-            step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values())
+            # offloaded states (cpu_offload): the copies over the host link, exposed, and the optimizer on the host
+            host = (est.factors.get("host_copy_bytes", 0.0) / (hw.host_link_gbps * GB)
+                    + est.factors.get("host_step_elements", 0.0) * min(lay.world, hw.gpus_per_node)
+                    / self.c["host_step_elements_s"])
+            step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values()) + host
             if step > slowest:
                 slowest, slowest_est = step, est
                 times = {"compute": t_compute * lay.grad_accum, "bubble": t_mb * lay.grad_accum * bubble}
+                if host:
+                    times["host"] = host
                 for axis in per_mb:
                     times[f"comm_{axis}"] = per_mb[axis] * lay.grad_accum + per_step[axis]
         tokens_step = work.global_batch * work.seq_len
@@ -365,8 +398,11 @@ class CostModel:
         mfu = tps * flops_token / (hw.tflops * 1e12)
         dominant = max(times, key=times.get)
         ok, why = self.runnable(lay)
-        return Result(lay, mem["total"] <= hw.memory_gb, mem, slowest, tps, mfu, dominant, ok, why, times,
-                      {k: v / GB for k, v in slowest_est.comm.items()}, hfu=mfu * recompute)
+        states = sum(sum(e.memory[k] for k in ("params", "grads", "optimizer")) for e in ests) / len(ests)
+        load = max(mem["total"] / hw.memory_gb, mem.get("host", 0.0) / hw.host_memory_gb)
+        return Result(lay, load <= 1, mem, slowest, tps, mfu, dominant, ok, why, times,
+                      {k: v / GB for k, v in slowest_est.comm.items()}, hfu=mfu * recompute,
+                      bytes_per_param=states * lay.world / spec.total_params, load=load)
 
 
 def coordinates_to_cost(config, pm=None) -> list[dict]:
@@ -391,10 +427,12 @@ def peak_memory_gb(ests, constants: dict | None = None) -> dict:
     c = {**CONSTANTS, **(constants or {})}
 
     def gb(est) -> dict:
-        mem = {k: v / GB for k, v in est.memory.items()}
+        mem = {k: (0.0 if k in est.on_host else v / GB) for k, v in est.memory.items()}
         mem["activations"] *= c["fragmentation"]
         mem["other"] += c["memory_overhead_gb"]
         backward = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+        if est.on_host:  # held in host memory, beside the device's categories (not in the device's total)
+            mem["host"] = est.host_memory / GB
         # the optimizer step's peak, when it is the larger (small activations, foreach AdamW's temporary)
         mem["total"] = max(backward, est.optimizer_step_memory / GB + c["memory_overhead_gb"])
         return mem

@@ -31,10 +31,13 @@ class Hardware:
     intra_node_gbps: float  # per GPU, one direction (NVLink / xGMI / PCIe)
     inter_node_gbps: float  # per GPU, one direction (the GPU's share of the node's network)
     gpus_per_node: int = 8
+    host_link_gbps: float = 32.0  # GPU <-> host per GPU, one direction (PCIe: Gen4 x16 32, Gen5 x16 64)
+    host_memory_gb: float = 256.0  # host memory per GPU for offloaded states (a DGX H100: 2 TB for 8 GPUs)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.memory_gb:g} GB, {self.tflops:g} TFLOP/s bf16, {self.intra_node_gbps:g} GB/s "
-                f"intra-node, {self.inter_node_gbps:g} GB/s inter-node per GPU, {self.gpus_per_node} GPUs/node")
+                f"intra-node, {self.inter_node_gbps:g} GB/s inter-node per GPU, {self.gpus_per_node} GPUs/node, "
+                f"{self.host_link_gbps:g} GB/s and {self.host_memory_gb:g} GB of host memory per GPU")
 
     def bus_bandwidth(self, collective: str, nodes: int) -> float:
         """Bus bandwidth in bytes/s of a collective (or point-to-point transfer) whose ranks span ``nodes``."""
@@ -61,15 +64,18 @@ def _interpolate(curve, nodes: float) -> float:
 
 
 PRESETS = {
-    "h100-sxm-80gb": Hardware("h100-sxm-80gb", 80, 989, 450, 50),
-    "h100-pcie-80gb": Hardware("h100-pcie-80gb", 80, 756, 64, 50),
-    "h200-141gb": Hardware("h200-141gb", 141, 989, 450, 50),
-    "b200-180gb": Hardware("b200-180gb", 180, 2250, 900, 50),
-    "a100-80gb": Hardware("a100-80gb", 80, 312, 300, 25),
-    "a100-40gb": Hardware("a100-40gb", 40, 312, 300, 25),
-    "l40s-48gb": Hardware("l40s-48gb", 48, 362, 32, 25),
-    # one MI250X die (graphics compute die) as the software sees it: Frontier's nodes hold 8 of them
-    "mi250x-gcd-64gb": Hardware("mi250x-gcd-64gb", 64, 191.5, 50, 12.5),
+    "h100-sxm-80gb": Hardware("h100-sxm-80gb", 80, 989, 450, 50, host_link_gbps=64),
+    "h100-pcie-80gb": Hardware("h100-pcie-80gb", 80, 756, 64, 50, host_link_gbps=64),
+    "h200-141gb": Hardware("h200-141gb", 141, 989, 450, 50, host_link_gbps=64),
+    "b200-180gb": Hardware("b200-180gb", 180, 2250, 900, 50, host_link_gbps=64),
+    "a100-80gb": Hardware("a100-80gb", 80, 312, 300, 25, host_link_gbps=32),
+    "a100-40gb": Hardware("a100-40gb", 40, 312, 300, 25, host_link_gbps=32),
+    "l40s-48gb": Hardware("l40s-48gb", 48, 362, 32, 25, host_link_gbps=32),
+    # a 24 GB workstation card (no NVLink: PCIe Gen4 between GPUs and to the host)
+    "rtx4090-24gb": Hardware("rtx4090-24gb", 24, 165, 32, 12.5, host_link_gbps=32, host_memory_gb=128),
+    # one MI250X die (graphics compute die) as the software sees it: Frontier's nodes hold 8 of them, linked to
+    # the CPU by Infinity Fabric (36 GB/s per die)
+    "mi250x-gcd-64gb": Hardware("mi250x-gcd-64gb", 64, 191.5, 50, 12.5, host_link_gbps=36),
 }
 
 

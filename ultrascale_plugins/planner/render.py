@@ -11,7 +11,7 @@ import yaml
 from .cost import Result
 from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, explain, free_fraction, has_headroom, status
 
-_SHORT = {"compute": "compute", "bubble": "pipeline bubble"}
+_SHORT = {"compute": "compute", "bubble": "pipeline bubble", "host": "host link and host optimizer"}
 
 
 def dominant_name(key: str) -> str:
@@ -106,9 +106,35 @@ def roomier(best: Result, results: list[Result], memory_gb: float, margin: float
 
 
 def breakdown(r: Result) -> str:
-    mem = ", ".join(f"{k} {v:.1f}" for k, v in r.memory_gb.items() if k != "total")
+    mem = ", ".join(f"{k} {v:.1f}" for k, v in r.memory_gb.items() if k not in ("total", "host"))
+    host = f"; host memory {r.memory_gb['host']:.1f} GB/GPU" if "host" in r.memory_gb else ""
     times = ", ".join(f"{dominant_name(k)} {v * 1000:.0f} ms" for k, v in r.times_s.items() if v > 0)
-    return f"memory GB/GPU: {mem} (total {r.memory_gb['total']:.1f}); step {r.step_s:.2f} s: {times}"
+    return (f"memory GB/GPU: {mem} (total {r.memory_gb['total']:.1f}){host}; step {r.step_s:.2f} s: {times}\n"
+            f"  model states: {r.bytes_per_param:.2f} bytes per parameter (weights, gradients and optimizer "
+            "states of every GPU over the model's parameters)")
+
+
+def saver_costs(best: Result, cost) -> str:
+    """What each memory saver of the chosen layout (``ultrascale_search_savers``: searched because no layout fit
+    without them) costs against the same layout without it; "" when it has none."""
+    import dataclasses
+
+    parts = []
+    for name, value in best.layout.extra.items():
+        if name not in cost.savers:
+            continue
+        without = cost.evaluate(dataclasses.replace(best.layout, extra={k: v for k, v in best.layout.extra.items()
+                                                                         if k != name}))
+        saved = without.memory_gb["total"] - best.memory_gb["total"]
+        host = without.memory_gb.get("host", 0.0) - best.memory_gb.get("host", 0.0)
+        host = f", {abs(host):.1f} GB {'less' if host >= 0 else 'more'} host memory" if abs(host) >= 0.05 else ""
+        slower = best.step_s / without.step_s - 1
+        parts.append(f"{name}={value}: {abs(saved):.1f} GB {'less' if saved >= 0 else 'more'} per GPU{host}, the "
+                     f"step {abs(slower):.1%} {'longer' if slower >= 0 else 'shorter'} ({without.step_s:.2f} s "
+                     "without it)")
+    if not parts:
+        return ""
+    return "memory savers (searched because no layout fits without them): " + "; ".join(parts)
 
 
 def parallel_fields(r: Result) -> dict:

@@ -5,7 +5,8 @@ keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global
 1F1B, interleaved and zero-bubble V schedules; with each, every combination of the values the plugins offer for
 their own layout fields (``ultrascale_search_choices``: expert parallelism's degrees). Recomputation is tried only
 when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
-time otherwise. Among the layouts that fit, those with room for the memory estimate's error rank first when they
+time otherwise. What saves memory at a price in time or precision (``ultrascale_search_savers``: the chunked loss,
+states in bf16 or on the host) is searched only when no layout fits without it. Among the layouts that fit, those with room for the memory estimate's error rank first when they
 cost little speed (``headroom``).
 """
 from __future__ import annotations
@@ -47,12 +48,14 @@ def degree_combinations(world: int, model, hw, seq_len: int, global_batch: int):
                 yield tp, cp, pp, dp
 
 
-def layouts(world: int, cost: CostModel):
-    """Every candidate layout, grouped so that the search can stop growing one that stops fitting."""
+def layouts(world: int, cost: CostModel, savers: bool = False):
+    """Every candidate layout, grouped so that the search can stop growing one that stops fitting; ``savers``:
+    only those with a memory saver on (``CostModel.plugin_choices``)."""
     spec, hw, work = cost.spec, cost.hw, cost.work
     layers = spec.config.num_hidden_layers
     for tp, cp, pp, dp in degree_combinations(world, spec, hw, work.seq_len, work.global_batch):
-        for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+        # one data-parallel rank: ZeRO-3's FSDP2 groups cost as plain data parallel, except with a saver (offload)
+        for zero in (((0, 3) if savers else (0,)) if dp == 1 else (0, 1, 2, 3)):
             replicas = [1]
             per_node = max(1, hw.gpus_per_node // (tp * cp))
             if zero >= 2 and dp > per_node and dp % per_node == 0:
@@ -60,7 +63,7 @@ def layouts(world: int, cost: CostModel):
             for rep in replicas:
                 base = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp, zero_stage=zero,
                               mixed_precision=work.precision)
-                for extra in cost.plugin_choices(base, world):
+                for extra in cost.plugin_choices(base, world, savers):
                     for schedule, v in _pp_schedules(pp, layers):
                         group = []
                         rows, mbs = work.global_batch // dp, 1
@@ -83,8 +86,17 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
     that layouts leaving room for the memory estimate's error (``margin``) within ``tolerance`` of the fastest go
     first (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
     ``include_unrunnable``."""
+    results = _costed(layouts(world, cost), cost, include_unrunnable)
+    if not any(r.fits for r in results):  # the memory savers, at their price in time or precision
+        results += _costed(layouts(world, cost, savers=True), cost, include_unrunnable)
+    results.sort(key=rank_key(results))
+    results = prefer_headroom(results, cost.hw.memory_gb, margin, tolerance)
+    return results[:limit] if limit else results
+
+
+def _costed(groups, cost: CostModel, include_unrunnable: bool) -> list[Result]:
     results: list[Result] = []
-    for group in layouts(world, cost):
+    for group in groups:
         for variants in group:  # one micro-batch size, each recomputation mode
             first = variants[0]
             ok, _ = cost.runnable(first)
@@ -101,17 +113,15 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
                     break
             if fitted is None:
                 break  # a larger micro-batch needs more memory still
-    results.sort(key=rank_key(results))
-    results = prefer_headroom(results, cost.hw.memory_gb, margin, tolerance)
-    return results[:limit] if limit else results
+    return results
 
 
 def rank_key(results: list[Result]):
     """Best first: those that fit, runnable ones, then by predicted tokens/s/GPU. When none fits, the closest
-    first: by predicted memory per GPU."""
+    first: by how full the fuller memory is (the device's, or the host's for offloaded states)."""
     if any(r.fits for r in results):
         return lambda r: (not r.fits, not r.runnable, -r.tokens_per_s_per_gpu)
-    return lambda r: (not r.runnable, r.memory_gb["total"], -r.tokens_per_s_per_gpu)
+    return lambda r: (not r.runnable, r.load, -r.tokens_per_s_per_gpu)
 
 
 def best_layout(cost: CostModel, world: int, results: list[Result] | None = None) -> Result:

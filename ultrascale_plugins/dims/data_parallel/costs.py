@@ -50,7 +50,8 @@ def layout_facts_of(config, degrees) -> dict:
             "states_sharded": zero1_on_fsdp(config, degrees) or (zero >= 2 and shard > 1),
             "grad_reduce": grad_sync(config, degrees) if zero >= 2 else "step",
             "compute_bytes": 2 if "bf16" in (config.mixed_precision, config.param_dtype) else 4,
-            "param_bytes": param_bytes(config)}
+            "param_bytes": param_bytes(config),
+            "params_on_host": bool(config.cpu_offload)}
 
 
 def data_parallel_terms(config, shape, est: Estimate) -> None:
@@ -115,7 +116,7 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         compute = 2 if config.mixed_precision == "bf16" else pbytes
         layers, layers_trained = _layer_sizes(records)
         largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
-        if (zero >= 2 and dp_shard > 1) or on_fsdp:
+        if (zero >= 2 and dp_shard > 1) or on_fsdp or config.cpu_offload:
             # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 reduced every micro-batch the root
             # group's (embedding, head, final norm: never resharded) plus a layer and the next (prefetched), else
             # (ZeRO-1 and 2, or grad_sync: step) all of them, for the whole step. A layer's whole fp32 gradient
@@ -125,6 +126,8 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             gathered = full - sum(layers.values()) + 2 * largest if per_layer else full
             whole_grads = full_local if once and shape.micro_batches > 1 else largest_trained
             est.add_memory("other", compute * gathered + gbytes * whole_grads)
+            if config.cpu_offload:
+                host_terms(est, local, trainable, pbytes, gbytes, per_layer, once, shape.micro_batches)
         elif compute == 2 and pbytes == 4:  # DDP under autocast caches a bf16 copy of every fp32 weight in the forward
             est.add_memory("other", 2 * full)
     if dp <= 1:
@@ -179,6 +182,28 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         else:
             est.add_comm(axis, grad_wire * full_local * share, "all_reduce", calls=max(1, _n_layers(records)),
                          overlap=shape.dp_overlap)
+
+
+def host_terms(est: Estimate, local, trainable, pbytes: int, gbytes: int, per_layer: bool, once: bool,
+               micro_batches: int) -> None:
+    """``cpu_offload`` (FSDP2's ``CPUOffloadPolicy``): the shards, their gradients and the optimizer states on the
+    host. The device holds a group's shard while it is copied in for the all-gather (the largest group's); the
+    host link carries the shards in before every all-gather (ZeRO-3 reduced every micro-batch: each forward and
+    each backward, else once a step) and the reduced gradients out after every reduce-scatter; the optimizer
+    steps on the host. At the backward's peak the copy in flight is a layer's (the root group, gathered once at
+    the start of the forward, is copied in before any activation exists)."""
+    est.on_host.update(("params", "grads", "optimizer"))
+    layers: dict = {}
+    for r, n in local:
+        if r.layer is not None:
+            layers[r.layer] = layers.get(r.layer, 0) + n
+    shards = sum(n for _, n in local)
+    root = shards - sum(layers.values())
+    est.add_memory("other", pbytes * max(layers.values(), default=0))
+    weights_in = pbytes * (shards + (shards - root if per_layer else 0)) * (micro_batches if per_layer else 1)
+    grads_out = gbytes * sum(n for _, n in trainable) * (1 if once else micro_batches)
+    est.factors["host_copy_bytes"] = est.factors.get("host_copy_bytes", 0.0) + weights_in + grads_out
+    est.factors["host_step_elements"] = est.factors.get("host_step_elements", 0.0) + sum(n for _, n in trainable)
 
 
 def _view_shard(dims, r, coords) -> int:

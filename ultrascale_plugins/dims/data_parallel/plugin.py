@@ -25,11 +25,12 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
+from ...interface.facts import layout_facts
 from ...interface.stages import Stage
 from ...interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis, ParallelDims, declared_views
 from .costs import grad_sync, layout_facts_of
@@ -74,6 +75,10 @@ def ultrascale_add_fields(fields):
     fields.add("param_dtype", str, "fp32", "the dtype the weights, their gradients and the optimizer states are held "
                "in: fp32, or bf16 (everything bfloat16, torchtune's dtype: bf16; half the bytes, pair it with a "
                "stochastic-rounding optimizer so small updates are not lost)", choices=("fp32", "bf16"))
+    fields.add("cpu_offload", bool, False, "ZeRO-2/3: hold the sharded weights, their gradients and the optimizer "
+               "states in host memory (FSDP2's CPUOffloadPolicy): each group's weights are copied to the device for "
+               "its forward and backward, its gradients back after their reduce-scatter, and the optimizer steps "
+               "on the CPU")
 
 
 @hookimpl
@@ -135,22 +140,23 @@ def wrap_model(model, ctx):
     # gathered for the step: one all-gather per step, not two per micro-batch
     reshard = cfg.zero_stage == 3 and cfg.grad_sync == "micro_batch"
     ctx.on_forward_only(reshard_gathered)
+    offload = offload_policy(cfg, ctx.device)
     if cfg.zero_stage >= 2:
-        shard_view_modules(model, ctx, reshard, policy)
-    if dims.facts.states_sharded:
+        shard_view_modules(model, ctx, reshard, policy, offload)
+    if dims.facts.states_sharded or cfg.cpu_offload:
         mesh = fsdp_mesh(ctx)
         groups = fsdp_groups(model, ctx.plan_layers(model))
         for fqn in uniform_dtype_groups(model, groups):  # inside the groups they split: wrapped first
             fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
-                        shard_placement_fn=beside_strided_rows)
+                        offload_policy=offload, shard_placement_fn=beside_strided_rows)
         layers = [model.get_submodule(fqn) for fqn in groups]
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
                         shard_placement_fn=beside_strided_rows)
         prefetch(layers, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
         # The root's parameters are used first in backward, so keeping them unsharded after forward saves an
         # all-gather at no real memory cost.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload,
                     shard_placement_fn=beside_strided_rows)
         if dims.enabled("pp") and cfg.grad_sync == "micro_batch":
             reduce_every_micro_batch(model, reshard)
@@ -175,6 +181,14 @@ def wrap_model(model, ctx):
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
 
 
+def offload_policy(config, device) -> OffloadPolicy:
+    """FSDP2's ``CPUOffloadPolicy`` under ``cpu_offload`` (page-locked host memory only beside a GPU: pinning needs
+    one, and gloo's CPU tensors gain nothing from it), else FSDP2's default (no offload)."""
+    if not config.cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
 def fsdp_mesh(ctx):
     """ZeRO-2/3: dp_shard, or (dp_replicate, dp_shard) for HSDP (FSDP2 replicates over the first mesh dim and shards
     over the second). ZeRO-1 over DTensors: every data-parallel rank flattened into one axis, so the optimizer states
@@ -182,6 +196,10 @@ def fsdp_mesh(ctx):
     dims = ctx.dims
     if ctx.config.zero_stage == 1:
         return ctx.sub_mesh(("dp_replicate", "dp_shard"))
+    if not dims.enabled("dp_shard"):  # cpu_offload on one data-parallel rank: FSDP2 groups that shard nothing
+        from ...interface.mesh import unit_mesh
+
+        return unit_mesh(ctx.device.type, "dp_shard")
     return ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
 
 
@@ -258,7 +276,7 @@ def beside_strided_rows(param):
     return Shard(1) if strided and param.ndim > 1 else None
 
 
-def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
+def shard_view_modules(model, ctx, reshard: bool, policy, offload) -> None:
     """The modules the plan puts in a mesh view (``ModelPlan.views``: experts under expert parallelism) get FSDP2
     groups of their own over the view's gradient axes (the last one sharded, one before it replicated: HSDP),
     before the layers around them are wrapped. Their gradients are summed there and divided by the layout's loss
@@ -279,7 +297,7 @@ def shard_view_modules(model, ctx, reshard: bool, policy) -> None:
             return Shard(1) if local.dim() > 1 and local.shape[0] % shards else Shard(0)
 
         module = model.get_submodule(fqn)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
                     shard_placement_fn=placement)
         module.set_gradient_divide_factor(float(dims.grad_scale))
         # a sum, then the division: a divisor other than the group's size is NCCL's PreMulSum, which gloo lacks.
@@ -306,6 +324,17 @@ def ultrascale_validate_config(config, model_config, world_size):
         raise field_error("mixed_precision", config.mixed_precision, "param_dtype=bf16 holds the weights in bf16, "
                           "so there are no fp32 master weights for mixed precision to keep",
                           "set mixed_precision: no (the compute is bf16 already), or param_dtype: fp32")
+    if config.cpu_offload and config.zero_stage < 2:
+        raise field_error("cpu_offload", True, f"offloads FSDP2's shards to host memory, and zero_stage="
+                          f"{config.zero_stage} does not use FSDP2", "use zero_stage: 2 or 3, or cpu_offload: false")
+    if config.cpu_offload and config.dp_shard == 1 and layout_facts(config).degree("tp") > 1:
+        raise field_error("cpu_offload", True, "tensor parallel with one data-parallel rank: FSDP2 needs a "
+                          "data-parallel axis of the layout's mesh to hold tensor-parallel shards",
+                          "use dp_shard: 2 or more beside tp, or cpu_offload: false")
+    if config.cpu_offload and config.dp_replicate > 1 and config.dp_shard == 1:
+        raise field_error("cpu_offload", True, f"dp_replicate={config.dp_replicate} with dp_shard=1 replicates "
+                          "whole weights (DDP), which FSDP2's offload does not hold",
+                          "shard them: dp_shard: -1 (ZeRO-3), or cpu_offload: false")
     if config.zero_stage <= 1 and config.grad_sync == "micro_batch":
         raise field_error("grad_sync", config.grad_sync, f"zero_stage={config.zero_stage} reduces gradients once per "
                           "step (whole gradients on every rank: DDP's all-reduce, ZeRO-1's partition)",
@@ -451,6 +480,21 @@ def partitioned(optimizer, group):
               for g in optimizer.param_groups]
     groups = [g for g in groups if g["params"]]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **settings)
+
+
+@hookimpl
+def ultrascale_search_savers(config, model_config, world_size):
+    """Only when nothing fits without them: offload (host memory, the host link's time, the optimizer on the
+    CPU), for the candidates that run it; bf16 weights, gradients and optimizer states (half the bytes, lossy
+    without stochastic rounding) where the compute is bf16 already."""
+    out = {}
+    if config.param_dtype == "fp32" and config.mixed_precision == "bf16":
+        out["param_dtype"] = ["bf16"]
+    offloads = config.zero_stage >= 2 and not config.cpu_offload
+    offloads = offloads and not (config.dp_replicate > 1 and config.dp_shard == 1)
+    if offloads and not (config.dp_shard == 1 and layout_facts(config).degree("tp") > 1):
+        out["cpu_offload"] = [True]
+    return out or None
 
 
 @hookimpl

@@ -232,13 +232,12 @@ SEARCHED_CHUNK = 1024
 
 
 @hookimpl
-def ultrascale_search_choices(config, model_config, world_size):
-    """The planner costs each candidate with and without the chunked loss: it ranks by speed among the layouts
-    that fit, so it picks the chunked loss (one more head matmul) only where the whole logits do not fit. Not offered
-    for a model whose head it cannot run (a meta-device forward says, once per model)."""
+def ultrascale_search_savers(config, model_config, world_size):
+    """A memory saver (one more head matmul a step): the planner tries it only when nothing fits without it. Not
+    offered for a model whose head it cannot run (a meta-device forward says, once per model)."""
     if model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
         return None
-    return {"chunked_loss": [0, SEARCHED_CHUNK]}
+    return {"chunked_loss": [SEARCHED_CHUNK]}
 
 
 _RUNS: dict = {}
