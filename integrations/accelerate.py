@@ -103,7 +103,7 @@ class UltraScaleAccelerator(Accelerator):
     def _checked_layout(plugin: UltraScalePlugin, world: int, model, kwargs: dict) -> ParallelConfig:
         """The layout, resolved against the world size and, when the model is known (UltraScaleTrainer's), checked
         against it, before any process group; ``mixed_precision`` is taken out of ``kwargs`` (it is the layout's)."""
-        from ..core.engine import causal_lm_of, validate
+        from ..core.engine import causal_lm_of, validate, validate_loop
 
         for taken in ("fsdp_plugin", "parallelism_config", "deepspeed_plugin", "megatron_lm_plugin"):
             if kwargs.get(taken) is not None:
@@ -119,6 +119,9 @@ class UltraScaleAccelerator(Accelerator):
         if compiled is not None and config.compile == "none":
             config = config.replace(compile=compiled)  # Accelerate's own compile never sees our model
         resolved = config.resolve(world)  # degrees vs world size
+        steps = kwargs.get("gradient_accumulation_steps") or 1
+        plugin_steps = getattr(kwargs.get("gradient_accumulation_plugin"), "num_steps", None)
+        validate_loop(resolved, plugin_steps or steps, None)  # clipping is a call: clip_grad_norm_ refuses it
         if causal_lm_of(model) is not None and getattr(resolved, "layout", "manual") != "auto":
             # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
             validate(resolved, causal_lm_of(model).config, world, model=model)

@@ -244,6 +244,16 @@ class _UltraScaleStrategyMixin:
         if getattr(config, "layout", "manual") == "auto":
             return
         validate(config, model_config, self.world, model=found[0])
+        if getattr(module, "_trainer", None) is not None:
+            self._check_loop(config, module._trainer)
+
+    @staticmethod
+    def _check_loop(config, trainer) -> None:
+        """Lightning's loop against the layout (``engine.validate_loop``): ``accumulate_grad_batches`` micro-batches
+        per step, clipping when ``gradient_clip_val`` is set (by norm or by value: either needs every gradient)."""
+        from ..core.engine import validate_loop
+
+        validate_loop(config, trainer.accumulate_grad_batches, trainer.gradient_clip_val)
 
     @property
     def is_distributed(self) -> bool:
@@ -293,6 +303,7 @@ class _UltraScaleStrategyMixin:
         lm = self.lightning_module
         self._attr, hf = find_causal_lm(lm)
         config = self.layout_for(hf.config)
+        self._check_loop(config, trainer)
         n_params = sum(p.numel() for p in hf.parameters())  # the whole model's (meta parameters included)
         self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_from=self.init_from)
         self._log_layout(hf, n_params)

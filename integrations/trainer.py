@@ -73,6 +73,7 @@ class UltraScaleTrainer(Trainer):
         from ``accelerator_config``, the rest from ``Trainer._build_accelerator_args``."""
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
+        from ..core.engine import validate_loop
         from ..distributed.launch import refuse, world_size
 
         if self.args.fsdp_plugin_args is not None:
@@ -99,6 +100,11 @@ class UltraScaleTrainer(Trainer):
         # its process group, unless TrainingArguments started one), one line from rank 0 if it cannot run
         self.accelerator = UltraScaleAccelerator(ultrascale_plugin=self.ultrascale_plugin,
                                                  _ultrascale_model=self.model, **args)
+        try:  # the Trainer's own loop: its accumulation and clipping (max_grad_norm, 1.0 by default)
+            validate_loop(self.accelerator.ultrascale_config, self.args.gradient_accumulation_steps,
+                          self.args.max_grad_norm)
+        except ConfigError as exc:
+            refuse(exc, world_size())
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,

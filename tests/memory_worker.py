@@ -99,6 +99,25 @@ CASES = {
                          "mbs": 2},
     "zero1_dp2_pp2_1f1b": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
                                                   "dp_shard": 2, "zero_stage": 1}, "mbs": 1},
+    # the shards, gradients and optimizer states held on the host (cpu_offload; on a CPU the ledger counts them
+    # with the rest: the estimate's device and host bytes together), the optimizer step inside the backward
+    # (optimizer_in_backward: one micro-batch per step, no clipping)
+    # (CI's test_estimates runs the 2-rank cases but those marked "ci": False, which benchmarks/own_memory.py runs)
+    "zero3_dp2_offload": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "cpu_offload": True}, "mbs": 2,
+                          "ci": False},
+    "zero3_dp2_step_in_backward": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3,
+                                                          "optimizer_in_backward": True}, "mbs": 4, "clip": False,
+                                   "ci": False},
+    "zero3_dp2_offload_step_in_backward": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "cpu_offload": True,
+                                                                  "optimizer_in_backward": True},
+                                           "mbs": 4, "clip": False},
+    "zero2_dp2_tp2_sp_offload": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                        "zero_stage": 2, "cpu_offload": True}, "mbs": 2},
+    "zero2_dp2_tp2_sp_step_in_backward": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                                 "zero_stage": 2, "optimizer_in_backward": True},
+                                          "mbs": 4, "clip": False},
+    "zero3_dp4_step_in_backward": {"world": 4, "layout": {"dp_shard": 4, "zero_stage": 3,
+                                                          "optimizer_in_backward": True}, "mbs": 2, "clip": False},
     # 8 ranks
     "zero3_dp2_tp2_pp2": {"world": 8, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "pp": 2,
                                                  "pp_schedule": "1f1b", "pp_microbatches": 4, "zero_stage": 3},
@@ -457,7 +476,7 @@ def reset_peak_rss() -> bool:
 
 
 # ---- the step ------------------------------------------------------------------------------------------------
-def optimizer_step(pmodel, opt, batch: dict, mbs: int, ledger=None) -> float:
+def optimizer_step(pmodel, opt, batch: dict, mbs: int, ledger=None, clip: bool = True) -> float:
     """One optimizer step over this rank's rows: micro-batches of ``mbs`` rows with the gradients synchronised
     after the last (train.accumulate_step's rule; a pipeline splits the rows itself), clip, AdamW step, zero_grad."""
     def phase(name):
@@ -484,7 +503,8 @@ def optimizer_step(pmodel, opt, batch: dict, mbs: int, ledger=None) -> float:
     if ledger is not None:
         del pmodel.finish_backward
     phase("clip")
-    pmodel.clip_grad_norm_(CLIP)
+    if clip:
+        pmodel.clip_grad_norm_(CLIP)
     phase("optimizer_step")
     if ledger is not None and type(getattr(opt, "optim", opt)).__module__.startswith("torchao"):
         # torchao's step is torch.compile'd, which dynamo refuses under a dispatch mode: it runs outside the two
@@ -543,6 +563,12 @@ def predicted(pmodel, spec: dict, micro_batches: int) -> dict:
                       model=meta_model(model_config), optimizer=spec.get("optimizer", "adamw"), check=False)
     raw = {k: int(v) for k, v in est.memory.items()}
     raw["total"] = int(est.total_memory)  # the backward's sum, or the optimizer step's memory if larger
+    if est.on_host:  # offloaded: on a CPU the host is the device, so the ledger holds both at once
+        import dataclasses
+
+        raw["host"] = int(est.host_memory)
+        raw["device"] = raw["total"]
+        raw["total"] = int(dataclasses.replace(est, on_host=set()).total_memory)
     with_constants = {k: int(v * GB) for k, v in peak_memory_gb([est]).items()}
     return {"coords": coords, "raw": raw, "peak_memory_gb": with_constants}
 
@@ -582,7 +608,7 @@ def run_case(name: str, spec: dict) -> dict | None:
     times, losses = [], []
     for batch in batches[:-1]:
         start = time.perf_counter()
-        losses.append(optimizer_step(pmodel, opt, batch, spec["mbs"]))
+        losses.append(optimizer_step(pmodel, opt, batch, spec["mbs"], clip=spec.get("clip", True)))
         times.append(time.perf_counter() - start)
     # the measured step: the ledger (outer mode, its resize_ patch first) and MemTracker (inner) side by side
     ledger = LiveStorages(pmodel, opt, ignore=earlier, hidden=ddp_buckets(pmodel))
@@ -596,7 +622,7 @@ def run_case(name: str, spec: dict) -> dict | None:
         tracker.track_external(*pmodel.modules, getattr(opt, "optim", opt))
         tracked_before = tracker.get_tracker_snapshot()
         with tracker:
-            losses.append(optimizer_step(pmodel, opt, batches[-1], spec["mbs"], ledger))
+            losses.append(optimizer_step(pmodel, opt, batches[-1], spec["mbs"], ledger, clip=spec.get("clip", True)))
     del earlier
     measured_s = time.perf_counter() - start
     hwm = proc_status("VmHWM")

@@ -193,7 +193,7 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(world, tmp_path
     from conftest import TESTS, torchrun
     from memory_worker import CASES
 
-    names = [n for n, spec in CASES.items() if spec["world"] == world]
+    names = [n for n, spec in CASES.items() if spec["world"] == world and spec.get("ci", True)]
     out = tmp_path / "memory.json"
     proc = torchrun(world, str(TESTS / "memory_worker.py"), str(out), *names, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

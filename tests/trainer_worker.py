@@ -18,6 +18,7 @@ OPTIONS (checkpoints, tests/test_trainer.py):
     --peft                 the model is a PEFT (LoRA) model
     --arch ARCH            the model's architecture (tests/models.py; default llama8_tied), e.g. qwen3_moe for ep
     --optim NAME           TrainingArguments(optim=NAME), e.g. adamw_torch_8bit (torchao's low-bit AdamW)
+    --max-grad-norm X      TrainingArguments(max_grad_norm=X) (default 0.5: clipping at every step; 0: none)
     --fail-at-save STEP    the save of checkpoint-STEP raises after its shards are written (a crash while saving);
                            OUT.json then says whether an existing checkpoint-STEP was left untouched
 
@@ -54,7 +55,7 @@ EVAL_ROWS = [{k: v[i] for k, v in b.items()} for b in padded_batches(1, GLOBAL_B
              for i in range(GLOBAL_BATCH)]
 OPTIONS = {"--max-steps": 1, "--save-steps": 1, "--save-limit": 1, "--eval-steps": 1, "--keep": 2, "--resume": 1,
            "--output-dir": 1, "--no-save-model": 0, "--reference": 0, "--fail-at-save": 1, "--accumulate": 1,
-           "--torch-compile": 0, "--peft": 0, "--arch": 1, "--optim": 1}
+           "--torch-compile": 0, "--peft": 0, "--arch": 1, "--optim": 1, "--max-grad-norm": 1}
 
 
 def parse(argv):
@@ -137,7 +138,8 @@ def run(argv):
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // dp // accumulate,
                              gradient_accumulation_steps=accumulate,
                              max_steps=int(opts.get("--max-steps", [STEPS])[0]), learning_rate=1e-3,
-                             weight_decay=0.01, max_grad_norm=0.5, lr_scheduler_type="linear",
+                             weight_decay=0.01, max_grad_norm=float(opts.get("--max-grad-norm", [0.5])[0]),
+                             lr_scheduler_type="linear",
                              logging_steps=1, report_to=[], train_sampling_strategy="sequential",
                              disable_tqdm=True, seed=0, torch_compile="--torch-compile" in opts,
                              **({"optim": opts["--optim"][0]} if "--optim" in opts else {}),

@@ -23,7 +23,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     e.g. a GPU the recipe is planned for; else this machine's). Returns the fingerprint of the module-tree checks
     that passed (``engine.validated_fingerprint``; empty when it cannot be taken), which the workers are handed
     so they do not repeat them."""
-    from ..core.engine import validate, validated_fingerprint
+    from ..core.engine import validate, validate_loop, validated_fingerprint
 
     if not recipe.data.dataset:
         from ..data.corpus import check_corpus
@@ -58,6 +58,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "
                           f"degree {resolved.dp}. Fix: use a multiple of {resolved.dp}")
     t = recipe.train
+    validate_loop(resolved, t.grad_accum or 1, t.max_grad_norm)  # train.grad_accum, train.max_grad_norm
     check_memory(resolved, model_config, model, recipe.nproc * nnodes, recipe.data.seq_len, t.micro_batch_size or 1,
                  t.grad_accum or 1, recipe.nproc, memory_gb, optimizer=t.optimizer)
     if t.optimizer != "adamw" or t.bf16_stochastic_round:  # torchao is there, before any worker needs it

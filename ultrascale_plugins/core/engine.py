@@ -182,6 +182,14 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     return resolved
 
 
+def validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None, pm=None) -> None:
+    """The checks of the training loop a front end will run with this layout (``ultrascale_validate_loop``):
+    ``micro_batches`` per optimizer step, gradients clipped to ``max_grad_norm`` (None or 0: not clipped)."""
+    pm = pm or get_plugin_manager()
+    pm.hook.ultrascale_validate_loop(config=as_config(config), micro_batches=int(micro_batches),
+                                     max_grad_norm=max_grad_norm or None)
+
+
 VALIDATED_ENV = "ULTRASCALE_VALIDATED"
 
 
@@ -415,6 +423,9 @@ class ParallelModel:
         self._token_group = self.dims.group(self.dims.token_axes)
         self._grad_reductions = self._gradient_reductions()
         self.grad_sync = True  # False inside no_sync()
+        # why the gradients are gone once the backward ends (a plugin that steps the optimizer inside it sets it):
+        # clipping to a global norm is then refused, not computed over nothing
+        self.gradients_consumed = ""
         self._profile = None  # the step being recorded (profile_step), which notes the batches
 
     def _gradient_reductions(self) -> list[tuple[list, Any, float]]:
@@ -443,6 +454,18 @@ class ParallelModel:
             if mesh is not None or divisor != 1:
                 out.append((params, mesh.get_group() if mesh is not None else None, divisor))
         return out
+
+    @property
+    def unclaimed_gradient_axes(self) -> list[str]:
+        """The gradient axes whose averaging the engine does after the backward (no wrapper reduced them inside
+        it), a mesh view's as ``view:axis``; empty when every gradient is final when its backward ends."""
+        if not self._grad_reductions:
+            return []
+        out = [a for a in self.dims.grad_axes if a not in self.ctx.claimed_axes]
+        for view in self.dims.views:
+            claimed, _ = self.ctx.view_claims.get(view, (set(), 1.0))
+            out += [f"{view}:{a}" for a in self.dims.view_grad_axes(view) if a not in claimed and self.dims.degree(a) > 1]
+        return out or ["the loss scale's division"]
 
     # ---- what users call -------------------------------------------------------------------------
     @property
@@ -529,6 +552,11 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of all gradients of the unsharded model (DTensor/sharded gradients included)."""
+        if self.gradients_consumed:
+            if math.isinf(max_norm):  # only the norm, to log it (the Trainer asks every step): there is none
+                return torch.tensor(float("nan"))
+            raise ConfigError(f"gradient clipping: {self.gradients_consumed}, so there is no global norm to clip "
+                              "to. Fix: turn clipping off (max_grad_norm: 0)")
         params = list(self.parameters())
         return clip_grad_norm_(self.runtime.norm_parameters(params), max_norm, norm_type,
                                group=self.runtime.norm_group(), clip=params)

@@ -34,6 +34,8 @@ class LayoutFacts:
     - ``loss_chunk``: the head and the loss run this many tokens at a time (0: the whole logits at once).
     - ``params_on_host``: the parameters (their shards) live in host memory, the device holds only what a step
       gathers; a meta-device build gives them host storage.
+    - ``grads_freed_in_backward``: the optimizer steps each parameter inside the backward and frees its gradient
+      there, so no rank holds the step's gradients at once.
     """
 
     degrees: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -49,6 +51,7 @@ class LayoutFacts:
     float8: str = "none"
     loss_chunk: int = 0
     params_on_host: bool = False
+    grads_freed_in_backward: bool = False
 
     def degree(self, axis: str) -> int:
         """The degree of a mesh axis (a view's too), by name: 1 when no plugin declares it, -1 before a layout

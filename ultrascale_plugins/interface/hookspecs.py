@@ -127,6 +127,14 @@ def ultrascale_validate_model(model: nn.Module, plan: ModelPlan | None, config: 
     group exists; ``model`` may live on the meta device, ``plan`` is the model plan (or None)."""
 
 
+@hookspec
+def ultrascale_validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None) -> None:
+    """Raise ``ConfigError`` when this dimension cannot run the training loop a front end will run: ``micro_batches``
+    forwards and backwards per optimizer step (gradient accumulation), the gradients clipped to a global norm of
+    ``max_grad_norm`` (None or 0: not clipped). Each front end asks before its first step, with its own settings
+    (the recipe's ``train``, the Trainer's arguments, Lightning's ``Trainer``, Accelerate's accumulation)."""
+
+
 # ---- transform -------------------------------------------------------------------------------------------------------
 # What it does to the model, as named stages the engine orders by their declarations.
 @hookspec
@@ -322,7 +330,8 @@ GROUPS = {
     "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_layout_facts", "ultrascale_model_plan",
                 "ultrascale_model_wrapper", "ultrascale_extend_plan", "ultrascale_presets",
                 "ultrascale_accelerate_keys"),
-    "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
+    "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model",
+                 "ultrascale_validate_loop"),
     "transform": ("ultrascale_stages",),
     "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
              "ultrascale_forward_targets", "ultrascale_loss_sum", "ultrascale_loss_terms", "ultrascale_no_sync",

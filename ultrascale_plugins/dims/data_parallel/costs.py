@@ -101,7 +101,15 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         opt_tensors = len(trainable)
         state = sum(state_bytes(shape.optimizer, n, r.held_bytes or sbytes) for r, n in trainable)
     est.add_memory("params", sum(n * (r.held_bytes or pbytes) for r, n in local))
-    est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
+    if layout_facts(config).grads_freed_in_backward:
+        # each group's gradients are stepped and freed as soon as they are reduced: the largest group's at once
+        # (the root's, or a layer's), and the optimizer steps one parameter at a time (its temporaries: one's)
+        groups: dict = {}
+        for r, n in trainable:
+            groups[r.layer] = groups.get(r.layer, 0) + n * (r.held_bytes or gbytes)
+        est.add_memory("grads", max(groups.values(), default=0))
+    else:
+        est.add_memory("grads", sum(n * (r.held_bytes or gbytes) for r, n in trainable))
     adam = shape.optimizer in ("adam", "adamw", *LOW_BIT_STATES)
     step_counters = 4 * opt_tensors if adam else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", states * state + master * opt_numel + step_counters)
@@ -109,7 +117,8 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
         # the square root of the second moments (the fused implementation needs none); see
         # Estimate.optimizer_step_memory. torchao's low-bit AdamW steps one parameter at a time.
-        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + sbytes * opt_numel
+        one = max((n for _, n in trainable), default=0) if layout_facts(config).grads_freed_in_backward else opt_numel
+        est.factors["step_temporary"] = est.factors.get("step_temporary", 0.0) + sbytes * one
     full = sum(r.local_numel for r in records)  # every weight, frozen ones included (they are gathered too)
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
