@@ -70,6 +70,9 @@ RUNS = {
     # the chunked loss (no whole logits) under TP + SP with foreach AdamW
     "tp_sp_chunked": ({"tp": 2, "sequence_parallel": True, "dp_shard": 1, "chunked_loss": 16}, {"adamw": "foreach"}),
     "pp2_tp2_fused": ({"pp": 2, "tp": 2, "dp_shard": 1}, {"adamw": "fused"}),
+    # offloaded ZeRO-3 stepping inside the backward: no clipping (it refuses it), Lightning's closure runs the backward
+    "zero3_offload_step_in_backward": ({"dp_shard": 2, "cpu_offload": True, "optimizer_in_backward": True},
+                                       {"adamw": "foreach", "gradient_clip_val": None}),
     # expert parallel on a mixture of experts (Qwen3-MoE, 8 experts, top-2; compared with it on one device): the
     # registered name (ep = devices per node, ZeRO-3 over every device) and an explicit layout under ZeRO-2
     "ultrascale_ep": ("ultrascale_ep", {"arch": "qwen3_moe"}),

@@ -66,7 +66,8 @@ def assert_parity(results, reference, names, tol=TOL):
 @pytest.mark.slow
 def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, reference, hf_dir):
     exact = NAMES + ["zero3_accumulate2", "pp_accumulate2", "pretrained_meta_tp_sp", "pretrained_init_from_zero3",
-                     "zero1", "tp_fused", "tp_sp_foreach", "tp_sp_chunked", "peft_zero3", "ultrascale_ep", "ep2_zero2"]
+                     "zero1", "tp_fused", "tp_sp_foreach", "tp_sp_chunked", "peft_zero3", "ultrascale_ep", "ep2_zero2",
+                     "zero3_offload_step_in_backward"]
     names = [*exact, "zero3_bf16_mixed", "tp_bf16_true"]
     results, stderr = run(2, tmp_path, hf_dir, *names)
     assert_parity(results, reference, exact)
