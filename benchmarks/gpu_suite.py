@@ -36,7 +36,7 @@ SECTIONS = {
     "adamw": (correctness.adamw, 30, 40),
     "moe": (correctness.moe, 30, 40),
     "ep_dispatch": (correctness.ep_dispatch, 20, 30),
-    "memory": (memory.memory, 60, 50),
+    "memory": (memory.memory, 80, 70),
     "cp_kernels": (correctness.cp_kernels, 40, 60),
     "compile": (correctness.compile_regional, 75, 90),
     "throughput_1b": (throughput.throughput_1b, 130, 90),

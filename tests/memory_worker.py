@@ -118,6 +118,15 @@ CASES = {
                                           "mbs": 4, "clip": False},
     "zero3_dp4_step_in_backward": {"world": 4, "layout": {"dp_shard": 4, "zero_stage": 3,
                                                           "optimizer_in_backward": True}, "mbs": 2, "clip": False},
+    # what the layers save for their backward held on the host (activation_offload; counted with the rest here)
+    "zero3_dp2_act_offload": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "activation_offload": True},
+                              "mbs": 2, "ci": False},
+    "zero2_dp2_tp2_sp_ac_full_act_offload": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                                    "zero_stage": 2, "activation_checkpointing": "full",
+                                                                    "activation_offload": True}, "mbs": 2},
+    "zero1_dp2_pp2_1f1b_act_offload": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
+                                                              "dp_shard": 2, "zero_stage": 1,
+                                                              "activation_offload": True}, "mbs": 1},
     # 8 ranks
     "zero3_dp2_tp2_pp2": {"world": 8, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "pp": 2,
                                                  "pp_schedule": "1f1b", "pp_microbatches": 4, "zero_stage": 3},
@@ -563,12 +572,12 @@ def predicted(pmodel, spec: dict, micro_batches: int) -> dict:
                       model=meta_model(model_config), optimizer=spec.get("optimizer", "adamw"), check=False)
     raw = {k: int(v) for k, v in est.memory.items()}
     raw["total"] = int(est.total_memory)  # the backward's sum, or the optimizer step's memory if larger
-    if est.on_host:  # offloaded: on a CPU the host is the device, so the ledger holds both at once
+    if est.on_host or est.host_bytes:  # offloaded: on a CPU the host is the device, the ledger holds both at once
         import dataclasses
 
         raw["host"] = int(est.host_memory)
         raw["device"] = raw["total"]
-        raw["total"] = int(dataclasses.replace(est, on_host=set()).total_memory)
+        raw["total"] = int(dataclasses.replace(est, on_host=set()).total_memory + est.host_bytes)
     with_constants = {k: int(v * GB) for k, v in peak_memory_gb([est]).items()}
     return {"coords": coords, "raw": raw, "peak_memory_gb": with_constants}
 

@@ -270,6 +270,13 @@ CASES.update({
                                                                           "sequence_parallel": True,
                                                                           "cpu_offload": True}},
     "offload_pp2": {"world": 2, "arch": "llama8_tied", "layout": {"pp": 2, "cpu_offload": True}},
+    # what the layers save for their backward held on the host (activation_offload): every saved activation under
+    # ZeRO-3, the recomputed layers' inputs under TP + SP, a pipeline's stages
+    "act_offload_zero3_dp2": {"world": 2, "arch": "llama", "layout": {"dp_shard": 2, "activation_offload": True}},
+    "act_offload_tp2_sp_ac_full": {"world": 2, "arch": "llama", "layout": {"tp": 2, "sequence_parallel": True,
+                                                                           "activation_checkpointing": "full",
+                                                                           "activation_offload": True}},
+    "act_offload_pp2_1f1b": {"world": 2, "arch": "llama8_tied", "layout": {"pp": 2, "activation_offload": True}},
 })
 
 # torch's AdamW as for-loop, foreach and fused (tests/parity_worker.py: adamw_implementations_agree). An optimizer

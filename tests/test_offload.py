@@ -146,3 +146,50 @@ def test_the_trainer_steps_inside_the_backward_as_a_plain_trainer_steps_after_it
         run = json.loads((tmp_path / name / "out.json").read_text())
         assert len(run["losses"]) == len(want["losses"]) == 4
         assert max(abs(a - b) for a, b in zip(run["losses"], want["losses"])) <= 1e-5, (name, run, want)
+
+
+def test_activation_offload_moves_the_layers_saved_tensors_and_not_their_weights(monkeypatch):
+    """Under full recomputation a layer saves its inputs, and those are what go to the host (its hidden states,
+    and the rotary tables it is handed); without recomputation everything it saves but its weights. The gradients
+    are those of the same model without offload."""
+    import torch
+
+    from models import make_model
+    from ultrascale_plugins.features.activation_offload.offloader import HostOffload
+
+    sent = []
+    pack = HostOffload.pack
+
+    def recording(self, tensor):
+        out = pack(self, tensor)
+        if out is not tensor:
+            sent.append(tensor.untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(HostOffload, "pack", recording)
+    ids = torch.randint(0, 100, (2, 32))
+    grads, moved = {}, {}
+    for name, fields in {"plain": {}, "full": {"activation_checkpointing": "full", "activation_offload": True},
+                         "none": {"activation_offload": True}}.items():
+        pmodel = us.parallelize(make_model("llama"), us.ParallelConfig(**fields))
+        sent.clear()
+        pmodel.train_step({"input_ids": ids, "labels": ids})
+        assert not set(sent) & {p.untyped_storage().data_ptr() for p in pmodel.parameters()}, name
+        grads[name] = {n: p.grad.clone() for n, p in pmodel.named_parameters()}
+        hooks = pmodel.ctx.plugin_state.get("activation_offload")
+        moved[name] = hooks.moved_bytes if hooks is not None else 0
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    config = make_model("llama").config
+    hidden = 2 * 32 * config.hidden_size * 4  # one layer's input, fp32
+    layers = config.num_hidden_layers
+    assert layers * hidden <= moved["full"] <= 2 * layers * hidden, moved
+    assert moved["none"] > 4 * moved["full"], moved
+    for name in ("full", "none"):
+        assert all(torch.allclose(grads[name][k], grads["plain"][k], atol=1e-6) for k in grads["plain"]), name
+
+
+def test_activation_offload_beside_compile_is_one_line_naming_the_field():
+    with pytest.raises(us.ConfigError, match="activation_offload=True: compile=regional.*Fix: use compile: none"):
+        us.validate(us.ParallelConfig(activation_offload=True, compile="regional"), None, 1)

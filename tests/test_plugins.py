@@ -331,7 +331,8 @@ def test_the_documented_layout_facts_hold():
     exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
     owners = {"data parallel": "dims.data_parallel", "tensor parallel": "dims.tensor",
               "activation checkpointing": "features.activation_checkpointing", "float8": "features.float8",
-              "chunked loss": "features.chunked_loss", "optimizer in backward": "features.optimizer_in_backward"}
+              "chunked loss": "features.chunked_loss", "optimizer in backward": "features.optimizer_in_backward",
+              "activation offload": "features.activation_offload", "compile": "features.compile"}
     documented = {flag: owners[owner] for flag, owner in re.findall(r"^\| `(\w+)` \| ([\w ]+) \|", section, re.M)}
     from ultrascale_plugins.interface.facts import FLAGS
 

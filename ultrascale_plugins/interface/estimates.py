@@ -84,6 +84,7 @@ class Estimate:
     # ``host_copy_bytes`` in ``factors``: what crosses the host link per step, ``host_step_elements``: the
     # elements the optimizer steps on the host
     on_host: set = dataclasses.field(default_factory=set)
+    host_bytes: float = 0.0  # held in host memory beyond those categories (offloaded activations)
 
     def add_memory(self, category: str, nbytes: float) -> None:
         if category not in self.memory:
@@ -124,10 +125,8 @@ class Estimate:
     @property
     def host_memory(self) -> float:
         """Bytes this rank holds in host memory (the offloaded categories, the host optimizer's temporary)."""
-        if not self.on_host:
-            return 0.0
         temporary = self.factors.get("step_temporary", 0.0) if "optimizer" in self.on_host else 0.0
-        return sum(self.memory.get(k, 0.0) for k in self.on_host) + temporary
+        return sum(self.memory.get(k, 0.0) for k in self.on_host) + temporary + self.host_bytes
 
 
 # ---- the parameter inventory --------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ class LayoutFacts:
       gathers; a meta-device build gives them host storage.
     - ``grads_freed_in_backward``: the optimizer steps each parameter inside the backward and frees its gradient
       there, so no rank holds the step's gradients at once.
+    - ``activations_offloaded``: what the decoder layers save for their backward is held in host memory.
+    - ``compiled``: how the decoder layers are compiled (``regional``: each by ``torch.compile``; ``none``).
     """
 
     degrees: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -52,6 +54,8 @@ class LayoutFacts:
     loss_chunk: int = 0
     params_on_host: bool = False
     grads_freed_in_backward: bool = False
+    activations_offloaded: bool = False
+    compiled: str = "none"
 
     def degree(self, axis: str) -> int:
         """The degree of a mesh axis (a view's too), by name: 1 when no plugin declares it, -1 before a layout

@@ -30,6 +30,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.features.float8.plugin",
     "ultrascale_plugins.features.chunked_loss.plugin",
     "ultrascale_plugins.features.optimizer_in_backward.plugin",
+    "ultrascale_plugins.features.activation_offload.plugin",
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.features.peft.adapters",

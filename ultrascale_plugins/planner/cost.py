@@ -431,7 +431,7 @@ def peak_memory_gb(ests, constants: dict | None = None) -> dict:
         mem["activations"] *= c["fragmentation"]
         mem["other"] += c["memory_overhead_gb"]
         backward = sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "other"))
-        if est.on_host:  # held in host memory, beside the device's categories (not in the device's total)
+        if est.on_host or est.host_bytes:  # in host memory, beside the device's categories (not in its total)
             mem["host"] = est.host_memory / GB
         # the optimizer step's peak, when it is the larger (small activations, foreach AdamW's temporary)
         mem["total"] = max(backward, est.optimizer_step_memory / GB + c["memory_overhead_gb"])

@@ -196,11 +196,10 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
 def host_terms(est: Estimate, local, trainable, pbytes: int, gbytes: int, per_layer: bool, once: bool,
                micro_batches: int) -> None:
     """``cpu_offload`` (FSDP2's ``CPUOffloadPolicy``): the shards, their gradients and the optimizer states on the
-    host. The device holds a group's shard while it is copied in for the all-gather (the largest group's); the
-    host link carries the shards in before every all-gather (ZeRO-3 reduced every micro-batch: each forward and
-    each backward, else once a step) and the reduced gradients out after every reduce-scatter; the optimizer
-    steps on the host. At the backward's peak the copy in flight is a layer's (the root group, gathered once at
-    the start of the forward, is copied in before any activation exists)."""
+    host. The host link carries the shards in before every all-gather (ZeRO-3 reduced every micro-batch: each
+    forward and each backward, else once a step) and the reduced gradients out after every reduce-scatter; the
+    optimizer steps on the host. (A group's shard copied in for its all-gather is on the device only until the
+    gather's input is made: not at the step's peak, the start of the loss's backward.)"""
     est.on_host.update(("params", "grads", "optimizer"))
     layers: dict = {}
     for r, n in local:
@@ -208,7 +207,6 @@ def host_terms(est: Estimate, local, trainable, pbytes: int, gbytes: int, per_la
             layers[r.layer] = layers.get(r.layer, 0) + n
     shards = sum(n for _, n in local)
     root = shards - sum(layers.values())
-    est.add_memory("other", pbytes * max(layers.values(), default=0))
     weights_in = pbytes * (shards + (shards - root if per_layer else 0)) * (micro_batches if per_layer else 1)
     grads_out = gbytes * sum(n for _, n in trainable) * (1 if once else micro_batches)
     est.factors["host_copy_bytes"] = est.factors.get("host_copy_bytes", 0.0) + weights_in + grads_out

@@ -72,6 +72,14 @@ def activation_terms(config, shape, est: Estimate) -> None:
     tokens = shape.tokens_per_micro_batch
     layers = shape.layers_here if shape.layers_here is not None else mc.num_hidden_layers
     saved = per_token * tokens * layers * shape.in_flight
+    if facts.activations_offloaded and shape.profile == "ultrascale" and layers > 1:
+        # activation offload: each layer's saved tensors go to the host as its forward makes them and come back
+        # for its backward; the device holds the layer at work and the one whose copy is in flight
+        moved = per_token * tokens * max(0.0, layers * shape.in_flight - 2)
+        saved -= moved
+        est.host_bytes += moved
+        est.factors["host_copy_bytes"] = (est.factors.get("host_copy_bytes", 0.0)
+                                          + 2 * per_token * tokens * layers * shape.micro_batches)
     held, transient, head_trains = adapter_bytes(shape, element, mode, sp_div, max(1, layers))
     saved += held * shape.in_flight + transient
     if mode != "none":

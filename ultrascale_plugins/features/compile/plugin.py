@@ -27,6 +27,11 @@ MODES = ("none", "regional")
 
 
 @hookimpl
+def ultrascale_layout_facts(config, degrees):
+    return {"compiled": config.compile}
+
+
+@hookimpl
 def ultrascale_add_fields(fields):
     fields.add("compile", str, "none", "regional: torch.compile each decoder layer (inductor), composed with every "
                "layout", choices=MODES)
