@@ -69,7 +69,8 @@ LR, CLIP = 1e-4, 1.0  # the recipe's defaults: clipping at 1.0 (train.py's max_g
 # name -> world size, ParallelConfig fields, rows per micro-batch, AdamW flags. The global batch is the same for all
 # (GLOBAL_BATCH rows): without a pipeline each rank accumulates its rows in micro-batches of ``mbs`` rows
 # (train.accumulate_step's rule: no gradient sync before the last); with one, the schedule splits them into
-# pp_microbatches.
+# pp_microbatches. CI's test_estimates runs the 2-rank cases, less those marked "ci": False (the same layouts
+# as one it runs, with one feature more); benchmarks/own_memory.py runs every case.
 CASES = {
     # 2 ranks
     "zero3_dp2": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2},
@@ -79,11 +80,13 @@ CASES = {
     # the chunked loss (features/chunked_loss): 128 of a micro-batch's 512 tokens at a time
     "zero3_dp2_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "chunked_loss": 128}, "mbs": 2},
     "zero3_dp2_bf16_chunked": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "mixed_precision": "bf16",
-                                                      "chunked_loss": 128}, "mbs": 2},
+                                                      "chunked_loss": 128}, "mbs": 2, "ci": False},
     # weights, gradients and optimizer states in bf16 (param_dtype); torchao's 8-bit and 4-bit AdamW states (one
     # torchao class per launch: inductor's compiled step of one is reused, wrongly, for the other in a process)
-    "zero3_dp2_bf16_params": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "param_dtype": "bf16"}, "mbs": 2},
-    "zero3_dp2_adamw_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2, "optimizer": "adamw_8bit"},
+    "zero3_dp2_bf16_params": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "param_dtype": "bf16"}, "mbs": 2,
+                              "ci": False},
+    "zero3_dp2_adamw_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2, "optimizer": "adamw_8bit",
+                             "ci": False},
     # 4 ranks
     "zero2_dp2_tp2_sp_adamw_4bit": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
                                                            "zero_stage": 2}, "mbs": 2, "optimizer": "adamw_4bit"},
@@ -102,7 +105,6 @@ CASES = {
     # the shards, gradients and optimizer states held on the host (cpu_offload; on a CPU the ledger counts them
     # with the rest: the estimate's device and host bytes together), the optimizer step inside the backward
     # (optimizer_in_backward: one micro-batch per step, no clipping)
-    # (CI's test_estimates runs the 2-rank cases but those marked "ci": False, which benchmarks/own_memory.py runs)
     "zero3_dp2_offload": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "cpu_offload": True}, "mbs": 2,
                           "ci": False},
     "zero3_dp2_step_in_backward": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3,

@@ -297,8 +297,11 @@ ADAMW_CASES = {
 for _name, _case in CASES.items():
     _case["adamw"] = _name in ADAMW_CASES
 
-# The costliest compositions on 2 CPU cores (16 processes; regional compile of ZeRO-3 x TP + SP; two of the four
-# 8-process pp x tp x dp cases) run in benchmarks/parity_large.py, results committed; CI runs every other case:
-# the same dimensions in fewer at once, and pp x tp x dp as Frontier runs it (pp2_tp2_dp2_zero1).
-LARGE = ("dp2_cp2_tp2_pp2_ring_packed", "compile_dp2_tp2_sp", "pp2_tp2_dp2_sp", "pp2_tp2_dp2_zbv")
+# The costliest compositions on 2 CPU cores (16 processes; regional compile of ZeRO-3 x TP + SP, of a pipeline and
+# of context parallel; the 8-process cases but one) run in benchmarks/parity_large.py, results committed; CI runs
+# every other case: the same dimensions in fewer at once (regional compile of ZeRO-3 and of TP; cp x tp, cp x pp,
+# dp x cp on 4), and pp x tp x dp as Frontier runs it (pp2_tp2_dp2_zero1).
+LARGE = ("dp2_cp2_tp2_pp2_ring_packed", "compile_dp2_tp2_sp", "pp2_tp2_dp2_sp", "pp2_tp2_dp2_zbv",
+         "dp2_cp2_tp2_ring_packed", "dp2_cp2_tp2_ulysses_padded", "cp2_tp2_pp2_ring_packed",
+         "cp2_tp2_pp2_ulysses_padded", "compile_pp2_1f1b", "compile_cp2_ring_packed")
 CI_CASES = {name: case for name, case in CASES.items() if name not in LARGE}

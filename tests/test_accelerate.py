@@ -376,6 +376,7 @@ def test_cpu_relaunch_reads_the_launch_command_in_all_its_spellings():
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; the outside plugin's parity in CI: the Python API and the command line
 def test_outside_plugin_axis_through_accelerate(tmp_path, reference):
     """A dimension plugin outside the package (tests/outside_plugin: the acme_dp axis) in an Accelerate file's
     `ultrascale` block, written by `ultrascale accelerate-config --set acme_dp=2`: every step equals one process."""

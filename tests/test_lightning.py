@@ -90,6 +90,7 @@ def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, refe
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # four processes of Lightning: benchmarks/sweep_tests.py; the same names on two devices in CI
 def test_four_devices_every_name_and_pipeline_by_tensor_and_an_outside_plugin(tmp_path, reference, hf_dir):
     """Every strategy name (ultrascale_cp: context parallel over the 4 devices) and UltraScaleStrategy(cp=2,
     cp_method="ulysses", dp_shard=2) match one device. With the plugin outside the package installed

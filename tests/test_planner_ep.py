@@ -214,9 +214,9 @@ def test_a_plan_of_exact_names_expands_as_the_wildcards_did():
 
 
 def test_memory_savers_are_searched_only_when_nothing_fits():
-    """The chunked loss saves memory at the price of one more head matmul, bf16 states at a price in precision,
-    offload at the host link's: the planner tries them (a second pass, ``ultrascale_search_savers``) only when no
-    layout fits without them, and then picks one."""
+    """The chunked loss saves memory at the price of one more head matmul, offload at the host link's, bf16 states
+    at a price in precision: the planner tries the first two (a second pass, ``ultrascale_search_savers``) only
+    when no layout fits without them, the third only when none fits with the first two either."""
     import dataclasses
 
     mc = make_config("llama")
@@ -232,4 +232,9 @@ def test_memory_savers_are_searched_only_when_nothing_fits():
     cost = CostModel(ModelSpec.of(mc), tight, Workload(512, 1))
     best = search(cost, 1)[0]
     assert best.fits and best.layout.extra and set(best.layout.extra) <= cost.savers
-    assert cost.savers == {"chunked_loss", "param_dtype", "cpu_offload"}
+    assert cost.savers == {"chunked_loss", "cpu_offload"}  # lossless ones fit: bf16 states never tried
+    # the device too small for the fp32 states, the host for offloaded ones (about 0.4 GB): bf16 states
+    small = dataclasses.replace(tight, memory_gb=chunked.memory_gb["total"] - 0.1, host_memory_gb=0.1)
+    cost = CostModel(ModelSpec.of(mc), small, Workload(512, 1))
+    best = search(cost, 1)[0]
+    assert best.fits and best.layout.extra.get("param_dtype") == "bf16" and "param_dtype" in cost.savers

@@ -35,6 +35,8 @@ GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num
                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
                  tie_word_embeddings=False)
 GPU_ROWS, GPU_SEQ = 8, 1024
+DRY_MODEL = dict(vocab_size=2000, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
 
 
 def memory(rec: Recorder, sizes: Sizes) -> None:
@@ -44,9 +46,9 @@ def memory(rec: Recorder, sizes: Sizes) -> None:
     import ultrascale_plugins as us
     from ultrascale_plugins.planner.cost import GB, peak_memory_gb
 
-    # the dry run: the CPU benchmark's tiny Llama (its activations about half of the peak, as on the GPU)
-    fields = memory_worker.MODEL if sizes.dry_run else GPU_MODEL
-    rows, seq = (4, 128) if sizes.dry_run else (GPU_ROWS, GPU_SEQ)
+    # the dry run: a tiny Llama of 4 layers whose activations are about half of the peak, as on the GPU
+    fields = DRY_MODEL if sizes.dry_run else GPU_MODEL
+    rows, seq = (4, 64) if sizes.dry_run else (GPU_ROWS, GPU_SEQ)
     for label, layout in LAYOUTS.items():
         one = label in ONE_MICRO_BATCH  # a step of one micro-batch (half the rows), else two: the first under no_sync
         micro = rows // 2

@@ -310,12 +310,14 @@ def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedCo
 
 
 @hookspec
-def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
-    """Return ``{field: [value, ...]}``: values of this plugin's layout fields that save memory at a price in time
-    or precision (a loss computed in chunks, states held on the host or in bf16), worth costing with ``config``
-    (as ``ultrascale_search_choices``) only when nothing fits without them. The planner searches them in a second
-    pass, once no layout of the first fits, in every combination with the field's current value (which the
-    first pass costed), and says what each costs against the same layout without it."""
+def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int,
+                             lossy: bool) -> dict[str, list] | None:
+    """Return ``{field: [value, ...]}``: values of this plugin's layout fields that save memory at a price, worth
+    costing with ``config`` (as ``ultrascale_search_choices``) only when nothing fits without them: in time
+    (``lossy=False``: a loss computed in chunks, states held on the host), or in the numbers (``lossy=True``:
+    states held in bf16). The planner searches the first kind once no layout fits without them, the second once
+    none fits with the first kind alone, each in every combination with the field's current value, and says
+    what each costs against the same layout without it."""
 
 
 @hookspec(firstresult=True)

@@ -201,12 +201,13 @@ class CostModel:
                 self._runnable[key] = (False, str(exc).split(". Fix")[0])
         return self._runnable[key]
 
-    def plugin_choices(self, lay: Layout, world: int, savers: bool = False) -> list[dict]:
+    def plugin_choices(self, lay: Layout, world: int, savers: int = 0) -> list[dict]:
         """Every combination of the values the plugins offer for ``lay`` (``ultrascale_search_choices``), as
-        ``Layout.extra`` dicts; ``[{}]`` when none offers any. ``savers``: instead, every combination of those
-        with the memory savers the plugins offer (``ultrascale_search_savers``), each saver also at its current
-        value, less the combinations with none of them on (the first pass costed those); ``[]`` when none
-        offers any."""
+        ``Layout.extra`` dicts; ``[{}]`` when none offers any. ``savers`` 1: instead, every combination of those
+        with the memory savers that cost time (``ultrascale_search_savers(lossy=False)``), each also at its
+        current value, less the combinations with none of them on (the first pass costed those); 2: every
+        combination with those and the ones that change the numbers (``lossy=True``) with at least one of the
+        latter on. ``[]`` when none is offered."""
         import itertools
 
         from ..interface.parallel_dims import resolve
@@ -219,11 +220,17 @@ class CostModel:
         offered = self._offers("ultrascale_search_choices", self.pm.hook.ultrascale_search_choices(**args), {})
         combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
         if savers:
-            saving = self._offers("ultrascale_search_savers", self.pm.hook.ultrascale_search_savers(**args), offered)
-            self.savers.update(saving)
-            saving = {name: list(dict.fromkeys([getattr(config, name)] + values)) for name, values in saving.items()}
-            on = [dict(zip(saving, values)) for values in itertools.product(*saving.values())
-                  if any(v != getattr(config, n) for n, v in zip(saving, values))]
+            saving = self._offers("ultrascale_search_savers",
+                                  self.pm.hook.ultrascale_search_savers(**args, lossy=False), offered)
+            lossy = {} if savers < 2 else self._offers("ultrascale_search_savers",
+                                                       self.pm.hook.ultrascale_search_savers(**args, lossy=True),
+                                                       {**offered, **saving})
+            self.savers.update(saving, lossy)
+            every = {name: list(dict.fromkeys([getattr(config, name)] + values))
+                     for name, values in {**saving, **lossy}.items()}
+            must = lossy if savers >= 2 else saving  # at least one of these on: the earlier pass costed the rest
+            on = [dict(zip(every, values)) for values in itertools.product(*every.values())
+                  if any(v != getattr(config, n) for n, v in zip(every, values) if n in must)]
             combos = [{**c, **s} for c in combos for s in on]
         self._choices[key] = combos
         return combos

@@ -48,7 +48,7 @@ def degree_combinations(world: int, model, hw, seq_len: int, global_batch: int):
                 yield tp, cp, pp, dp
 
 
-def layouts(world: int, cost: CostModel, savers: bool = False):
+def layouts(world: int, cost: CostModel, savers: int = 0):
     """Every candidate layout, grouped so that the search can stop growing one that stops fitting; ``savers``:
     only those with a memory saver on (``CostModel.plugin_choices``)."""
     spec, hw, work = cost.spec, cost.hw, cost.work
@@ -87,8 +87,10 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
     first (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
     ``include_unrunnable``."""
     results = _costed(layouts(world, cost), cost, include_unrunnable)
-    if not any(r.fits for r in results):  # the memory savers, at their price in time or precision
-        results += _costed(layouts(world, cost, savers=True), cost, include_unrunnable)
+    for savers in (1, 2):  # the memory savers: at a price in time, then in precision
+        if any(r.fits for r in results):
+            break
+        results += _costed(layouts(world, cost, savers=savers), cost, include_unrunnable)
     results.sort(key=rank_key(results))
     results = prefer_headroom(results, cost.hw.memory_gb, margin, tolerance)
     return results[:limit] if limit else results

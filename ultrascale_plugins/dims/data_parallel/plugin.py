@@ -483,13 +483,13 @@ def partitioned(optimizer, group):
 
 
 @hookimpl
-def ultrascale_search_savers(config, model_config, world_size):
-    """Only when nothing fits without them: offload (host memory, the host link's time, the optimizer on the
-    CPU), for the candidates that run it; bf16 weights, gradients and optimizer states (half the bytes, lossy
-    without stochastic rounding) where the compute is bf16 already."""
+def ultrascale_search_savers(config, model_config, world_size, lossy):
+    """Only when nothing fits without them: offload (the same numbers; host memory, the host link's time, the
+    optimizer on the CPU), for the candidates that run it; then bf16 weights, gradients and optimizer states
+    (half the bytes; other numbers: pair them with stochastic rounding) where the compute is bf16 already."""
+    if lossy:
+        return {"param_dtype": ["bf16"]} if config.param_dtype == "fp32" and config.mixed_precision == "bf16" else None
     out = {}
-    if config.param_dtype == "fp32" and config.mixed_precision == "bf16":
-        out["param_dtype"] = ["bf16"]
     offloads = config.zero_stage >= 2 and not config.cpu_offload
     offloads = offloads and not (config.dp_replicate > 1 and config.dp_shard == 1)
     if offloads and not (config.dp_shard == 1 and layout_facts(config).degree("tp") > 1):

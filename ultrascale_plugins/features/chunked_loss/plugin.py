@@ -232,10 +232,11 @@ SEARCHED_CHUNK = 1024
 
 
 @hookimpl
-def ultrascale_search_savers(config, model_config, world_size):
-    """A memory saver (one more head matmul a step): the planner tries it only when nothing fits without it. Not
-    offered for a model whose head it cannot run (a meta-device forward says, once per model)."""
-    if model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
+def ultrascale_search_savers(config, model_config, world_size, lossy):
+    """A memory saver (one more head matmul a step, the same numbers): the planner tries it only when nothing
+    fits without it. Not offered for a model whose head it cannot run (a meta-device forward says, once per
+    model)."""
+    if lossy or model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
         return None
     return {"chunked_loss": [SEARCHED_CHUNK]}
 
