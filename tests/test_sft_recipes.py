@@ -92,8 +92,16 @@ def nnodes_of(path: Path) -> int:
     return nodes
 
 
+def gpu_of(path: Path) -> str:
+    """The GPU preset the recipe is for: its header's ``# gpu: NAME``, else an H100 80 GB."""
+    found = re.findall(r"^#\s*gpu:\s*(\S+)\s*$", header(path), re.M)
+    return found[0] if found else GPU
+
+
 def config_json(path: Path) -> Path:
-    config = SFT / "configs" / f"{path.stem}.json"
+    """The model's config.json the header names (``recipes/sft/configs/<model>.json``), else ``<recipe>.json``."""
+    named = re.findall(r"recipes/sft/configs/([\w.-]+)\.json is that config", header(path).replace("\n# ", " "))
+    config = SFT / "configs" / f"{named[0] if named else path.stem}.json"
     if not config.is_file() and path.stem.endswith("-lora"):  # a LoRA recipe of a model that has a recipe
         config = SFT / "configs" / f"{path.stem.removesuffix('-lora')}.json"
     assert config.is_file(), f"{path.name}: its model's config.json belongs in {config}"
@@ -112,8 +120,12 @@ def planner_layout(recipe, world: int):
     """The planner's ``Layout`` for a recipe's resolved layout and batch split."""
     from ultrascale_plugins.planner.cost import Layout
 
+    from ultrascale_plugins.planner.cost import LAYOUT_FIELDS
+
     p = recipe.parallel.resolve(world)
-    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
+    own = LAYOUT_FIELDS | {f.name for f in dataclasses.fields(Layout)}
+    extra = {k: v for k, v in recipe.parallel.to_dict().items() if k not in own}  # plugins' fields, as set
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, extra=extra,
                   zero_stage=p.zero_stage, micro_batch_size=recipe.train.micro_batch_size,
                   grad_accum=recipe.train.grad_accum, activation_checkpointing=p.activation_checkpointing,
                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages,
@@ -140,7 +152,7 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     assert config.model_type == fields["model_type"], path.name  # the --init-from directory's config is the model
     assert (config.hidden_size, config.num_hidden_layers) == (fields["hidden_size"], fields["num_hidden_layers"])
     assert recipe.data.dataset and recipe.data.format == "chat" and recipe.data.packing, path.name
-    assert recipe.parallel.mixed_precision == "bf16", path.name
+    assert "bf16" in (recipe.parallel.mixed_precision, recipe.parallel.param_dtype), path.name
     if recipe.peft is not None:
         return lora_layout_validates_and_fits(path, recipe, nodes, monkeypatch)
     # What `ultrascale train` checks before launch (meta model, TP plan, mesh, batch), but its memory check against
@@ -151,11 +163,12 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
 
     # The planner's estimate for exactly this layout (what `ultrascale plan --layout` prints) fits the GPU ...
     lay = planner_layout(recipe, world)
-    cost = CostModel(ModelSpec.of(config), hardware_from_args(GPU),
+    hw = hardware_from_args(gpu_of(path))
+    cost = CostModel(ModelSpec.of(config), hw,
                      Workload(recipe.data.seq_len, recipe.train.global_batch, "ultrascale", "adamw", "bf16"))
     result = cost.evaluate(lay)
     assert result.runnable, f"{path.name}: {result.not_runnable_because}"
-    assert result.fits and result.memory_gb["total"] <= 80, f"{path.name}: {result.memory_gb}"
+    assert result.fits and result.memory_gb["total"] <= hw.memory_gb, f"{path.name}: {result.memory_gb}"
     # ... and the header's `ultrascale plan` command costs that same layout, quoting that total (within 10 %).
     text = header(path)
     quoted_layout = re.findall(r'--layout "([^"]+)"', text)
@@ -164,6 +177,7 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     assert (theirs.fields(), theirs.micro_batch_size, theirs.grad_accum) == \
         (lay.fields(), lay.micro_batch_size, lay.grad_accum), f"{path.name}: the quoted --layout is not the recipe's"
     assert f"--gpus {world} " in text and f"--seq-len {recipe.data.seq_len} " in text, path.name
+    assert f"--gpu {hw.name} " in text, f"{path.name}: the header plans for its GPU ({hw.name})"
     assert f"--global-batch-size {recipe.train.global_batch} " in text, path.name
     quoted = re.findall(r"= ([\d.]+) GB per GPU", text)
     assert quoted, f"{path.name}: the header quotes the planner's total ('= N GB per GPU')"
