@@ -40,6 +40,7 @@ CASES = {
     "cp2_ring_llama": ("llama", {"cp": 2}, {"data": "packed"}),
     # a bf16 base quantized to NF4 (bf16 scales, bf16 matmuls) with fp32 adapters, against the same in one process
     "zero3_bf16_llama": ("llama", {"dp_shard": 2}, {"base_dtype": "bf16", "tol": 1e-3}),
+    "zero3_offload_llama": ("llama", {"dp_shard": 2, "cpu_offload": True}, {}),
     "ddp_bf16_llama": ("llama", {"dp_shard": 2, "zero_stage": 0}, {"base_dtype": "bf16", "tol": 1e-3}),
 }
 

@@ -172,3 +172,40 @@ def test_without_torchao_quantize_base_says_what_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(us.ConfigError, match="needs torchao's NF4Tensor.*pip install torchao"):
         quantized_base.quantize_base(model, "nf4")
+
+
+def test_the_planner_prices_the_4bit_base_as_the_model_holds_it(capsys):
+    """``ultrascale plan --peft qlora``: every adapted base weight at NF4's bytes (4 bits, an int8 scale per 64
+    values, an fp32 factor per 256 scales), the rest as held; the same bytes as a quantized PEFT model's weights
+    hold. Only data-parallel layouts run it; 70B QLoRA fits 2 x 24 GB with its states offloaded."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.cli.main import main as cli
+    from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_weights
+    from ultrascale_plugins.interface.estimates import QUANTIZED_BYTES, Adapters, _adapted_inventory, inventory
+
+    model = _model()
+    quantize_base(model, "nf4")
+    weights = quantized_weights(model).values()
+    held = sum(t.numel() * t.element_size() for w in weights
+               for t in (w.quantized_data, w.quantized_scalers, w.quantization_factor))
+    numel = sum(w.numel() for w in weights)
+    assert abs(held / numel - QUANTIZED_BYTES["nf4"]) < 0.01 * QUANTIZED_BYTES["nf4"], held / numel
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(model.get_base_model().config)
+    records = _adapted_inventory(inventory(plain), plain, Adapters(r=4, quantized="nf4"))  # as the estimate prices
+    priced = sum(r.numel * r.held_bytes for r in records if 0 < r.held_bytes < 1)
+    assert abs(priced - held) < 0.01 * held, (priced, held)
+    base = ["plan", "--model", "llama-3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb", "--peft", "qlora",
+            "--global-batch-size", "16", "--json", "--top", "60"]
+    code = cli(base)
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["candidates"][0]
+    assert code == 0 and plan["fits"] and plan["peft"]["quantized"] == "nf4" and best["bytes_per_param"] < 1
+    assert all(c["tp"] == c["pp"] == 1 for c in plan["candidates"] if c["runnable"])
+    code = cli([*base, "--layout", "dp=1,tp=2,pp=1,cp=1,zero=3,mbs=1,ga=16,recompute=full"])
+    (tp,) = json.loads(capsys.readouterr().out)["candidates"]
+    assert not tp["runnable"] and "NF4 base (QLoRA)" in tp["not_runnable_because"]

@@ -337,6 +337,7 @@ class Adapters:
     target: str | tuple = "all-linear"
     method: str = "lora"
     base_bytes: int = 2  # the frozen base's element size: bf16, as the recipes hold it (peft.base_dtype)
+    quantized: str = ""  # the adapted base weights quantized (QLoRA: "nf4", ``QUANTIZED_BYTES``); "": as base_bytes
 
     def __post_init__(self):
         from .fields import ConfigError
@@ -354,11 +355,19 @@ class Adapters:
             target = "all-linear"
         if not target:
             raise ConfigError("LoRA targets: none given. Fix: 'all-linear' or module names such as q_proj,v_proj")
+        if self.quantized and self.quantized not in QUANTIZED_BYTES:
+            raise ConfigError(f"quantized base {self.quantized!r}: unknown. Fix: one of {', '.join(QUANTIZED_BYTES)}")
         object.__setattr__(self, "target", target)
 
     def describe(self) -> str:
         target = self.target if isinstance(self.target, str) else ",".join(self.target)
-        return f"LoRA r={self.r} on {target}"
+        base = f", the adapted base weights in {self.quantized.upper()}" if self.quantized else ""
+        return f"{'Q' if self.quantized else ''}LoRA r={self.r} on {target}{base}"
+
+
+# bytes per element of a quantized frozen weight: torchao's NF4 (QLoRA) packs 4 bits, one int8 scale per block of
+# 64 and one fp32 factor per 256 scales (double quantization)
+QUANTIZED_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +516,7 @@ def _adapted_inventory(records: list[ParamRecord], model, adapters: Adapters) ->
     if key not in _ADAPTED or _ADAPTED[key][0] is not model:
         _ADAPTED[key] = (model, with_adapters(records, model, adapters))
     by_name = {r.name: r for r in records}
+    adapted = {t.adapter_of for t in _ADAPTED[key][1] if t.adapter}
     out = []
     for t in _ADAPTED[key][1]:
         if t.adapter:  # placed with its weight as this inventory places it
@@ -516,7 +526,9 @@ def _adapted_inventory(records: list[ParamRecord], model, adapters: Adapters) ->
             out.append(twin)
         elif t.name in by_name:
             by_name[t.name].trainable = False
-            if by_name[t.name].held_bytes == 0 and adapters.base_bytes != 4:  # the frozen base in its own dtype
+            if adapters.quantized and t.name in adapted and len(by_name[t.name].shape) == 2:  # QLoRA's 4-bit base
+                by_name[t.name].held_bytes = QUANTIZED_BYTES[adapters.quantized]
+            elif by_name[t.name].held_bytes == 0 and adapters.base_bytes != 4:  # the frozen base in its own dtype
                 by_name[t.name].held_bytes = adapters.base_bytes
             out.append(by_name[t.name])
     if len(out) != len(records) + sum(1 for t in _ADAPTED[key][1] if t.adapter):

@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--profile", default="ultrascale", choices=PROFILES,
                    help="memory of this package's implementation, or of nanotron as the Ultra-Scale Playbook ran it")
-    p.add_argument("--peft", choices=("lora",), help="train PEFT adapters on a frozen base: only they get gradients "
-                   "and optimizer states, and the base computes no weight gradients")
+    p.add_argument("--peft", choices=("lora", "qlora"), help="train PEFT adapters on a frozen base: only they get "
+                   "gradients and optimizer states, and the base computes no weight gradients; qlora: the adapted "
+                   "base weights in 4-bit NF4 (torchao), under data parallel only")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (with --peft lora)")
     p.add_argument("--lora-target", default="all-linear", help="'all-linear' (as PEFT resolves it: with transformers "
                    "5 a mixture of experts' fused expert weights and router too) or module names, e.g. q_proj,v_proj")
@@ -96,7 +97,8 @@ def build(args):
     if getattr(args, "peft", None):
         from ..interface.estimates import Adapters
 
-        adapters = Adapters(r=args.lora_r, target=args.lora_target, method=args.peft)
+        adapters = Adapters(r=args.lora_r, target=args.lora_target, method="lora",
+                            quantized="nf4" if args.peft == "qlora" else "")
         spec.trainable_params(adapters)  # targets that match nothing are named now, before any search
     elif getattr(args, "lora_r", 16) != 16 or getattr(args, "lora_target", "all-linear") != "all-linear" \
             or getattr(args, "lora_alpha", None) is not None:
@@ -127,7 +129,8 @@ def run_plan(args, accelerate_yaml) -> int:
     adapters = cost.work.adapters
     trainable = cost.spec.trainable_params(adapters)
     if adapters is not None:
-        header["peft"] = {"method": adapters.method, "r": adapters.r,
+        header["peft"] = {"method": adapters.method, "r": adapters.r, **({"quantized": adapters.quantized}
+                                                                         if adapters.quantized else {}),
                           "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
         header["trainable_params"] = trainable
     if args.layout:

@@ -196,6 +196,11 @@ class CostModel:
 
             try:
                 validate(lay.config(), self.spec.config, lay.world, self.pm)
+                adapters = self.work.adapters
+                if adapters is not None and adapters.quantized and (lay.tp > 1 or lay.pp > 1):
+                    # what features/peft/quantized_base.py refuses on the model itself
+                    raise ConfigError(f"a {adapters.quantized.upper()} base (QLoRA) splits only along its rows "
+                                      "(ZeRO) and cannot be rebuilt in a pipeline stage: not under tp or pp. Fix")
                 self._runnable[key] = (True, "")
             except ConfigError as exc:
                 self._runnable[key] = (False, str(exc).split(". Fix")[0])

@@ -196,9 +196,13 @@ def peft_note(adapters, alpha: float | None = None) -> str:
     """What the snippets below leave to the user with ``--peft``: wrapping the model."""
     target = adapters.target if isinstance(adapters.target, str) else list(adapters.target)
     scale = "" if alpha is None else f", lora_alpha={alpha:g}"
-    return ("The snippets below parallelize the model as given: wrap it first, e.g.\n"
-            f"    model = get_peft_model(model, LoraConfig(r={adapters.r}{scale}, target_modules={target!r}))  "
-            "# from peft; docs/peft.md")
+    out = ("The snippets below parallelize the model as given: wrap it first, e.g.\n"
+           f"    model = get_peft_model(model, LoraConfig(r={adapters.r}{scale}, target_modules={target!r}))  "
+           "# from peft; docs/peft.md")
+    if adapters.quantized:
+        out += (f"\n    quantize_base(model, {adapters.quantized!r})  "
+                "# ultrascale_plugins.features.peft.quantized_base: the adapted base weights in 4 bits (torchao)")
+    return out
 
 
 def as_json(results: list[Result], top: int, extra: dict, memory_gb: float | None = None,

@@ -123,8 +123,8 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     full_local = sum(r.local_numel for r in records if r.trainable)  # what has gradients
     if profile == "ultrascale":
         compute = 2 if config.mixed_precision == "bf16" else pbytes
-        layers, layers_trained = _layer_sizes(records)
-        largest, largest_trained = max(layers.values(), default=0), max(layers_trained.values(), default=0)
+        _, layers_trained = _layer_sizes(records)
+        largest_trained = max(layers_trained.values(), default=0)
         if (zero >= 2 and dp_shard > 1) or on_fsdp or config.cpu_offload:
             # FSDP2 gathers whole weights in the compute dtype: under ZeRO-3 reduced every micro-batch the root
             # group's (embedding, head, final norm: never resharded) plus a layer and the next (prefetched), else
@@ -132,9 +132,20 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
             # waits for its reduce-scatter; with grad_sync: step over several micro-batches (a pipeline's, or
             # gradient accumulation's) every whole fp32 gradient is held until the step's last backward
             per_layer = zero == 3 and not once
-            gathered = full - sum(layers.values()) + 2 * largest if per_layer else full
             whole_grads = full_local if once and shape.micro_batches > 1 else largest_trained
-            est.add_memory("other", compute * gathered + gbytes * whole_grads)
+
+            def gathered(recs) -> float:  # in the compute dtype, or as held when that is smaller (a 4-bit base)
+                return sum(r.local_numel * (min(compute, r.held_bytes) if r.held_bytes else compute) for r in recs)
+
+            if per_layer:
+                by_layer: dict = {}
+                for r in records:
+                    by_layer.setdefault(r.layer, []).append(r)
+                root = by_layer.pop(None, [])
+                held = gathered(root) + 2 * max((gathered(rs) for rs in by_layer.values()), default=0)
+            else:
+                held = gathered(records)
+            est.add_memory("other", held + gbytes * whole_grads)
             if config.cpu_offload:
                 host_terms(est, local, trainable, pbytes, gbytes, per_layer, once, shape.micro_batches)
         elif compute == 2 and pbytes == 4:  # DDP under autocast caches a bf16 copy of every fp32 weight in the forward
