@@ -222,9 +222,12 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
     matrix_layouts = list(MATRIX)
     rows, reasons = [], []
     full_pass, tp_fsdp_pass = 0, 0
-    tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n and "chunked" not in n]
+    tp_fsdp = [n for n in matrix_layouts if "pp" not in n and "cp" not in n and "chunked" not in n
+               and "offload" not in n]
     chunked = [n for n in matrix_layouts if "chunked" in n]
     chunked_pass = chunked_refused = 0
+    offload = [n for n in matrix_layouts if "offload" in n]
+    offload_pass = 0
     cp_layouts = [n for n in matrix_layouts if n.startswith("cp") and "tp" not in n]
     cp_pass = cp_refused = cp_tp_pass = 0
     for model_type in sorted(testable):
@@ -249,6 +252,7 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         chunked_verdicts = {verdict(cells.get(f"{model_type}:{n}", {})) for n in chunked}
         chunked_pass += chunked_verdicts <= {"pass", "refused"} and "pass" in chunked_verdicts
         chunked_refused += chunked_verdicts == {"refused"}
+        offload_pass += all(verdict(cells.get(f"{model_type}:{n}", {})) == "pass" for n in offload)
         plans_ = "+".join(k.upper() for k in ("tp", "pp") if testable[model_type][k])
         rows.append(f"| `{model_type}` | {plans_} | " + " | ".join(marks) + " |")
     sched_rows = []
@@ -344,7 +348,9 @@ def write_markdown(path: Path, testable, untiny, planless, cells, vers, duration
         f"indexer); {cp_tp_pass} pass Ulysses composed with TP + SP (`cp2_tp2_sp`); the router auxiliary loss "
         f"under cp is in the MoE table. The chunked loss ({', '.join(f'`{n}`' for n in chunked)}): {chunked_pass} "
         f"types pass it (in each of those layouts their plans allow), {chunked_refused} are refused before any worker "
-        "starts (a model that changes its logits after the head, or whose head is not a plain Linear). Expert "
+        "starts (a model that changes its logits after the head, or whose head is not a plain Linear). Offload "
+        f"({', '.join(f'`{n}`' for n in offload)}: ZeRO-3 with the states in host memory, with what the layers "
+        f"save for their backward there): {offload_pass} types pass both. Expert "
         f"parallelism: {ep_all} of the {len(ep_types)} types whose experts "
         "transformers' expert-parallel plan names pass every expert-parallel layout or are refused before any "
         f"worker starts, {ep_full} pass all {len(EP)} (" + ", ".join(f"`{n}`" for n in EP) + "; the expert-parallel "

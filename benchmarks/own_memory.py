@@ -1,9 +1,10 @@
-"""Per-rank peak memory of whole training steps, measured, beside the package's own estimate for that rank: five
-layouts of a tiny Llama, a bf16 run and the memory features (the chunked loss, bf16 states, torchao's low-bit AdamW)
-on 2-8 CPU processes (gloo), one torchrun launch per process count
+"""Per-rank peak memory of whole training steps, measured, beside the package's own estimate for that rank: six
+layouts of a tiny Llama, a bf16 run and the memory features (the chunked loss, bf16 states, torchao's low-bit AdamW,
+offloaded states and activations, the step inside the backward) on 2-8 CPU processes (gloo), one torchrun launch
+per process count
 (``tests/memory_worker.py`` measures; see its docstring for how).
 
-    python benchmarks/own_memory.py                 # the five layouts and a bf16 run (about 60 s on 2 cores)
+    python benchmarks/own_memory.py                 # every case (about 4 minutes on 2 cores)
     python benchmarks/own_memory.py --extra         # also fused AdamW, one micro-batch, what-if fixes (~90 s)
     python benchmarks/own_memory.py --cases zero3_dp2 ddp_dp2_ac_full --out /tmp/mem.json
 

@@ -1,11 +1,12 @@
 """The parity cases too costly for CI's 2 cores, checked as CI checks every other case (tests/test_parity.py).
 
-    python benchmarks/parity_large.py        # writes results/parity_large.json, about 2 minutes on 2 cores
+    python benchmarks/parity_large.py        # writes results/parity_large.json, about 4 minutes on 2 cores
 
 The cases (tests/parity_cases.py ``LARGE``): every dimension at once on 16 processes (dp2 x cp2 x tp2 + SP x pp2,
-packed documents, ring attention) and regional compile of ZeRO-3 x TP + SP on 4. Each runs the same worker as the
-test suite's parity launches (tests/parity_worker.py) and must pass the same assertions; the same dimensions in
-fewer at once are in CI.
+packed documents, ring attention), the 8-process compositions but Frontier's pp x tp x ZeRO-1 (pp x tp x dp with
+SP and with ZBV, dp x cp x tp with either attention, cp x tp x pp with either), and regional compile of ZeRO-3 x
+TP + SP, of a pipeline and of context parallel. Each runs the same worker as the test suite's parity launches
+(tests/parity_worker.py) and must pass the same assertions; the same dimensions in fewer at once are in CI.
 """
 from __future__ import annotations
 

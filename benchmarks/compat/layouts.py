@@ -18,6 +18,9 @@ MATRIX = {
     "dp2_chunked": (2, {"dp_shard": 2, "chunked_loss": 24}),
     "dp2_tp2_sp_chunked": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "chunked_loss": 24}),
     "pp2_chunked": (2, {"pp": 2, "chunked_loss": 24}),
+    # the shards, gradients and optimizer states in host memory; what each layer saves for its backward there
+    "dp2_offload": (2, {"dp_shard": 2, "cpu_offload": True}),
+    "dp2_act_offload": (2, {"dp_shard": 2, "activation_offload": True}),
 }
 
 # A few representative architectures run every pipeline schedule with TP, TP + SP and ZeRO-3.
