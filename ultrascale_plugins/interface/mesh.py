@@ -72,15 +72,14 @@ _UNIT: dict = {}
 def unit_mesh(device_type: str, name: str) -> DeviceMesh:
     """A mesh of this rank alone, axis ``name``: what FSDP2 needs to hold a rank's parameters in its own groups
     without sharding them (offloaded to the host with one data-parallel rank). Every rank calls it at once (each
-    one-rank group is created by all), once per process and name."""
+    one-rank group is created by all), once per launched process and name; a world of one makes it anew (its
+    process group may be replaced in one process)."""
     import torch.distributed as dist
 
-    key = (device_type, name, id(dist.distributed_c10d._get_default_group()))
+    if dist.get_world_size() == 1:
+        return init_device_mesh(device_type, (1,), mesh_dim_names=(name,))
+    key = (device_type, name)
     if key not in _UNIT:
-        if dist.get_world_size() == 1:
-            mesh = init_device_mesh(device_type, (1,), mesh_dim_names=(name,))
-        else:
-            group, _ = dist.new_subgroups(group_size=1, timeout=collective_timeout())
-            mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
-        _UNIT[key] = mesh
+        group, _ = dist.new_subgroups(group_size=1, timeout=collective_timeout())
+        _UNIT[key] = DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
     return _UNIT[key]
