@@ -130,7 +130,7 @@ def _fsdp_fields(env: Mapping[str, str], enabled: bool) -> dict[str, Any]:
         raise ConfigError(f"fsdp_sharding_strategy={strategy}: give the replicate/shard sizes instead. Fix: set "
                           "parallelism_config_dp_replicate_size and parallelism_config_dp_shard_size")
     if str(get("OFFLOAD_PARAMS") or "false").lower() == "true":
-        raise ConfigError("fsdp_offload_params=true: CPU offload is not available. Fix: set it to false")
+        fields["cpu_offload"] = True  # FSDP2's CPUOffloadPolicy, as Accelerate's own FSDP2 path uses it
     if str(get("ACTIVATION_CHECKPOINTING") or "false").lower() == "true":
         fields["activation_checkpointing"] = "full"
     return fields

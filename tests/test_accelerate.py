@@ -277,6 +277,8 @@ def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):
         layout_from_environment({**env, "PARALLELISM_CONFIG_XP_SIZE": "2"}, 4)
     fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_VERSION": "2"}
     assert layout_from_environment(fsdp, 4).zero_stage == 2
+    offloaded = layout_from_environment({**fsdp, "FSDP_OFFLOAD_PARAMS": "true"}, 4)  # FSDP2's CPUOffloadPolicy
+    assert offloaded.cpu_offload and offloaded.zero_stage == 2
     with pytest.raises(ConfigError, match="fp16"):
         layout_from_environment({"ACCELERATE_MIXED_PRECISION": "fp16"}, 2)
     proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-launch",
