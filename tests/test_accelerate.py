@@ -111,6 +111,7 @@ def test_a_peft_model_is_prepared_by_the_engine(tmp_path, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; regional compile's parity and the Trainer's torch_compile in CI
 def test_accelerates_dynamo_config_compiles_each_layer_once(tmp_path, reference):
     """`dynamo_config: {dynamo_backend: INDUCTOR}` (what `accelerate config` writes for torch.compile) becomes
     compile: regional: each decoder layer compiled, the model not compiled again as a whole, every step equal
@@ -150,6 +151,7 @@ def test_accumulation_save_state_resume_and_save_model(tmp_path, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; the same launcher path with the environment variable in CI
 def test_accelerate_launch_cpu_num_processes_starts_that_many_workers(tmp_path, reference):
     """`accelerate launch --cpu --num_processes 2 script` (Accelerate's --cpu path alone starts one process): two
     MULTI_CPU workers, the default layout (ZeRO-3 over both), every step equal to one process."""

@@ -105,6 +105,7 @@ def test_low_bit_states_of_sharded_bf16_weights_are_refused_before_launch():
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; every schedule's parity and the embedded default's 1F1B in CI
 def test_pipeline_schedule_from_the_command_line(tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = ultrascale("train", "--nproc", "2", "--set", "pp=2", "--set", "tp=1", "--set", "dp_shard=1",

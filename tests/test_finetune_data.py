@@ -309,6 +309,7 @@ def test_dataloaders_read_the_command_lines_rows(tmp_path, pretrained):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; the chat data path through the command line in CI
 def test_lightning_and_accelerate_recipes_fine_tune_on_chat_data(tmp_path, pretrained):
     import csv
 

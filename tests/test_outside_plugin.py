@@ -53,6 +53,7 @@ def _train(tmp_path, name, nproc, *sets):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # benchmarks/sweep_tests.py; the outside axis's parity through the Python API in CI
 def test_command_line_parity_with_the_outside_axis(tmp_path):
     one = _train(tmp_path, "one", 1, "--set", "dp_shard=1")
     four = _train(tmp_path, "acme", 4, "--set", "dp_shard=2", "--set", "acme_dp=2")

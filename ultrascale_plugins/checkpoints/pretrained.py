@@ -122,7 +122,8 @@ class PretrainedWeights:
         from ..core.initialize import to_empty_tied
 
         for module in ctx.modules:
-            to_empty_tied(module, ctx.device, ctx.param_device)  # plain to_empty would untie a tied head from its embedding
+            # plain to_empty would untie a tied head from its embedding; the parameters where the layout holds them
+            to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))
             with torch.no_grad():
                 for name, buf in module.named_buffers():
                     if name in buffers:

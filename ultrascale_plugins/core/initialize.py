@@ -249,7 +249,7 @@ class ModelInit:
         (``ModelWrapper.init_dependent``)."""
         twin_buffers = dict(self.twin.named_buffers())
         for module in ctx.modules:
-            to_empty_tied(module, ctx.device, ctx.param_device)
+            to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))  # a context of the caller's own too
             for name, buf in module.named_buffers():
                 source = buffers.get(name)
                 if source is None:
