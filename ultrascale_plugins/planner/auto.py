@@ -93,7 +93,7 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     batch = config.auto_global_batch or world_size
     precision = "bf16" if config.mixed_precision == "bf16" else "no"
     cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision))
-    ranked = search(cost, world_size)
+    ranked = search(cost, world_size, lossy=False)  # bf16 states change the numbers: the user's choice, not ours
     best = best_layout(cost, world_size, ranked)
     runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
     # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept; a

@@ -5,9 +5,10 @@ keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global
 1F1B, interleaved and zero-bubble V schedules; with each, every combination of the values the plugins offer for
 their own layout fields (``ultrascale_search_choices``: expert parallelism's degrees). Recomputation is tried only
 when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
-time otherwise. What saves memory at a price in time or precision (``ultrascale_search_savers``: the chunked loss,
-states in bf16 or on the host) is searched only when no layout fits without it. Among the layouts that fit, those with room for the memory estimate's error rank first when they
-cost little speed (``headroom``).
+time otherwise. What saves memory at a price (``ultrascale_search_savers``) is searched only when no layout fits
+without it: first what costs time (the chunked loss, states on the host), then what changes the numbers (states in
+bf16). Among the layouts that fit, those with room for the memory estimate's error rank first when they cost
+little speed (``headroom``).
 """
 from __future__ import annotations
 
@@ -81,13 +82,14 @@ def layouts(world: int, cost: CostModel, savers: int = 0):
 
 
 def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None,
-           margin: float = MEMORY_MARGIN, tolerance: float = SPEED_TOLERANCE) -> list[Result]:
+           margin: float = MEMORY_MARGIN, tolerance: float = SPEED_TOLERANCE, lossy: bool = True) -> list[Result]:
     """Costed layouts, best first: those that fit before those that don't, then by predicted tokens/s/GPU, except
     that layouts leaving room for the memory estimate's error (``margin``) within ``tolerance`` of the fastest go
     first (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
-    ``include_unrunnable``."""
+    ``include_unrunnable``. ``lossy=False``: never the memory savers that change the numbers (``layout: auto``
+    does not choose them for a run)."""
     results = _costed(layouts(world, cost), cost, include_unrunnable)
-    for savers in (1, 2):  # the memory savers: at a price in time, then in precision
+    for savers in ((1, 2) if lossy else (1,)):  # the memory savers: at a price in time, then in precision
         if any(r.fits for r in results):
             break
         results += _costed(layouts(world, cost, savers=savers), cost, include_unrunnable)
