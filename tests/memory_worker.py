@@ -85,8 +85,8 @@ CASES = {
     # torchao class per launch: inductor's compiled step of one is reused, wrongly, for the other in a process)
     "zero3_dp2_bf16_params": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3, "param_dtype": "bf16"}, "mbs": 2,
                               "ci": False},
-    "zero3_dp2_adamw_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2, "optimizer": "adamw_8bit",
-                             "ci": False},
+    "zero3_dp2_adamw_8bit": {"world": 2, "layout": {"dp_shard": 2, "zero_stage": 3}, "mbs": 2,
+                             "optimizer": "adamw_8bit", "ci": False},
     # 4 ranks
     "zero2_dp2_tp2_sp_adamw_4bit": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
                                                            "zero_stage": 2}, "mbs": 2, "optimizer": "adamw_4bit"},

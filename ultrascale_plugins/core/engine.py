@@ -464,7 +464,8 @@ class ParallelModel:
         out = [a for a in self.dims.grad_axes if a not in self.ctx.claimed_axes]
         for view in self.dims.views:
             claimed, _ = self.ctx.view_claims.get(view, (set(), 1.0))
-            out += [f"{view}:{a}" for a in self.dims.view_grad_axes(view) if a not in claimed and self.dims.degree(a) > 1]
+            out += [f"{view}:{a}" for a in self.dims.view_grad_axes(view)
+                    if a not in claimed and self.dims.degree(a) > 1]
         return out or ["the loss scale's division"]
 
     # ---- what users call -------------------------------------------------------------------------
