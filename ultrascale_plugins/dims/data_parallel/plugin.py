@@ -324,17 +324,10 @@ def ultrascale_validate_config(config, model_config, world_size):
         raise field_error("mixed_precision", config.mixed_precision, "param_dtype=bf16 holds the weights in bf16, "
                           "so there are no fp32 master weights for mixed precision to keep",
                           "set mixed_precision: no (the compute is bf16 already), or param_dtype: fp32")
-    if config.cpu_offload and config.zero_stage < 2:
-        raise field_error("cpu_offload", True, f"offloads FSDP2's shards to host memory, and zero_stage="
-                          f"{config.zero_stage} does not use FSDP2", "use zero_stage: 2 or 3, or cpu_offload: false")
-    if config.cpu_offload and config.dp_shard == 1 and layout_facts(config).degree("tp") > 1:
-        raise field_error("cpu_offload", True, "tensor parallel with one data-parallel rank: FSDP2 needs a "
-                          "data-parallel axis of the layout's mesh to hold tensor-parallel shards",
-                          "use dp_shard: 2 or more beside tp, or cpu_offload: false")
-    if config.cpu_offload and config.dp_replicate > 1 and config.dp_shard == 1:
-        raise field_error("cpu_offload", True, f"dp_replicate={config.dp_replicate} with dp_shard=1 replicates "
-                          "whole weights (DDP), which FSDP2's offload does not hold",
-                          "shard them: dp_shard: -1 (ZeRO-3), or cpu_offload: false")
+    if config.cpu_offload:
+        refused = offload_refusal(config)
+        if refused is not None:
+            raise field_error("cpu_offload", True, *refused)
     if config.zero_stage <= 1 and config.grad_sync == "micro_batch":
         raise field_error("grad_sync", config.grad_sync, f"zero_stage={config.zero_stage} reduces gradients once per "
                           "step (whole gradients on every rank: DDP's all-reduce, ZeRO-1's partition)",
@@ -351,6 +344,21 @@ def ultrascale_validate_config(config, model_config, world_size):
         if value:
             raise field_error(f"fsdp_{way}_prefetch", value, f"prefetches FSDP2's all-gathers, and zero_stage="
                               f"{config.zero_stage} does not use FSDP2", "use zero_stage: 2 or 3, or leave it 0")
+
+
+def offload_refusal(config) -> tuple[str, str] | None:
+    """Why this layout cannot hold its shards on the host (``cpu_offload``), as (reason, fix), or None when it can:
+    the validation's refusal and the planner's offer ask the same question."""
+    if config.zero_stage < 2:
+        return (f"offloads FSDP2's shards to host memory, and zero_stage={config.zero_stage} does not use FSDP2",
+                "use zero_stage: 2 or 3, or cpu_offload: false")
+    if config.dp_shard == 1 and layout_facts(config).degree("tp") > 1:
+        return ("tensor parallel with one data-parallel rank: FSDP2 needs a data-parallel axis of the layout's "
+                "mesh to hold tensor-parallel shards", "use dp_shard: 2 or more beside tp, or cpu_offload: false")
+    if config.dp_replicate > 1 and config.dp_shard == 1:
+        return (f"dp_replicate={config.dp_replicate} with dp_shard=1 replicates whole weights (DDP), which FSDP2's "
+                "offload does not hold", "shard them: dp_shard: -1 (ZeRO-3), or cpu_offload: false")
+    return None
 
 
 def reshard_gathered(modules) -> None:
@@ -489,12 +497,9 @@ def ultrascale_search_savers(config, model_config, world_size, lossy):
     (half the bytes; other numbers: pair them with stochastic rounding) where the compute is bf16 already."""
     if lossy:
         return {"param_dtype": ["bf16"]} if config.param_dtype == "fp32" and config.mixed_precision == "bf16" else None
-    out = {}
-    offloads = config.zero_stage >= 2 and not config.cpu_offload
-    offloads = offloads and not (config.dp_replicate > 1 and config.dp_shard == 1)
-    if offloads and not (config.dp_shard == 1 and layout_facts(config).degree("tp") > 1):
-        out["cpu_offload"] = [True]
-    return out or None
+    if config.cpu_offload or offload_refusal(config) is not None:
+        return None
+    return {"cpu_offload": [True]}
 
 
 @hookimpl
