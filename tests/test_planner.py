@@ -254,6 +254,9 @@ def test_frontier_runs_hardware_flops_utilization_within_eight_points():
     assert report["met"] and report["largest_gap_points"] <= 8
     for run in report["runs"].values():
         assert run["predicted_mfu_pct"] == pytest.approx(0.75 * run["predicted_hfu_pct"], abs=0.02)
+    # every run fitted its 64 GB die on Frontier; under the profile of Megatron-DeepSpeed, so does the prediction
+    assert report["profile"] == "megatron_deepspeed" and report["all_fit"]
+    assert all(run["predicted_gb"] <= 64 for run in report["runs"].values())
     # and this engine runs their layouts (ZeRO-0 and ZeRO-1 over tp x pp x dp: FSDP2 for ZeRO-1 over TP)
     from ultrascale_plugins.planner.cost import CostModel, Workload
     from ultrascale_plugins.planner.hardware import PRESETS
@@ -261,8 +264,45 @@ def test_frontier_runs_hardware_flops_utilization_within_eight_points():
 
     for fields, seq_len, batch, layout, _ in frontier.RUNS.values():
         model = CostModel(ModelSpec.of(load_model_config(fields)), PRESETS["mi250x-gcd-64gb"],
-                          Workload(seq_len, batch, "nanotron", "adamw"))
+                          Workload(seq_len, batch, frontier.PROFILE, "adamw"))
         assert model.runnable(layout) == (True, ""), layout.label()
+
+
+def test_megatron_deepspeed_profile_holds_what_deepspeeds_zero1_holds():
+    """The megatron_deepspeed profile, per trained parameter of a rank: 2 bytes of 16-bit weight and 2 of 16-bit
+    gradient (whole on every data-parallel rank), 12/dp of fp32 master weight and Adam moments (ZeRO-1's partition),
+    and beside the states at the step the larger of the reduction's 16-bit bucket and the step's fp32 gradient
+    partition with its flat 16-bit source, less the gradients freed first (DeepSpeed's stage_1_and_2.py). In a
+    pipeline: DeepSpeed's even split of the decoder layers, and per micro-batch in flight the stage's output (1/tp
+    of it under tp), the attention mask and, on the first stage, the embedding dropout's mask."""
+    from transformers import GPT2Config
+
+    from ultrascale_plugins import ParallelConfig
+    from ultrascale_plugins.core.engine import estimate
+    from ultrascale_plugins.interface.estimates import meta_model
+
+    mc = GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=256)
+    for dp in (2, 4):
+        est = estimate(ParallelConfig(dp_replicate=dp, zero_stage=1), mc, world_size=dp, seq_len=32,
+                       profile="megatron_deepspeed", optimizer="sgd")  # sgd: no moments, no step counters
+        n = est.memory["params"] / 2
+        assert est.memory["grads"] == 2 * n and est.memory["optimizer"] == pytest.approx(4 * n / dp)
+        adam = estimate(ParallelConfig(dp_replicate=dp, zero_stage=1), mc, world_size=dp, seq_len=32,
+                        profile="megatron_deepspeed")
+        tensors = len(list(meta_model(mc).parameters()))  # Adam's 0-d fp32 step counters: the partition's share
+        assert adam.memory["optimizer"] == pytest.approx(12 * n / dp + 4 * tensors / dp)
+        assert est.factors["step_other"] == pytest.approx(max(2 * n, 6 * n / dp - 2 * n * (dp - 1) / dp))
+    # a pipeline of 2 stages, tp 2: two decoder layers a stage; stage 0 keeps per micro-batch in flight its layers'
+    # inputs, its output's tp share, the mask and the dropout's
+    seq, h = 32, 64
+    config = ParallelConfig(pp=2, tp=2, activation_checkpointing="full", pp_schedule="1f1b")
+    first = estimate(config, mc, world_size=4, seq_len=seq, micro_batches=4, coords={"pp": 0, "tp": 0},
+                     profile="megatron_deepspeed")
+    per_mb = 2 * (2 * seq * h) + 2 * seq * h / 2 + seq * seq + seq * h
+    working = first.memory["activations"] - 2 * per_mb  # 1F1B: stage 0 of 2 holds 2 micro-batches
+    # what remains: one layer recomputed at a time, its tp share (a GPT-2 layer keeps 18 h values per token in 16
+    # bits: tests/test_estimates.py checks that accounting against autograd)
+    assert working == pytest.approx(2 * 18 * h * seq / 2)
 
 
 def _snippets(out: str) -> tuple[str, str, str]:

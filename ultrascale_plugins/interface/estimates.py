@@ -34,8 +34,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 # Bytes per parameter by implementation profile and precision: (parameters, gradients, optimizer per element of
 # Adam state). "ultrascale": this package (FSDP2/DDP keep fp32 weights and gradients; bf16 is a compute dtype).
 # "nanotron": the Playbook's runs (bf16 weights and gradients, fp32 gradient accumulation buffer, fp32 master
-# weights kept by the optimizer).
-PROFILES = ("ultrascale", "nanotron")
+# weights kept by the optimizer). "megatron_deepspeed": the Frontier study's runs (Megatron's model in 16 bits, its
+# 16-bit gradients accumulated in place, DeepSpeed's ZeRO-1 partitioning the fp32 master weights and Adam's moments;
+# DeepSpeed's pipeline engine and activation checkpointing).
+PROFILES = ("ultrascale", "nanotron", "megatron_deepspeed")
+# the profiles whose model computes, and keeps its activations, in 16 bits whatever the layout says
+SIXTEEN_BIT_PROFILES = ("nanotron", "megatron_deepspeed")
 # state tensors per parameter, each in the parameter's dtype, except the low-bit ones
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "adamw_8bit": 2, "adamw_4bit": 2}
 # torchao's low-bit AdamW (AdamW8bit, AdamW4bit): bits per state element, elements per fp32 block scale, entries of
@@ -495,8 +499,9 @@ class Shape:
         return tp if self.plan.lm_head in self.plan.matches(self.model) else 1
 
     def activation_bytes(self, config) -> int:
-        """Bytes of an activation element: the compute width the layout decides, 2 under nanotron's bf16."""
-        return 2 if (layout_facts(config).compute_bytes == 2 or self.profile == "nanotron") else 4
+        """Bytes of an activation element: the compute width the layout decides, 2 under nanotron's bf16 and
+        Megatron's 16-bit model."""
+        return 2 if (layout_facts(config).compute_bytes == 2 or self.profile in SIXTEEN_BIT_PROFILES) else 4
 
     # dict-style access for plugins written against the first interface (shape["seq_len"])
     def __getitem__(self, key):

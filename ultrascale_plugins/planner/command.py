@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--profile", default="ultrascale", choices=PROFILES,
-                   help="memory of this package's implementation, or of nanotron as the Ultra-Scale Playbook ran it")
+                   help="memory of this package's implementation, of nanotron as the Ultra-Scale Playbook ran it, or "
+                   "of Megatron-DeepSpeed with its ZeRO-1 as the Frontier study ran it")
     p.add_argument("--peft", choices=("lora", "qlora"), help="train PEFT adapters on a frozen base: only they get "
                    "gradients and optimizer states, and the base computes no weight gradients; qlora: the adapted "
                    "base weights in 4-bit NF4 (torchao), under data parallel only")

@@ -4,9 +4,18 @@ Models*, ISC 2024, arXiv:2312.12705), whose abstract gives 38.38 %, 36.14 % and 
 
 The layouts are the authors' published launch scripts (``sajal-vt/Megatron-DeepSpeed-ORNL``, branch FA2:
 ``launch_gpt22b_bf16.slurm``, ``launch_gpt175b_bf16.slurm``, ``launch_gpt1T_bf16.slurm``): full activation
-checkpointing, flash attention 2, micro-batch 1, 1F1B (DeepSpeed's pipeline engine), no sequence parallel, ZeRO-0/1.
+checkpointing, flash attention 2, micro-batch 1, 1F1B (DeepSpeed's pipeline engine), no sequence parallel, and
+DeepSpeed's ZeRO-1 (each script's DeepSpeed config sets ``"zero_optimization": {"stage": 1}`` with fp16; the 22B
+script's ``--zero-stage 0`` is a Megatron argument that only chooses how optimizer statistics are reduced).
 The models are Megatron's GPT (learned positions, a GeLU MLP of width 4h, the GPT-2 vocabulary padded to a multiple
 of 128 x tp), built here as transformers' ``gpt2``.
+
+They are costed with the ``megatron_deepspeed`` memory profile, the system that ran them: 16-bit weights and
+gradients whole on every data-parallel rank, the fp32 master weights and Adam's moments partitioned by ZeRO-1, the
+step's fp32 gradient partition (``dims/data_parallel/costs.py``); each decoder layer's input kept by the
+checkpointing, the stage's output and the attention mask kept by the pipeline engine for every micro-batch in
+flight, the embedding dropout's mask on the first stage (``dims/pipeline/costs.py``). Every run fitted its 64 GB
+die; so must the prediction.
 
 What the published percentage measures: Megatron-DeepSpeed's throughput calculator (``megatron/utils.py``) counts
 24·c·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs per step with c = 4 when activations are checkpointed (the recomputed
@@ -21,6 +30,7 @@ from .hardware import PRESETS
 from .model_spec import ModelSpec, load_model_config
 
 TARGET_POINTS = 8.0
+PROFILE = "megatron_deepspeed"
 
 
 def _gpt(layers: int, hidden: int, heads: int, seq_len: int, vocab: int) -> dict:
@@ -31,7 +41,7 @@ def _gpt(layers: int, hidden: int, heads: int, seq_len: int, vocab: int) -> dict
 # name: (model config, sequence length, global batch, layout, published % of peak)
 RUNS = {
     "22B": (_gpt(48, 6144, 48, 2048, 50304), 2048, 640,
-            Layout(dp_replicate=2, tp=1, pp=8, zero_stage=0, micro_batch_size=1, grad_accum=320,
+            Layout(dp_replicate=2, tp=1, pp=8, zero_stage=1, micro_batch_size=1, grad_accum=320,
                    activation_checkpointing="full"), 38.38),
     "175B": (_gpt(96, 12288, 96, 4096, 50688), 4096, 640,
              Layout(dp_replicate=2, tp=4, pp=16, zero_stage=1, micro_batch_size=1, grad_accum=320,
@@ -44,15 +54,22 @@ RUNS = {
 
 def validate(constants: dict | None = None) -> dict:
     """Predicted MFU and HFU (%) of each published run on the ``mi250x-gcd-64gb`` preset, beside the published
-    figure, and the largest gap in points."""
+    figure, and the largest gap in points; the predicted peak memory of its most loaded die (GB) and whether it
+    fits, as every run did."""
     out = {}
+    hardware = PRESETS["mi250x-gcd-64gb"]
     for name, (fields, seq_len, batch, layout, published) in RUNS.items():
         spec = ModelSpec.of(load_model_config(fields))
-        model = CostModel(spec, PRESETS["mi250x-gcd-64gb"], Workload(seq_len, batch, "nanotron", "adamw"), constants)
+        model = CostModel(spec, hardware, Workload(seq_len, batch, PROFILE, "adamw"), constants)
         result = model.evaluate(layout)
         out[name] = {"gpus": layout.world, "layout": layout.label(), "params_b": round(spec.total_params / 1e9, 1),
                      "published_pct": published, "predicted_hfu_pct": round(100 * result.hfu, 2),
                      "predicted_mfu_pct": round(100 * result.mfu, 2),
-                     "gap_points": round(100 * result.hfu - published, 2), "dominant": result.dominant}
+                     "gap_points": round(100 * result.hfu - published, 2), "dominant": result.dominant,
+                     "predicted_gb": round(result.memory_gb["total"], 1),
+                     "memory_gb": {k: round(v, 2) for k, v in result.memory_gb.items() if k != "total"},
+                     "bytes_per_param": round(result.bytes_per_param, 2), "fits": result.fits}
     worst = max(abs(run["gap_points"]) for run in out.values())
-    return {"runs": out, "largest_gap_points": worst, "target_points": TARGET_POINTS, "met": worst <= TARGET_POINTS}
+    return {"runs": out, "profile": PROFILE, "gpu_memory_gb": hardware.memory_gb, "largest_gap_points": worst,
+            "target_points": TARGET_POINTS, "met": worst <= TARGET_POINTS,
+            "all_fit": all(run["fits"] for run in out.values())}

@@ -14,8 +14,22 @@ def precision_bytes(config, profile: str) -> tuple[int, int, int]:
     the fp32 master copy) for this layout's precision and profile."""
     if profile == "nanotron":
         return 2, 2 + 4, 4  # bf16 weights; bf16 grads + fp32 accumulation buffer; fp32 master weights
+    if profile == "megatron_deepspeed":
+        return 2, 2, 4  # 16-bit weights, 16-bit gradients accumulated in place; fp32 master weights
     held = param_bytes(config)
     return held, held, 0  # weights and gradients as held (param_dtype; bf16 compute alone keeps them fp32)
+
+
+def deepspeed_zero1_step(elements: float, dp: int) -> float:
+    """Bytes beside the model states that DeepSpeed's ZeRO-1 (``DeepSpeedZeroOptimizer``, stage_1_and_2.py) holds
+    around the step of ``elements`` trained 16-bit parameters over ``dp`` ranks, the larger of two moments (neither
+    beside the activations): the reduction's 16-bit bucket (``reduce_bucket_size``, 5e8 elements by default), freed
+    before the step; and the step's own, which frees the 16-bit gradients of the parameters other ranks update,
+    then makes a flat 16-bit copy of its partition's and that copy in fp32 (the master weights' gradient)."""
+    part = elements / dp
+    bucket = 2 * min(5e8, elements)
+    step = (2 + 4) * part - 2 * (elements - part)
+    return max(bucket, step)
 
 
 def param_bytes(config) -> int:
@@ -87,9 +101,9 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
         local = [(r, r.local_numel) for r in records]
     trainable = [(r, n) for r, n in local if r.trainable]
     # Optimizer states: over the shards above (ZeRO-2/3), or ZeRO-1's partition of whole parameters.
-    # a state element: the weights' dtype here (fp32, or bf16 under param_dtype: bf16); nanotron keeps fp32 states
-    # beside its fp32 master weights
-    sbytes = 4 if profile == "nanotron" else pbytes
+    # a state element: the weights' dtype here (fp32, or bf16 under param_dtype: bf16); nanotron and DeepSpeed keep
+    # fp32 states beside their fp32 master weights
+    sbytes = 4 if profile != "ultrascale" else pbytes
     if zero == 1 and dp > 1 and profile == "ultrascale" and not on_fsdp:
         opt_numel, opt_tensors = _zero1_share(trainable, dp, coords, dp_shard)
         state = state_bytes(shape.optimizer, opt_numel, sbytes)  # the partition, priced as one tensor
@@ -113,6 +127,9 @@ def data_parallel_terms(config, shape, est: Estimate) -> None:
     adam = shape.optimizer in ("adam", "adamw", *LOW_BIT_STATES)
     step_counters = 4 * opt_tensors if adam else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", states * state + master * opt_numel + step_counters)
+    if profile == "megatron_deepspeed" and zero == 1:
+        est.factors["step_other"] = est.factors.get("step_other", 0.0) + deepspeed_zero1_step(
+            sum(n for _, n in trainable), dp)
     if profile == "ultrascale" and shape.optimizer in ("adam", "adamw"):
         # the optimizer step's own memory: torch's foreach Adam/AdamW (a GPU user's default) makes one temporary,
         # the square root of the second moments (the fused implementation needs none); see

@@ -69,6 +69,10 @@ def pipeline_terms(config, shape, est) -> None:
         counts, last = nanotron_split(shape.model_config, n_layers, p)
         if rank == p - 1:  # the pipeline's end, as the cost coordinates name it: the rank holding the head
             rank = last
+    elif shape.profile == "megatron_deepspeed" and not config.pp_split and n_stages <= n_layers:
+        # DeepSpeed's PipelineModule(partition_method="type:transformer"): the decoder layers evenly, the embedding
+        # on the first stage and the head (a tied copy of it) on the last besides
+        counts = [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
     elif n_stages > n_layers:  # more stages than layers: this engine refuses it, the planner still costs it
         counts = [1] * n_layers + [0] * (n_stages - n_layers)
     else:  # this engine's split: the embedding and the head count as a layer of work each
@@ -102,3 +106,16 @@ def pipeline_terms(config, shape, est) -> None:
     if shape.profile == "ultrascale" and 0 not in stages:
         # torch's stages receive each micro-batch's input into a buffer of its own, made once and kept
         est.add_memory("other", m * len(stages) * act)
+    if shape.profile == "megatron_deepspeed":
+        # DeepSpeed's pipeline engine keeps for each micro-batch in flight: the stage's output until its backward
+        # (under tp only this rank's part of it, pipe_partitioned), except on the last stage; the attention mask
+        # Megatron's GPT passes from stage to stage (a byte per pair of positions); on the first stage, the mask
+        # of the embedding's dropout (a byte per element of its output, whole on every tp rank)
+        mc = shape.model_config
+        tokens = shape.tokens_per_micro_batch
+        kept = shape.micro_batch * shape.seq_len ** 2
+        if last not in stages:
+            kept += element * tokens * mc.hidden_size / facts.degree("tp")
+        if 0 in stages:
+            kept += tokens * mc.hidden_size
+        est.add_memory("activations", kept * shape.in_flight)

@@ -6,7 +6,7 @@ of their own (``adapter_bytes``, checked the same way), and the backward is chea
 costs a larger share of the step."""
 from __future__ import annotations
 
-from ...interface.estimates import Estimate, flops_per_token, merge_flops
+from ...interface.estimates import SIXTEEN_BIT_PROFILES, Estimate, flops_per_token, merge_flops
 from ...interface.facts import layout_facts
 from ...interface.moe_config import expert_share, experts_per_token
 
@@ -33,7 +33,7 @@ def activation_bytes_per_token(mc, config, mode: str, element: int,
     sp_only, whole = 3 * h, 1 * h
     if profile == "nanotron":
         sp_only, whole = 4 * h, 0
-    elif element == 2:  # under bf16 autocast the two norms compute in fp32 and keep an fp32 copy of their input
+    elif element == 2 and profile == "ultrascale":  # under bf16 autocast the two norms compute in fp32 and keep an fp32 copy of their input
         sp_only += 2 * 4 * h / element
     tp_part = (q + 2 * kv) + (q + kv) + q + mlp
     layer = element * (sp_only + whole + tp_part)
@@ -89,10 +89,11 @@ def activation_terms(config, shape, est: Estimate) -> None:
         est.factors["extra_flops"] = est.factors.get("extra_flops", 0.0) + extra
     logits = 0.0
     if shape.holds_head:
-        if shape.profile == "nanotron":
-            # nanotron's vocabulary-parallel loss: the fp32 copy of the logits and, made from it, the shifted
-            # exponentials it keeps as the softmax (the bf16 logits are freed at the copy); the final norm's and the
-            # head's inputs as sequence shards (tp_recompute_allgather)
+        if shape.profile in SIXTEEN_BIT_PROFILES:
+            # nanotron's and Megatron's vocabulary-parallel loss: the fp32 copy of the logits (Megatron's pipeline
+            # keeps it as the last stage's output until the backward) and, made from it, the shifted exponentials
+            # kept as the softmax (the 16-bit logits are freed at the copy); the final norm's and the head's inputs
+            # (sequence shards under nanotron's tp_recompute_allgather and Megatron's sequence parallel)
             logits = 8 * mc.vocab_size * tokens / tp + 2 * element * mc.hidden_size * tokens / sp_div
         elif facts.loss_chunk:
             # the chunked loss (features.chunked_loss) in its backward: one chunk's fp32 logits and their
