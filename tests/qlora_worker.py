@@ -207,10 +207,76 @@ def resume(directory: str) -> dict:
         return {"error": traceback.format_exc()[-3000:]}
 
 
+def meta_build(directory: str) -> dict:
+    """The base quantized on the meta device, as the command line builds a QLoRA model (no rank ever holds the
+    whole model): ``quantize_base`` records the quantization, ``parallelize`` gives each weight its value whole and
+    keeps this rank's part of its quantization. From pretrained files (``init_from``, a bf16 base): the gathered
+    NF4 base against the same files loaded whole and quantized in one process, and the first loss (LoRA's B starts
+    at zero: the base alone) against that model's. From the seed: against the same meta build without quantization,
+    quantized whole afterwards. Errors are recorded."""
+    import traceback
+
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.features.peft.quantized_base import requantized
+
+    def meta_model(config, quantized: bool):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        return quantize_base(model, "nf4") if quantized else model
+
+    def whole(p):
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    def same_nf4(a, b) -> bool:
+        return all(torch.equal(getattr(a, k), getattr(b, k)) for k in INNER)
+
+    try:
+        base = base_model("llama").to(torch.bfloat16)
+        if dist.get_rank() == 0:
+            base.save_pretrained(directory)
+        dist.barrier()
+        layout = us.ParallelConfig(dp_shard=2)
+        pmodel = us.parallelize(meta_model(base.config, True), layout, init_from=directory)
+        ref = qlora_model("llama", {"base_dtype": "bf16"})  # the same files' values, quantized whole
+        ref_params = dict(ref.named_parameters())
+        nf4, equal = 0, True
+        for name, p in pmodel.named_parameters():
+            if "lora_" in name:
+                continue
+            mine, theirs = whole(p), ref_params[name]
+            nf4 += type(theirs).__name__ == "NF4Tensor"
+            equal &= same_nf4(mine, theirs) if type(theirs).__name__ == "NF4Tensor" else torch.equal(mine, theirs)
+        batch = batches({})[0]
+        first = pmodel.train_step(rows(batch, pmodel.data_parallel_rank, pmodel.data_parallel_size)).item()
+        with torch.no_grad():
+            ref_first = ref(**batch, use_cache=False).loss.item()
+        torch.manual_seed(5)
+        seeded = us.parallelize(meta_model(base.config, True), layout)
+        torch.manual_seed(5)
+        plain = dict(us.parallelize(meta_model(base.config, False), layout).named_parameters())
+        seeded_nf4, seeded_equal = 0, True
+        for name, p in seeded.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if type(local).__name__ == "NF4Tensor":
+                seeded_nf4 += 1
+                seeded_equal &= same_nf4(whole(p), requantized(local, whole(plain[name])))
+            else:
+                seeded_equal &= torch.equal(whole(p), whole(plain[name]))
+        return {"nf4": nf4, "equal": bool(equal), "first_loss": first, "ref_first_loss": ref_first,
+                "seeded_nf4": seeded_nf4, "seeded_equal": bool(seeded_equal)}
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()[-3000:]}
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
-    ckpt = os.path.dirname(os.path.abspath(out)) + "/ckpt"
-    run_cases(out, names, lambda name: resume(ckpt) if name == "resume" else run(name), "qlora", CASES)
+    here = os.path.dirname(os.path.abspath(out))
+    special = {"resume": lambda: resume(here + "/ckpt"), "meta_build": lambda: meta_build(here + "/base")}
+    run_cases(out, names, lambda name: special[name]() if name in special else run(name), "qlora", CASES)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def results(tmp_path_factory):
 
     def launch():  # a fresh directory each time: the worker saves a checkpoint beside its results
         outs.append(tmp_path_factory.mktemp("qlora") / "results.json")
-        return torchrun(2, WORKER, str(outs[-1]), *CASES, "resume")
+        return torchrun(2, WORKER, str(outs[-1]), *CASES, "resume", "meta_build")
 
     proc = retry_native_crash(launch, "test_qlora")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -57,6 +57,20 @@ def test_qlora_matches_one_process(results, name):
     if r["reloaded"] is not None:  # save_pretrained wrote PEFT's files: they reload the run's adapters exactly
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["reloaded"]["files"]), r["reloaded"]
         assert r["reloaded"]["max_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_base_quantized_on_the_meta_device_is_each_weights_whole_quantization(results):
+    """The command line's QLoRA build (peft.quantize_base in a recipe): the base quantized on the meta device, each
+    weight read (or drawn) whole, quantized whole, and only this rank's part kept. The gathered NF4 base is, bit for
+    bit, what loading the same bf16 files whole and quantizing them in one process gives (the scales' mean is the
+    whole weight's, not a shard's), and so is the first loss; from the seed, the quantization of the same layout's
+    unquantized weights."""
+    r = results["meta_build"]
+    assert "error" not in r, r.get("error")
+    assert r["nf4"] == 14 and r["equal"], r
+    assert abs(r["first_loss"] - r["ref_first_loss"]) <= 1e-3, r
+    assert r["seeded_nf4"] == 14 and r["seeded_equal"], r
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ class PretrainedWeights:
         import torch.distributed.checkpoint as dcp
         from safetensors import safe_open
         from torch.distributed.checkpoint import HuggingFaceStorageReader
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             set_model_state_dict)
 
         from ..core.initialize import to_empty_tied
 
@@ -135,12 +136,16 @@ class PretrainedWeights:
             reads: dict[str, torch.Tensor] = {}
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             fused: list[tuple[FusedSource, torch.Tensor]] = []
+            apart: list[tuple[str, str]] = []  # (model key, file key) of entries held in another form: read whole
             for key, tensor in state.items():
                 source = self.sources.get(key)
                 if source is None:
                     if key in self.fused:
                         fused.append((self.fused[key], tensor))
                     continue  # else a buffer the files do not hold (checked before the process group existed)
+                if _held_apart(tensor):
+                    apart.append((key, source))
+                    continue
                 if source in reads:
                     copies.append((tensor, reads[source]))
                 else:
@@ -162,18 +167,48 @@ class PretrainedWeights:
 
                     for source, tensor in fused:
                         source.load_into(tensor, read)
+                    files_of = file_tensors(self.path) if apart else {}
+                    for key, source in apart:
+                        self._load_apart(module.get_parameter(key), read((source, files_of[source][1])))
             except Exception as exc:
                 raise CheckpointError(f"pretrained weights in '{self.path}' could not be read: "
                                       f"{exc}".splitlines()[0]) from exc
             with torch.no_grad():
                 for dst, src in copies:
                     dst.copy_(src)
-            set_model_state_dict(module, state)
+            for key, _ in apart:  # written into the parameters themselves
+                state.pop(key)
+            set_model_state_dict(module, state, options=StateDictOptions(strict=not apart))
         with torch.no_grad():
             if self.init is not None:
                 self.init.fill(ctx.modules, only=set(self.introduced))
             if self.wrapper is not None:
                 self.wrapper.init_dependent(list(ctx.modules))
+
+
+    @torch.no_grad()
+    def _load_apart(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        """One parameter held in another form than the files' (a quantized base): its whole value as the model's
+        wrapper holds it (``ModelWrapper.held_value``: quantized whole), then this rank's part of that."""
+        from torch.distributed.tensor import DTensor
+
+        from ..core.initialize import copy_part, local_chunk
+
+        local = param.to_local() if isinstance(param, DTensor) else param
+        held = full if self.wrapper is None else self.wrapper.held_value(local, full)
+        part = local_chunk(held, param.device_mesh, param.placements) if isinstance(param, DTensor) else held
+        if tuple(part.shape) != tuple(local.shape):
+            raise RuntimeError(f"local shard {tuple(local.shape)} but the layout gives {tuple(part.shape)}")
+        copy_part(param, local, part)
+
+
+def _held_apart(tensor: torch.Tensor) -> bool:
+    """Whether a parameter's local part is a tensor subclass (torchao's NF4Tensor), which a checkpoint reader
+    cannot fill in place: it is read whole and converted (``PretrainedWeights._load_apart``)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return type(local) not in (torch.Tensor, torch.nn.Parameter)
 
 
 def read_config(path: str | Path, trust_remote_code: bool = False):

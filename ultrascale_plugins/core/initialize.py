@@ -146,6 +146,25 @@ def to_empty_tied(module: nn.Module, device, param_device=None) -> None:
             m._parameters[name] = keep
 
 
+def copy_part(param: torch.Tensor, local: torch.Tensor, part: torch.Tensor) -> None:
+    """``local.copy_(part)``, where ``local`` is this rank's part of ``param`` (its ``to_local()``, or ``param``)
+    and may be a tensor subclass of several inner tensors (torchao's NF4Tensor). The inner tensors a meta-device
+    build left without storage are taken from ``part``: those every part holds whole, which the layout neither
+    shards nor moves (FSDP2 and ``to_empty`` carry NF4's scales' mean and code book over from the meta tensor as
+    they are). They are set on the tensor the DTensor holds (``_local_tensor``: ``to_local`` of a parameter
+    returns a view of it, a separate object, since torch 2.11)."""
+    local.copy_(part)
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None or type(local) in (torch.Tensor, nn.Parameter) or type(part) is not type(local):
+        return
+    holder = getattr(param, "_local_tensor", param)
+    for name in flatten()[0]:
+        if getattr(local, name).is_meta:
+            value = getattr(part, name).detach().to(local.device, copy=True)
+            for tensor in {id(holder): holder, id(local): local}.values():
+                setattr(tensor, name, value)
+
+
 def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """This rank's part of ``full`` under ``placements`` over ``mesh``, computed locally (no communication): the
     placements are applied left to right, as ``distribute_tensor(..., src_data_rank=None)`` does, but on the CPU
@@ -228,7 +247,9 @@ class ModelInit:
         saved = dict(module._parameters)
         for pname in self.units[unit]:
             p = saved[pname]
-            module._parameters[pname] = type(p)(torch.empty(p.shape, dtype=p.dtype, device="cpu"), p.requires_grad)
+            # a parameter held in another form (an NF4 base) is drawn as a plain one: ``fill`` converts it whole
+            kind = type(p) if isinstance(p, nn.Parameter) else nn.Parameter
+            module._parameters[pname] = kind(torch.empty(p.shape, dtype=p.dtype, device="cpu"), p.requires_grad)
         chain = [unit]
         while chain[-1]:
             chain.append(chain[-1].rpartition(".")[0])
@@ -283,16 +304,13 @@ class ModelInit:
                 continue
             values = self.unit_values(unit)
             for pname, p in targets[unit]:
-                full = values[pname]
-                if isinstance(p, DTensor):
-                    local = p.to_local()
-                    chunk = local_chunk(full, p.device_mesh, p.placements)
-                else:
-                    local, chunk = p, full
+                local = p.to_local() if isinstance(p, DTensor) else p
+                full = self.wrapper.held_value(local, values[pname])  # as the model holds it (a quantized base)
+                chunk = local_chunk(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
                 if tuple(chunk.shape) != tuple(local.shape):
                     raise RuntimeError(f"{unit}.{pname}: local shard {tuple(local.shape)} but the layout gives "
                                        f"{tuple(chunk.shape)}")
-                local.copy_(chunk)
+                copy_part(p, local, chunk)
             del values
 
 

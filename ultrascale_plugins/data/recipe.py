@@ -116,6 +116,10 @@ class PeftSpec:
     # the frozen base's dtype: bf16 (half the bytes of weights that never train; the adapters stay fp32, as PEFT
     # keeps them), or fp32
     base_dtype: str = "bf16"
+    # QLoRA: the adapted linear layers' frozen weights quantized ("nf4": torchao's 4-bit NormalFloat,
+    # features/peft/quantized_base), each read whole and quantized whole as it is loaded, every rank keeping only
+    # its shard; the matmuls dequantize to base_dtype. "" (the default): not quantized
+    quantize_base: str = ""
 
     @property
     def torch_base_dtype(self):
@@ -144,7 +148,9 @@ class PeftSpec:
         targets = (self.target_modules if isinstance(self.target_modules, str)
                    else ",".join(self.target_modules))
         saved = f", training {','.join(self.modules_to_save)} whole" if self.modules_to_save else ""
-        return f"{kind} r={self.r} alpha={self.alpha:g}{' (rsLoRA)' if self.use_rslora else ''} on {targets}{saved}"
+        base = f", the base in {self.quantize_base.upper()}" if self.quantize_base else ""
+        return (f"{'Q' if self.quantize_base else ''}{kind} r={self.r} alpha={self.alpha:g}"
+                f"{' (rsLoRA)' if self.use_rslora else ''} on {targets}{saved}{base}")
 
 
 def peft_spec(section: Any) -> PeftSpec | None:
@@ -190,6 +196,15 @@ def peft_spec(section: Any) -> PeftSpec | None:
     for key in ("use_dora", "use_rslora"):
         if not isinstance(getattr(spec, key), bool):
             raise ConfigError(f"peft.{key}={getattr(spec, key)!r}: must be true or false. Fix: e.g. {key}: false")
+    if spec.quantize_base in (None, False):
+        spec.quantize_base = ""
+    if spec.quantize_base not in ("", "nf4"):
+        raise ConfigError(f"peft.quantize_base={spec.quantize_base!r}: the frozen base is quantized to nf4 (QLoRA's "
+                          "4-bit NormalFloat, torchao) or not at all. Fix: quantize_base: nf4, or leave it out")
+    if spec.quantize_base and spec.use_dora:
+        raise ConfigError("peft.use_dora=True: DoRA with a quantized base is not supported (PEFT's DoRA dequantizes "
+                          "the base through weight.dequantize(), which torchao's NF4Tensor lacks). Fix: use_dora: "
+                          "false, or leave quantize_base out")
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
@@ -244,7 +259,7 @@ def peft_model(model, spec: PeftSpec):
     on_meta = all(p.is_meta for p in model.parameters())
     try:
         with torch.device("meta") if on_meta else contextlib.nullcontext():
-            return get_peft_model(model, spec.lora_config())
+            model = get_peft_model(model, spec.lora_config())
     except (ValueError, TypeError, NotImplementedError) as exc:
         said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         field, fix = next(((f, fix) for word, f, fix in PEFT_REFUSALS if word in said.lower()),
@@ -252,6 +267,11 @@ def peft_model(model, spec: PeftSpec):
                                              "o_proj]"))
         raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
                           f"says: {said}. Fix: {fix}") from None
+    if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
+        from ..features.peft.quantized_base import quantize_base
+
+        quantize_base(model, spec.quantize_base)
+    return model
 
 
 # what PEFT's refusals name -> (the recipe field, its fix)

@@ -170,7 +170,7 @@ class ParamRecord:
     adapter_of: str = ""
     rank: int = 0
     merged: bool = False
-    held_bytes: int = 0
+    held_bytes: float = 0
     view: str = ""
 
     def __post_init__(self):
@@ -265,11 +265,18 @@ def _build_inventory(model, plan=None) -> list[ParamRecord]:
     return records
 
 
-def _held_bytes(param, mixed: bool) -> int:
+def _held_bytes(param, mixed: bool) -> float:
     """The element size of a parameter the layout's precision does not decide: a frozen one held in another
-    dtype than fp32 (a PEFT model's bf16 base), or a trainable one beside trainable ones of other dtypes."""
+    dtype than fp32 (a PEFT model's bf16 base), or a trainable one beside trainable ones of other dtypes; a tensor
+    subclass holding its values in inner tensors (torchao's NF4Tensor: a quantized base, on the meta device too)
+    takes their bytes per element."""
     import torch
+    from torch.distributed.tensor import DTensor
 
+    flatten = getattr(param, "__tensor_flatten__", None)
+    if flatten is not None and not isinstance(param, DTensor) and not param.requires_grad and param.numel():
+        inner = [getattr(param, name) for name in flatten()[0]]
+        return sum(t.numel() * t.element_size() for t in inner) / param.numel()
     if not param.is_floating_point() or param.dtype == torch.float32 or (param.requires_grad and not mixed):
         return 0
     return param.element_size()

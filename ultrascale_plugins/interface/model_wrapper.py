@@ -37,6 +37,13 @@ class ModelWrapper:
         inside the CPU generator seeded with (seed, the unit's name): draw with torch's init functions."""
         return False
 
+    def held_value(self, local, full):
+        """``full`` (an entry's whole initial value, read or drawn, a plain tensor) as the model holds it, given
+        ``local``, this rank's part of the entry as the layout holds it; this rank keeps its part of the result. The
+        default: ``full`` itself. A wrapper that holds entries in another form returns that form of the whole value
+        (a quantized base: ``full`` quantized whole, so that each part is a part of the whole's quantization)."""
+        return full
+
     def init_dependent(self, modules: list) -> None:
         """Set the initial values that are functions of other parameters' values (DoRA's magnitude), once
         ``modules`` (this rank's model parts, in their final layout) hold their pretrained or drawn values. Every

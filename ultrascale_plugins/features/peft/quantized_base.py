@@ -98,7 +98,12 @@ def quantize_base(model: nn.Module, scheme: str = "nf4", *, block_size: int = 64
     (``"nf4"``: torchao's NF4Tensor, QLoRA's 4-bit NormalFloat with double-quantized block scales: ``block_size``
     weights per absmax scale, ``scaler_block_size`` scales per int8 re-quantization block). In place; returns
     ``model``. Parameter names do not change; biases, embeddings, norms, the head and the adapters keep their
-    dtype. Idempotent: a weight already quantized is left as it is."""
+    dtype. Idempotent: a weight already quantized is left as it is.
+
+    On the meta device (a model built without storage, as the command line builds one) it records the quantization
+    only: ``parallelize`` gives each weight its value (read from ``init_from``, or drawn from the seed) whole, one
+    at a time, quantizes it whole and keeps this rank's part (``requantized``), so every rank's shard is the
+    shard of the whole weight's quantization, the same in every layout, and no rank holds the whole base."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -126,9 +131,6 @@ def quantize_base(model: nn.Module, scheme: str = "nf4", *, block_size: int = 64
         weight = base.weight
         if isinstance(weight, NF4Tensor):
             continue
-        if weight.is_meta:
-            raise ConfigError(f"quantize_base: {name}.base_layer.weight is on the meta device. Fix: load the base "
-                              "model with its weights (from_pretrained), then get_peft_model, then quantize_base")
         if weight.requires_grad:
             raise ConfigError(f"quantize_base: {name}.base_layer.weight trains (requires_grad=True); only a frozen "
                               "base may be quantized. Fix: leave the base frozen, as get_peft_model does")
@@ -137,15 +139,34 @@ def quantize_base(model: nn.Module, scheme: str = "nf4", *, block_size: int = 64
                               f"values) is not a whole number of block_size x scaler_block_size = {block_size} x "
                               f"{scaler_block_size} blocks. Fix: pass smaller block sizes that divide it")
         todo.append((name, base))
+    shapes: dict = {}  # on the meta device: one quantization per shape (torchao's runs its whole loop on meta)
     with torch.no_grad():
         for _, base in todo:
-            base.weight = nn.Parameter(to_nf4(base.weight.detach().contiguous(), block_size, scaler_block_size),
-                                       requires_grad=False)
+            weight = base.weight.detach()
+            if weight.is_meta:
+                key = (tuple(weight.shape), weight.dtype)
+                if key not in shapes:
+                    shapes[key] = to_nf4(weight.contiguous(), block_size, scaler_block_size)
+                quantized = torch.empty_like(shapes[key])
+            else:
+                quantized = to_nf4(weight.contiguous(), block_size, scaler_block_size)
+            base.weight = nn.Parameter(quantized, requires_grad=False)
     # DDP's broadcast of rank 0's parameters would re-quantize them (NF4Tensor.copy_ from a float tensor)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, sorted(ignored | set(quantized_weights(model))))
     return model
+
+
+def requantized(local, full):
+    """``full`` (a parameter's whole value, a plain tensor) in the form of ``local`` (this rank's part of it): an
+    ``NF4Tensor`` ``local`` gets ``full`` quantized whole with its block sizes, else ``full`` as it is. Quantizing
+    the whole weight, not a part of it, keeps the scales' mean (double quantization's offset) the whole weight's."""
+    cls = nf4_class()
+    if cls is None or not isinstance(local, cls):
+        return full
+    _, to_nf4 = _torchao_nf4()
+    return to_nf4(full.to(local.dtype).contiguous(), local.block_size, local.scaler_block_size)
 
 
 def quantized_bytes(model_or_params) -> int:
