@@ -131,3 +131,80 @@ def test_the_estimate_holds_one_chunk_of_logits_and_one_more_head_matmul():
             extra = chunked.factors["extra_flops"] - whole.factors.get("extra_flops", 0.0)
             assert extra == pytest.approx(2 * seq * 4096 * 128256 / tp)
         assert 0 < 2 * saved[4096] < saved[8192], (layout, saved)
+
+
+def _stats_case(seed: int = 2):
+    torch.manual_seed(seed)
+    hidden = torch.randn(2, 13, 8)
+    weight = torch.randn(40, 8)
+    weight[7] = weight[31]  # two vocabulary rows with the same logits, one in each half: a tie for the argmax
+    bias = torch.randn(40)
+    bias[7] = bias[31]
+    targets = torch.randint(0, 40, (2, 13))
+    targets[0, :3] = -100
+    logits = F.linear(hidden, weight, bias)
+    targets[1, :4] = logits[1, :4].argmax(-1)  # some hits
+    targets[1, 4] = 31  # the tie's second index: torch.argmax picks 7, so not a hit
+    hidden[1, 4] = weight[7] * 10
+    return hidden, weight, bias, targets
+
+
+def _whole_stats(hidden, weight, bias, targets):
+    logits = F.linear(hidden, weight, bias).float()
+    valid = targets != -100
+    p = logits.softmax(-1)
+    entropy = -(p * logits.log_softmax(-1)).sum(-1) * valid
+    return entropy, (logits.argmax(-1) == targets) & valid
+
+
+def test_each_tokens_entropy_and_top1_are_the_whole_logits():
+    """``chunked_token_stats`` (the metrics a trainer logs beside the loss: TRL's entropy and mean token accuracy),
+    without a vocabulary split: each token's entropy and whether its target is torch.argmax of the whole logits
+    (ties: the first index), zero where ignored; and minus ``chunked_token_losses``, its log-probability."""
+    from ultrascale_plugins.distributed.chunked_loss import chunked_token_losses, chunked_token_stats
+
+    hidden, weight, bias, targets = _stats_case()
+    want_entropy, want_top1 = _whole_stats(hidden, weight, bias, targets)
+    entropy, top1 = chunked_token_stats(hidden, weight, bias, targets, chunk=5)
+    assert torch.allclose(entropy, want_entropy, atol=1e-5) and torch.equal(top1, want_top1)
+    assert bool(want_top1[1, :4].all()) and not bool(want_top1[1, 4]) and not bool(entropy[0, :3].any())
+    log_probs = F.linear(hidden, weight, bias).log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
+    want = log_probs.squeeze(-1) * (targets != -100)
+    assert torch.allclose(-chunked_token_losses(hidden, weight, bias, targets, chunk=5), want, atol=1e-5)
+
+
+def _sharded_stats(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from ultrascale_plugins.distributed.chunked_loss import VocabShard, chunked_token_losses, chunked_token_stats
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        hidden, weight, bias, targets = _stats_case()
+        rows = weight.shape[0] // world
+        part = slice(rank * rows, (rank + 1) * rows)
+        shard = VocabShard(dist.group.WORLD, rank * rows)
+        entropy, top1 = chunked_token_stats(hidden, weight[part], bias[part], targets, chunk=5, vocab=shard)
+        losses = chunked_token_losses(hidden, weight[part], bias[part], targets, chunk=5, vocab=shard)
+        torch.save({"entropy": entropy, "top1": top1, "losses": losses}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_tokens_entropy_and_top1_over_a_vocabulary_split_in_two(tmp_path):
+    """The same over a vocabulary split between 2 gloo processes (tensor parallel's head): the maximum, the sums
+    and the first argmax all-reduced, so every rank has the whole vocabulary's figures, the tie included."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "stats")
+    mp.start_processes(_sharded_stats, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True,
+                       start_method="spawn")
+    hidden, weight, bias, targets = _stats_case()
+    want_entropy, want_top1 = _whole_stats(hidden, weight, bias, targets)
+    want_losses = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), targets.flatten(),
+                                  ignore_index=-100, reduction="none").view(targets.shape)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert torch.allclose(got["entropy"], want_entropy, atol=1e-5), rank
+        assert torch.equal(got["top1"], want_top1), rank
+        assert torch.allclose(got["losses"], want_losses, atol=1e-5), rank
