@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...distributed.sequence_padding import pad_sequence
 from ...interface.config import ConfigError
 
 
@@ -33,11 +34,6 @@ def layout_index(seq_len: int, cp: int, device=None) -> torch.Tensor:
     """Global indices of the tokens in rank order (rank 0's shard, then rank 1's, ...): what an all-gather of
     the shards along the sequence holds."""
     return torch.cat([local_index(seq_len, cp, r, device) for r in range(cp)])
-
-
-def padded_length(seq_len: int, cp: int) -> int:
-    unit = 2 * cp
-    return -(-seq_len // unit) * unit
 
 
 def shard_batch(batch: dict, cp: int, rank: int) -> bool:
@@ -63,17 +59,10 @@ def shard_batch(batch: dict, cp: int, rank: int) -> bool:
         raise ConfigError(f"cp={cp}: position_ids of shape {tuple(positions.shape)}: context parallel needs one "
                           "position per token (rows x tokens; multi-axis rotary positions are not supported). Fix: "
                           "use a text-only model, or cp: 1")
-    positions = positions.expand(rows, seq)
-    total = padded_length(seq, cp)
-    extra = total - seq
-    if extra:  # on the right: after every real token, so causality hides it; its targets are ignored
-        pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
-        ids = pad(ids, 0)
-        batch["targets"] = pad(batch["targets"], -100)
-        if mask is not None:
-            mask = pad(mask, 0)
-        steps = torch.arange(1, extra + 1, device=positions.device)
-        positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    batch["position_ids"] = positions.expand(rows, seq)
+    pad_sequence(batch, 2 * cp)  # on the right: after every real token, so causality hides it
+    ids, mask, positions = batch["input_ids"], batch.get("attention_mask"), batch["position_ids"]
+    total = ids.shape[1]
     index = local_index(total, cp, rank, ids.device)
     batch["input_ids"] = ids.index_select(1, index)
     batch["targets"] = batch["targets"].index_select(1, index)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from ...distributed.sequence_padding import pad_sequence
 from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
@@ -355,6 +356,17 @@ def _tp_layout(sequence_parallel: bool):
         tp = tp_degree(per_node, model_config)
         return {"tp": tp, "dp_shard": world // tp, "sequence_parallel": sequence_parallel and tp > 1}
     return layout
+
+
+@hookimpl(tryfirst=True)
+def ultrascale_shard_batch(batch, ctx):
+    """Sequence parallel splits each row's tokens evenly over tp (and, with context parallel, each cp rank's
+    head-tail chunks): a length that does not divide is padded on the right first (``pad_sequence``: hidden from
+    the real tokens by causality, its targets ignored). Before context parallel takes its part (tryfirst)."""
+    facts = layout_facts(ctx.config)
+    tp, cp = facts.degree("tp"), facts.degree("cp")
+    if tp > 1 and facts.sequence_sharded:
+        pad_sequence(batch, tp * (2 * cp if cp > 1 else 1))
 
 
 @hookimpl
