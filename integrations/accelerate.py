@@ -110,9 +110,15 @@ class UltraScaleAccelerator(Accelerator):
                 raise ConfigError(f"UltraScaleAccelerator({taken}=...): the layout is ultrascale's. Fix: describe it "
                                   "with UltraScalePlugin / the accelerate config file instead")
         mixed = kwargs.pop("mixed_precision", None)
+        defaults = kwargs.pop("_ultrascale_defaults", None) or {}
         config = plugin.config
         if config is None:
             config = layout_from_environment(os.environ, world)
+        # a front end's defaults (UltraScaleSFTTrainer: TRL's head runs in chunks) where the layout leaves the field
+        # at its own default
+        fresh = ParallelConfig()
+        config = config.replace(**{k: v for k, v in defaults.items()
+                                   if getattr(config, k) == getattr(fresh, k, None)})
         if mixed is not None and str(mixed) != "no":
             config = config.replace(mixed_precision=str(mixed))  # the data-parallel plugin checks the value
         compiled = compile_from_dynamo(kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend"), os.environ)

@@ -59,6 +59,9 @@ def is_sharded_checkpoint(path) -> bool:
 
 class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
+        from .trl import trl_kind
+
+        trl_kind(type(self))  # a TRL trainer: one whose contract is known (integrations/trl.py), or refused
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
         super().__init__(*args, **kwargs)
         # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
@@ -99,7 +102,8 @@ class UltraScaleTrainer(Trainer):
         # Trainer holds its model already: the layout is checked against it before Accelerate sets up (and before
         # its process group, unless TrainingArguments started one), one line from rank 0 if it cannot run
         self.accelerator = UltraScaleAccelerator(ultrascale_plugin=self.ultrascale_plugin,
-                                                 _ultrascale_model=self.model, **args)
+                                                 _ultrascale_model=self.model,
+                                                 _ultrascale_defaults=self._ultrascale_defaults(), **args)
         try:  # the Trainer's own loop: its accumulation and clipping (max_grad_norm, 1.0 by default)
             validate_loop(self.accelerator.ultrascale_config, self.args.gradient_accumulation_steps,
                           self.args.max_grad_norm)
@@ -112,6 +116,10 @@ class UltraScaleTrainer(Trainer):
         # UltraScaleAccelerator refuses DeepSpeed and FSDP plugins: neither of Trainer's code paths for them applies
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
+
+    def _ultrascale_defaults(self) -> dict:
+        """Layout fields this trainer sets where the layout leaves them at their default (a subclass's)."""
+        return {}
 
     def get_total_train_batch_size(self, args) -> int:
         """The distinct rows of one optimizer step over the whole job, which ``train_samples_per_second`` and the

@@ -621,6 +621,15 @@ class ParallelModel:
             dist.all_reduce(count, group=self._token_group)
         return count.clamp_min(1)
 
+    def sum_over_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a small tensor) summed over the ranks that hold different tokens of the global batch (the
+        data-parallel and context-parallel axes: the ``counts_tokens`` ones), on the CPU."""
+        if self._token_group is None:
+            return values.detach().cpu()
+        out = values.detach().to(self.device)
+        dist.all_reduce(out, group=self._token_group)
+        return out.cpu()
+
     def sum_over_rows(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (a small CPU tensor) summed over the ranks that hold different rows (the data-parallel axes)."""
         group = self.dims.group(self.dims.row_axes)
@@ -663,11 +672,12 @@ class ParallelModel:
             yield
 
     @contextlib.contextmanager
-    def forward_targets(self, targets: torch.Tensor):
+    def forward_targets(self, targets: torch.Tensor, per_token: bool = False):
         """Where one micro-batch's forward runs: every plugin's ``ultrascale_forward_targets`` entered with its
-        targets (a loss computed inside the forward reads them)."""
+        targets (a loss computed inside the forward reads them; ``per_token``: each token's figures wanted)."""
         with contextlib.ExitStack() as stack:
-            for context in self.pm.hook.ultrascale_forward_targets(pmodel=self, targets=targets):
+            for context in self.pm.hook.ultrascale_forward_targets(pmodel=self, targets=targets,
+                                                                   per_token=per_token):
                 if context is not None:
                     stack.enter_context(context)
             yield
@@ -729,15 +739,45 @@ class ParallelModel:
         if output.logits is loss_sum:  # the forward computed the loss (the chunked loss): there are no logits
             output.logits = None
         loss_sum = self.add_loss_terms(loss_sum, self.loss_terms(output, batch), count)
-        mean = self.reduce_loss(loss_sum, count)
-        if torch.is_grad_enabled():
-            share = self.loss_share(loss_sum, count)
-            if isinstance(share, DTensor):  # vocab-parallel loss: a replicated scalar
-                share = share.to_local()
-            output.loss = (share + (mean - share).detach()).float()  # value: the global mean
-        else:
-            output.loss = mean
+        output.loss = self.token_mean(loss_sum, count)
         return output
+
+    def token_mean(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss from this rank's sum of its tokens' losses: its value the global mean over
+        ``count`` valid tokens (the same on every rank), its gradient this rank's share (the loss-scale rule), so
+        that a front end's backward of it gives exact gradients. Under ``torch.no_grad``: the global mean."""
+        mean = self.reduce_loss(loss_sum, count)
+        if not torch.is_grad_enabled():
+            return mean
+        share = self.loss_share(loss_sum, count)
+        if isinstance(share, DTensor):  # vocab-parallel loss: a replicated scalar
+            share = share.to_local()
+        return (share + (mean - share).detach()).float()
+
+    def token_outputs(self, batch: dict):
+        """This rank's tokens of one micro-batch, each with the log-probability of its next-token target (the
+        gradient flows), the entropy of its prediction and whether the target is its top-1 (no gradient), as a
+        ``distributed.loss.TokenOutputs`` with the global valid-token count: what a trainer computing its own loss
+        from per-token log-probabilities reads (TRL's fused LM head); ``token_mean`` of its losses' sum is the
+        micro-batch's loss. A head computing its loss in chunks gives them without the whole logits
+        (``chunked_loss``). Not in a pipeline: its loss runs on the last stage, inside the schedule."""
+        from ..distributed.loss import token_outputs_of
+
+        if self.runtime.backward_in_forward:
+            raise ConfigError("pp>1: per-token log-probabilities for a trainer's own loss are not available in a "
+                              "pipeline (its loss runs on the last stage, inside the schedule). Fix: use pp: 1")
+        batch = self.prepare_batch(batch)
+        targets = batch.pop("targets")
+        count = self.global_token_count(targets)
+        with self.autocast(), self.forward_targets(targets, per_token=True):
+            output = self.forward_module(**batch, use_cache=False)
+        with self.loss_context():
+            got = self.pm.hook.ultrascale_token_outputs(pmodel=self, logits=output.logits, targets=targets)
+            if got is None:
+                got = token_outputs_of(output.logits, targets)
+        output.logits = None
+        got.count, got.output = count, output
+        return got
 
     def backward(self, loss: torch.Tensor, backward_fn=None) -> None:
         """Backward of ``loss`` (a front end passes its own ``backward_fn``), then ``finish_backward``."""

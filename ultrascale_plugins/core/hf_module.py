@@ -111,6 +111,12 @@ class ParallelCausalLM(nn.Module):
         batch = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                    ("labels", labels), ("position_ids", position_ids)) if v is not None}
         pm = self.pmodel
+        if kwargs.pop("fused_lm_head", False):
+            # TRL's fused LM head: each token's log-probability, entropy and top-1 hit, never the whole logits
+            # (ParallelModel.token_outputs; the chunked loss computes them a chunk of tokens at a time)
+            if labels is None:
+                raise ConfigError("fused_lm_head=True needs labels: the log-probabilities are of the next tokens")
+            return pm.token_outputs(batch)
         if self.pipelined:
             if labels is None:
                 raise ConfigError("pp>1: a pipelined model returns the loss, not logits (they stay on the last "

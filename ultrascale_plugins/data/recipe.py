@@ -268,9 +268,9 @@ def peft_model(model, spec: PeftSpec):
         raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
                           f"says: {said}. Fix: {fix}") from None
     if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
-        from ..features.peft.quantized_base import quantize_base
+        from ..interface.model_wrapper import wrapper_of
 
-        quantize_base(model, spec.quantize_base)
+        wrapper_of(model).quantize_base(spec.quantize_base)
     return model
 
 

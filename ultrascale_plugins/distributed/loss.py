@@ -6,6 +6,9 @@ single-process loss and gradients. Labels follow transformers: shifted by one, -
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -33,3 +36,38 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     ``torch.distributed.tensor.parallel.loss_parallel()``."""
     logits = logits.float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclasses.dataclass
+class TokenOutputs:
+    """Per-token figures of one micro-batch on this rank, each shaped like its next-token targets (this rank's
+    part of them) and zero where the target is ignored: the log-probability of the target (with gradient), the
+    entropy of the prediction and whether the target is its top-1 (without). ``label_mask``: the valid targets;
+    ``count``: the valid targets of the global micro-batch (every rank holding other tokens); ``output``: the
+    model's output (its ``aux_loss``, router statistics)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+    label_mask: torch.Tensor
+    count: torch.Tensor | None = None
+    output: Any = None
+
+    @property
+    def aux_loss(self):
+        return getattr(self.output, "aux_loss", None)
+
+
+def token_outputs_of(logits: torch.Tensor, targets: torch.Tensor) -> TokenOutputs:
+    """``TokenOutputs`` from the whole logits (a vocabulary-sharded DTensor is gathered first)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    valid = targets != IGNORE_INDEX
+    log_probs = logits.float().log_softmax(-1)
+    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1) * valid
+        top1 = (logits.argmax(-1) == targets) & valid
+    return TokenOutputs(picked, entropy, top1, valid)

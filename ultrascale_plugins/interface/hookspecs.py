@@ -175,11 +175,20 @@ def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | N
 
 
 @hookspec
-def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor) -> AbstractContextManager | None:
+def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor,
+                               per_token: bool) -> AbstractContextManager | None:
     """Return a context manager that one micro-batch's forward runs inside, given that micro-batch's next-token
     ``targets`` (this rank's part, shifted, -100 where ignored), or None: a head that computes the loss inside the
     model's forward reads them there (the chunked loss). Every runtime enters every plugin's around each
-    micro-batch's forward (a pipeline: around its last stage's)."""
+    micro-batch's forward (a pipeline: around its last stage's). ``per_token``: the caller wants each token's
+    figures (``ultrascale_token_outputs``: a trainer computing its own loss), not the loss's sum."""
+
+
+@hookspec(firstresult=True)
+def ultrascale_token_outputs(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> Any:
+    """Return each token's log-probability, entropy and top-1 hit (a ``distributed.loss.TokenOutputs``) when the
+    model's forward computed them (run with ``per_token``; ``logits`` is what the output holds there), or None:
+    the engine computes them from the whole logits. First answer wins."""
 
 
 @hookspec(firstresult=True)

@@ -4,6 +4,8 @@ else, what depends on the wrapper: where the causal LM sits, where each entry's 
 initial values of what the wrapper introduced and of what depends on other values, and its own saved form."""
 from __future__ import annotations
 
+from .config import ConfigError
+
 
 class ModelWrapper:
     """``model`` wraps ``inner`` (a transformers causal LM) at the submodule path ``prefix`` ("" for a model that
@@ -43,6 +45,13 @@ class ModelWrapper:
         default: ``full`` itself. A wrapper that holds entries in another form returns that form of the whole value
         (a quantized base: ``full`` quantized whole, so that each part is a part of the whole's quantization)."""
         return full
+
+    def quantize_base(self, scheme: str) -> None:
+        """Hold the wrapped model's frozen base weights quantized (``scheme``: QLoRA's "nf4"), in place; on the meta
+        device it marks them, and loading quantizes each weight whole (``held_value``). The default: a wrapper
+        without a frozen base cannot."""
+        raise ConfigError(f"quantize_base={scheme!r}: {self.describe()} has no frozen base to quantize. Fix: a PEFT "
+                          "model (LoRA adapters on a frozen base), or leave quantize_base out")
 
     def init_dependent(self, modules: list) -> None:
         """Set the initial values that are functions of other parameters' values (DoRA's magnitude), once

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ...distributed.chunked_loss import VocabShard, chunked_head_loss
+from ...distributed.chunked_loss import VocabShard, chunked_head_loss, chunked_token_losses, chunked_token_stats
+from ...distributed.loss import IGNORE_INDEX, TokenOutputs
 from ...interface.config import ConfigError
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
@@ -34,6 +35,8 @@ MARK = "_ultrascale_loss_sum"  # set on the tensor the head returns: the step ta
 
 class _Targets:
     value: torch.Tensor | None = None
+    per_token: bool = False  # each token's figures wanted (ParallelModel.token_outputs), not the loss's sum
+    stats: tuple | None = None  # (entropy, top-1) of the last per-token forward
 
 
 @hookimpl
@@ -146,18 +149,24 @@ def run_head_in_chunks(model, ctx):
             targets = torch.full(hidden.shape[:-1], -100, dtype=torch.long, device=hidden.device)
         if targets is None:  # not a training or evaluation step: the whole logits, as the head would give
             return _whole_logits(hidden, weight, bias, head, wrap)
-        loss = chunked_head_loss(hidden, weight, bias, targets, chunk, vocab)
+        if slot.per_token:  # each token's loss (its gradient flowing) and, without gradient, its statistics
+            loss = chunked_token_losses(hidden, weight, bias, targets, chunk, vocab)
+            slot.stats = chunked_token_stats(hidden.detach(), weight.detach(),
+                                             bias.detach() if bias is not None else None, targets, chunk, vocab)
+        else:
+            loss = chunked_head_loss(hidden, weight, bias, targets, chunk, vocab)
         if wrap:
             mesh = head.weight.device_mesh
             return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return loss
 
     head.forward = forward
-    head.register_forward_hook(_mark)  # after tensor parallel's hooks: marks what the model gets
+    # after tensor parallel's hooks: marks what the model gets
+    head.register_forward_hook(lambda module, args, out: _mark(out, slot))
 
 
-def _mark(module, args, out):
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
+def _mark(out, slot: _Targets):
+    if isinstance(out, torch.Tensor) and (out.dim() == 0 or slot.per_token):
         setattr(out, MARK, True)
     return out
 
@@ -201,20 +210,34 @@ def _whole_logits(hidden, weight, bias, head, wrap: bool):
 
 
 @hookimpl
-def ultrascale_forward_targets(pmodel, targets):
+def ultrascale_forward_targets(pmodel, targets, per_token):
     slot = pmodel.ctx.plugin_state.get(STATE)
     if slot is None:
         return None
-    return _given(slot, targets)
+    return _given(slot, targets, per_token)
 
 
 @contextlib.contextmanager
-def _given(slot, targets):
-    slot.value = targets
+def _given(slot, targets, per_token: bool = False):
+    slot.value, slot.per_token, slot.stats = targets, per_token, None
     try:
         yield
     finally:
-        slot.value = None
+        slot.value, slot.per_token = None, False
+
+
+@hookimpl
+def ultrascale_token_outputs(pmodel, logits, targets):
+    slot = pmodel.ctx.plugin_state.get(STATE)
+    if not pmodel.config.chunked_loss or slot is None:
+        return None
+    if not getattr(logits, MARK, False) or slot.stats is None:
+        raise RuntimeError("chunked_loss: the model's output is not the per-token loss its head computed in chunks "
+                           "(the model changed it after the head). Set chunked_loss: 0 for this model")
+    losses = logits.to_local() if isinstance(logits, DTensor) else logits
+    entropy, top1 = slot.stats
+    slot.stats = None
+    return TokenOutputs(-losses, entropy, top1, targets != IGNORE_INDEX)
 
 
 @hookimpl

@@ -7,7 +7,7 @@ from ...interface.hookspecs import hookimpl
 from ...interface.model_wrapper import ModelWrapper
 from .adapters import is_peft_model, save_adapters
 from .meta import entry_plain_name, init_dependent, init_module
-from .quantized_base import requantized
+from .quantized_base import quantize_base, requantized
 
 
 class PeftWrapper(ModelWrapper):
@@ -24,6 +24,9 @@ class PeftWrapper(ModelWrapper):
 
     def init_module(self, name: str, module) -> bool:
         return init_module(self.model, name, module)
+
+    def quantize_base(self, scheme: str) -> None:
+        quantize_base(self.model, scheme)
 
     def held_value(self, local, full):
         return requantized(local, full)  # an NF4 base (quantize_base on the meta device): quantized whole

@@ -1,0 +1,174 @@
+"""TRL's ``SFTTrainer`` on ultrascale layouts: ``UltraScaleSFTTrainer`` is ``UltraScaleTrainer`` and ``SFTTrainer``
+in one (``pip install "ultrascale-plugins[trl]"``).
+
+    from trl import SFTConfig
+    from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+    from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
+
+    trainer = UltraScaleSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, processing_class=tokenizer,
+                                   ultrascale_plugin=UltraScalePlugin(dp_shard=4, tp=2))
+    trainer.train()
+
+TRL's ``SFTTrainer`` patches the model's forward with its fused LM head (``fused_lm_head=True``: each token's
+log-probability, entropy and top-1 hit, computed in tiles without the whole logits) and computes its loss and
+metrics from them. Under a layout the patch cannot run: it calls the backbone directly, past the wrappers that
+gather a sharded model's weights, and gathers a tensor-parallel head whole. Here the parallel model provides the
+same contract (``ParallelModel.token_outputs``: the chunked loss's head, each rank holding its vocabulary shard,
+the per-token figures reduced over the shards) and the trainer computes TRL's loss (``loss_type`` nll or dft) and
+its logged metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) from it, normalized once: each
+micro-batch's loss is the global mean over its valid tokens, weighted by its share of the step's tokens, as a
+one-process TRL run computes it. The head runs ``chunked_loss`` tokens at a time (1,024 when the layout leaves it
+0), so no rank holds the logits of a micro-batch.
+
+Refused at construction, naming the reason: a TRL version whose trainers' contract is not known here
+(``TESTED_TRL``), TRL's other trainers (DPO is not yet here; GRPO, RLOO and the others that generate are out of
+scope), and the TRL arguments that need the whole logits or that the layout owns: ``parallelism_config``,
+``label_smoothing_factor``, ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload``
+instead), Liger kernels; a mixture of experts with TRL's router auxiliary loss on; a pipeline (``pp > 1``).
+"""
+from __future__ import annotations
+
+from ..interface.config import ConfigError
+
+# TRL minor versions whose SFTTrainer contract (its fused LM head's outputs, compute_loss, _metrics) this module
+# implements and tests (tests/test_trl.py)
+TESTED_TRL = ("1.16",)
+# the chunk of tokens the head runs at a time when the layout sets none (TRL's own head is always fused)
+DEFAULT_CHUNK = 1024
+
+
+def trl_kind(cls) -> str | None:
+    """``"sft"`` for a class built on TRL's ``SFTTrainer``, None for one built on no TRL trainer; any other TRL
+    trainer, or an unknown TRL version, is refused (ConfigError). Reads ``sys.modules`` only: TRL is never
+    imported for a Trainer that does not use it."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    bases = [c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"]
+    if trl is None or not bases:
+        return None
+    version = getattr(trl, "__version__", "?")
+    if ".".join(version.split(".")[:2]) not in TESTED_TRL:
+        raise ConfigError(f"trl {version}: its trainers' contract is not known to ultrascale-plugins (tested: "
+                          f"{', '.join(t + '.x' for t in TESTED_TRL)}). Fix: pip install 'trl~={TESTED_TRL[-1]}.0'")
+    names = [c.__name__ for c in bases]
+    if "SFTTrainer" in names:
+        if not any(c.__name__ == "UltraScaleSFTTrainer" for c in cls.__mro__):
+            raise ConfigError(f"{cls.__name__} combines UltraScaleTrainer with TRL's SFTTrainer: the parallel model "
+                              "must provide SFTTrainer's fused LM head. Fix: derive from UltraScaleSFTTrainer "
+                              "(from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer)")
+        return "sft"
+    first = names[0]
+    why = ("not yet (SFTTrainer is: UltraScaleSFTTrainer)" if first == "DPOTrainer" else
+           "out of scope: trainers that generate (GRPO, RLOO, online DPO, ...) and TRL's others are not supported")
+    raise ConfigError(f"{cls.__name__} builds on TRL's {first}: {why}. Fix: use UltraScaleSFTTrainer, or the "
+                      "plain TRL trainer without ultrascale")
+
+
+def refuse_sft_arguments(args, model) -> None:
+    """The SFTConfig values this integration cannot honour, each refused naming the field and the fix."""
+    from ..core.engine import causal_lm_of
+
+    taken = [("parallelism_config", getattr(args, "parallelism_config", None) is not None,
+              "the layout is ultrascale's: describe it with UltraScalePlugin"),
+             ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) > 0,
+              "label smoothing needs the whole logits, which the layout never builds: set it to 0"),
+             ("activation_offloading", getattr(args, "activation_offloading", False),
+              "use the layout's activation_offload: true (UltraScalePlugin(activation_offload=True))"),
+             ("use_liger_kernel", getattr(args, "use_liger_kernel", False),
+              "Liger's kernels replace the modules the layout shards: leave it False")]
+    for field, bad, fix in taken:
+        if bad:
+            raise ConfigError(f"SFTConfig({field}={getattr(args, field)!r}) with UltraScaleSFTTrainer: {fix}")
+    lm = causal_lm_of(model)
+    config = getattr(lm, "config", None)
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if config is not None and hasattr(config, "output_router_logits") and coef:
+        raise ConfigError(f"SFTConfig(router_aux_loss_coef={coef}) on a mixture of experts: TRL's router auxiliary "
+                          "loss under a layout is not available yet. Fix: router_aux_loss_coef=0.0")
+
+
+def refuse_pipeline(pp: int) -> None:
+    if pp > 1:
+        raise ConfigError(f"UltraScaleSFTTrainer with pp={pp}: TRL computes its loss from per-token log-probabilities "
+                          "after the forward, and a pipeline runs its loss on the last stage, inside the schedule: "
+                          "not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor and context parallel are)")
+
+
+def _sft_trainer_class():
+    from trl import SFTTrainer
+
+    from .trainer import UltraScaleTrainer
+
+    class UltraScaleSFTTrainer(UltraScaleTrainer, SFTTrainer):
+        """TRL's ``SFTTrainer`` on an ultrascale layout (module docstring)."""
+
+        def __init__(self, *args, ultrascale_plugin=None, **kwargs):
+            sft_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+            model = kwargs.get("model") if "model" in kwargs else (args[0] if args else None)
+            if sft_args is not None:
+                refuse_sft_arguments(sft_args, model)
+            if kwargs.get("compute_loss_func") is not None:
+                raise ConfigError("UltraScaleSFTTrainer(compute_loss_func=...): a loss of the whole logits, which the "
+                                  "layout never builds. Fix: SFTConfig(loss_type='nll' or 'dft') instead")
+            config = getattr(ultrascale_plugin, "config", None)
+            if config is not None:
+                refuse_pipeline(config.pp)
+            super().__init__(*args, ultrascale_plugin=ultrascale_plugin, **kwargs)
+            if config is None:  # the layout came from the launch
+                from ..distributed.launch import refuse
+
+                try:
+                    refuse_pipeline(self.accelerator.ultrascale_config.pp)
+                except ConfigError as exc:
+                    refuse(exc)
+            # TRL patched the model's forward with its fused head; the parallel model provides it instead
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            base.__dict__.pop("forward", None)
+
+        def _ultrascale_defaults(self) -> dict:
+            return {"chunked_loss": DEFAULT_CHUNK}
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            """TRL's loss and metrics from the parallel model's per-token outputs (module docstring)."""
+            import torch
+
+            mode = "train" if self.model.training else "eval"
+            adapter = self._ultrascale_adapter()
+            if adapter is None:  # not prepared yet (an evaluation before train): TRL's own, on one process
+                return SFTTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            pmodel = adapter.pmodel
+            out = model(**{k: v for k, v in inputs.items() if k != "use_cache"}, fused_lm_head=True)
+            per_token = -out.log_probs  # zero where the label is ignored
+            if self.args.loss_type == "dft":
+                per_token = per_token * out.log_probs.exp().detach()
+            loss = pmodel.token_mean(per_token.sum(), out.count)
+            # the metrics over every rank holding other tokens, as one process holding them all computes them
+            sums = torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
+            sums = pmodel.sum_over_tokens(sums)  # the data- and context-parallel ranks' tokens
+            valid, entropy, correct = (float(x) for x in sums)
+            self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
+            if mode == "train":
+                if "attention_mask" in inputs:
+                    local = inputs["attention_mask"].sum()
+                else:
+                    local = torch.tensor(inputs["position_ids"].numel())
+                self._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            if return_outputs:
+                raise ConfigError("compute_loss(return_outputs=True): the layout never builds the whole logits. "
+                                  "Fix: evaluate with prediction_loss_only=True")
+            return loss
+
+    return UltraScaleSFTTrainer
+
+
+def __getattr__(name: str):
+    if name == "UltraScaleSFTTrainer":  # made on first use: importing this module needs no TRL
+        cls = _sft_trainer_class()
+        cls.__module__ = __name__
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,101 @@
+"""TRL's SFTTrainer under ultrascale (UltraScaleSFTTrainer) against plain TRL in one process (tests/test_trl.py).
+
+    python trl_worker.py TOKENIZER OUT_DIR reference                      plain SFTTrainer, one process
+    torchrun --nproc_per_node N trl_worker.py TOKENIZER OUT_DIR CASE ...  UltraScaleSFTTrainer, each case in turn
+
+The same tiny Llama (the tokenizer's vocabulary), the same prompt-completion rows (TRL's completion-only loss) and
+SFTConfig's defaults but for: no bf16 (a CPU), 4 steps of 8 rows read in order (the data-parallel ranks split each
+step's rows), a learning rate of 1e-3, and logging every step. Each run writes OUT_DIR/CASE.json (rank 0: the
+logged loss, grad_norm, entropy, mean_token_accuracy and num_tokens of every step) and saves the trained model to
+OUT_DIR/CASE (trainer.save_model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GLOBAL_BATCH, STEPS = 8, 4
+CASES = {
+    "zero3": {"dp_shard": 2},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    # DFT's gradients are small: a lower max_grad_norm keeps clipping active at every step
+    "zero3_dft": {"dp_shard": 2, "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
+}
+LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def rows(n: int = GLOBAL_BATCH * STEPS) -> list[dict]:
+    from tiny_tokenizer import WORDS
+
+    r = random.Random(0)
+    words = lambda lo, hi: " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))  # noqa: E731
+    return [{"prompt": words(2, 8), "completion": " " + words(2, 12)} for _ in range(n)]
+
+
+def model_for(tokenizer):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    layout = dict(CASES.get(case, {}))
+    sft = layout.pop("_sft", {})
+    logs: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                record.append({k: float(logs[k]) for k in LOGGED if k in logs})
+
+    record = logs
+    if case == "reference" or case.startswith("reference_"):
+        cls, extra, dp = SFTTrainer, {}, 1
+        sft = dict(CASES.get(case.removeprefix("reference_"), {}).get("_sft", {}))
+    else:
+        from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+        from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
+        from ultrascale_plugins.interface.config import ParallelConfig
+
+        dp = ParallelConfig(**layout).resolve(int(os.environ["WORLD_SIZE"])).dp
+        cls, extra = UltraScaleSFTTrainer, {"ultrascale_plugin": UltraScalePlugin(**layout)}
+    args = SFTConfig(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
+                     max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
+                     disable_tqdm=True, train_sampling_strategy="sequential", save_strategy="no", **sft)
+    trainer = cls(model=model_for(tokenizer), args=args, train_dataset=Dataset.from_list(rows()),
+                  processing_class=tokenizer, callbacks=[Record()], **extra)
+    trainer.train()
+    trainer.save_model(os.path.join(out_dir, case))
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(out_dir, f"{case}.json"), "w") as f:
+            json.dump({"logs": logs}, f)
+
+
+def main() -> None:
+    tokenizer_dir, out_dir, *cases = sys.argv[1:]
+    for case in cases:
+        run(tokenizer_dir, out_dir, case)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
