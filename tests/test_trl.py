@@ -12,7 +12,11 @@ import pytest
 pytest.importorskip("trl")
 
 WORKER = Path(__file__).parent / "trl_worker.py"
-LAYOUTS = {"zero3": "reference", "tp2_sp": "reference", "zero3_dft": "reference_zero3_dft"}
+# each layout and the plain TRL run it is compared with (the same SFTConfig and model)
+LAYOUTS = {"zero3": "reference", "zero1": "reference", "tp2_sp": "reference", "cp2_ring": "reference",
+           "cp2_ulysses": "reference", "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
+           "tp2_sp_lora": "reference_zero3_lora"}
+CLIP = {"zero3_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
 TOL = 1e-5
 
 
@@ -47,22 +51,24 @@ def _weights(directory: Path) -> dict:
 def test_sft_matches_plain_trl(results, case):
     """The same model, rows and SFTConfig (its defaults but bf16) as plain TRL in one process: every step's loss,
     gradient norm (clipping active), logged entropy, mean token accuracy and token count, and the final weights,
-    within 1e-5. TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence padded to a multiple of tp
-    for its shards)."""
+    within 1e-5: ZeRO-3, ZeRO-1, TP + SP, context parallel (ring and Ulysses), TRL's DFT loss, and LoRA (TRL's
+    peft_config) under ZeRO-3 and TP + SP. TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
+    padded to a multiple of tp for its shards)."""
     ref = json.loads((results / f"{LAYOUTS[case]}.json").read_text())["logs"]
     got = json.loads((results / f"{case}.json").read_text())["logs"]
     assert len(got) == len(ref) == 4
     from trl import SFTConfig
 
-    clip = 0.002 if case.endswith("dft") else SFTConfig(output_dir="x", bf16=False).max_grad_norm
+    clip = CLIP.get(case, SFTConfig(output_dir="x", bf16=False).max_grad_norm)
     for step, (a, b) in enumerate(zip(ref, got)):
         assert a["grad_norm"] > clip, f"step {step}: clipping was not active ({a['grad_norm']} <= {clip})"
         assert abs(a["loss"] - b["loss"]) <= TOL, (step, a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * a["grad_norm"], (step, a, b)
         assert abs(a["entropy"] - b["entropy"]) <= TOL and abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) <= 1e-6
         assert a["num_tokens"] == b["num_tokens"], (step, a, b)
+    # the saved model: the whole model, or a PEFT model's adapters in PEFT's files, as plain TRL saves them
     mine, theirs = _weights(results / case), _weights(results / LAYOUTS[case])
-    assert mine.keys() == theirs.keys()
+    assert mine.keys() == theirs.keys() and theirs
     worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
     assert worst <= TOL, worst
 

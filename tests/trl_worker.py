@@ -28,6 +28,12 @@ CASES = {
     "tp2_sp": {"tp": 2, "sequence_parallel": True},
     # DFT's gradients are small: a lower max_grad_norm keeps clipping active at every step
     "zero3_dft": {"dp_shard": 2, "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
+    "cp2_ring": {"cp": 2},
+    "cp2_ulysses": {"cp": 2, "cp_method": "ulysses"},
+    "zero1": {"dp_shard": 2, "zero_stage": 1},
+    # LoRA (TRL's peft_config): only the adapters train; their smaller gradients clip at 0.1
+    "zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
+    "tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
@@ -59,6 +65,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     layout = dict(CASES.get(case, {}))
     sft = layout.pop("_sft", {})
+    peft = layout.pop("_peft", False)
     logs: list[dict] = []
 
     class Record(TrainerCallback):
@@ -70,6 +77,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     if case == "reference" or case.startswith("reference_"):
         cls, extra, dp = SFTTrainer, {}, 1
         sft = dict(CASES.get(case.removeprefix("reference_"), {}).get("_sft", {}))
+        peft = CASES.get(case.removeprefix("reference_"), {}).get("_peft", False)
     else:
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
@@ -80,6 +88,11 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     args = SFTConfig(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
                      max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
                      disable_tqdm=True, train_sampling_strategy="sequential", save_strategy="no", **sft)
+    if peft:  # TRL wraps the model with LoRA itself (peft_config), its adapters drawn from the seed
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    torch.manual_seed(1)
     trainer = cls(model=model_for(tokenizer), args=args, train_dataset=Dataset.from_list(rows()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train()
