@@ -14,8 +14,11 @@ pytest.importorskip("trl")
 WORKER = Path(__file__).parent / "trl_worker.py"
 # each layout and the plain TRL run it is compared with (the same SFTConfig and model)
 LAYOUTS = {"zero3": "reference", "zero1": "reference", "tp2_sp": "reference", "cp2_ring": "reference",
-           "cp2_ulysses": "reference", "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
-           "tp2_sp_lora": "reference_zero3_lora"}
+           "cp2_ulysses": "reference", "cp2_ring_packed": "reference_cp2_ring_packed",
+           "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
+           "tp2_sp_lora": "reference_zero3_lora",
+           # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
+           "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
 CLIP = {"zero3_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
 TOL = 1e-5
 
@@ -29,7 +32,7 @@ def results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("trl")
     make_tokenizer(out / "tok")
-    proc = subprocess.run([sys.executable, str(WORKER), str(out / "tok"), str(out), *sorted(set(LAYOUTS.values()))],
+    proc = subprocess.run([sys.executable, str(WORKER), str(out / "tok"), str(out), *dict.fromkeys(LAYOUTS.values())],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = retry_native_crash(lambda: torchrun(2, WORKER, str(out / "tok"), str(out), *LAYOUTS), "test_trl")
@@ -51,12 +54,13 @@ def _weights(directory: Path) -> dict:
 def test_sft_matches_plain_trl(results, case):
     """The same model, rows and SFTConfig (its defaults but bf16) as plain TRL in one process: every step's loss,
     gradient norm (clipping active), logged entropy, mean token accuracy and token count, and the final weights,
-    within 1e-5: ZeRO-3, ZeRO-1, TP + SP, context parallel (ring and Ulysses), TRL's DFT loss, and LoRA (TRL's
-    peft_config) under ZeRO-3 and TP + SP. TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
+    within 1e-5: ZeRO-3, ZeRO-1, TP + SP, context parallel (ring and Ulysses; ring with TRL's padding-free
+    packing), TRL's DFT loss, LoRA (TRL's peft_config) under ZeRO-3 and TP + SP, and a run saved under ZeRO-3 and
+    resumed from its step-2 checkpoint under TP + SP (against plain TRL resuming its own). TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
     padded to a multiple of tp for its shards)."""
     ref = json.loads((results / f"{LAYOUTS[case]}.json").read_text())["logs"]
     got = json.loads((results / f"{case}.json").read_text())["logs"]
-    assert len(got) == len(ref) == 4
+    assert len(got) == len(ref) == (2 if case.endswith("resume") else 4)
     from trl import SFTConfig
 
     clip = CLIP.get(case, SFTConfig(output_dir="x", bf16=False).max_grad_norm)
@@ -80,6 +84,14 @@ def _trainer_classes():
     from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
 
     return UltraScaleTrainer, UltraScaleSFTTrainer, SFTTrainer, GRPOTrainer
+
+
+@pytest.mark.slow
+def test_the_checkpoint_a_layout_saved_is_the_packages_sharded_one(results):
+    """The ZeRO-3 run's checkpoint-2 holds the package's sharded checkpoint (model and optimizer shards), which the
+    TP + SP run resumed from (test_sft_matches_plain_trl[tp2_sp_resume])."""
+    checkpoint = results / "run-zero3_save" / "checkpoint-2"
+    assert (checkpoint / "ultrascale.json").is_file() and (checkpoint / "trainer_state.json").is_file()
 
 
 def test_what_is_refused_at_construction(monkeypatch):

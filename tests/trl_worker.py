@@ -31,6 +31,12 @@ CASES = {
     "cp2_ring": {"cp": 2},
     "cp2_ulysses": {"cp": 2, "cp_method": "ulysses"},
     "zero1": {"dp_shard": 2, "zero_stage": 1},
+    # TRL's packing: rows packed padding-free (position_ids restart per document, no attention mask)
+    "cp2_ring_packed": {"cp": 2, "_sft": {"packing": True, "max_length": 64}},
+    # checkpoints: saved every 2 steps under ZeRO-3, resumed from step 2 under TP + SP (another layout); plain TRL
+    # does the same in one process (reference_zero3_save, reference_tp2_sp_resume)
+    "zero3_save": {"dp_shard": 2, "_sft": {"save_strategy": "steps", "save_steps": 2}},
+    "tp2_sp_resume": {"tp": 2, "sequence_parallel": True, "_resume": "zero3_save"},
     # LoRA (TRL's peft_config): only the adapters train; their smaller gradients clip at 0.1
     "zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
@@ -66,6 +72,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     layout = dict(CASES.get(case, {}))
     sft = layout.pop("_sft", {})
     peft = layout.pop("_peft", False)
+    resume = layout.pop("_resume", None)
     logs: list[dict] = []
 
     class Record(TrainerCallback):
@@ -76,8 +83,9 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     record = logs
     if case == "reference" or case.startswith("reference_"):
         cls, extra, dp = SFTTrainer, {}, 1
-        sft = dict(CASES.get(case.removeprefix("reference_"), {}).get("_sft", {}))
-        peft = CASES.get(case.removeprefix("reference_"), {}).get("_peft", False)
+        mirrored = CASES.get(case.removeprefix("reference_"), {})
+        sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
+        resume = f"reference_{resume}" if resume else None
     else:
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
@@ -87,7 +95,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         cls, extra = UltraScaleSFTTrainer, {"ultrascale_plugin": UltraScalePlugin(**layout)}
     args = SFTConfig(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
                      max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
-                     disable_tqdm=True, train_sampling_strategy="sequential", save_strategy="no", **sft)
+                     disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
     if peft:  # TRL wraps the model with LoRA itself (peft_config), its adapters drawn from the seed
         from peft import LoraConfig
 
@@ -95,7 +103,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     torch.manual_seed(1)
     trainer = cls(model=model_for(tokenizer), args=args, train_dataset=Dataset.from_list(rows()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
     trainer.save_model(os.path.join(out_dir, case))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, f"{case}.json"), "w") as f:
