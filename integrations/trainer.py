@@ -117,6 +117,13 @@ class UltraScaleTrainer(Trainer):
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
 
+    def _move_model_to_device(self, model, device):
+        """Trainer's ``model.to(device)``, but not for a model built on the meta device (``init_from``): the layout
+        gives each rank storage for its own shards only, on its device (``.to`` of a meta tensor fails)."""
+        if any(p.is_meta for p in model.parameters()):
+            return
+        return super()._move_model_to_device(model, device)
+
     def _ultrascale_defaults(self) -> dict:
         """Layout fields this trainer sets where the layout leaves them at their default (a subclass's)."""
         return {}

@@ -155,3 +155,54 @@ def test_a_pipeline_is_refused_at_construction(tmp_path):
     _, sft, _, _ = _trainer_classes()
     with pytest.raises(ConfigError, match="pp=2: TRL computes its loss"):
         sft(model=None, args=SFTConfig(output_dir=str(tmp_path), bf16=False), ultrascale_plugin=UltraScalePlugin(pp=2))
+
+
+RECIPE = Path(__file__).parent.parent / "recipes" / "trl"
+
+
+def test_the_sft_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
+    """recipes/trl/sft.py --check with the recipe's layout file: the layout against 8 processes and Llama-3.1-8B's
+    config on the meta device, and the memory estimate against an H100 80 GB (with TRL's chunked head)."""
+    sys.path.insert(0, str(RECIPE))
+    try:
+        import sft
+    finally:
+        sys.path.remove(str(RECIPE))
+    sft.main(["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "llama-3.1-8b.json"),
+              "--layout", str(RECIPE / "llama-3.1-8b-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("ok: llama (8.03B) on 8 x h100-sxm-80gb") and "'chunked_loss': 1024" in line, line
+    predicted = float(line.split("predicted ")[1].split(" GB")[0])
+    assert 10 < predicted < 80, line
+
+
+@pytest.mark.slow
+def test_the_sft_recipe_trains_a_shrunk_model(tmp_path):
+    """recipes/trl/sft.py under torchrun on 2 processes, the recipe's layout file with dp_shard=2 (fp32 on a CPU), a
+    tiny pretrained Llama (read shard by shard) and prompt-completion rows: it trains from the pretrained weights
+    and writes a Hugging Face directory."""
+    import random
+
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import torchrun
+    from tiny_tokenizer import WORDS, make_pretrained
+
+    make_pretrained(tmp_path / "tiny")
+    r = random.Random(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(16):
+            f.write(json.dumps({"prompt": " ".join(r.choice(WORDS) for _ in range(5)),
+                                "completion": " " + " ".join(r.choice(WORDS) for _ in range(7))}) + "\n")
+    proc = torchrun(2, RECIPE / "sft.py", "--model", str(tmp_path / "tiny"), "--layout",
+                    str(RECIPE / "llama-3.1-8b-8gpu.yaml"), "--set", "dp_shard=2", "--set", "mixed_precision=no",
+                    "--data", str(tmp_path / "data.jsonl"), "--max-steps", "3", "--max-length", "64",
+                    "--batch-size", "2", "--accumulate", "1", "--lr", "1e-3", "--output-dir", str(tmp_path / "out"),
+                    timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (proc.stdout + proc.stderr).count("train_runtime") == 1
+    start, end = load_file(tmp_path / "tiny" / "model.safetensors"), load_file(tmp_path / "out" / "final" / "model.safetensors")
+    moved = max(float((end[k] - start[k]).abs().max()) for k in start)
+    assert 0 < moved < 0.05, moved  # trained a few steps from the pretrained weights (not from a fresh draw)
+    assert all(torch.isfinite(v).all() for v in end.values())
