@@ -24,7 +24,8 @@ Refused at construction, naming the reason: a TRL version whose trainers' contra
 (``TESTED_TRL``), TRL's other trainers (DPO is not yet here; GRPO, RLOO and the others that generate are out of
 scope), and the TRL arguments that need the whole logits or that the layout owns: ``parallelism_config``,
 ``label_smoothing_factor``, ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload``
-instead), Liger kernels; a mixture of experts with TRL's router auxiliary loss on; a pipeline (``pp > 1``).
+instead), Liger kernels; a pipeline (``pp > 1``). A mixture of experts' router auxiliary loss (TRL's
+``router_aux_loss_coef``) is computed over the global batch, as one process computes it.
 """
 from __future__ import annotations
 
@@ -67,8 +68,6 @@ def trl_kind(cls) -> str | None:
 
 def refuse_sft_arguments(args, model) -> None:
     """The SFTConfig values this integration cannot honour, each refused naming the field and the fix."""
-    from ..core.engine import causal_lm_of
-
     taken = [("parallelism_config", getattr(args, "parallelism_config", None) is not None,
               "the layout is ultrascale's: describe it with UltraScalePlugin"),
              ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) > 0,
@@ -80,13 +79,6 @@ def refuse_sft_arguments(args, model) -> None:
     for field, bad, fix in taken:
         if bad:
             raise ConfigError(f"SFTConfig({field}={getattr(args, field)!r}) with UltraScaleSFTTrainer: {fix}")
-    lm = causal_lm_of(model)
-    config = getattr(lm, "config", None)
-    coef = getattr(args, "router_aux_loss_coef", None)
-    coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if config is not None and hasattr(config, "output_router_logits") and coef:
-        raise ConfigError(f"SFTConfig(router_aux_loss_coef={coef}) on a mixture of experts: TRL's router auxiliary "
-                          "loss under a layout is not available yet. Fix: router_aux_loss_coef=0.0")
 
 
 def refuse_pipeline(pp: int) -> None:
@@ -143,7 +135,16 @@ def _sft_trainer_class():
             per_token = -out.log_probs  # zero where the label is ignored
             if self.args.loss_type == "dft":
                 per_token = per_token * out.log_probs.exp().detach()
-            loss = pmodel.token_mean(per_token.sum(), out.count)
+            loss_sum = per_token.sum()
+            if out.terms:  # a mixture of experts' router auxiliary loss (coefficient included), over the global batch
+                # TRL adds it to each micro-batch's loss divided by the window's micro-batches; the window weighs
+                # this micro-batch by its token share (training_step: current_gradient_accumulation_steps = 1/share)
+                weight = self.current_gradient_accumulation_steps / max(1, self.args.gradient_accumulation_steps)
+                loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
+                if self.aux_loss_enabled and self.router_aux_loss_coef:
+                    self._metrics[mode]["aux_loss"].append(float(sum(t.detach() for t in out.terms))
+                                                           / self.router_aux_loss_coef)
+            loss = pmodel.token_mean(loss_sum, out.count)
             # the metrics over every rank holding other tokens, as one process holding them all computes them
             sums = torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
             sums = pmodel.sum_over_tokens(sums)  # the data- and context-parallel ranks' tokens

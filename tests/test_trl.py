@@ -15,6 +15,7 @@ WORKER = Path(__file__).parent / "trl_worker.py"
 # each layout and the plain TRL run it is compared with (the same SFTConfig and model)
 LAYOUTS = {"zero3": "reference", "zero1": "reference", "tp2_sp": "reference", "cp2_ring": "reference",
            "cp2_ulysses": "reference", "cp2_ring_packed": "reference_cp2_ring_packed",
+           "ep2_moe": "reference_ep2_moe",
            "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
            "tp2_sp_lora": "reference_zero3_lora",
            # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
@@ -55,7 +56,9 @@ def test_sft_matches_plain_trl(results, case):
     """The same model, rows and SFTConfig (its defaults but bf16) as plain TRL in one process: every step's loss,
     gradient norm (clipping active), logged entropy, mean token accuracy and token count, and the final weights,
     within 1e-5: ZeRO-3, ZeRO-1, TP + SP, context parallel (ring and Ulysses; ring with TRL's padding-free
-    packing), TRL's DFT loss, LoRA (TRL's peft_config) under ZeRO-3 and TP + SP, and a run saved under ZeRO-3 and
+    packing), expert parallel on a Qwen3-MoE with TRL's router auxiliary loss (its logged aux_loss too; each rank's
+    rows padded to their own length), TRL's DFT loss, LoRA (TRL's peft_config) under ZeRO-3 and TP + SP, and a run
+    saved under ZeRO-3 and
     resumed from its step-2 checkpoint under TP + SP (against plain TRL resuming its own). TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
     padded to a multiple of tp for its shards)."""
     ref = json.loads((results / f"{LAYOUTS[case]}.json").read_text())["logs"]
@@ -70,6 +73,7 @@ def test_sft_matches_plain_trl(results, case):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * a["grad_norm"], (step, a, b)
         assert abs(a["entropy"] - b["entropy"]) <= TOL and abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) <= 1e-6
         assert a["num_tokens"] == b["num_tokens"], (step, a, b)
+        assert ("aux_loss" in a) == ("aux_loss" in b) and abs(a.get("aux_loss", 0) - b.get("aux_loss", 0)) <= TOL
     # the saved model: the whole model, or a PEFT model's adapters in PEFT's files, as plain TRL saves them
     mine, theirs = _weights(results / case), _weights(results / LAYOUTS[case])
     assert mine.keys() == theirs.keys() and theirs

@@ -26,6 +26,9 @@ GLOBAL_BATCH, STEPS = 8, 4
 CASES = {
     "zero3": {"dp_shard": 2},
     "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    # a mixture of experts (Qwen3-MoE, 8 experts, top-2) with TRL's router auxiliary loss (its default coefficient
+    # from the config: 0.001), experts split over 2 ranks; plain TRL: reference_ep2_moe
+    "ep2_moe": {"dp_shard": 2, "ep": 2, "_arch": "qwen3_moe"},
     # DFT's gradients are small: a lower max_grad_norm keeps clipping active at every step
     "zero3_dft": {"dp_shard": 2, "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
     "cp2_ring": {"cp": 2},
@@ -41,7 +44,7 @@ CASES = {
     "zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
-LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
 def rows(n: int = GLOBAL_BATCH * STEPS) -> list[dict]:
@@ -52,14 +55,18 @@ def rows(n: int = GLOBAL_BATCH * STEPS) -> list[dict]:
     return [{"prompt": words(2, 8), "completion": " " + words(2, 12)} for _ in range(n)]
 
 
-def model_for(tokenizer):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def model_for(tokenizer, arch: str = "llama"):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    if arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    else:
+        config = LlamaConfig(**common)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
@@ -73,6 +80,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     sft = layout.pop("_sft", {})
     peft = layout.pop("_peft", False)
     resume = layout.pop("_resume", None)
+    arch = layout.pop("_arch", "llama")
     logs: list[dict] = []
 
     class Record(TrainerCallback):
@@ -86,6 +94,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         mirrored = CASES.get(case.removeprefix("reference_"), {})
         sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
         resume = f"reference_{resume}" if resume else None
+        arch = mirrored.get("_arch", "llama")
     else:
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
         from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
@@ -101,7 +110,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     torch.manual_seed(1)
-    trainer = cls(model=model_for(tokenizer), args=args, train_dataset=Dataset.from_list(rows()),
+    trainer = cls(model=model_for(tokenizer, arch), args=args, train_dataset=Dataset.from_list(rows()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
     trainer.save_model(os.path.join(out_dir, case))

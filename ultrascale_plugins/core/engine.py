@@ -776,7 +776,7 @@ class ParallelModel:
             if got is None:
                 got = token_outputs_of(output.logits, targets)
         output.logits = None
-        got.count, got.output = count, output
+        got.count, got.output, got.terms = count, output, self.loss_terms(output, batch)
         return got
 
     def backward(self, loss: torch.Tensor, backward_fn=None) -> None:

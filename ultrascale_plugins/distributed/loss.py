@@ -44,7 +44,9 @@ class TokenOutputs:
     part of them) and zero where the target is ignored: the log-probability of the target (with gradient), the
     entropy of the prediction and whether the target is its top-1 (without). ``label_mask``: the valid targets;
     ``count``: the valid targets of the global micro-batch (every rank holding other tokens); ``output``: the
-    model's output (its ``aux_loss``, router statistics)."""
+    model's output; ``terms``: the objective's other terms for this micro-batch (``ultrascale_loss_terms``: a
+    mixture of experts' router auxiliary loss over the global batch, with its coefficient), to fold in with
+    ``ParallelModel.add_loss_terms``."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
@@ -52,6 +54,7 @@ class TokenOutputs:
     label_mask: torch.Tensor
     count: torch.Tensor | None = None
     output: Any = None
+    terms: list = dataclasses.field(default_factory=list)  # the plugins' extra loss terms (a router's auxiliary loss)
 
     @property
     def aux_loss(self):

@@ -41,12 +41,37 @@ def _gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def router_aux_loss(model, router_logits, attention_mask, dp_group) -> torch.Tensor:
-    """``coef * aux`` over the global batch (same value on every rank; gradient for this rank's tokens)."""
+def router_aux_loss(model, router_logits, attention_mask, dp_group, shape=None) -> torch.Tensor:
+    """``coef * aux`` over the global batch (same value on every rank; gradient for this rank's tokens).
+    ``shape``: this rank's (rows, tokens per row). Ranks whose batches differ in shape (a collator padding each
+    rank's rows to their own longest) are padded to the largest, the padding masked out, so the value is the one
+    of every rank's real tokens."""
     fn, num_experts, top_k, coef = aux_loss_function(model)
     logits = tuple(router_logits)
     if dp_group is not None:
+        if shape is not None:
+            logits, attention_mask = _padded(logits, attention_mask, shape, dp_group)
         logits = tuple(_gather_rows(layer, dp_group) for layer in logits)
         if attention_mask is not None:
             attention_mask = _gather_rows(attention_mask, dp_group)
     return coef * fn(logits, num_experts, top_k, attention_mask)
+
+
+def _padded(logits: tuple, mask, shape, group):
+    """Each layer's router logits (rows x tokens, experts) and the padding mask padded to the largest rows and
+    tokens of any rank of ``group`` (one small all-gather of the shapes); unchanged when every rank's shape is
+    the same. Without a mask, one is made: every real token counts, as the model counts them without a mask."""
+    rows, seq = shape
+    sizes = torch.tensor([rows, seq], dtype=torch.long, device=logits[0].device)
+    every = [torch.empty_like(sizes) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, sizes, group=group)
+    most_rows, most_seq = (int(x) for x in torch.stack(every).max(0).values)
+    if all(int(s[0]) == rows and int(s[1]) == seq for s in every):
+        return logits, mask
+    pad = torch.nn.functional.pad
+    if mask is None:
+        mask = torch.ones(rows, seq, dtype=torch.long, device=logits[0].device)
+    mask = pad(mask, (0, most_seq - seq, 0, most_rows - rows), value=0)
+    logits = tuple(pad(layer.reshape(rows, seq, -1), (0, 0, 0, most_seq - seq, 0, most_rows - rows))
+                   .reshape(most_rows * most_seq, -1) for layer in logits)
+    return logits, mask
