@@ -59,11 +59,16 @@ def is_sharded_checkpoint(path) -> bool:
 
 class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from .trl import trl_kind
+        from . import trl
 
-        trl_kind(type(self))  # a TRL trainer: one whose contract is known (integrations/trl.py), or refused
+        # built on a TRL trainer: one whose contract is known (integrations/trl.py: SFTTrainer), or refused
+        self._trl = trl.trl_kind(type(self))
+        if self._trl == "sft":
+            trl.before_init(args, kwargs, ultrascale_plugin)
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
         super().__init__(*args, **kwargs)
+        if self._trl == "sft":
+            trl.after_init(self)
         # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
         # num_items_in_batch; the accumulation window is weighted by tokens in training_step instead
         self.model_accepts_loss_kwargs = False
@@ -125,8 +130,21 @@ class UltraScaleTrainer(Trainer):
         return super()._move_model_to_device(model, device)
 
     def _ultrascale_defaults(self) -> dict:
-        """Layout fields this trainer sets where the layout leaves them at their default (a subclass's)."""
-        return {}
+        """Layout fields this trainer sets where the layout leaves them at their default: TRL's SFTTrainer computes
+        its loss through a fused, chunked head, so the parallel model's head runs in chunks too."""
+        from .trl import DEFAULT_CHUNK
+
+        return {"chunked_loss": DEFAULT_CHUNK} if self._trl == "sft" else {}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's (or the Trainer subclass's); TRL's SFTTrainer's from the parallel model's per-token outputs
+        (integrations/trl.py)."""
+        if self._trl == "sft":
+            from .trl import compute_loss
+
+            return compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
 
     def get_total_train_batch_size(self, args) -> int:
         """The distinct rows of one optimizer step over the whole job, which ``train_samples_per_second`` and the

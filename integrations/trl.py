@@ -1,5 +1,6 @@
 """TRL's ``SFTTrainer`` on ultrascale layouts: ``UltraScaleSFTTrainer`` is ``UltraScaleTrainer`` and ``SFTTrainer``
-in one (``pip install "ultrascale-plugins[trl]"``).
+in one (``pip install "ultrascale-plugins[trl]"``); a class of your own built on both (``class
+MySFT(UltraScaleTrainer, SFTTrainer)``, ``UltraScaleTrainer`` first) works the same.
 
     from trl import SFTConfig
     from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
@@ -53,11 +54,7 @@ def trl_kind(cls) -> str | None:
         raise ConfigError(f"trl {version}: its trainers' contract is not known to ultrascale-plugins (tested: "
                           f"{', '.join(t + '.x' for t in TESTED_TRL)}). Fix: pip install 'trl~={TESTED_TRL[-1]}.0'")
     names = [c.__name__ for c in bases]
-    if "SFTTrainer" in names:
-        if not any(c.__name__ == "UltraScaleSFTTrainer" for c in cls.__mro__):
-            raise ConfigError(f"{cls.__name__} combines UltraScaleTrainer with TRL's SFTTrainer: the parallel model "
-                              "must provide SFTTrainer's fused LM head. Fix: derive from UltraScaleSFTTrainer "
-                              "(from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer)")
+    if "SFTTrainer" in names:  # UltraScaleSFTTrainer, or a class of the user's on UltraScaleTrainer and SFTTrainer
         return "sft"
     first = names[0]
     why = ("not yet (SFTTrainer is: UltraScaleSFTTrainer)" if first == "DPOTrainer" else
@@ -66,7 +63,7 @@ def trl_kind(cls) -> str | None:
                       "plain TRL trainer without ultrascale")
 
 
-def refuse_sft_arguments(args, model) -> None:
+def refuse_sft_arguments(args) -> None:
     """The SFTConfig values this integration cannot honour, each refused naming the field and the fix."""
     taken = [("parallelism_config", getattr(args, "parallelism_config", None) is not None,
               "the layout is ultrascale's: describe it with UltraScalePlugin"),
@@ -88,80 +85,82 @@ def refuse_pipeline(pp: int) -> None:
                           "not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor and context parallel are)")
 
 
+def before_init(args: tuple, kwargs: dict, plugin) -> None:
+    """``UltraScaleTrainer.__init__`` of an SFTTrainer, before Trainer's: what is refused (module docstring)."""
+    sft_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+    if sft_args is not None:
+        refuse_sft_arguments(sft_args)
+    if kwargs.get("compute_loss_func") is not None:
+        raise ConfigError("UltraScaleSFTTrainer(compute_loss_func=...): a loss of the whole logits, which the layout "
+                          "never builds. Fix: SFTConfig(loss_type='nll' or 'dft') instead")
+    config = getattr(plugin, "config", None)
+    if config is not None:
+        refuse_pipeline(config.pp)
+
+
+def after_init(trainer) -> None:
+    """After Trainer's ``__init__``: a layout from the launch checked; TRL's patch of the model's forward (its fused
+    head) removed, since the parallel model provides the head's outputs."""
+    if getattr(trainer.ultrascale_plugin, "config", None) is None:  # the layout came from the launch
+        from ..distributed.launch import refuse
+
+        try:
+            refuse_pipeline(trainer.accelerator.ultrascale_config.pp)
+        except ConfigError as exc:
+            refuse(exc)
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    base.__dict__.pop("forward", None)
+
+
+def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """SFTTrainer's loss and metrics from the parallel model's per-token outputs (module docstring)."""
+    import torch
+    from trl import SFTTrainer
+
+    mode = "train" if trainer.model.training else "eval"
+    adapter = trainer._ultrascale_adapter()
+    if adapter is None:  # not prepared yet (an evaluation before train): TRL's own, on one process
+        return SFTTrainer.compute_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
+    if return_outputs:
+        raise ConfigError("compute_loss(return_outputs=True): the layout never builds the whole logits. Fix: "
+                          "evaluate with prediction_loss_only=True")
+    pmodel = adapter.pmodel
+    out = model(**{k: v for k, v in inputs.items() if k != "use_cache"}, fused_lm_head=True)
+    per_token = -out.log_probs  # zero where the label is ignored
+    if trainer.args.loss_type == "dft":
+        per_token = per_token * out.log_probs.exp().detach()
+    loss_sum = per_token.sum()
+    metrics = trainer._metrics[mode]
+    if out.terms:  # a mixture of experts' router auxiliary loss (coefficient included), over the global batch
+        # TRL adds it to each micro-batch's loss divided by the window's micro-batches; the window weighs this
+        # micro-batch by its token share (UltraScaleTrainer.training_step: current_gradient_accumulation_steps is
+        # 1 / share)
+        weight = trainer.current_gradient_accumulation_steps / max(1, trainer.args.gradient_accumulation_steps)
+        loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
+        if trainer.aux_loss_enabled and trainer.router_aux_loss_coef:
+            metrics["aux_loss"].append(float(sum(t.detach() for t in out.terms)) / trainer.router_aux_loss_coef)
+    loss = pmodel.token_mean(loss_sum, out.count)
+    # the metrics over every rank holding other tokens, as one process holding them all computes them
+    sums = torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
+    valid, entropy, correct = (float(x) for x in pmodel.sum_over_tokens(sums))  # data- and context-parallel ranks
+    metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
+    metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
+    if mode == "train":  # the rows' tokens (padding-free: their positions), every data-parallel replica's
+        local = inputs["attention_mask"].sum() if "attention_mask" in inputs else torch.tensor(
+            inputs["position_ids"].numel())
+        trainer._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+    return loss
+
+
 def _sft_trainer_class():
     from trl import SFTTrainer
 
     from .trainer import UltraScaleTrainer
 
     class UltraScaleSFTTrainer(UltraScaleTrainer, SFTTrainer):
-        """TRL's ``SFTTrainer`` on an ultrascale layout (module docstring)."""
-
-        def __init__(self, *args, ultrascale_plugin=None, **kwargs):
-            sft_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
-            model = kwargs.get("model") if "model" in kwargs else (args[0] if args else None)
-            if sft_args is not None:
-                refuse_sft_arguments(sft_args, model)
-            if kwargs.get("compute_loss_func") is not None:
-                raise ConfigError("UltraScaleSFTTrainer(compute_loss_func=...): a loss of the whole logits, which the "
-                                  "layout never builds. Fix: SFTConfig(loss_type='nll' or 'dft') instead")
-            config = getattr(ultrascale_plugin, "config", None)
-            if config is not None:
-                refuse_pipeline(config.pp)
-            super().__init__(*args, ultrascale_plugin=ultrascale_plugin, **kwargs)
-            if config is None:  # the layout came from the launch
-                from ..distributed.launch import refuse
-
-                try:
-                    refuse_pipeline(self.accelerator.ultrascale_config.pp)
-                except ConfigError as exc:
-                    refuse(exc)
-            # TRL patched the model's forward with its fused head; the parallel model provides it instead
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            base.__dict__.pop("forward", None)
-
-        def _ultrascale_defaults(self) -> dict:
-            return {"chunked_loss": DEFAULT_CHUNK}
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            """TRL's loss and metrics from the parallel model's per-token outputs (module docstring)."""
-            import torch
-
-            mode = "train" if self.model.training else "eval"
-            adapter = self._ultrascale_adapter()
-            if adapter is None:  # not prepared yet (an evaluation before train): TRL's own, on one process
-                return SFTTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-            pmodel = adapter.pmodel
-            out = model(**{k: v for k, v in inputs.items() if k != "use_cache"}, fused_lm_head=True)
-            per_token = -out.log_probs  # zero where the label is ignored
-            if self.args.loss_type == "dft":
-                per_token = per_token * out.log_probs.exp().detach()
-            loss_sum = per_token.sum()
-            if out.terms:  # a mixture of experts' router auxiliary loss (coefficient included), over the global batch
-                # TRL adds it to each micro-batch's loss divided by the window's micro-batches; the window weighs
-                # this micro-batch by its token share (training_step: current_gradient_accumulation_steps = 1/share)
-                weight = self.current_gradient_accumulation_steps / max(1, self.args.gradient_accumulation_steps)
-                loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
-                if self.aux_loss_enabled and self.router_aux_loss_coef:
-                    self._metrics[mode]["aux_loss"].append(float(sum(t.detach() for t in out.terms))
-                                                           / self.router_aux_loss_coef)
-            loss = pmodel.token_mean(loss_sum, out.count)
-            # the metrics over every rank holding other tokens, as one process holding them all computes them
-            sums = torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
-            sums = pmodel.sum_over_tokens(sums)  # the data- and context-parallel ranks' tokens
-            valid, entropy, correct = (float(x) for x in sums)
-            self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
-            self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
-            if mode == "train":
-                if "attention_mask" in inputs:
-                    local = inputs["attention_mask"].sum()
-                else:
-                    local = torch.tensor(inputs["position_ids"].numel())
-                self._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
-            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-            if return_outputs:
-                raise ConfigError("compute_loss(return_outputs=True): the layout never builds the whole logits. "
-                                  "Fix: evaluate with prediction_loss_only=True")
-            return loss
+        """TRL's ``SFTTrainer`` on an ultrascale layout (module docstring): ``UltraScaleTrainer`` does the work for
+        any class built on both, this one included."""
 
     return UltraScaleSFTTrainer
 

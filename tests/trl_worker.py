@@ -33,7 +33,8 @@ CASES = {
     "zero3_dft": {"dp_shard": 2, "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
     "cp2_ring": {"cp": 2},
     "cp2_ulysses": {"cp": 2, "cp_method": "ulysses"},
-    "zero1": {"dp_shard": 2, "zero_stage": 1},
+    # a class of the user's on both (class MySFT(UltraScaleTrainer, SFTTrainer)) instead of UltraScaleSFTTrainer
+    "zero1": {"dp_shard": 2, "zero_stage": 1, "_hand": True},
     # TRL's packing: rows packed padding-free (position_ids restart per document, no attention mask)
     "cp2_ring_packed": {"cp": 2, "_sft": {"packing": True, "max_length": 64}},
     # checkpoints: saved every 2 steps under ZeRO-3, resumed from step 2 under TP + SP (another layout); plain TRL
@@ -81,6 +82,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     peft = layout.pop("_peft", False)
     resume = layout.pop("_resume", None)
     arch = layout.pop("_arch", "llama")
+    hand = layout.pop("_hand", False)
     logs: list[dict] = []
 
     class Record(TrainerCallback):
@@ -102,6 +104,10 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
 
         dp = ParallelConfig(**layout).resolve(int(os.environ["WORLD_SIZE"])).dp
         cls, extra = UltraScaleSFTTrainer, {"ultrascale_plugin": UltraScalePlugin(**layout)}
+        if hand:
+            from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
+
+            cls = type("MySFT", (UltraScaleTrainer, SFTTrainer), {})
     args = SFTConfig(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
                      max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
                      disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
