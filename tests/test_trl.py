@@ -13,7 +13,8 @@ pytest.importorskip("trl")
 
 WORKER = Path(__file__).parent / "trl_worker.py"
 # each layout and the plain TRL run it is compared with (the same SFTConfig and model)
-LAYOUTS = {"zero3": "reference", "zero1": "reference", "tp2_sp": "reference", "cp2_ring": "reference",
+LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_zero2_eval", "tp2_sp": "reference",
+           "cp2_ring": "reference",
            "cp2_ulysses": "reference", "cp2_ring_packed": "reference_cp2_ring_packed",
            "ep2_moe": "reference_ep2_moe",
            "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
@@ -55,14 +56,19 @@ def _weights(directory: Path) -> dict:
 def test_sft_matches_plain_trl(results, case):
     """The same model, rows and SFTConfig (its defaults but bf16) as plain TRL in one process: every step's loss,
     gradient norm (clipping active), logged entropy, mean token accuracy and token count, and the final weights,
-    within 1e-5: ZeRO-3, ZeRO-1, TP + SP, context parallel (ring and Ulysses; ring with TRL's padding-free
+    within 1e-5: ZeRO-3, ZeRO-1 (a class of the user's on UltraScaleTrainer and SFTTrainer), ZeRO-2 with evaluation
+    every 2 steps (eval_loss and TRL's eval metrics), TP + SP, context parallel (ring and Ulysses; ring with TRL's padding-free
     packing), expert parallel on a Qwen3-MoE with TRL's router auxiliary loss (its logged aux_loss too; each rank's
     rows padded to their own length), TRL's DFT loss, LoRA (TRL's peft_config) under ZeRO-3 and TP + SP, and a run
     saved under ZeRO-3 and
     resumed from its step-2 checkpoint under TP + SP (against plain TRL resuming its own). TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
     padded to a multiple of tp for its shards)."""
-    ref = json.loads((results / f"{LAYOUTS[case]}.json").read_text())["logs"]
-    got = json.loads((results / f"{case}.json").read_text())["logs"]
+    ref_run = json.loads((results / f"{LAYOUTS[case]}.json").read_text())
+    got_run = json.loads((results / f"{case}.json").read_text())
+    ref, got = ref_run["logs"], got_run["logs"]
+    assert len(got_run["eval"]) == len(ref_run["eval"]) == (2 if case.endswith("eval") else 0)
+    for a, b in zip(ref_run["eval"], got_run["eval"]):  # eval_loss, eval_entropy, ... as plain TRL logs them
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= TOL for k in a), (a, b)
     assert len(got) == len(ref) == (2 if case.endswith("resume") else 4)
     from trl import SFTConfig
 

@@ -33,6 +33,8 @@ CASES = {
     "zero3_dft": {"dp_shard": 2, "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
     "cp2_ring": {"cp": 2},
     "cp2_ulysses": {"cp": 2, "cp_method": "ulysses"},
+    # ZeRO-2, and evaluation every 2 steps on held-out rows (eval_loss and TRL's eval metrics)
+    "zero2_eval": {"dp_shard": 2, "zero_stage": 2, "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
     # a class of the user's on both (class MySFT(UltraScaleTrainer, SFTTrainer)) instead of UltraScaleSFTTrainer
     "zero1": {"dp_shard": 2, "zero_stage": 1, "_hand": True},
     # TRL's packing: rows packed padding-free (position_ids restart per document, no attention mask)
@@ -48,10 +50,10 @@ CASES = {
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
-def rows(n: int = GLOBAL_BATCH * STEPS) -> list[dict]:
+def rows(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
     from tiny_tokenizer import WORDS
 
-    r = random.Random(0)
+    r = random.Random(seed)
     words = lambda lo, hi: " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))  # noqa: E731
     return [{"prompt": words(2, 8), "completion": " " + words(2, 12)} for _ in range(n)]
 
@@ -89,8 +91,10 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 record.append({k: float(logs[k]) for k in LOGGED if k in logs})
+            if logs and "eval_loss" in logs:
+                evaluated.append({k: float(logs[f"eval_{k}"]) for k in LOGGED if f"eval_{k}" in logs})
 
-    record = logs
+    record, evaluated = logs, []
     if case == "reference" or case.startswith("reference_"):
         cls, extra, dp = SFTTrainer, {}, 1
         mirrored = CASES.get(case.removeprefix("reference_"), {})
@@ -116,13 +120,16 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     torch.manual_seed(1)
+    if args.eval_strategy != "no":  # held-out rows, split over the data-parallel ranks like the training rows
+        extra["eval_dataset"] = Dataset.from_list(rows(2 * GLOBAL_BATCH, seed=1))
+        args.per_device_eval_batch_size = GLOBAL_BATCH // dp
     trainer = cls(model=model_for(tokenizer, arch), args=args, train_dataset=Dataset.from_list(rows()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
     trainer.save_model(os.path.join(out_dir, case))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, f"{case}.json"), "w") as f:
-            json.dump({"logs": logs}, f)
+            json.dump({"logs": logs, "eval": evaluated}, f)
 
 
 def main() -> None:
