@@ -153,6 +153,46 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
     return loss
 
 
+def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, max_length: int = 4096,
+                     batch_size: int = 1, accumulate: int = 1, max_grad_norm: float = 1.0) -> str:
+    """The checks ``UltraScaleSFTTrainer`` runs before training, at full size without weights or GPUs: the layout
+    (``layout``: ParallelConfig fields; TRL's chunked head added when it sets none) against ``world_size`` processes
+    and the model (``model_config``, built on the meta device), the Trainer's loop, and the planner's per-rank memory
+    estimate against the GPU preset ``gpu`` for ``batch_size`` rows of ``max_length`` tokens, ``accumulate``
+    micro-batches a step. Refuses (ConfigError) what cannot run or fit; returns one line saying what fits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..cli.main import check_memory
+    from ..core.engine import estimate, validate, validate_loop
+    from ..interface.config import ParallelConfig
+    from ..planner.cost import coordinates_to_cost, peak_memory_gb
+    from ..planner.hardware import PRESETS
+
+    config = ParallelConfig.from_dict(dict(layout))
+    if not config.chunked_loss:
+        config = config.replace(chunked_loss=DEFAULT_CHUNK)
+    refuse_pipeline(config.pp)
+    if gpu not in PRESETS:
+        raise ConfigError(f"gpu={gpu!r}: not a preset. Fix: one of {', '.join(PRESETS)}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    resolved = validate(config, model_config, world_size, model=model)
+    validate_loop(resolved, accumulate, max_grad_norm)
+    memory = PRESETS[gpu].memory_gb
+    check_memory(resolved, model_config, model, world_size, max_length, batch_size, accumulate, world_size, memory)
+    ests = [estimate(resolved, model_config, world_size=world_size, seq_len=max_length, micro_batch=batch_size,
+                     micro_batches=accumulate, coords=coords, model=model, check=False)
+            for coords in coordinates_to_cost(resolved)]
+    gb = peak_memory_gb(ests)["total"]
+    fresh = ParallelConfig()
+    changed = {k: v for k, v in resolved.to_dict().items() if v != getattr(fresh, k, v)}
+    n = sum(p.numel() for p in model.parameters()) / 1e9
+    return (f"ok: {model_config.model_type} ({n:.2f}B) on {world_size} x {gpu}, {changed}, {batch_size} x "
+            f"{accumulate} rows of {max_length} tokens a step per replica: predicted {gb:.1f} GB per GPU "
+            f"(of {memory:g})")
+
+
 def _sft_trainer_class():
     from trl import SFTTrainer
 

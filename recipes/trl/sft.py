@@ -50,34 +50,12 @@ def meta_model(config):
 
 
 def check(args) -> None:
-    """The pre-launch checks at full size: the layout against the world size and the model (meta device), and the
-    planner's per-rank memory estimate against the GPU preset, with TRL's chunked head."""
-    from ultrascale_plugins import ParallelConfig
-    from ultrascale_plugins.cli.main import check_memory
-    from ultrascale_plugins.core.engine import estimate, validate, validate_loop
-    from ultrascale_plugins.integrations.trl import DEFAULT_CHUNK, refuse_pipeline
-    from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
-    from ultrascale_plugins.planner.hardware import PRESETS
+    """The pre-launch checks at full size (``check_sft_layout``): the layout against the world size and the model
+    on the meta device, and the planner's per-rank memory estimate against the GPU preset, with TRL's chunked head."""
+    from ultrascale_plugins.integrations.trl import check_sft_layout
 
-    config = ParallelConfig.from_dict(layout_fields(args))
-    if not config.chunked_loss:
-        config = config.replace(chunked_loss=DEFAULT_CHUNK)  # what UltraScaleSFTTrainer sets
-    refuse_pipeline(config.pp)
-    mc = model_config(args.model)
-    model = meta_model(mc)
-    resolved = validate(config, mc, args.nproc, model=model)
-    validate_loop(resolved, args.accumulate, 1.0)  # SFTConfig's max_grad_norm
-    gpu = PRESETS[args.gpu]
-    check_memory(resolved, mc, model, args.nproc, args.max_length, args.batch_size, args.accumulate, args.nproc,
-                 gpu.memory_gb)  # refuses a layout whose estimate exceeds the GPU
-    ests = [estimate(resolved, mc, world_size=args.nproc, seq_len=args.max_length, micro_batch=args.batch_size,
-                     micro_batches=args.accumulate, coords=coords, model=model, check=False)
-            for coords in coordinates_to_cost(resolved)]
-    gb = peak_memory_gb(ests)["total"]
-    changed = {k: v for k, v in resolved.to_dict().items() if v != getattr(ParallelConfig(), k, v)}
-    print(f"ok: {mc.model_type} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B) on {args.nproc} x "
-          f"{args.gpu}, {changed}, {args.batch_size} x {args.accumulate} rows of {args.max_length} tokens a step per "
-          f"replica: predicted {gb:.1f} GB per GPU (of {gpu.memory_gb:g})")
+    print(check_sft_layout(layout_fields(args), model_config(args.model), args.nproc, args.gpu,
+                           max_length=args.max_length, batch_size=args.batch_size, accumulate=args.accumulate))
 
 
 def main(argv=None):
