@@ -93,6 +93,13 @@ CASES = {
     "zero1_dp2_pp2_1f1b_bf16_params": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
                                                               "dp_shard": 2, "zero_stage": 1, "param_dtype": "bf16"},
                                        "mbs": 1},
+    # a third layout each for bf16 states and the low-bit ones (benchmarks/own_memory.py only)
+    "zero2_dp2_tp2_sp_bf16_params": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
+                                                            "zero_stage": 2, "param_dtype": "bf16"}, "mbs": 2,
+                                     "ci": False},
+    "zero1_dp2_pp2_1f1b_adamw_4bit": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
+                                                             "dp_shard": 2, "zero_stage": 1}, "mbs": 1,
+                                      "optimizer": "adamw_4bit", "ci": False},
     "zero2_dp2_tp2_sp_chunked": {"world": 4, "layout": {"dp_shard": 2, "tp": 2, "sequence_parallel": True,
                                                         "zero_stage": 2, "chunked_loss": 128}, "mbs": 2},
     "zero1_dp2_pp2_1f1b_chunked": {"world": 4, "layout": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4,
