@@ -184,7 +184,9 @@ def test_init_from_a_directory_without_weights_is_one_line(tmp_path):
     assert_clean_error(ultrascale("train", "--init-from", str(tmp_path)), "no *.safetensors")
 
 
+# sweep: Lightning's two-node run (tests/test_lightning.py) keeps a rendezvous of two launches in CI
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_two_nodes_sharing_a_rendezvous_equal_one_four_process_run(tmp_path):
     """--nnodes / --node-rank / --rdzv-endpoint: two `ultrascale train` invocations on this machine (2 processes
     each, the recipe's nproc is per node) make one 4-process job whose losses equal a 4-process run's."""

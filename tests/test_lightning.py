@@ -210,7 +210,9 @@ def test_expert_parallel_is_checked_against_the_model_before_the_process_group(c
     assert layout(6, 6, moe)["ep"] == 2  # the largest that divides the 8 experts and the 6 devices
 
 
+# sweep: layout: auto under torchrun and the other front ends' recipe scripts run in CI
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_recipe_script_through_lightnings_own_launcher(tmp_path):
     """`python finetune.py --devices 2 --strategy ultrascale` (layout: auto): Lightning starts the processes; the
     planner's choice is logged once, saying what it assumed; logger, val_check_interval, max_steps,
