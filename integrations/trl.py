@@ -164,9 +164,8 @@ def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
     from transformers import AutoModelForCausalLM
 
     from ..cli.main import check_memory
-    from ..core.engine import estimate, validate, validate_loop
+    from ..core.engine import validate, validate_loop
     from ..interface.config import ParallelConfig
-    from ..planner.cost import coordinates_to_cost, peak_memory_gb
     from ..planner.hardware import PRESETS
 
     config = ParallelConfig.from_dict(dict(layout))
@@ -180,11 +179,9 @@ def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
     resolved = validate(config, model_config, world_size, model=model)
     validate_loop(resolved, accumulate, max_grad_norm)
     memory = PRESETS[gpu].memory_gb
-    check_memory(resolved, model_config, model, world_size, max_length, batch_size, accumulate, world_size, memory)
-    ests = [estimate(resolved, model_config, world_size=world_size, seq_len=max_length, micro_batch=batch_size,
-                     micro_batches=accumulate, coords=coords, model=model, check=False)
-            for coords in coordinates_to_cost(resolved)]
-    gb = peak_memory_gb(ests)["total"]
+    mem = check_memory(resolved, model_config, model, world_size, max_length, batch_size, accumulate, world_size,
+                       memory)  # refuses what does not fit
+    gb = mem["total"] if mem is not None else float("nan")  # ULTRASCALE_SKIP_MEMORY_CHECK=1: not estimated
     fresh = ParallelConfig()
     changed = {k: v for k, v in resolved.to_dict().items() if v != getattr(fresh, k, v)}
     n = sum(p.numel() for p in model.parameters()) / 1e9

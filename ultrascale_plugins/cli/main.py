@@ -91,12 +91,12 @@ def machine_memory_gb(nproc: int) -> tuple[float, str]:
 
 
 def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_batch: int, micro_batches: int,
-                 local_processes: int, memory_gb: float | None = None, optimizer: str = "adamw") -> None:
+                 local_processes: int, memory_gb: float | None = None, optimizer: str = "adamw") -> dict | None:
     """Refuse a model that cannot fit: the planner's per-rank memory estimate of the layout (the most loaded
-    rank) against ``memory_gb`` per process, or else each local process's share of this machine's memory.
-    ``ULTRASCALE_SKIP_MEMORY_CHECK=1`` launches anyway."""
+    rank) against ``memory_gb`` per process, or else each local process's share of this machine's memory; returns
+    that estimate (GB by category, ``peak_memory_gb``). ``ULTRASCALE_SKIP_MEMORY_CHECK=1`` launches anyway (None)."""
     if os.environ.get("ULTRASCALE_SKIP_MEMORY_CHECK", "") not in ("", "0"):
-        return
+        return None
     from ..core.engine import estimate
     from ..planner.cost import coordinates_to_cost, peak_memory_gb
 
@@ -107,7 +107,7 @@ def check_memory(resolved, model_config, model, world: int, seq_len: int, micro_
     have, where = ((memory_gb, f"{memory_gb:g} GB per GPU") if memory_gb is not None
                    else machine_memory_gb(local_processes))
     if mem["total"] <= have:
-        return
+        return mem
     n_params = sum(p.numel() for p in model.parameters())
     parts = ", ".join(f"{k} {mem[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "other"))
     raise ConfigError(f"model {model_config.model_type} ({n_params / 1e9:.2f}B parameters) needs about "
