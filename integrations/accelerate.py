@@ -98,6 +98,9 @@ class UltraScaleAccelerator(Accelerator):
                                "cpu=True)"), world)
         self.ultrascale_plugin = plugin
         self.ultrascale_models: list = []  # ParallelCausalLM adapters prepared so far
+        # models prepared for evaluation only (prepare_model(evaluation_mode=True): a trainer's frozen reference),
+        # parallelized in the same layout; the step, clipping and checkpoints are the trained model's
+        self.ultrascale_references: list = []
 
     @staticmethod
     def _checked_layout(plugin: UltraScalePlugin, world: int, model, kwargs: dict) -> ParallelConfig:
@@ -174,7 +177,9 @@ class UltraScaleAccelerator(Accelerator):
                 originals.add(i)
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)
-                out[i] = self._parallelize(obj)
+                # prepared before (a trainer that ran its model ahead of training): the same adapter
+                out[i] = next((a for a in self.ultrascale_models if a.pmodel.module is obj), None) or \
+                    self._parallelize(obj)
         from ..core.engine import move_scheduler
 
         rest, replaced = [], {}
@@ -194,16 +199,21 @@ class UltraScaleAccelerator(Accelerator):
             out[i] = obj
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _parallelize(self, model):
+    def _parallelize(self, model, reference: bool = False):
         from ..core import engine
         from ..core.hf_module import ParallelCausalLM
 
         if not hasattr(model, "lm_head"):
             raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "
                               "lm_head). Fix: prepare an AutoModelForCausalLM")
-        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device,
-                                    init_from=self.ultrascale_plugin.init_from)
+        init_from = self.ultrascale_plugin.init_from
+        if reference and not any(p.is_meta for p in model.parameters()):
+            init_from = None  # a reference loaded whole keeps its own weights
+        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_from=init_from)
         adapter = ParallelCausalLM(pmodel)
+        if reference:
+            self.ultrascale_references.append(adapter)
+            return adapter
         # Accelerate's contract: the window's micro-batches weighted evenly (its loss / gradient_accumulation_steps)
         adapter.loss_scale = AccumulationWindow.even(self.gradient_accumulation_steps).take()
         self.ultrascale_models.append(adapter)
@@ -230,6 +240,23 @@ class UltraScaleAccelerator(Accelerator):
         if optimizer.state:
             raise ConfigError("prepare(): the optimizer has already taken steps. Fix: prepare it before training")
         return self.ultrascale_models[-1].pmodel.prepare_optimizer(optimizer)  # ZeRO-1 partitions it
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode: bool = False):
+        """Accelerate's, but a Hugging Face causal LM prepared for evaluation only (TRL's DPO reference model) is
+        parallelized in the layout, frozen and in eval mode: each rank keeps its shards of it, as of the trained
+        model. It never trains: it is not among ``ultrascale_models``."""
+        from ..core.engine import causal_lm_of
+        from ..distributed.launch import refuse, world_size
+
+        if not evaluation_mode or causal_lm_of(model) is None:
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        model.requires_grad_(False)
+        model.eval()
+        try:
+            adapter = self._parallelize(model, reference=True)
+        except ConfigError as exc:
+            refuse(exc, world_size())
+        return adapter.eval()
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if type(optimizer).__name__ == "ZeroRedundancyOptimizer":

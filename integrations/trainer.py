@@ -61,13 +61,17 @@ class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
         from . import trl
 
-        # built on a TRL trainer: one whose contract is known (integrations/trl.py: SFTTrainer), or refused
+        # built on a TRL trainer: one whose contract is known (integrations/trl.py: SFTTrainer, DPOTrainer), or
+        # refused
         self._trl = trl.trl_kind(type(self))
-        if self._trl == "sft":
-            trl.before_init(args, kwargs, ultrascale_plugin)
+        if self._trl:
+            trl.before_init(self._trl, args, kwargs, ultrascale_plugin)
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
+        self._initializing = True  # DPO's reference log-probabilities wait for the parallel model (train)
+        self._pending_references: list[tuple[str, int]] = []
         super().__init__(*args, **kwargs)
-        if self._trl == "sft":
+        self._initializing = False
+        if self._trl:
             trl.after_init(self)
         # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
         # num_items_in_batch; the accumulation window is weighted by tokens in training_step instead
@@ -137,14 +141,43 @@ class UltraScaleTrainer(Trainer):
         return {"chunked_loss": DEFAULT_CHUNK} if self._trl == "sft" else {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Trainer's (or the Trainer subclass's); TRL's SFTTrainer's from the parallel model's per-token outputs
-        (integrations/trl.py)."""
-        if self._trl == "sft":
-            from .trl import compute_loss
+        """Trainer's (or the Trainer subclass's); TRL's SFTTrainer's and DPOTrainer's from the parallel model's
+        per-token outputs (integrations/trl.py)."""
+        if self._trl:
+            from . import trl
 
-            return compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            loss = trl.compute_loss if self._trl == "sft" else trl.dpo_compute_loss
+            return loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """TRL's DPOTrainer (``precompute_ref_log_probs``) computes the reference's log-probabilities in its
+        ``__init__``, before anything is parallelized: here they wait for the parallel model, computed at the start
+        of ``train`` (or of an ``evaluate`` before it) in the layout (``trl.precompute_reference``)."""
+        if self._trl != "dpo":
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        if self._initializing:
+            self._pending_references.append((name, batch_size))
+            return dataset
+        from .trl import precompute_reference
+
+        return precompute_reference(self, dataset, batch_size)
+
+    def _precompute_pending(self) -> None:
+        """The reference log-probabilities ``_precompute_ref_logps`` set aside, now, into the datasets."""
+        pending, self._pending_references = self._pending_references, []
+        for name, batch_size in pending:
+            if name == "train":
+                self.train_dataset = self._precompute_ref_logps(self.train_dataset, name, batch_size)
+            elif isinstance(self.eval_dataset, dict):
+                self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
+            else:
+                self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
+
+    def evaluate(self, *args, **kwargs):
+        self._precompute_pending()
+        return super().evaluate(*args, **kwargs)
 
     def get_total_train_batch_size(self, args) -> int:
         """The distinct rows of one optimizer step over the whole job, which ``train_samples_per_second`` and the
@@ -161,9 +194,11 @@ class UltraScaleTrainer(Trainer):
     # ---- the step ----------------------------------------------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Once prepared, the model that runs is the parallelized one: ``self.model`` stays the Hugging Face
-        module Trainer was given, so evaluation / prediction (which start from it) are handed the adapter."""
+        module Trainer was given, so evaluation / prediction (which start from it) are handed the adapter. A model
+        parallelized before training had an optimizer (DPO's precomputed reference log-probabilities) goes through
+        Trainer's ``prepare`` once more, which hands back the same adapter with the optimizer prepared."""
         adapter = self._ultrascale_adapter()
-        if adapter is not None and model is self.model:
+        if adapter is not None and model is self.model and (not training or self.accelerator._optimizers):
             return adapter
         return super()._wrap_model(model, training, dataloader)
 
@@ -204,6 +239,7 @@ class UltraScaleTrainer(Trainer):
         from ..checkpoints.sharded import recover
 
         recover(self.args.output_dir)
+        self._precompute_pending()
         return super().train(*args, **kwargs)
 
     # ---- saving ------------------------------------------------------------------------------------------

@@ -54,17 +54,17 @@ def trl_kind(cls) -> str | None:
         raise ConfigError(f"trl {version}: its trainers' contract is not known to ultrascale-plugins (tested: "
                           f"{', '.join(t + '.x' for t in TESTED_TRL)}). Fix: pip install 'trl~={TESTED_TRL[-1]}.0'")
     names = [c.__name__ for c in bases]
-    if "SFTTrainer" in names:  # UltraScaleSFTTrainer, or a class of the user's on UltraScaleTrainer and SFTTrainer
-        return "sft"
-    first = names[0]
-    why = ("not yet (SFTTrainer is: UltraScaleSFTTrainer)" if first == "DPOTrainer" else
-           "out of scope: trainers that generate (GRPO, RLOO, online DPO, ...) and TRL's others are not supported")
-    raise ConfigError(f"{cls.__name__} builds on TRL's {first}: {why}. Fix: use UltraScaleSFTTrainer, or the "
-                      "plain TRL trainer without ultrascale")
+    for kind, trainer in (("sft", "SFTTrainer"), ("dpo", "DPOTrainer")):
+        if trainer in names:  # UltraScale{SFT,DPO}Trainer, or a class of the user's on UltraScaleTrainer and it
+            return kind
+    raise ConfigError(f"{cls.__name__} builds on TRL's {names[0]}: out of scope: trainers that generate (GRPO, "
+                      "RLOO, online DPO, ...) and TRL's others are not supported. Fix: use UltraScaleSFTTrainer or "
+                      "UltraScaleDPOTrainer, or the plain TRL trainer without ultrascale")
 
 
 def refuse_sft_arguments(args) -> None:
-    """The SFTConfig values this integration cannot honour, each refused naming the field and the fix."""
+    """The SFTConfig (or DPOConfig) values this integration cannot honour, each refused naming the field and the
+    fix."""
     taken = [("parallelism_config", getattr(args, "parallelism_config", None) is not None,
               "the layout is ultrascale's: describe it with UltraScalePlugin"),
              ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) > 0,
@@ -75,41 +75,75 @@ def refuse_sft_arguments(args) -> None:
               "Liger's kernels replace the modules the layout shards: leave it False")]
     for field, bad, fix in taken:
         if bad:
-            raise ConfigError(f"SFTConfig({field}={getattr(args, field)!r}) with UltraScaleSFTTrainer: {fix}")
+            raise ConfigError(f"{type(args).__name__}({field}={getattr(args, field)!r}) with ultrascale: {fix}")
 
 
-def refuse_pipeline(pp: int) -> None:
+def refuse_pipeline(pp: int, kind: str = "sft") -> None:
     if pp > 1:
-        raise ConfigError(f"UltraScaleSFTTrainer with pp={pp}: TRL computes its loss from per-token log-probabilities "
-                          "after the forward, and a pipeline runs its loss on the last stage, inside the schedule: "
-                          "not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor and context parallel are)")
+        raise ConfigError(f"UltraScale{kind.upper()}Trainer with pp={pp}: TRL computes its loss from per-token "
+                          "log-probabilities after the forward, and a pipeline runs its loss on the last stage, inside "
+                          "the schedule: not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor, context and expert "
+                          "parallel are)")
 
 
-def before_init(args: tuple, kwargs: dict, plugin) -> None:
-    """``UltraScaleTrainer.__init__`` of an SFTTrainer, before Trainer's: what is refused (module docstring)."""
-    sft_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
-    if sft_args is not None:
-        refuse_sft_arguments(sft_args)
-    if kwargs.get("compute_loss_func") is not None:
-        raise ConfigError("UltraScaleSFTTrainer(compute_loss_func=...): a loss of the whole logits, which the layout "
-                          "never builds. Fix: SFTConfig(loss_type='nll' or 'dft') instead")
+# DPOConfig values the layout cannot honour: (field, is it set, why and the fix)
+def _dpo_taken(args):
+    losses = list(getattr(args, "loss_type", None) or ["sigmoid"])
+    return [("use_weighting", getattr(args, "use_weighting", False),
+             "WPO's weights need each token's log Σp², which the parallel head does not compute: set it to False"),
+            ("sync_ref_model", getattr(args, "sync_ref_model", False),
+             "TR-DPO's reference updates are not available on a sharded reference yet: set it to False"),
+            ("loss_type", any(t in ("aot", "aot_unpaired") for t in losses),
+             "AOT sorts the pairs of a micro-batch, which data-parallel ranks split: use another loss type"),
+            ("loss_type", "sft" in losses,
+             "its term is a mean over the micro-batch's chosen tokens, which data-parallel ranks split: use "
+             "SFT before DPO, or another loss type")]
+
+
+def refuse_dpo_arguments(args, dp: int) -> None:
+    """The DPOConfig values this integration cannot honour (the loss types only where ``dp`` > 1 splits the
+    micro-batch's pairs), each refused naming the field and the fix."""
+    for field, bad, fix in _dpo_taken(args):
+        if bad and (field != "loss_type" or dp > 1):
+            raise ConfigError(f"DPOConfig({field}={getattr(args, field)!r}) with UltraScaleDPOTrainer"
+                              f"{' and ' + str(dp) + ' data-parallel replicas' if field == 'loss_type' else ''}: "
+                              f"{fix}")
+
+
+def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
+    """``UltraScaleTrainer.__init__`` of a TRL trainer, before its own: what is refused (module docstring)."""
+    where = 1 if kind == "sft" else 2  # SFTTrainer(model, args, ...), DPOTrainer(model, ref_model, args, ...)
+    trl_args = kwargs.get("args") if "args" in kwargs else (args[where] if len(args) > where else None)
     config = getattr(plugin, "config", None)
+    if trl_args is not None:
+        refuse_sft_arguments(trl_args)
+        if kind == "dpo":
+            refuse_dpo_arguments(trl_args, config.dp if config is not None else 1)
+    if kwargs.get("compute_loss_func") is not None:
+        raise ConfigError(f"UltraScale{kind.upper()}Trainer(compute_loss_func=...): a loss of the whole logits, "
+                          "which the layout never builds. Fix: TRL's loss_type instead")
     if config is not None:
-        refuse_pipeline(config.pp)
+        refuse_pipeline(config.pp, kind)
 
 
 def after_init(trainer) -> None:
-    """After Trainer's ``__init__``: a layout from the launch checked; TRL's patch of the model's forward (its fused
-    head) removed, since the parallel model provides the head's outputs."""
+    """After the TRL trainer's ``__init__``: a layout from the launch checked; TRL's patch of the model's forward
+    (its fused head) removed, since the parallel model provides the head's outputs."""
+    kind = trainer._trl
     if getattr(trainer.ultrascale_plugin, "config", None) is None:  # the layout came from the launch
         from ..distributed.launch import refuse
 
         try:
-            refuse_pipeline(trainer.accelerator.ultrascale_config.pp)
+            refuse_pipeline(trainer.accelerator.ultrascale_config.pp, kind)
+            if kind == "dpo":
+                refuse_dpo_arguments(trainer.args, trainer.accelerator.ultrascale_config.dp)
         except ConfigError as exc:
             refuse(exc)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     base.__dict__.pop("forward", None)
+    reference = getattr(trainer, "ref_model", None)
+    if reference is not None and hasattr(reference, "pmodel"):  # DPO's reference, parallelized in the layout
+        reference.pmodel.module.__dict__.pop("forward", None)
 
 
 def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -151,6 +185,86 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
         trainer._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
     metrics["num_tokens"] = [trainer._total_train_tokens]
     return loss
+
+
+class WholeRowsHead:
+    """A parallel model called the way TRL's DPOTrainer calls its fused head (``fused_lm_head=True``), answering
+    with TRL's fields for each row whole, ``seq_len - 1`` next-token figures (``ParallelModel.token_outputs(
+    whole_rows=True)``): every per-row sum TRL takes (a sequence's log-likelihood) is the whole row's on every rank
+    holding some of its tokens. ``aux_loss``: a mixture of experts' router loss over the global batch without its
+    coefficient, its gradient scaled for ``row_mean`` (each rank's carries its own tokens' part of it)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def __call__(self, **kwargs):
+        from types import SimpleNamespace
+
+        out = self.adapter(**kwargs, whole_rows=True)
+        aux = None
+        if out.terms:
+            term = sum(out.terms)
+            coef = float(getattr(self.adapter.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
+            dp = self.adapter.pmodel.dims.dp
+            scaled = term * dp  # row_mean averages the replicas' gradients; the term's parts add up
+            aux = (scaled + (term - scaled).detach()) / (coef or 1.0)
+        cut = {name: getattr(out, name)[:, :-1] for name in ("log_probs", "entropy", "mean_logits", "is_top1",
+                                                             "label_mask")}
+        return SimpleNamespace(**cut, aux_loss=aux, log_sum_sq_probs=None, loss=None)
+
+
+def dpo_compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """DPOTrainer's loss and metrics, TRL's own code run on the parallel model's whole rows: the reference's
+    log-probabilities first (the sharded reference model, or for a PEFT model the policy with its adapters
+    disabled, as TRL does; precomputed ones from the batch), then TRL's loss, a mean over this rank's pairs, made
+    the micro-batch's (``row_mean``: the mean over the data-parallel replicas)."""
+    from trl import DPOTrainer
+
+    adapter = trainer._ultrascale_adapter()
+    if adapter is None:  # not prepared yet (an evaluation before train): TRL's own, on one process
+        return DPOTrainer.compute_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
+    if return_outputs:
+        raise ConfigError("compute_loss(return_outputs=True): the layout never builds the whole logits. Fix: "
+                          "evaluate with prediction_loss_only=True")
+    if "ref_chosen_logps" not in inputs:
+        reference = trainer.ref_model if trainer.ref_model is not None else adapter
+        chosen, rejected = DPOTrainer.compute_ref_log_probs(trainer, WholeRowsHead(reference), inputs)
+        inputs = {**inputs, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+    saved, trainer.precompute_ref_logps = trainer.precompute_ref_logps, True  # TRL reads them from the batch
+    try:
+        loss = DPOTrainer._compute_loss(trainer, WholeRowsHead(adapter), inputs, False)
+    finally:
+        trainer.precompute_ref_logps = saved
+    return adapter.pmodel.row_mean(loss)
+
+
+def precompute_reference(trainer, dataset, batch_size: int):
+    """``dataset`` with TRL's ``ref_chosen_logps`` and ``ref_rejected_logps`` columns (``precompute_ref_log_probs``)
+    computed by the parallel model (the sharded reference, or the policy before training; a PEFT model's adapters
+    disabled): each data-parallel replica reads its share of the rows, and the results are gathered over the
+    replicas only (their tensor-, context-parallel peers hold the same rows)."""
+    import torch
+    from torch.utils.data import DataLoader
+    from trl import DPOTrainer
+
+    adapter = trainer._ultrascale_adapter()
+    if adapter is None:
+        adapter = trainer.accelerator.prepare(trainer.model)  # Trainer's own prepare reuses it (no second copy)
+    reference = trainer.ref_model if trainer.ref_model is not None else adapter
+    loader = trainer.accelerator.prepare_data_loader(DataLoader(
+        dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False,
+        num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory))
+    chosen, rejected = [], []
+    for batch in loader:
+        c, r = DPOTrainer.compute_ref_log_probs(trainer, WholeRowsHead(reference), batch)
+        c, r = trainer.accelerator.gather_for_metrics((c, r))
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    for name in ("ref_chosen_logps", "ref_rejected_logps"):
+        if name in dataset.column_names:
+            dataset = dataset.remove_columns(name)
+    return (dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
+            .add_column("ref_rejected_logps", torch.cat(rejected).tolist()))
 
 
 def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, max_length: int = 4096,
@@ -202,9 +316,24 @@ def _sft_trainer_class():
     return UltraScaleSFTTrainer
 
 
+def _dpo_trainer_class():
+    from trl import DPOTrainer
+
+    from .trainer import UltraScaleTrainer
+
+    class UltraScaleDPOTrainer(UltraScaleTrainer, DPOTrainer):
+        """TRL's ``DPOTrainer`` on an ultrascale layout (module docstring): ``UltraScaleTrainer`` does the work for
+        any class built on both, this one included."""
+
+    return UltraScaleDPOTrainer
+
+
+_MADE = {"UltraScaleSFTTrainer": _sft_trainer_class, "UltraScaleDPOTrainer": _dpo_trainer_class}
+
+
 def __getattr__(name: str):
-    if name == "UltraScaleSFTTrainer":  # made on first use: importing this module needs no TRL
-        cls = _sft_trainer_class()
+    if name in _MADE:  # made on first use: importing this module needs no TRL
+        cls = _MADE[name]()
         cls.__module__ = __name__
         globals()[name] = cls
         return cls

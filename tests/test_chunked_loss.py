@@ -154,7 +154,7 @@ def _whole_stats(hidden, weight, bias, targets):
     valid = targets != -100
     p = logits.softmax(-1)
     entropy = -(p * logits.log_softmax(-1)).sum(-1) * valid
-    return entropy, (logits.argmax(-1) == targets) & valid
+    return entropy, (logits.argmax(-1) == targets) & valid, logits.mean(-1) * valid
 
 
 def test_each_tokens_entropy_and_top1_are_the_whole_logits():
@@ -164,9 +164,10 @@ def test_each_tokens_entropy_and_top1_are_the_whole_logits():
     from ultrascale_plugins.distributed.chunked_loss import chunked_token_losses, chunked_token_stats
 
     hidden, weight, bias, targets = _stats_case()
-    want_entropy, want_top1 = _whole_stats(hidden, weight, bias, targets)
-    entropy, top1 = chunked_token_stats(hidden, weight, bias, targets, chunk=5)
+    want_entropy, want_top1, want_mean = _whole_stats(hidden, weight, bias, targets)
+    entropy, top1, mean = chunked_token_stats(hidden, weight, bias, targets, chunk=5)
     assert torch.allclose(entropy, want_entropy, atol=1e-5) and torch.equal(top1, want_top1)
+    assert torch.allclose(mean, want_mean, atol=1e-6) and bool(mean[1].any())
     assert bool(want_top1[1, :4].all()) and not bool(want_top1[1, 4]) and not bool(entropy[0, :3].any())
     log_probs = F.linear(hidden, weight, bias).log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
     want = log_probs.squeeze(-1) * (targets != -100)
@@ -184,27 +185,28 @@ def _sharded_stats(rank: int, world: int, init: str, out: str) -> None:
         rows = weight.shape[0] // world
         part = slice(rank * rows, (rank + 1) * rows)
         shard = VocabShard(dist.group.WORLD, rank * rows)
-        entropy, top1 = chunked_token_stats(hidden, weight[part], bias[part], targets, chunk=5, vocab=shard)
+        entropy, top1, mean = chunked_token_stats(hidden, weight[part], bias[part], targets, chunk=5, vocab=shard)
         losses = chunked_token_losses(hidden, weight[part], bias[part], targets, chunk=5, vocab=shard)
-        torch.save({"entropy": entropy, "top1": top1, "losses": losses}, f"{out}.{rank}")
+        torch.save({"entropy": entropy, "top1": top1, "mean": mean, "losses": losses}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def test_each_tokens_entropy_and_top1_over_a_vocabulary_split_in_two(tmp_path):
     """The same over a vocabulary split between 2 gloo processes (tensor parallel's head): the maximum, the sums
-    and the first argmax all-reduced, so every rank has the whole vocabulary's figures, the tie included."""
+    (the logits' for their mean over the whole vocabulary) and the first argmax all-reduced, so every rank has the whole vocabulary's figures, the tie included."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "stats")
     mp.start_processes(_sharded_stats, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True,
                        start_method="spawn")
     hidden, weight, bias, targets = _stats_case()
-    want_entropy, want_top1 = _whole_stats(hidden, weight, bias, targets)
+    want_entropy, want_top1, want_mean = _whole_stats(hidden, weight, bias, targets)
     want_losses = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), targets.flatten(),
                                   ignore_index=-100, reduction="none").view(targets.shape)
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         assert torch.allclose(got["entropy"], want_entropy, atol=1e-5), rank
         assert torch.equal(got["top1"], want_top1), rank
+        assert torch.allclose(got["mean"], want_mean, atol=1e-6), rank
         assert torch.allclose(got["losses"], want_losses, atol=1e-5), rank

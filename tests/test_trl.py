@@ -21,7 +21,13 @@ LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_
            "tp2_sp_lora": "reference_zero3_lora",
            # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
            "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
+# DPOTrainer (trl_worker.DPO_CASES: where each takes its reference model from)
+DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp2_sp": "reference_dpo",
+               "dpo_cp2_ring": "reference_dpo", "dpo_cp2_ulysses_hinge": "reference_dpo_cp2_ulysses_hinge",
+               "dpo_zero2_ipo_eval": "reference_dpo_zero2_ipo_eval", "dpo_ep2_moe": "reference_dpo_ep2_moe",
+               "dpo_zero3_lora": "reference_dpo_zero3_lora", "dpo_tp2_sp_lora": "reference_dpo_zero3_lora"}
 CLIP = {"zero3_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
+DPO_CLIP = 0.05  # trl_worker's for DPO
 TOL = 1e-5
 
 
@@ -34,10 +40,12 @@ def results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("trl")
     make_tokenizer(out / "tok")
-    proc = subprocess.run([sys.executable, str(WORKER), str(out / "tok"), str(out), *dict.fromkeys(LAYOUTS.values())],
+    references = dict.fromkeys([*LAYOUTS.values(), *DPO_LAYOUTS.values()])
+    proc = subprocess.run([sys.executable, str(WORKER), str(out / "tok"), str(out), *references],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = retry_native_crash(lambda: torchrun(2, WORKER, str(out / "tok"), str(out), *LAYOUTS), "test_trl")
+    proc = retry_native_crash(lambda: torchrun(2, WORKER, str(out / "tok"), str(out), *LAYOUTS, *DPO_LAYOUTS),
+                              "test_trl")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return out
 
@@ -87,6 +95,49 @@ def test_sft_matches_plain_trl(results, case):
     assert worst <= TOL, worst
 
 
+def _close(a: float, b: float) -> bool:
+    """Within 1e-5, relative for figures larger than 1 (a sequence's summed log-probabilities: ~40)."""
+    return abs(a - b) <= TOL * max(1.0, abs(a))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DPO_LAYOUTS))
+def test_dpo_matches_plain_trl(results, case):
+    """DPOTrainer: the same model, preference rows and DPOConfig (its defaults but bf16, clipping at 0.05) as plain
+    TRL in one process: every step's loss, gradient norm (clipping active), TRL's logged rewards (chosen, rejected,
+    accuracies, margins), log-probabilities, mean logits, entropy, token accuracy and token count, and the final
+    weights, within 1e-5 (relative for sums of log-probabilities). ZeRO-3 with the model given by name (TRL loads a
+    second copy as the reference: the accelerator shards it, frozen), DDP and TP + SP with a reference model passed
+    in, context parallel (ring with precompute_ref_log_probs, no reference kept: the policy before training gives
+    them, in the layout; Ulysses with the hinge loss), ZeRO-2 with the IPO loss and evaluation every 2 steps,
+    expert parallel on a Qwen3-MoE (the router auxiliary loss and its logged aux_loss), LoRA under ZeRO-3 and TP +
+    SP (the reference is the policy with its adapters disabled: no second copy)."""
+    ref_run = json.loads((results / f"{DPO_LAYOUTS[case]}.json").read_text())
+    got_run = json.loads((results / f"{case}.json").read_text())
+    ref, got = ref_run["logs"], got_run["logs"]
+    assert len(got) == len(ref) == 4 and len(got_run["eval"]) == len(ref_run["eval"]) == (2 if "eval" in case else 0)
+    for a, b in zip(ref_run["eval"], got_run["eval"]):
+        assert a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a), (a, b)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert a.keys() == b.keys() and {"rewards/margins", "logps/chosen", "logits/rejected"} <= a.keys(), a
+        assert a["grad_norm"] > DPO_CLIP, f"step {step}: clipping was not active ({a['grad_norm']})"
+        assert ("aux_loss" in a) == case.endswith("moe")
+        for key in a:  # the gradient norm: relative
+            close = abs(a[key] - b[key]) <= TOL * a[key] if key == "grad_norm" else _close(a[key], b[key])
+            assert close, (step, key, a[key], b[key])
+    mine, theirs = _weights(results / case), _weights(results / DPO_LAYOUTS[case])
+    assert mine.keys() == theirs.keys() and theirs
+    worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
+    assert worst <= TOL, worst
+    reference = got_run["reference"]
+    if case.endswith("lora") or "precompute" in case or case == "dpo_cp2_ring":
+        assert reference == {"class": None}  # no second model: adapters disabled, or log-probabilities precomputed
+    else:  # a second model, in the layout: frozen, and sharded where the layout shards (ZeRO-3 by 2, TP by 2)
+        assert reference["class"] == "ParallelCausalLM" and reference["trainable"] == 0, reference
+        if case in ("dpo_zero3", "dpo_tp2_sp"):
+            assert reference["held"] < 0.6 * reference["whole"], reference
+
+
 def _trainer_classes():
     from trl import GRPOTrainer, SFTTrainer
 
@@ -105,16 +156,17 @@ def test_the_checkpoint_a_layout_saved_is_the_packages_sharded_one(results):
 
 
 def test_what_is_refused_at_construction(monkeypatch):
-    """Before any model or process group: an untested TRL version (naming it), DPO (not yet), GRPO (trainers that
-    generate: out of scope). SFTTrainer combined with UltraScaleTrainer by hand is UltraScaleSFTTrainer."""
+    """Before any model or process group: an untested TRL version (naming it), GRPO (trainers that generate: out of
+    scope). SFTTrainer or DPOTrainer combined with UltraScaleTrainer by hand is UltraScaleSFTTrainer /
+    UltraScaleDPOTrainer."""
     import trl
     from trl import DPOTrainer
 
-    from ultrascale_plugins.integrations.trl import trl_kind
+    from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer, trl_kind
     from ultrascale_plugins.interface.config import ConfigError
 
     base, sft, plain_sft, grpo = _trainer_classes()
-    assert trl_kind(sft) == "sft" and trl_kind(base) is None
+    assert trl_kind(sft) == "sft" and trl_kind(UltraScaleDPOTrainer) == "dpo" and trl_kind(base) is None
 
     class Mine(base, plain_sft):
         pass
@@ -125,15 +177,41 @@ def test_what_is_refused_at_construction(monkeypatch):
     class Grpo(base, grpo):
         pass
 
-    assert trl_kind(Mine) == "sft"  # built by hand on both: the same as UltraScaleSFTTrainer
-    for cls, words in ((Dpo, "DPOTrainer: not yet"), (Grpo, "trainers that generate")):
-        with pytest.raises(ConfigError, match=words):
-            trl_kind(cls)
-        with pytest.raises(ConfigError, match=words):
-            cls(model=None)
+    assert trl_kind(Mine) == "sft" and trl_kind(Dpo) == "dpo"  # built by hand on both: the same as the package's
+    with pytest.raises(ConfigError, match="GRPOTrainer: out of scope: trainers that generate"):
+        trl_kind(Grpo)
+    with pytest.raises(ConfigError, match="trainers that generate"):
+        Grpo(model=None)
     monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.raises(ConfigError, match=r"trl 1\.17\.0: .*tested: 1\.16\.x"):
-        trl_kind(sft)
+    for cls in (sft, UltraScaleDPOTrainer):
+        with pytest.raises(ConfigError, match=r"trl 1\.17\.0: .*tested: 1\.16\.x"):
+            trl_kind(cls)
+
+
+@pytest.mark.parametrize("field,value,dp,words", [
+    ("use_weighting", True, 1, "WPO's weights need each token's log"),
+    ("sync_ref_model", True, 1, "TR-DPO"),
+    ("loss_type", ["aot"], 2, "2 data-parallel replicas: AOT sorts the pairs"),
+    ("loss_type", ["sigmoid", "sft"], 2, "mean over the micro-batch's chosen tokens"),
+    ("activation_offloading", True, 1, "activation_offload"),
+])
+def test_dpo_arguments_the_layout_cannot_honour_are_refused(field, value, dp, words, tmp_path):
+    """Before any model or process group, naming the field, the value and the fix; the loss types that need the
+    whole micro-batch's pairs only where data-parallel replicas split them."""
+    from trl import DPOConfig
+
+    from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+    from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer
+    from ultrascale_plugins.interface.config import ConfigError
+
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False)
+    setattr(args, field, value)
+    with pytest.raises(ConfigError, match=f"DPOConfig\\({field}=.*{words}"):
+        UltraScaleDPOTrainer(model=None, args=args, ultrascale_plugin=UltraScalePlugin(dp_shard=dp))
+    if field == "loss_type":  # one replica holds the whole micro-batch: TRL's own loss is the one-process one
+        from ultrascale_plugins.integrations.trl import refuse_dpo_arguments
+
+        refuse_dpo_arguments(args, 1)
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -155,15 +233,19 @@ def test_sft_arguments_the_layout_owns_are_refused(field, value, words, tmp_path
 
 def test_a_pipeline_is_refused_at_construction(tmp_path):
     """TRL's loss comes after the forward; a pipeline's loss runs inside its schedule: refused before the model or
-    any process group is touched."""
-    from trl import SFTConfig
+    any process group is touched, for both trainers."""
+    from trl import DPOConfig, SFTConfig
 
     from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+    from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer
     from ultrascale_plugins.interface.config import ConfigError
 
     _, sft, _, _ = _trainer_classes()
-    with pytest.raises(ConfigError, match="pp=2: TRL computes its loss"):
+    with pytest.raises(ConfigError, match="UltraScaleSFTTrainer with pp=2: TRL computes its loss"):
         sft(model=None, args=SFTConfig(output_dir=str(tmp_path), bf16=False), ultrascale_plugin=UltraScalePlugin(pp=2))
+    with pytest.raises(ConfigError, match="UltraScaleDPOTrainer with pp=2: TRL computes its loss"):
+        UltraScaleDPOTrainer(model=None, args=DPOConfig(output_dir=str(tmp_path), bf16=False),
+                             ultrascale_plugin=UltraScalePlugin(pp=2))
 
 
 RECIPE = Path(__file__).parent.parent / "recipes" / "trl"

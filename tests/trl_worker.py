@@ -1,13 +1,15 @@
-"""TRL's SFTTrainer under ultrascale (UltraScaleSFTTrainer) against plain TRL in one process (tests/test_trl.py).
+"""TRL's SFTTrainer and DPOTrainer under ultrascale (UltraScaleSFTTrainer, UltraScaleDPOTrainer) against plain TRL
+in one process (tests/test_trl.py).
 
-    python trl_worker.py TOKENIZER OUT_DIR reference                      plain SFTTrainer, one process
-    torchrun --nproc_per_node N trl_worker.py TOKENIZER OUT_DIR CASE ...  UltraScaleSFTTrainer, each case in turn
+    python trl_worker.py TOKENIZER OUT_DIR reference reference_CASE ...   plain TRL, one process
+    torchrun --nproc_per_node N trl_worker.py TOKENIZER OUT_DIR CASE ...  ultrascale, each case in turn
 
-The same tiny Llama (the tokenizer's vocabulary), the same prompt-completion rows (TRL's completion-only loss) and
-SFTConfig's defaults but for: no bf16 (a CPU), 4 steps of 8 rows read in order (the data-parallel ranks split each
-step's rows), a learning rate of 1e-3, and logging every step. Each run writes OUT_DIR/CASE.json (rank 0: the
-logged loss, grad_norm, entropy, mean_token_accuracy and num_tokens of every step) and saves the trained model to
-OUT_DIR/CASE (trainer.save_model).
+The same tiny Llama (the tokenizer's vocabulary), the same rows (SFT: prompt-completion, TRL's completion-only
+loss; DPO, cases named dpo_*: prompt, chosen and rejected) and SFTConfig's / DPOConfig's defaults but for: no bf16
+(a CPU), 4 steps of 8 rows read in order (the data-parallel ranks split each step's rows), a learning rate of 1e-3,
+logging every step, and for DPO a max_grad_norm of 0.05 (its gradients are small: clipping stays active). Each run
+writes OUT_DIR/CASE.json (rank 0: what TRL logs at every step, and DPO's reference model as this rank holds it) and
+saves the trained model to OUT_DIR/CASE (trainer.save_model).
 """
 from __future__ import annotations
 
@@ -47,6 +49,27 @@ CASES = {
     "zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
+# DPOTrainer (UltraScaleDPOTrainer; cases named dpo_*), its default sigmoid loss unless named. Where the reference
+# comes from: "_ref": "path" (the model given by name: TRL loads the policy and a second copy, the reference, which
+# the accelerator shards), "copy" (ref_model= a second model), "precompute" (precompute_ref_log_probs: the policy
+# before training, no reference kept), or none with LoRA (the policy with its adapters disabled)
+DPO_CASES = {
+    "dpo": {"_ref": "copy"},  # plain TRL (reference_dpo), the default loss: the layouts below that keep it
+    "dpo_zero3": {"dp_shard": 2, "_ref": "path"},
+    "dpo_tp2_sp": {"tp": 2, "sequence_parallel": True, "_ref": "copy"},
+    "dpo_cp2_ring": {"cp": 2, "_ref": "precompute"},
+    "dpo_zero2_ipo_eval": {"dp_shard": 2, "zero_stage": 2, "_ref": "copy",
+                           "_sft": {"loss_type": ["ipo"], "eval_strategy": "steps", "eval_steps": 2}},
+    "dpo_cp2_ulysses_hinge": {"cp": 2, "cp_method": "ulysses", "_ref": "copy", "_sft": {"loss_type": ["hinge"]}},
+    "dpo_ep2_moe": {"dp_shard": 2, "ep": 2, "_arch": "qwen3_moe", "_ref": "copy"},
+    "dpo_zero3_lora": {"dp_shard": 2, "_peft": True},
+    "dpo_ddp": {"dp_replicate": 2, "_ref": "copy"},
+    "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True},
+}
+CASES.update(DPO_CASES)
+DPO_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss", "rewards/chosen",
+              "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+              "logits/chosen", "logits/rejected")
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
@@ -73,10 +96,19 @@ def model_for(tokenizer, arch: str = "llama"):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
+def pairs(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
+    """Preference rows: a prompt, a chosen and a rejected completion."""
+    from tiny_tokenizer import WORDS
+
+    r = random.Random(seed)
+    words = lambda lo, hi: " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))  # noqa: E731
+    return [{"prompt": words(2, 8), "chosen": " " + words(2, 10), "rejected": " " + words(2, 10)} for _ in range(n)]
+
+
 def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     layout = dict(CASES.get(case, {}))
@@ -85,51 +117,80 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     resume = layout.pop("_resume", None)
     arch = layout.pop("_arch", "llama")
     hand = layout.pop("_hand", False)
+    ref = layout.pop("_ref", None)
     logs: list[dict] = []
+    dpo = case.removeprefix("reference_").startswith("dpo")
+    logged = DPO_LOGGED if dpo else LOGGED
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                record.append({k: float(logs[k]) for k in LOGGED if k in logs})
+                record.append({k: float(logs[k]) for k in logged if k in logs})
             if logs and "eval_loss" in logs:
-                evaluated.append({k: float(logs[f"eval_{k}"]) for k in LOGGED if f"eval_{k}" in logs})
+                evaluated.append({k: float(logs[f"eval_{k}"]) for k in logged if f"eval_{k}" in logs})
 
     record, evaluated = logs, []
     if case == "reference" or case.startswith("reference_"):
-        cls, extra, dp = SFTTrainer, {}, 1
+        cls, extra, dp = (DPOTrainer if dpo else SFTTrainer), {}, 1
         mirrored = CASES.get(case.removeprefix("reference_"), {})
         sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
         resume = f"reference_{resume}" if resume else None
-        arch = mirrored.get("_arch", "llama")
+        arch, ref = mirrored.get("_arch", "llama"), mirrored.get("_ref")
     else:
+        from ultrascale_plugins.integrations import trl as integration
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
-        from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
         from ultrascale_plugins.interface.config import ParallelConfig
 
         dp = ParallelConfig(**layout).resolve(int(os.environ["WORLD_SIZE"])).dp
-        cls, extra = UltraScaleSFTTrainer, {"ultrascale_plugin": UltraScalePlugin(**layout)}
+        cls = integration.UltraScaleDPOTrainer if dpo else integration.UltraScaleSFTTrainer
+        extra = {"ultrascale_plugin": UltraScalePlugin(**layout)}
         if hand:
             from ultrascale_plugins.integrations.trainer import UltraScaleTrainer
 
             cls = type("MySFT", (UltraScaleTrainer, SFTTrainer), {})
-    args = SFTConfig(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
-                     max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
-                     disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
+    config = DPOConfig if dpo else SFTConfig
+    if dpo:
+        sft = {"max_grad_norm": 0.05, **sft, "precompute_ref_log_probs": ref == "precompute"}
+    args = config(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
+                  max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
+                  disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
     if peft:  # TRL wraps the model with LoRA itself (peft_config), its adapters drawn from the seed
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     torch.manual_seed(1)
+    data = pairs if dpo else rows
     if args.eval_strategy != "no":  # held-out rows, split over the data-parallel ranks like the training rows
-        extra["eval_dataset"] = Dataset.from_list(rows(2 * GLOBAL_BATCH, seed=1))
+        extra["eval_dataset"] = Dataset.from_list(data(2 * GLOBAL_BATCH, seed=1))
         args.per_device_eval_batch_size = GLOBAL_BATCH // dp
-    trainer = cls(model=model_for(tokenizer, arch), args=args, train_dataset=Dataset.from_list(rows()),
+    model = model_for(tokenizer, arch)
+    if ref == "path":  # the model by name: TRL loads it, and a second copy as the reference
+        model = os.path.join(out_dir, "dpo_base")
+        if not os.path.isdir(model) and int(os.environ.get("RANK", "0")) == 0:
+            model_for(tokenizer, arch).save_pretrained(model)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    elif ref == "copy":
+        extra["ref_model"] = model_for(tokenizer, arch)
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(data()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
     trainer.save_model(os.path.join(out_dir, case))
+    reference = None
+    if dpo:  # what DPO's reference is on this rank: its class, and its parameters' elements held here / in all
+        held = trainer.ref_model
+        if held is not None:
+            from torch.distributed.tensor import DTensor
+
+            params = list(held.parameters())
+            local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+            reference = {"class": type(held).__name__, "held": local, "whole": sum(p.numel() for p in params),
+                         "trainable": sum(p.numel() for p in params if p.requires_grad)}
+        else:
+            reference = {"class": None}
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, f"{case}.json"), "w") as f:
-            json.dump({"logs": logs, "eval": evaluated}, f)
+            json.dump({"logs": logs, "eval": evaluated, "reference": reference}, f)
 
 
 def main() -> None:

@@ -754,30 +754,97 @@ class ParallelModel:
             share = share.to_local()
         return (share + (mean - share).detach()).float()
 
-    def token_outputs(self, batch: dict):
+    def token_outputs(self, batch: dict, whole_rows: bool = False, **model_kwargs):
         """This rank's tokens of one micro-batch, each with the log-probability of its next-token target (the
-        gradient flows), the entropy of its prediction and whether the target is its top-1 (no gradient), as a
-        ``distributed.loss.TokenOutputs`` with the global valid-token count: what a trainer computing its own loss
-        from per-token log-probabilities reads (TRL's fused LM head); ``token_mean`` of its losses' sum is the
-        micro-batch's loss. A head computing its loss in chunks gives them without the whole logits
-        (``chunked_loss``). Not in a pipeline: its loss runs on the last stage, inside the schedule."""
+        gradient flows), the entropy of its prediction, whether the target is its top-1 and the mean of its logits
+        (no gradient), as a ``distributed.loss.TokenOutputs`` with the global valid-token count: what a trainer
+        computing its own loss from per-token log-probabilities reads (TRL's fused LM head); ``token_mean`` of its
+        losses' sum is the micro-batch's loss. A head computing its loss in chunks gives them without the whole
+        logits (``chunked_loss``). Not in a pipeline: its loss runs on the last stage, inside the schedule.
+
+        ``whole_rows``: each of this rank's rows whole instead, as long as the batch's (the figures of the tokens
+        other ranks hold, such as context parallel's, gathered without gradient; this rank's keep theirs, and any
+        padding a dimension added is dropped), for a loss that is a function of each row's sum (a preference
+        loss); ``row_mean`` of a mean over the rows is the micro-batch's loss. ``model_kwargs`` go to the model's
+        forward (``output_router_logits``)."""
         from ..distributed.loss import token_outputs_of
 
         if self.runtime.backward_in_forward:
             raise ConfigError("pp>1: per-token log-probabilities for a trainer's own loss are not available in a "
                               "pipeline (its loss runs on the last stage, inside the schedule). Fix: use pp: 1")
+        width = batch["input_ids"].shape[1]
+        places = self._token_places(batch) if whole_rows else None  # before the batch's own split
         batch = self.prepare_batch(batch)
         targets = batch.pop("targets")
         count = self.global_token_count(targets)
         with self.autocast(), self.forward_targets(targets, per_token=True):
-            output = self.forward_module(**batch, use_cache=False)
+            output = self.forward_module(**batch, use_cache=False, **model_kwargs)
         with self.loss_context():
             got = self.pm.hook.ultrascale_token_outputs(pmodel=self, logits=output.logits, targets=targets)
             if got is None:
                 got = token_outputs_of(output.logits, targets)
         output.logits = None
         got.count, got.output, got.terms = count, output, self.loss_terms(output, batch)
+        if not torch.is_grad_enabled():  # no backward frees what the forward gathered (a frozen reference's pass)
+            self.ctx.release_gathered(self.modules)
+        return self._whole_rows(got, places, width) if whole_rows else got
+
+    def _token_places(self, batch: dict) -> torch.Tensor:
+        """Where in its row each token this rank will hold sits (-100: padding a dimension adds): every plugin's
+        ``ultrascale_shard_batch`` run on the batch with each target replaced by its own position. The plugins
+        split by position alone, so the real batch's tokens land where these positions do."""
+        rows, seq = batch["input_ids"].shape
+        probe = self.to_device({k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")
+                                if batch.get(k) is not None})
+        probe["targets"] = torch.arange(seq, device=self.device).expand(rows, seq).clone()
+        self.pm.hook.ultrascale_shard_batch(batch=probe, ctx=self.ctx)
+        return probe["targets"]
+
+    def _whole_rows(self, got, places: torch.Tensor, width: int):
+        """``got``'s per-token figures put back in their rows, ``width`` tokens each: those of the ranks holding
+        other tokens of the same rows (the token-counting axes that do not split rows) all-gathered without
+        gradient, this rank's with theirs (its part of every row's sum)."""
+        names = tuple(a for a in self.dims.token_axes if a not in self.dims.row_axes)
+        group = self.dims.group(names) if names else None
+        fields = ("log_probs", "entropy", "is_top1", "label_mask", "mean_logits")
+        local = torch.stack([getattr(got, f).detach().float() for f in fields])
+        slot = torch.where(places >= 0, places, width)  # padding goes to a column dropped below
+        if group is None:
+            parts, spots = [local], [slot]
+        else:
+            size = dist.get_world_size(group)
+            parts = [torch.empty_like(local) for _ in range(size)]
+            spots = [torch.empty_like(slot) for _ in range(size)]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            dist.all_gather(spots, slot.contiguous(), group=group)
+        rows = local.shape[1]
+        whole = torch.zeros(len(fields), rows, width + 1, device=local.device)
+        for part, spot in zip(parts, spots):
+            whole.scatter_(2, spot.unsqueeze(0).expand_as(part), part)
+        whole = whole[..., :width]
+        own = torch.zeros(rows, width + 1, device=local.device, dtype=got.log_probs.dtype)
+        own = own.scatter(1, slot, got.log_probs - got.log_probs.detach())[:, :width]  # this rank's gradient path
+        got.log_probs = whole[0].to(got.log_probs.dtype) + own
+        got.entropy, got.mean_logits = whole[1], whole[4]
+        got.is_top1, got.label_mask = whole[2].bool(), whole[3].bool()
         return got
+
+    def row_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss from ``loss``, a mean over this rank's rows of figures of whole rows
+        (``token_outputs(whole_rows=True)``: the same value on every rank holding other tokens of those rows,
+        each rank's gradient flowing through its own tokens): its value the mean over the data-parallel replicas
+        (each holding as many rows), its gradient scaled so that the engine's averaging over the gradient axes
+        gives that mean's (the replicas' gradients averaged, the token-splitting ranks' summed). Under
+        ``torch.no_grad``: the mean."""
+        mean = loss.detach().to(torch.float64)
+        group = self.dims.group(self.dims.row_axes)
+        if group is not None:
+            dist.all_reduce(mean, group=group)
+        mean = (mean / self.dims.dp).float()
+        if not torch.is_grad_enabled() or not loss.requires_grad:
+            return mean
+        scaled = loss * (self.dims.grad_scale / self.dims.dp)
+        return scaled + (mean - scaled).detach()
 
     def backward(self, loss: torch.Tensor, backward_fn=None) -> None:
         """Backward of ``loss`` (a front end passes its own ``backward_fn``), then ``finish_backward``."""

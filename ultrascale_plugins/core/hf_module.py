@@ -111,12 +111,16 @@ class ParallelCausalLM(nn.Module):
         batch = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                    ("labels", labels), ("position_ids", position_ids)) if v is not None}
         pm = self.pmodel
+        whole_rows = kwargs.pop("whole_rows", False)
         if kwargs.pop("fused_lm_head", False):
             # TRL's fused LM head: each token's log-probability, entropy and top-1 hit, never the whole logits
-            # (ParallelModel.token_outputs; the chunked loss computes them a chunk of tokens at a time)
+            # (ParallelModel.token_outputs; the chunked loss computes them a chunk of tokens at a time);
+            # whole_rows: each row's tokens whole on every rank holding some of them (a preference loss)
             if labels is None:
                 raise ConfigError("fused_lm_head=True needs labels: the log-probabilities are of the next tokens")
-            return pm.token_outputs(batch)
+            # the batch's other keys (a collator's seq_idx, ...) are not the model's: only what it should return
+            flags = {k: kwargs[k] for k in ("output_router_logits",) if k in kwargs}
+            return pm.token_outputs(batch, whole_rows=whole_rows, **flags)
         if self.pipelined:
             if labels is None:
                 raise ConfigError("pp>1: a pipelined model returns the loss, not logits (they stay on the last "

@@ -4,7 +4,7 @@ never exist at once.
 ``chunked_head_loss(hidden, weight, bias, targets, chunk, vocab)`` returns the sum of the token losses (fp32, -100
 ignored) of ``hidden @ weight.T (+ bias)``; ``chunked_token_losses`` each token's (a preference loss sums them per
 row; minus them, the per-token log-probabilities a trainer's own loss reads); ``chunked_token_stats`` each token's
-entropy and top-1 hit, without gradient (the metrics a trainer logs). Forward runs the head on ``chunk`` tokens at a time and keeps, per
+entropy, top-1 hit and mean logit, without gradient (the metrics a trainer logs). Forward runs the head on ``chunk`` tokens at a time and keeps, per
 token, only the log-sum-exp; backward runs the head again on each chunk and turns its softmax into the gradients
 of the hidden states, the weight and the bias. Peak memory of the loss is one chunk's logits (fp32, and their
 gradient) instead of the whole micro-batch's; the price is one more forward matmul of the head.
@@ -57,13 +57,13 @@ def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 @torch.no_grad()
 def chunked_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         targets: torch.Tensor, chunk: int, vocab: VocabShard | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's (entropy of the predicted distribution, whether the target is its first argmax), shaped like
-    ``targets``, both zero where the target is ignored: the metrics a trainer logs beside the loss (TRL's
-    ``entropy`` and ``is_top1``), ``chunk`` tokens at a time, without gradient. Over a vocabulary split by
-    ``vocab``: the maximum, the sum of exponentials and the sum of exp(z - max)·z are all-reduced (entropy =
-    log Σ e^z - Σ p·z), and the argmax is the smallest vocabulary index holding the global maximum, as
-    ``torch.argmax`` of the whole logits picks it."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's (entropy of the predicted distribution, whether the target is its first argmax, the mean of its
+    logits over the vocabulary), shaped like ``targets``, each zero where the target is ignored: the metrics a
+    trainer logs beside the loss (TRL's ``entropy``, ``is_top1`` and ``mean_logits``), ``chunk`` tokens at a time,
+    without gradient. Over a vocabulary split by ``vocab``: the maximum, the sum of exponentials, the sum of
+    exp(z - max)·z and the sum of the logits are all-reduced (entropy = log Σ e^z - Σ p·z), and the argmax is the
+    smallest vocabulary index holding the global maximum, as ``torch.argmax`` of the whole logits picks it."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     with torch.autocast(device_type, enabled=False):
@@ -71,7 +71,11 @@ def chunked_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         t = targets.reshape(-1)
         start, group = (vocab.start, vocab.group) if vocab is not None else (0, None)
         entropy = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        mean = torch.zeros_like(entropy)
         top1 = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        size = torch.tensor(float(weight.shape[0]), device=h.device)  # the whole vocabulary's rows
+        if group is not None:
+            dist.all_reduce(size, group=group)
         w, b = _cast(weight, bias, dtype)
         for i in range(0, h.shape[0], chunk):
             logits = _logits(h[i:i + chunk], w, b, dtype)
@@ -80,7 +84,7 @@ def chunked_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
             if group is not None:
                 dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
             shifted = torch.exp(logits - best.unsqueeze(1))
-            sums = torch.stack([shifted.sum(-1), (shifted * logits).sum(-1)])
+            sums = torch.stack([shifted.sum(-1), (shifted * logits).sum(-1), logits.sum(-1)])
             # the first index holding the maximum: this shard's candidate, or one past every index
             first = torch.where(top == best, where + start, torch.full_like(where, torch.iinfo(where.dtype).max))
             if group is not None:
@@ -88,9 +92,10 @@ def chunked_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
                 dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
             valid = t[i:i + chunk] != IGNORE_INDEX
             entropy[i:i + chunk] = (best + torch.log(sums[0]) - sums[1] / sums[0]) * valid
+            mean[i:i + chunk] = sums[2] / size * valid
             top1[i:i + chunk] = (first == t[i:i + chunk]) & valid
             del logits, shifted
-    return entropy.view(targets.shape), top1.view(targets.shape)
+    return entropy.view(targets.shape), top1.view(targets.shape), mean.view(targets.shape)
 
 
 def _cast(weight, bias, dtype):

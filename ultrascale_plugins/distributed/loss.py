@@ -41,17 +41,19 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class TokenOutputs:
     """Per-token figures of one micro-batch on this rank, each shaped like its next-token targets (this rank's
-    part of them) and zero where the target is ignored: the log-probability of the target (with gradient), the
-    entropy of the prediction and whether the target is its top-1 (without). ``label_mask``: the valid targets;
-    ``count``: the valid targets of the global micro-batch (every rank holding other tokens); ``output``: the
-    model's output; ``terms``: the objective's other terms for this micro-batch (``ultrascale_loss_terms``: a
-    mixture of experts' router auxiliary loss over the global batch, with its coefficient), to fold in with
+    part of them, or its rows whole: ``ParallelModel.token_outputs(whole_rows=True)``) and zero where the target is
+    ignored: the log-probability of the target (with gradient), the entropy of the prediction, whether the target
+    is its top-1 and the mean of the logits (without). ``label_mask``: the valid targets; ``count``: the valid
+    targets of the global micro-batch (every rank holding other tokens); ``output``: the model's output;
+    ``terms``: the objective's other terms for this micro-batch (``ultrascale_loss_terms``: a mixture of experts'
+    router auxiliary loss over the global batch, with its coefficient), to fold in with
     ``ParallelModel.add_loss_terms``."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
     is_top1: torch.Tensor
     label_mask: torch.Tensor
+    mean_logits: torch.Tensor | None = None  # the mean of each token's logits over the vocabulary (no gradient)
     count: torch.Tensor | None = None
     output: Any = None
     terms: list = dataclasses.field(default_factory=list)  # the plugins' extra loss terms (a router's auxiliary loss)
@@ -73,4 +75,5 @@ def token_outputs_of(logits: torch.Tensor, targets: torch.Tensor) -> TokenOutput
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1) * valid
         top1 = (logits.argmax(-1) == targets) & valid
-    return TokenOutputs(picked, entropy, top1, valid)
+        mean = logits.float().mean(-1) * valid
+    return TokenOutputs(picked, entropy, top1, valid, mean_logits=mean)

@@ -171,6 +171,9 @@ def wrap_model(model, ctx):
         # them. The engine averages their gradients after a step's last backward instead, in one flat all-reduce
         # (these axes stay unclaimed).
         return
+    if not any(p.requires_grad for p in model.parameters()):
+        ctx.materialize()  # a frozen model (a trainer's reference): no gradient to reduce, replicas as they are
+        return
     ctx.materialize()  # DDP broadcasts rank 0's parameters when it wraps the model: they must exist
     in_views = [f"{fqn}.{name}" for fqn in ctx.view_modules(model)
                 for name, _ in model.get_submodule(fqn).named_parameters()]

@@ -235,9 +235,9 @@ def ultrascale_token_outputs(pmodel, logits, targets):
         raise RuntimeError("chunked_loss: the model's output is not the per-token loss its head computed in chunks "
                            "(the model changed it after the head). Set chunked_loss: 0 for this model")
     losses = logits.to_local() if isinstance(logits, DTensor) else logits
-    entropy, top1 = slot.stats
+    entropy, top1, mean_logits = slot.stats
     slot.stats = None
-    return TokenOutputs(-losses, entropy, top1, targets != IGNORE_INDEX)
+    return TokenOutputs(-losses, entropy, top1, targets != IGNORE_INDEX, mean_logits=mean_logits)
 
 
 @hookimpl
