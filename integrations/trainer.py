@@ -12,7 +12,8 @@ itself, from the arguments a ``Trainer`` gives its ``Accelerator``; Trainer's ow
 ``parallelism_config`` arguments are refused (the layout is ultrascale's).
 
 What works: training (loss, gradient accumulation, ``max_grad_norm``, ``bf16=True``), logging, evaluation loss,
-``save_model`` (a ``from_pretrained`` directory), and checkpoints during training (``save_strategy`` "steps",
+``save_model`` (a ``from_pretrained`` directory with the tokenizer and ``training_args.bin``, as Trainer's; pushed
+by ``push_to_hub``), and checkpoints during training (``save_strategy`` "steps",
 "epoch" or "best", ``save_total_limit``, ``load_best_model_at_end``, ``resume_from_checkpoint=PATH or True``).
 
 A checkpoint is Trainer's ``{output_dir}/checkpoint-{step}`` directory holding the package's sharded checkpoint
@@ -46,6 +47,7 @@ from ..interface.config import ConfigError
 from .accelerate import STATE_FILE, UltraScaleAccelerator, UltraScalePlugin
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's names for these files (5.17 to 5.25)
+TRAINING_ARGS_NAME = "training_args.bin"
 SCHEDULER_NAME = "scheduler.pt"
 CHECKPOINT_PREFIX = "checkpoint"
 
@@ -249,8 +251,12 @@ class UltraScaleTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         adapters[0].save_pretrained(output_dir)  # collective: every rank writes its shards
-        if self.processing_class is not None and self.args.should_save:
-            self.processing_class.save_pretrained(output_dir)
+        if self.args.should_save:  # what Trainer's _save writes beside the weights
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` with the sharded checkpoint in place of the full model / optimizer files.
@@ -268,6 +274,10 @@ class UltraScaleTrainer(Trainer):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
+        if self._trl:  # TRL's trainers write their model card (README.md in output_dir) at every checkpoint
+            from .trl import write_model_card
+
+            write_model_card(self)
         output_dir = os.path.join(run_dir, folder)
         main = self.accelerator.is_main_process
 

@@ -267,6 +267,14 @@ def precompute_reference(trainer, dataset, batch_size: int):
             .add_column("ref_rejected_logps", torch.cat(rejected).tolist()))
 
 
+def write_model_card(trainer) -> None:
+    """TRL's model card (README.md in ``output_dir``), as its trainers write it before each checkpoint."""
+    from pathlib import Path
+
+    hub = trainer.args.hub_model_id
+    trainer.create_model_card(model_name=Path(trainer.args.output_dir).name if hub is None else hub.split("/")[-1])
+
+
 def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, max_length: int = 4096,
                      batch_size: int = 1, accumulate: int = 1, max_grad_norm: float = 1.0) -> str:
     """The checks ``UltraScaleSFTTrainer`` runs before training, at full size without weights or GPUs: the layout

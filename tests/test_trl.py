@@ -88,7 +88,9 @@ def test_sft_matches_plain_trl(results, case):
         assert abs(a["entropy"] - b["entropy"]) <= TOL and abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) <= 1e-6
         assert a["num_tokens"] == b["num_tokens"], (step, a, b)
         assert ("aux_loss" in a) == ("aux_loss" in b) and abs(a.get("aux_loss", 0) - b.get("aux_loss", 0)) <= TOL
-    # the saved model: the whole model, or a PEFT model's adapters in PEFT's files, as plain TRL saves them
+    # the saved model: the whole model, or a PEFT model's adapters in PEFT's files, as plain TRL saves them; and
+    # what push_to_hub uploads (the Hub replaced by a recorder): the same files
+    assert got_run["pushed"] == ref_run["pushed"] and "training_args.bin" in got_run["pushed"], got_run["pushed"]
     mine, theirs = _weights(results / case), _weights(results / LAYOUTS[case])
     assert mine.keys() == theirs.keys() and theirs
     worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
@@ -125,6 +127,7 @@ def test_dpo_matches_plain_trl(results, case):
         for key in a:  # the gradient norm: relative
             close = abs(a[key] - b[key]) <= TOL * a[key] if key == "grad_norm" else _close(a[key], b[key])
             assert close, (step, key, a[key], b[key])
+    assert got_run["pushed"] == ref_run["pushed"] and "README.md" in got_run["pushed"], got_run["pushed"]
     mine, theirs = _weights(results / case), _weights(results / DPO_LAYOUTS[case])
     assert mine.keys() == theirs.keys() and theirs
     worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
@@ -150,9 +153,12 @@ def _trainer_classes():
 @pytest.mark.slow
 def test_the_checkpoint_a_layout_saved_is_the_packages_sharded_one(results):
     """The ZeRO-3 run's checkpoint-2 holds the package's sharded checkpoint (model and optimizer shards), which the
-    TP + SP run resumed from (test_sft_matches_plain_trl[tp2_sp_resume])."""
+    TP + SP run resumed from (test_sft_matches_plain_trl[tp2_sp_resume]), and TRL's model card is written beside
+    it."""
     checkpoint = results / "run-zero3_save" / "checkpoint-2"
     assert (checkpoint / "ultrascale.json").is_file() and (checkpoint / "trainer_state.json").is_file()
+    # TRL's model card beside the checkpoints, as plain TRL writes it at each save
+    assert (results / "run-zero3_save" / "README.md").is_file() and (results / "run-reference_zero3_save" / "README.md").is_file()
 
 
 def test_what_is_refused_at_construction(monkeypatch):

@@ -176,6 +176,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
     trainer.save_model(os.path.join(out_dir, case))
+    pushed = push_without_network(trainer)
     reference = None
     if dpo:  # what DPO's reference is on this rank: its class, and its parameters' elements held here / in all
         held = trainer.ref_model
@@ -190,7 +191,32 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
             reference = {"class": None}
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(out_dir, f"{case}.json"), "w") as f:
-            json.dump({"logs": logs, "eval": evaluated, "reference": reference}, f)
+            json.dump({"logs": logs, "eval": evaluated, "reference": reference, "pushed": pushed}, f)
+
+
+def push_without_network(trainer) -> list[str] | None:
+    """``trainer.push_to_hub()`` with the Hub replaced by a recorder: the files it would upload from output_dir
+    (rank 0's list; None on the other ranks, which upload nothing)."""
+    import fnmatch
+
+    import transformers.trainer as hf_trainer
+
+    uploaded = []
+
+    class Hub:
+        def upload_folder(self, folder_path, ignore_patterns=(), **kwargs):
+            for root, dirs, files in os.walk(folder_path):
+                dirs[:] = [d for d in dirs if not any(fnmatch.fnmatch(d, p) for p in ignore_patterns)]
+                uploaded.extend(os.path.relpath(os.path.join(root, f), folder_path) for f in files
+                                if not any(fnmatch.fnmatch(f, p) for p in ignore_patterns))
+
+    real, hf_trainer.hf_api = hf_trainer.hf_api, Hub
+    trainer.hub_model_id = "tests/tiny"  # a repository that "exists": no create_repo
+    try:
+        trainer.push_to_hub()
+    finally:
+        hf_trainer.hf_api = real
+    return sorted(uploaded) if trainer.is_world_process_zero() else None
 
 
 def main() -> None:
