@@ -136,11 +136,12 @@ class UltraScaleTrainer(Trainer):
         return super()._move_model_to_device(model, device)
 
     def _ultrascale_defaults(self) -> dict:
-        """Layout fields this trainer sets where the layout leaves them at their default: TRL's SFTTrainer computes
-        its loss through a fused, chunked head, so the parallel model's head runs in chunks too."""
+        """Layout fields this trainer sets where the layout leaves them at their default: TRL's SFTTrainer and
+        DPOTrainer compute their loss through a fused, chunked head, so the parallel model's head runs in chunks
+        too."""
         from .trl import DEFAULT_CHUNK
 
-        return {"chunked_loss": DEFAULT_CHUNK} if self._trl == "sft" else {}
+        return {"chunked_loss": DEFAULT_CHUNK} if self._trl else {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's (or the Trainer subclass's); TRL's SFTTrainer's and DPOTrainer's from the parallel model's

@@ -23,11 +23,17 @@ LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_
            "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
 # DPOTrainer (trl_worker.DPO_CASES: where each takes its reference model from)
 DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp2_sp": "reference_dpo",
-               "dpo_cp2_ring": "reference_dpo", "dpo_cp2_ulysses_hinge": "reference_dpo_cp2_ulysses_hinge",
+               "dpo_cp2_ulysses": "reference_dpo_cp2_ulysses", "dpo_cp2_ring_hinge": "reference_dpo_cp2_ring_hinge",
                "dpo_zero2_ipo_eval": "reference_dpo_zero2_ipo_eval", "dpo_ep2_moe": "reference_dpo_ep2_moe",
                "dpo_zero3_lora": "reference_dpo_zero3_lora", "dpo_tp2_sp_lora": "reference_dpo_zero3_lora"}
 CLIP = {"zero3_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
-DPO_CLIP = 0.05  # trl_worker's for DPO
+DPO_CLIP = {"dpo_zero3_lora": 0.1, "dpo_tp2_sp_lora": 0.1}  # trl_worker's max_grad_norm for DPO (default: 0.5)
+# The final weights of a DPO run: the chosen and the rejected row of a pair share their prompt, and at the start
+# (policy = reference) their gradients through the prompt's tokens nearly cancel; Adam divides each element's update
+# by its gradient's size, so an element left at rounding level moves by rounding noise times the learning rate. Two
+# plain TRL runs differing only in the attention kernel (eager, sdpa) differ by 1.9e-6 there; the layouts by up to
+# 1.1e-5 (ring attention), on 1 element of 125,248 (the next: 4.4e-6). Everything logged stays within 1e-5.
+DPO_WEIGHTS_TOL = 2e-5
 TOL = 1e-5
 
 
@@ -105,15 +111,16 @@ def _close(a: float, b: float) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(DPO_LAYOUTS))
 def test_dpo_matches_plain_trl(results, case):
-    """DPOTrainer: the same model, preference rows and DPOConfig (its defaults but bf16, clipping at 0.05) as plain
-    TRL in one process: every step's loss, gradient norm (clipping active), TRL's logged rewards (chosen, rejected,
-    accuracies, margins), log-probabilities, mean logits, entropy, token accuracy and token count, and the final
-    weights, within 1e-5 (relative for sums of log-probabilities). ZeRO-3 with the model given by name (TRL loads a
+    """DPOTrainer: the same model, preference rows and DPOConfig (its defaults but bf16, clipping at 0.5, LoRA's at
+    0.1) as plain TRL in one process: every step's loss, gradient norm (clipping active), TRL's logged rewards (chosen, rejected,
+    accuracies, margins), log-probabilities, mean logits, entropy, token accuracy and token count within 1e-5
+    (relative for sums of log-probabilities), and the final weights. ZeRO-3 with the model given by name (TRL loads a
     second copy as the reference: the accelerator shards it, frozen), DDP and TP + SP with a reference model passed
-    in, context parallel (ring with precompute_ref_log_probs, no reference kept: the policy before training gives
-    them, in the layout; Ulysses with the hinge loss), ZeRO-2 with the IPO loss and evaluation every 2 steps,
+    in, context parallel (Ulysses with precompute_ref_log_probs, no reference kept: the policy before training gives
+    them, in the layout; ring with the hinge loss), ZeRO-2 with the IPO loss and evaluation every 2 steps,
     expert parallel on a Qwen3-MoE (the router auxiliary loss and its logged aux_loss), LoRA under ZeRO-3 and TP +
-    SP (the reference is the policy with its adapters disabled: no second copy)."""
+    SP (the reference is the policy with its adapters disabled: no second copy). The final weights within 2e-5
+    (DPO_WEIGHTS_TOL: why)."""
     ref_run = json.loads((results / f"{DPO_LAYOUTS[case]}.json").read_text())
     got_run = json.loads((results / f"{case}.json").read_text())
     ref, got = ref_run["logs"], got_run["logs"]
@@ -122,7 +129,7 @@ def test_dpo_matches_plain_trl(results, case):
         assert a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a), (a, b)
     for step, (a, b) in enumerate(zip(ref, got)):
         assert a.keys() == b.keys() and {"rewards/margins", "logps/chosen", "logits/rejected"} <= a.keys(), a
-        assert a["grad_norm"] > DPO_CLIP, f"step {step}: clipping was not active ({a['grad_norm']})"
+        assert a["grad_norm"] > DPO_CLIP.get(case, 0.5), f"step {step}: clipping was not active ({a['grad_norm']})"
         assert ("aux_loss" in a) == case.endswith("moe")
         for key in a:  # the gradient norm: relative
             close = abs(a[key] - b[key]) <= TOL * a[key] if key == "grad_norm" else _close(a[key], b[key])
@@ -131,9 +138,9 @@ def test_dpo_matches_plain_trl(results, case):
     mine, theirs = _weights(results / case), _weights(results / DPO_LAYOUTS[case])
     assert mine.keys() == theirs.keys() and theirs
     worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
-    assert worst <= TOL, worst
+    assert worst <= DPO_WEIGHTS_TOL, worst
     reference = got_run["reference"]
-    if case.endswith("lora") or "precompute" in case or case == "dpo_cp2_ring":
+    if case.endswith("lora") or case == "dpo_cp2_ulysses":
         assert reference == {"class": None}  # no second model: adapters disabled, or log-probabilities precomputed
     else:  # a second model, in the layout: frozen, and sharded where the layout shards (ZeRO-3 by 2, TP by 2)
         assert reference["class"] == "ParallelCausalLM" and reference["trainable"] == 0, reference
@@ -158,7 +165,8 @@ def test_the_checkpoint_a_layout_saved_is_the_packages_sharded_one(results):
     checkpoint = results / "run-zero3_save" / "checkpoint-2"
     assert (checkpoint / "ultrascale.json").is_file() and (checkpoint / "trainer_state.json").is_file()
     # TRL's model card beside the checkpoints, as plain TRL writes it at each save
-    assert (results / "run-zero3_save" / "README.md").is_file() and (results / "run-reference_zero3_save" / "README.md").is_file()
+    for run in ("run-zero3_save", "run-reference_zero3_save"):
+        assert (results / run / "README.md").is_file(), run
 
 
 def test_what_is_refused_at_construction(monkeypatch):

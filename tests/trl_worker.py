@@ -7,7 +7,7 @@ in one process (tests/test_trl.py).
 The same tiny Llama (the tokenizer's vocabulary), the same rows (SFT: prompt-completion, TRL's completion-only
 loss; DPO, cases named dpo_*: prompt, chosen and rejected) and SFTConfig's / DPOConfig's defaults but for: no bf16
 (a CPU), 4 steps of 8 rows read in order (the data-parallel ranks split each step's rows), a learning rate of 1e-3,
-logging every step, and for DPO a max_grad_norm of 0.05 (its gradients are small: clipping stays active). Each run
+logging every step, and for DPO a max_grad_norm of 0.5 (its gradients are small: clipping stays active). Each run
 writes OUT_DIR/CASE.json (rank 0: what TRL logs at every step, and DPO's reference model as this rank holds it) and
 saves the trained model to OUT_DIR/CASE (trainer.save_model).
 """
@@ -57,14 +57,14 @@ DPO_CASES = {
     "dpo": {"_ref": "copy"},  # plain TRL (reference_dpo), the default loss: the layouts below that keep it
     "dpo_zero3": {"dp_shard": 2, "_ref": "path"},
     "dpo_tp2_sp": {"tp": 2, "sequence_parallel": True, "_ref": "copy"},
-    "dpo_cp2_ring": {"cp": 2, "_ref": "precompute"},
+    "dpo_cp2_ulysses": {"cp": 2, "cp_method": "ulysses", "_ref": "precompute"},
     "dpo_zero2_ipo_eval": {"dp_shard": 2, "zero_stage": 2, "_ref": "copy",
                            "_sft": {"loss_type": ["ipo"], "eval_strategy": "steps", "eval_steps": 2}},
-    "dpo_cp2_ulysses_hinge": {"cp": 2, "cp_method": "ulysses", "_ref": "copy", "_sft": {"loss_type": ["hinge"]}},
+    "dpo_cp2_ring_hinge": {"cp": 2, "_ref": "copy", "_sft": {"loss_type": ["hinge"]}},
     "dpo_ep2_moe": {"dp_shard": 2, "ep": 2, "_arch": "qwen3_moe", "_ref": "copy"},
-    "dpo_zero3_lora": {"dp_shard": 2, "_peft": True},
+    "dpo_zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "dpo_ddp": {"dp_replicate": 2, "_ref": "copy"},
-    "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True},
+    "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 CASES.update(DPO_CASES)
 DPO_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss", "rewards/chosen",
@@ -150,7 +150,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
             cls = type("MySFT", (UltraScaleTrainer, SFTTrainer), {})
     config = DPOConfig if dpo else SFTConfig
     if dpo:
-        sft = {"max_grad_norm": 0.05, **sft, "precompute_ref_log_probs": ref == "precompute"}
+        sft = {"max_grad_norm": 0.5, **sft, "precompute_ref_log_probs": ref == "precompute"}
     args = config(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
                   max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
                   disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
