@@ -282,6 +282,23 @@ def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
     and the model (``model_config``, built on the meta device), the Trainer's loop, and the planner's per-rank memory
     estimate against the GPU preset ``gpu`` for ``batch_size`` rows of ``max_length`` tokens, ``accumulate``
     micro-batches a step. Refuses (ConfigError) what cannot run or fit; returns one line saying what fits."""
+    return _check_layout("sft", layout, model_config, world_size, gpu, max_length, batch_size, accumulate,
+                         max_grad_norm, reference=False)
+
+
+def check_dpo_layout(layout: dict, model_config, world_size: int, gpu: str, *, max_length: int = 2048,
+                     batch_size: int = 1, accumulate: int = 1, max_grad_norm: float = 1.0,
+                     reference: bool = True) -> str:
+    """``check_sft_layout`` for ``UltraScaleDPOTrainer``: ``batch_size`` pairs, each a chosen and a rejected row of
+    ``max_length`` tokens in one micro-batch, and with ``reference`` (a reference model kept: not a PEFT policy,
+    nor ``precompute_ref_log_probs``) its weights held beside the policy's, sharded the same way (the policy's
+    parameter bytes per rank once more; its forward runs without gradients, inside the policy's activation peak)."""
+    return _check_layout("dpo", layout, model_config, world_size, gpu, max_length, 2 * batch_size, accumulate,
+                         max_grad_norm, reference=reference)
+
+
+def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows, accumulate, max_grad_norm,
+                  reference: bool) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -293,7 +310,7 @@ def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
     config = ParallelConfig.from_dict(dict(layout))
     if not config.chunked_loss:
         config = config.replace(chunked_loss=DEFAULT_CHUNK)
-    refuse_pipeline(config.pp)
+    refuse_pipeline(config.pp, kind)
     if gpu not in PRESETS:
         raise ConfigError(f"gpu={gpu!r}: not a preset. Fix: one of {', '.join(PRESETS)}")
     with torch.device("meta"):
@@ -301,15 +318,28 @@ def check_sft_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
     resolved = validate(config, model_config, world_size, model=model)
     validate_loop(resolved, accumulate, max_grad_norm)
     memory = PRESETS[gpu].memory_gb
-    mem = check_memory(resolved, model_config, model, world_size, max_length, batch_size, accumulate, world_size,
-                       memory)  # refuses what does not fit
-    gb = mem["total"] if mem is not None else float("nan")  # ULTRASCALE_SKIP_MEMORY_CHECK=1: not estimated
+    held = 0.0
+    if reference:  # the reference's weights: what the policy's take per rank, beside them
+        mem = check_memory(resolved, model_config, model, world_size, max_length, rows, accumulate, world_size,
+                           float("inf"))
+        held = mem["params"] if mem is not None else 0.0
+        if mem is not None and mem["total"] + held > memory:
+            raise ConfigError(f"model {model_config.model_type} with its DPO reference needs about "
+                              f"{mem['total'] + held:.1f} GB per GPU in this layout (the policy {mem['total']:.1f}, "
+                              f"the reference's weights {held:.1f}: the planner's estimate), but {gpu} has "
+                              f"{memory:g} GB. Fix: shard over more GPUs (dp_shard, tp), train LoRA adapters (the "
+                              "reference is then the base, no second copy), or precompute_ref_log_probs=True")
+    else:
+        mem = check_memory(resolved, model_config, model, world_size, max_length, rows, accumulate, world_size,
+                           memory)  # refuses what does not fit
+    gb = mem["total"] + held if mem is not None else float("nan")  # ULTRASCALE_SKIP_MEMORY_CHECK=1: not estimated
     fresh = ParallelConfig()
     changed = {k: v for k, v in resolved.to_dict().items() if v != getattr(fresh, k, v)}
     n = sum(p.numel() for p in model.parameters()) / 1e9
-    return (f"ok: {model_config.model_type} ({n:.2f}B) on {world_size} x {gpu}, {changed}, {batch_size} x "
-            f"{accumulate} rows of {max_length} tokens a step per replica: predicted {gb:.1f} GB per GPU "
-            f"(of {memory:g})")
+    what = (f"{rows // 2} pair(s), 2 rows each," if kind == "dpo" else f"{rows} rows") + f" of {max_length} tokens x "
+    extra = f", a reference model's weights {held:.1f} GB included" if reference and mem is not None else ""
+    return (f"ok: {model_config.model_type} ({n:.2f}B) on {world_size} x {gpu}, {changed}, {what}{accumulate} "
+            f"micro-batches a step per replica: predicted {gb:.1f} GB per GPU (of {memory:g}){extra}")
 
 
 def _sft_trainer_class():

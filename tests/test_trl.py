@@ -281,6 +281,62 @@ def test_the_sft_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
     assert 10 < predicted < 80, line
 
 
+def test_the_dpo_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
+    """recipes/trl/dpo.py --check with its layout file: Llama-3.1-8B on 8 x H100 80 GB, the policy's chosen and
+    rejected rows and the reference model's weights (sharded as the policy's) in the estimate; without a reference
+    (LoRA or precomputed log-probabilities) less."""
+    sys.path.insert(0, str(RECIPE))
+    try:
+        import dpo
+    finally:
+        sys.path.remove(str(RECIPE))
+    base = ["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "llama-3.1-8b.json"), "--layout",
+            str(RECIPE / "llama-3.1-8b-dpo-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"]
+    dpo.main(base)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("ok: llama (8.03B) on 8 x h100-sxm-80gb") and "a reference model's weights" in line, line
+    with_reference = float(line.split("predicted ")[1].split(" GB")[0])
+    dpo.main(base + ["--precompute"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    alone = float(line.split("predicted ")[1].split(" GB")[0])
+    assert 10 < alone < with_reference < 80 and "reference" not in line, line
+
+
+@pytest.mark.slow
+def test_the_dpo_recipe_trains_a_shrunk_model(tmp_path):
+    """recipes/trl/dpo.py under torchrun on 2 processes, its layout file with dp_shard=2 (fp32 on a CPU), a tiny
+    pretrained Llama as the policy and as the reference (both built on the meta device, each rank reading its
+    shards) and preference pairs: it trains from the pretrained weights and writes a Hugging Face directory."""
+    import random
+
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import torchrun
+    from tiny_tokenizer import WORDS, make_pretrained
+
+    make_pretrained(tmp_path / "tiny")
+    r = random.Random(0)
+    words = lambda n: " ".join(r.choice(WORDS) for _ in range(n))  # noqa: E731
+    with open(tmp_path / "prefs.jsonl", "w") as f:
+        for _ in range(12):
+            f.write(json.dumps({"prompt": words(5), "chosen": " " + words(6), "rejected": " " + words(4)}) + "\n")
+    proc = torchrun(2, RECIPE / "dpo.py", "--model", str(tmp_path / "tiny"), "--layout",
+                    str(RECIPE / "llama-3.1-8b-dpo-8gpu.yaml"), "--set", "dp_shard=2", "--set", "mixed_precision=no",
+                    "--data", str(tmp_path / "prefs.jsonl"), "--max-steps", "3", "--max-length", "64",
+                    "--batch-size", "2", "--accumulate", "1", "--lr", "1e-3", "--logging-steps", "1",
+                    "--output-dir", str(tmp_path / "out"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr
+    assert output.count("train_runtime") == 1
+    # the first step: the reference read the same weights as the policy (log-ratios 0: the loss is ln 2)
+    assert "'loss': '0.6931'" in output and "'rewards/margins': '0'" in output, output[-3000:]
+    start, end = load_file(tmp_path / "tiny" / "model.safetensors"), load_file(tmp_path / "out" / "final" / "model.safetensors")
+    moved = max(float((end[k] - start[k]).abs().max()) for k in start)
+    assert 0 < moved < 0.05, moved  # trained a few steps from the pretrained weights (not from a fresh draw)
+    assert all(torch.isfinite(v).all() for v in end.values())
+
+
 @pytest.mark.slow
 def test_the_sft_recipe_trains_a_shrunk_model(tmp_path):
     """recipes/trl/sft.py under torchrun on 2 processes, the recipe's layout file with dp_shard=2 (fp32 on a CPU), a
