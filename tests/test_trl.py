@@ -281,6 +281,21 @@ def test_the_sft_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
     assert 10 < predicted < 80, line
 
 
+def test_the_sft_recipe_checks_qwen3_30b_a3b_with_expert_parallel_on_8_gpus(capsys):
+    """recipes/trl/sft.py --check with the expert-parallel layout file: Qwen3-30B-A3B's config on the meta device,
+    its 128 experts split over ep=8 under ZeRO-3, bf16 states, against 8 x H100 80 GB."""
+    sys.path.insert(0, str(RECIPE))
+    try:
+        import sft
+    finally:
+        sys.path.remove(str(RECIPE))
+    sft.main(["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "qwen3-30b-a3b.json"),
+              "--layout", str(RECIPE / "qwen3-30b-a3b-ep-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("ok: qwen3_moe (30.53B) on 8 x h100-sxm-80gb") and "'ep': 8" in line, line
+    assert 20 < float(line.split("predicted ")[1].split(" GB")[0]) < 70, line
+
+
 def test_the_dpo_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
     """recipes/trl/dpo.py --check with its layout file: Llama-3.1-8B on 8 x H100 80 GB, the policy's chosen and
     rejected rows and the reference model's weights (sharded as the policy's) in the estimate; without a reference
