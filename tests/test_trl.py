@@ -18,7 +18,7 @@ LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_
            "cp2_ulysses": "reference", "cp2_ring_packed": "reference_cp2_ring_packed",
            "ep2_moe": "reference_ep2_moe",
            "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
-           "tp2_sp_lora": "reference_zero3_lora",
+           "tp2_sp_lora": "reference_zero3_lora", "cp2_ring_assistant": "reference_cp2_ring_assistant",
            # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
            "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
 # DPOTrainer (trl_worker.DPO_CASES: where each takes its reference model from)
@@ -146,6 +146,36 @@ def test_dpo_matches_plain_trl(results, case):
         assert reference["class"] == "ParallelCausalLM" and reference["trainable"] == 0, reference
         if case in ("dpo_zero3", "dpo_tp2_sp"):
             assert reference["held"] < 0.6 * reference["whole"], reference
+
+
+@pytest.fixture(scope="module")
+def hsdp(results):
+    """HSDP on 4 processes (2 replicas of 2 ZeRO-3 shards): TRL's SFT and DPO, against the plain TRL runs of
+    ``results``."""
+    from conftest import retry_native_crash, torchrun
+
+    proc = retry_native_crash(lambda: torchrun(4, WORKER, str(results / "tok"), str(results), "hsdp", "dpo_hsdp"),
+                              "test_trl hsdp")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return results
+
+
+@pytest.mark.sweep  # benchmarks/sweep_tests.py: 4 processes; every 2-process layout in CI
+@pytest.mark.parametrize("case", ["hsdp", "dpo_hsdp"])
+def test_hsdp_matches_plain_trl(hsdp, case):
+    """HSDP (dp_replicate=2 x dp_shard=2): SFTTrainer and DPOTrainer (the reference loaded by TRL from the model's
+    name, sharded the same way), every logged figure within 1e-5 of plain TRL's, and the final weights."""
+    reference = "reference" if case == "hsdp" else "reference_dpo"
+    ref, got = (json.loads((hsdp / f"{name}.json").read_text())["logs"] for name in (reference, case))
+    assert len(ref) == len(got) == 4
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert a.keys() == b.keys()
+        for key in a:
+            close = abs(a[key] - b[key]) <= TOL * a[key] if key == "grad_norm" else _close(a[key], b[key])
+            assert close, (step, key, a[key], b[key])
+    mine, theirs = _weights(hsdp / case), _weights(hsdp / reference)
+    worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)
+    assert mine.keys() == theirs.keys() and worst <= (TOL if case == "hsdp" else DPO_WEIGHTS_TOL), worst
 
 
 def _trainer_classes():

@@ -48,6 +48,11 @@ CASES = {
     # LoRA (TRL's peft_config): only the adapters train; their smaller gradients clip at 0.1
     "zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
+    # conversations of two turns under TRL's chat template (one with generation tags): the loss on the assistant's
+    # replies only (assistant_only_loss)
+    "cp2_ring_assistant": {"cp": 2, "_sft": {"assistant_only_loss": True}, "_messages": True},
+    # 4 processes (tests/test_trl.py::test_hsdp_matches_plain_trl): HSDP, 2 replicas of 2 ZeRO-3 shards
+    "hsdp": {"dp_replicate": 2, "dp_shard": 2},
 }
 # DPOTrainer (UltraScaleDPOTrainer; cases named dpo_*), its default sigmoid loss unless named. Where the reference
 # comes from: "_ref": "path" (the model given by name: TRL loads the policy and a second copy, the reference, which
@@ -64,6 +69,7 @@ DPO_CASES = {
     "dpo_ep2_moe": {"dp_shard": 2, "ep": 2, "_arch": "qwen3_moe", "_ref": "copy"},
     "dpo_zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "dpo_ddp": {"dp_replicate": 2, "_ref": "copy"},
+    "dpo_hsdp": {"dp_replicate": 2, "dp_shard": 2, "_ref": "path"},  # 4 processes
     "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 CASES.update(DPO_CASES)
@@ -96,6 +102,14 @@ def model_for(tokenizer, arch: str = "llama"):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
+def conversations(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
+    """Two-turn conversations (user, assistant, user, assistant)."""
+    turns = rows(2 * n, seed)
+    return [{"messages": [m for t in turns[2 * i:2 * i + 2] for m in (
+        {"role": "user", "content": t["prompt"]}, {"role": "assistant", "content": t["completion"].strip()})]}
+        for i in range(n)]
+
+
 def pairs(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
     """Preference rows: a prompt, a chosen and a rejected completion."""
     from tiny_tokenizer import WORDS
@@ -118,6 +132,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     arch = layout.pop("_arch", "llama")
     hand = layout.pop("_hand", False)
     ref = layout.pop("_ref", None)
+    messages = layout.pop("_messages", False)
     logs: list[dict] = []
     dpo = case.removeprefix("reference_").startswith("dpo")
     logged = DPO_LOGGED if dpo else LOGGED
@@ -135,7 +150,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         mirrored = CASES.get(case.removeprefix("reference_"), {})
         sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
         resume = f"reference_{resume}" if resume else None
-        arch, ref = mirrored.get("_arch", "llama"), mirrored.get("_ref")
+        arch, ref, messages = mirrored.get("_arch", "llama"), mirrored.get("_ref"), mirrored.get("_messages", False)
     else:
         from ultrascale_plugins.integrations import trl as integration
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
@@ -159,7 +174,11 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     torch.manual_seed(1)
-    data = pairs if dpo else rows
+    data = pairs if dpo else conversations if messages else rows
+    if messages:
+        from tiny_tokenizer import CHATML_TAGGED
+
+        tokenizer.chat_template = CHATML_TAGGED
     if args.eval_strategy != "no":  # held-out rows, split over the data-parallel ranks like the training rows
         extra["eval_dataset"] = Dataset.from_list(data(2 * GLOBAL_BATCH, seed=1))
         args.per_device_eval_batch_size = GLOBAL_BATCH // dp
