@@ -1,6 +1,7 @@
-"""TRL's ``SFTTrainer`` on ultrascale layouts: ``UltraScaleSFTTrainer`` is ``UltraScaleTrainer`` and ``SFTTrainer``
-in one (``pip install "ultrascale-plugins[trl]"``); a class of your own built on both (``class
-MySFT(UltraScaleTrainer, SFTTrainer)``, ``UltraScaleTrainer`` first) works the same.
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` on ultrascale layouts: ``UltraScaleSFTTrainer`` and
+``UltraScaleDPOTrainer`` are ``UltraScaleTrainer`` and the TRL trainer in one (``pip install
+"ultrascale-plugins[trl]"``); a class of your own built on both (``class MySFT(UltraScaleTrainer, SFTTrainer)``,
+``UltraScaleTrainer`` first) works the same.
 
     from trl import SFTConfig
     from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
@@ -10,23 +11,31 @@ MySFT(UltraScaleTrainer, SFTTrainer)``, ``UltraScaleTrainer`` first) works the s
                                    ultrascale_plugin=UltraScalePlugin(dp_shard=4, tp=2))
     trainer.train()
 
-TRL's ``SFTTrainer`` patches the model's forward with its fused LM head (``fused_lm_head=True``: each token's
-log-probability, entropy and top-1 hit, computed in tiles without the whole logits) and computes its loss and
-metrics from them. Under a layout the patch cannot run: it calls the backbone directly, past the wrappers that
-gather a sharded model's weights, and gathers a tensor-parallel head whole. Here the parallel model provides the
-same contract (``ParallelModel.token_outputs``: the chunked loss's head, each rank holding its vocabulary shard,
-the per-token figures reduced over the shards) and the trainer computes TRL's loss (``loss_type`` nll or dft) and
-its logged metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) from it, normalized once: each
-micro-batch's loss is the global mean over its valid tokens, weighted by its share of the step's tokens, as a
-one-process TRL run computes it. The head runs ``chunked_loss`` tokens at a time (1,024 when the layout leaves it
-0), so no rank holds the logits of a micro-batch.
+TRL's trainers patch the model's forward with their fused LM head (``fused_lm_head=True``: each token's
+log-probability, entropy, top-1 hit and mean logit, computed in tiles without the whole logits) and compute their
+loss and metrics from them. Under a layout the patch cannot run: it calls the backbone directly, past the wrappers
+that gather a sharded model's weights, and gathers a tensor-parallel head whole. Here the parallel model provides
+the same contract (``ParallelModel.token_outputs``: the chunked loss's head, each rank holding its vocabulary
+shard, the per-token figures reduced over the shards; 1,024 tokens at a time when the layout leaves
+``chunked_loss`` 0, so no rank holds the logits of a micro-batch).
+
+SFT: the trainer computes TRL's loss (``loss_type`` nll or dft) and its logged metrics (``entropy``,
+``mean_token_accuracy``, ``num_tokens``) from this rank's tokens, normalized once: each micro-batch's loss is the
+global mean over its valid tokens, weighted by its share of the step's tokens, as a one-process TRL run computes it.
+
+DPO: TRL's own loss code runs on each rank's rows whole (``token_outputs(whole_rows=True)``: a sequence's
+log-likelihood is the whole row's on every rank holding some of its tokens), after the reference's
+log-probabilities (a reference model parallelized in the same layout and frozen, ``prepare_model(evaluation_mode=
+True)``; a PEFT policy with its adapters disabled; or precomputed in the layout at the start of ``train``), and its
+mean over this rank's pairs becomes the micro-batch's (``ParallelModel.row_mean``).
 
 Refused at construction, naming the reason: a TRL version whose trainers' contract is not known here
-(``TESTED_TRL``), TRL's other trainers (DPO is not yet here; GRPO, RLOO and the others that generate are out of
-scope), and the TRL arguments that need the whole logits or that the layout owns: ``parallelism_config``,
-``label_smoothing_factor``, ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload``
-instead), Liger kernels; a pipeline (``pp > 1``). A mixture of experts' router auxiliary loss (TRL's
-``router_aux_loss_coef``) is computed over the global batch, as one process computes it.
+(``TESTED_TRL``), TRL's other trainers (GRPO, RLOO and the others that generate are out of scope), the TRL
+arguments that need the whole logits or that the layout owns: ``parallelism_config``, ``label_smoothing_factor``,
+``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload`` instead), Liger kernels; DPO's
+that the parallel head or a sharded reference cannot honour (``refuse_dpo_arguments``); a pipeline (``pp > 1``). A
+mixture of experts' router auxiliary loss (TRL's ``router_aux_loss_coef``) is computed over the global batch, as
+one process computes it.
 """
 from __future__ import annotations
 
