@@ -88,11 +88,29 @@ def refuse_sft_arguments(args) -> None:
 
 
 def refuse_pipeline(pp: int, kind: str = "sft") -> None:
-    if pp > 1:
+    if pp > 1 and kind == "dpo":
         raise ConfigError(f"UltraScale{kind.upper()}Trainer with pp={pp}: TRL computes its loss from per-token "
                           "log-probabilities after the forward, and a pipeline runs its loss on the last stage, inside "
                           "the schedule: not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor, context and expert "
                           "parallel are)")
+
+
+def router_loss_enabled(model, args) -> bool:
+    """Whether TRL's trainer adds a mixture of experts' router auxiliary loss for ``model`` under ``args`` (TRL's
+    rule: the model returns router logits, and the coefficient, TRL's or the config's, is not 0)."""
+    if model is None or isinstance(model, str) or not hasattr(model, "config"):
+        return False
+    text = model.config.get_text_config()
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return hasattr(text, "output_router_logits") and bool(coef)
+
+
+def refuse_router_loss_in_pipeline(pp: int, enabled: bool) -> None:
+    if pp > 1 and enabled:
+        raise ConfigError(f"UltraScaleSFTTrainer with pp={pp} and a router auxiliary loss: a pipeline computes it per "
+                          "pipeline micro-batch, TRL over its whole batch, and the two differ. Fix: pp: 1 (expert "
+                          "parallel is), or SFTConfig(router_aux_loss_coef=0)")
 
 
 # DPOConfig values the layout cannot honour: (field, is it set, why and the fix)
@@ -133,6 +151,8 @@ def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
                           "which the layout never builds. Fix: TRL's loss_type instead")
     if config is not None:
         refuse_pipeline(config.pp, kind)
+        model = kwargs.get("model", args[0] if args else None)
+        refuse_router_loss_in_pipeline(config.pp, kind == "sft" and router_loss_enabled(model, trl_args))
 
 
 def after_init(trainer) -> None:
@@ -148,6 +168,13 @@ def after_init(trainer) -> None:
                 refuse_dpo_arguments(trainer.args, trainer.accelerator.ultrascale_config.dp)
         except ConfigError as exc:
             refuse(exc)
+    if kind == "sft" and getattr(trainer, "aux_loss_enabled", False):
+        from ..distributed.launch import refuse
+
+        try:
+            refuse_router_loss_in_pipeline(trainer.accelerator.ultrascale_config.pp, True)
+        except ConfigError as exc:
+            refuse(exc)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     base.__dict__.pop("forward", None)
     reference = getattr(trainer, "ref_model", None)
@@ -160,31 +187,41 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
     import torch
     from trl import SFTTrainer
 
-    mode = "train" if trainer.model.training else "eval"
     adapter = trainer._ultrascale_adapter()
     if adapter is None:  # not prepared yet (an evaluation before train): TRL's own, on one process
         return SFTTrainer.compute_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
+    mode = "train" if model.training else "eval"  # the model that runs (a pipeline's stages are not trainer.model)
     if return_outputs:
         raise ConfigError("compute_loss(return_outputs=True): the layout never builds the whole logits. Fix: "
                           "evaluate with prediction_loss_only=True")
     pmodel = adapter.pmodel
-    out = model(**{k: v for k, v in inputs.items() if k != "use_cache"}, fused_lm_head=True)
-    per_token = -out.log_probs  # zero where the label is ignored
-    if trainer.args.loss_type == "dft":
-        per_token = per_token * out.log_probs.exp().detach()
-    loss_sum = per_token.sum()
     metrics = trainer._metrics[mode]
-    if out.terms:  # a mixture of experts' router auxiliary loss (coefficient included), over the global batch
-        # TRL adds it to each micro-batch's loss divided by the window's micro-batches; the window weighs this
-        # micro-batch by its token share (UltraScaleTrainer.training_step: current_gradient_accumulation_steps is
-        # 1 / share)
-        weight = trainer.current_gradient_accumulation_steps / max(1, trainer.args.gradient_accumulation_steps)
-        loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
-        if trainer.aux_loss_enabled and trainer.router_aux_loss_coef:
-            metrics["aux_loss"].append(float(sum(t.detach() for t in out.terms)) / trainer.router_aux_loss_coef)
-    loss = pmodel.token_mean(loss_sum, out.count)
+    batch = {k: v for k, v in inputs.items() if k != "use_cache"}
+    if adapter.pipelined:  # the loss runs on the last stage, inside the schedule: TRL's there, as an objective
+        sums = torch.zeros(3, dtype=torch.float64, device=pmodel.device)
+
+        def objective(chunk, out, scale):
+            nonlocal sums
+            sums = sums + _sft_stats(out)
+            return _sft_token_losses(trainer, out).sum() * scale
+
+        with pmodel.with_objective(objective):
+            loss = model(**batch).loss
+        sums = pmodel.from_last_stage(sums)
+    else:
+        out = model(**batch, fused_lm_head=True)
+        loss_sum = _sft_token_losses(trainer, out).sum()
+        if out.terms:  # a mixture of experts' router auxiliary loss (coefficient included), over the global batch
+            # TRL adds it to each micro-batch's loss divided by the window's micro-batches; the window weighs this
+            # micro-batch by its token share (UltraScaleTrainer.training_step: current_gradient_accumulation_steps
+            # is 1 / share)
+            weight = trainer.current_gradient_accumulation_steps / max(1, trainer.args.gradient_accumulation_steps)
+            loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
+            if trainer.aux_loss_enabled and trainer.router_aux_loss_coef:
+                metrics["aux_loss"].append(float(sum(t.detach() for t in out.terms)) / trainer.router_aux_loss_coef)
+        loss = pmodel.token_mean(loss_sum, out.count)
+        sums = _sft_stats(out)
     # the metrics over every rank holding other tokens, as one process holding them all computes them
-    sums = torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
     valid, entropy, correct = (float(x) for x in pmodel.sum_over_tokens(sums))  # data- and context-parallel ranks
     metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
     metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
@@ -194,6 +231,21 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
         trainer._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
     metrics["num_tokens"] = [trainer._total_train_tokens]
     return loss
+
+
+def _sft_token_losses(trainer, out):
+    """Each token's loss under TRL's ``loss_type`` (nll; dft: weighted by its probability, without gradient)."""
+    per_token = -out.log_probs  # zero where the label is ignored
+    if trainer.args.loss_type == "dft":
+        per_token = per_token * out.log_probs.exp().detach()
+    return per_token
+
+
+def _sft_stats(out):
+    """(valid tokens, summed entropy, top-1 hits) of a micro-batch's outputs on this rank, fp64."""
+    import torch
+
+    return torch.stack([out.label_mask.sum(), out.entropy.sum(), out.is_top1.sum()]).double()
 
 
 class WholeRowsHead:

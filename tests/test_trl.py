@@ -19,6 +19,9 @@ LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_
            "ep2_moe": "reference_ep2_moe",
            "zero3_dft": "reference_zero3_dft", "zero3_lora": "reference_zero3_lora",
            "tp2_sp_lora": "reference_zero3_lora", "cp2_ring_assistant": "reference_cp2_ring_assistant",
+           # pipelines: 1F1B and GPipe (DFT) on 2 layers, interleaved 1F1B and ZBV (with evaluation) on 4
+           "pp2_1f1b": "reference", "pp2_gpipe_dft": "reference_zero3_dft",
+           "pp2_interleaved": "reference_pp2_interleaved", "pp2_zbv_eval": "reference_pp2_zbv_eval",
            # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
            "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
 # DPOTrainer (trl_worker.DPO_CASES: where each takes its reference model from)
@@ -26,7 +29,7 @@ DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp
                "dpo_cp2_ulysses": "reference_dpo_cp2_ulysses", "dpo_cp2_ring_hinge": "reference_dpo_cp2_ring_hinge",
                "dpo_zero2_ipo_eval": "reference_dpo_zero2_ipo_eval", "dpo_ep2_moe": "reference_dpo_ep2_moe",
                "dpo_zero3_lora": "reference_dpo_zero3_lora", "dpo_tp2_sp_lora": "reference_dpo_zero3_lora"}
-CLIP = {"zero3_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
+CLIP = {"zero3_dft": 0.002, "pp2_gpipe_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # max_grad_norm (default 1)
 DPO_CLIP = {"dpo_zero3_lora": 0.1, "dpo_tp2_sp_lora": 0.1}  # trl_worker's max_grad_norm for DPO (default: 0.5)
 # The final weights of a DPO run: the chosen and the rejected row of a pair share their prompt, and at the start
 # (policy = reference) their gradients through the prompt's tokens nearly cancel; Adam divides each element's update
@@ -75,8 +78,10 @@ def test_sft_matches_plain_trl(results, case):
     packing), expert parallel on a Qwen3-MoE with TRL's router auxiliary loss (its logged aux_loss too; each rank's
     rows padded to their own length), TRL's DFT loss, LoRA (TRL's peft_config) under ZeRO-3 and TP + SP, and a run
     saved under ZeRO-3 and
-    resumed from its step-2 checkpoint under TP + SP (against plain TRL resuming its own). TP + SP runs TRL's dynamically padded rows of odd lengths (the sequence
-    padded to a multiple of tp for its shards)."""
+    resumed from its step-2 checkpoint under TP + SP (against plain TRL resuming its own). TP + SP runs TRL's
+    dynamically padded rows of odd lengths (the sequence padded to a multiple of tp for its shards). Pipelines
+    (1F1B, GPipe with DFT, interleaved 1F1B, ZBV with evaluation): TRL's loss and metrics computed on the last stage,
+    inside the schedule, each batch's own shapes (TRL pads each to its longest row)."""
     ref_run = json.loads((results / f"{LAYOUTS[case]}.json").read_text())
     got_run = json.loads((results / f"{case}.json").read_text())
     ref, got = ref_run["logs"], got_run["logs"]
@@ -275,21 +280,38 @@ def test_sft_arguments_the_layout_owns_are_refused(field, value, words, tmp_path
         refuse_sft_arguments(args)
 
 
-def test_a_pipeline_is_refused_at_construction(tmp_path):
-    """TRL's loss comes after the forward; a pipeline's loss runs inside its schedule: refused before the model or
-    any process group is touched, for both trainers."""
-    from trl import DPOConfig, SFTConfig
+def test_dpo_in_a_pipeline_is_refused_at_construction(tmp_path):
+    """DPO's loss is a function of each pair's summed log-probabilities after the forward; a pipeline computes its
+    loss inside its schedule: refused before the model or any process group is touched (SFT runs there)."""
+    from trl import DPOConfig
 
     from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
     from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer
     from ultrascale_plugins.interface.config import ConfigError
 
-    _, sft, _, _ = _trainer_classes()
-    with pytest.raises(ConfigError, match="UltraScaleSFTTrainer with pp=2: TRL computes its loss"):
-        sft(model=None, args=SFTConfig(output_dir=str(tmp_path), bf16=False), ultrascale_plugin=UltraScalePlugin(pp=2))
     with pytest.raises(ConfigError, match="UltraScaleDPOTrainer with pp=2: TRL computes its loss"):
         UltraScaleDPOTrainer(model=None, args=DPOConfig(output_dir=str(tmp_path), bf16=False),
                              ultrascale_plugin=UltraScalePlugin(pp=2))
+
+
+def test_sft_in_a_pipeline_refuses_a_router_auxiliary_loss(tmp_path):
+    """A pipeline computes the router loss per pipeline micro-batch, TRL over its batch: refused before anything
+    runs, naming the fix (the coefficient at 0, or no pipeline)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from trl import SFTConfig
+
+    from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+    from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
+    from ultrascale_plugins.interface.config import ConfigError
+
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2))
+    args = SFTConfig(output_dir=str(tmp_path), bf16=False)
+    with pytest.raises(ConfigError, match="pp=2 and a router auxiliary loss.*router_aux_loss_coef=0"):
+        UltraScaleSFTTrainer(model=moe, args=args, ultrascale_plugin=UltraScalePlugin(pp=2))
 
 
 RECIPE = Path(__file__).parent.parent / "recipes" / "trl"

@@ -53,6 +53,13 @@ CASES = {
     "cp2_ring_assistant": {"cp": 2, "_sft": {"assistant_only_loss": True}, "_messages": True},
     # 4 processes (tests/test_trl.py::test_hsdp_matches_plain_trl): HSDP, 2 replicas of 2 ZeRO-3 shards
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
+    # pipelines: TRL's loss on the last stage, inside the schedule (2 decoder layers: one a stage; 4 for the
+    # schedules with 2 stages a rank)
+    "pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp2_gpipe_dft": {"pp": 2, "pp_schedule": "gpipe", "_sft": {"loss_type": "dft", "max_grad_norm": 0.002}},
+    "pp2_interleaved": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "_layers": 4},
+    "pp2_zbv_eval": {"pp": 2, "pp_schedule": "zbv", "_layers": 4,
+                     "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
 }
 # DPOTrainer (UltraScaleDPOTrainer; cases named dpo_*), its default sigmoid loss unless named. Where the reference
 # comes from: "_ref": "path" (the model given by name: TRL loads the policy and a second copy, the reference, which
@@ -87,11 +94,11 @@ def rows(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
     return [{"prompt": words(2, 8), "completion": " " + words(2, 12)} for _ in range(n)]
 
 
-def model_for(tokenizer, arch: str = "llama"):
+def model_for(tokenizer, arch: str = "llama", layers: int = 2):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
@@ -133,6 +140,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     hand = layout.pop("_hand", False)
     ref = layout.pop("_ref", None)
     messages = layout.pop("_messages", False)
+    layers = layout.pop("_layers", 2)
     logs: list[dict] = []
     dpo = case.removeprefix("reference_").startswith("dpo")
     logged = DPO_LOGGED if dpo else LOGGED
@@ -151,6 +159,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
         resume = f"reference_{resume}" if resume else None
         arch, ref, messages = mirrored.get("_arch", "llama"), mirrored.get("_ref"), mirrored.get("_messages", False)
+        layers = mirrored.get("_layers", 2)
     else:
         from ultrascale_plugins.integrations import trl as integration
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
@@ -182,7 +191,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     if args.eval_strategy != "no":  # held-out rows, split over the data-parallel ranks like the training rows
         extra["eval_dataset"] = Dataset.from_list(data(2 * GLOBAL_BATCH, seed=1))
         args.per_device_eval_batch_size = GLOBAL_BATCH // dp
-    model = model_for(tokenizer, arch)
+    model = model_for(tokenizer, arch, layers)
     if ref == "path":  # the model by name: TRL loads it, and a second copy as the reference
         model = os.path.join(out_dir, "dpo_base")
         if not os.path.isdir(model) and int(os.environ.get("RANK", "0")) == 0:

@@ -427,6 +427,7 @@ class ParallelModel:
         # clipping to a global norm is then refused, not computed over nothing
         self.gradients_consumed = ""
         self._profile = None  # the step being recorded (profile_step), which notes the batches
+        self.objective = None  # a trainer's own loss, run where the loss runs (with_objective)
 
     def _gradient_reductions(self) -> list[tuple[list, Any, float]]:
         """(parameters, process group or None, divisor) per group of parameters whose gradients the engine still
@@ -845,6 +846,26 @@ class ParallelModel:
             return mean
         scaled = loss * (self.dims.grad_scale / self.dims.dp)
         return scaled + (mean - scaled).detach()
+
+    @contextlib.contextmanager
+    def with_objective(self, objective):
+        """Inside the block, a runtime that computes the loss inside the model call (a pipeline's last stage,
+        inside its schedule) computes each micro-batch's as ``objective(chunk, outputs, scale)`` instead of the
+        token cross-entropy: ``outputs`` the micro-batch's per-token ``TokenOutputs`` (``token_outputs``'
+        contract), ``chunk`` its number in the step (None in a forward-only pass, whose outputs are the whole
+        local batch's), ``scale`` the step's token-loss scale (the loss-scale rule of the step's global token count
+        and its ``loss_scale``). What it returns is what the schedule differentiates; ``train_step`` and
+        ``eval_step`` return the sum of its values over ``scale``, divided by the global token count. For a trainer
+        that computes its own loss from per-token log-probabilities (TRL's) in a pipeline."""
+        self.objective = objective
+        try:
+            yield
+        finally:
+            self.objective = None
+
+    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a small tensor an objective computed where the loss runs) on every rank of the pipeline."""
+        return self.runtime.from_last_stage(values)
 
     def backward(self, loss: torch.Tensor, backward_fn=None) -> None:
         """Backward of ``loss`` (a front end passes its own ``backward_fn``), then ``finish_backward``."""

@@ -70,6 +70,13 @@ class ParallelCausalLM(nn.Module):
         self.loss_scale = 1.0  # the pipeline's backward runs inside the call: the front end's 1/k goes here
         self.pending_grads: list | None = None  # gradients of the last pipelined call, until apply_pending_grads
 
+    def train(self, mode: bool = True):
+        """``nn.Module.train``, and the Hugging Face module's flag with it: a pipeline's stages are copies of its
+        parts, and front ends read ``model.training`` from the module they were given (TRL picks its metrics by it)."""
+        super().train(mode)
+        self.pmodel.module.train(mode)
+        return self
+
     @property
     def pipelined(self) -> bool:
         return self.pmodel.runtime.backward_in_forward

@@ -38,11 +38,39 @@ class Pipeline(Runtime):
         self.tied = bool(ctx.plan is not None and ctx.plan.tied)
         self.root = ctx.plan.root if ctx.plan is not None else ""  # the causal LM inside a wrapper (PEFT's)
         self.tie_group = None
+        self._chunk = None  # the micro-batch the last stage ran last (its loss is computed next)
+        self._built_for: tuple | None = None  # the local batch shape the schedule's stages were built for
+        self._tie_ready = False
         self.last_step_stats: dict | None = None  # busy/idle time of this rank's last training step
         self._busy = 0.0
 
     def _loss(self, output, targets):
+        objective = self._pmodel.objective
+        if objective is not None and not self.ctx.stand_in:  # a trainer's own loss of the per-token outputs
+            return objective(self._chunk, self._token_outputs(output, targets), self.scale)
         return self._loss_sum(output, targets) * self.scale
+
+    def _token_outputs(self, output, targets, count=None):
+        """The last stage's per-token outputs of one micro-batch (``ParallelModel.token_outputs``' contract), with
+        the plugins' loss terms (the router auxiliary loss, from every stage's router logits) and its global
+        valid-token count."""
+        from types import SimpleNamespace
+
+        from ...distributed.loss import token_outputs_of
+
+        pmodel = self._pmodel
+        logits, terms = output, []
+        if isinstance(output, tuple):
+            logits, routed, mask = output
+            layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
+            seen = SimpleNamespace(logits=logits, router_logits=layers)
+            terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
+        got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=logits, targets=targets)
+        if got is None:
+            got = token_outputs_of(logits, targets)
+        got.count = count if count is not None else pmodel.global_token_count(targets)
+        got.terms = terms
+        return got
 
     def _loss_sum(self, output, targets, count=None):
         """This rank's token-loss sum of one micro-batch (the last stage's ``output``), with the plugins' loss
@@ -81,8 +109,9 @@ class Pipeline(Runtime):
             self._mark_stand_in(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
         self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
-        if self.tied:
+        if self.tied and not self._tie_ready:
             self._init_tie_group()
+            self._tie_ready = True
 
     def _mark_stand_in(self, stage) -> None:
         """torch infers a stage's shapes by running it on inputs made from metadata (and its backward): the
@@ -106,7 +135,9 @@ class Pipeline(Runtime):
             chunks = self._target_chunks
             if chunks is None:  # shape inference: no real batch
                 return inner(fwd_chunk_id, *args, **kwargs)
-            with self._pmodel.forward_targets(chunks[fwd_chunk_id]):
+            self._chunk = fwd_chunk_id  # the schedule computes this micro-batch's loss next
+            per_token = self._pmodel.objective is not None
+            with self._pmodel.forward_targets(chunks[fwd_chunk_id], per_token=per_token):
                 return inner(fwd_chunk_id, *args, **kwargs)
 
         stage.forward_one_chunk = functools.wraps(inner)(forward_one_chunk)
@@ -198,10 +229,15 @@ class Pipeline(Runtime):
                     routed = torch.empty(int(rows), width, device=ids.device)
                     dist.recv(routed, src=src, group=self.pp_group)
             args = (x, mask, positions) if stage == 0 else (x, mask, positions, ids, *((routed,) if width else ()))
-            with self._pmodel.forward_targets(targets) if stage == self.n_stages - 1 else contextlib.nullcontext():
+            objective = self._pmodel.objective
+            last = stage == self.n_stages - 1
+            with self._pmodel.forward_targets(targets, objective is not None) if last else contextlib.nullcontext():
                 out = modules[stage](*args)
-            if stage == self.n_stages - 1:
-                loss_sum = self._loss_sum(out, targets, count=count)
+            if last:
+                if objective is not None:  # a trainer's own loss of the whole local batch
+                    loss_sum = objective(None, self._token_outputs(out, targets, count=count), 1.0)
+                else:
+                    loss_sum = self._loss_sum(out, targets, count=count)
                 break
             x, routed = out[0], (out[4] if width else None)
             if stage + 1 not in modules:
@@ -231,6 +267,12 @@ class Pipeline(Runtime):
     def after_backward(self, pmodel) -> None:
         self.sync_tied_grads()
 
+    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as the last stage's rank holds them, on every stage's (the others pass zeros)."""
+        out = values.clone() if self.has_last else torch.zeros_like(values)
+        dist.all_reduce(out, group=self.pp_group)
+        return out
+
     def gather_full_state(self, state: dict) -> dict:
         parts = [None] * dist.get_world_size(self.pp_group)  # every stage's part, on every rank
         dist.all_gather_object(parts, state, group=self.pp_group)
@@ -241,10 +283,14 @@ class Pipeline(Runtime):
         return self.last_step_stats
 
     def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
-        if self.schedule is None:
-            self.build()
         batch = pmodel.prepare_batch(batch)
         ids, targets = batch["input_ids"], batch["targets"]
+        if train and (self.schedule is None or tuple(ids.shape) != self._built_for):
+            # torch's stages infer the shapes they send and receive on their first step and keep them: a batch of
+            # another shape (a collator padding each batch to its longest row, as TRL's does) gets a schedule of
+            # its own, its shapes inferred again
+            self.build()
+            self._built_for = tuple(ids.shape)
         mask = batch.get("attention_mask")
         self._pmodel, self._has_mask = pmodel, mask is not None
         for module in self.stages:  # no mask: the stages pass None on, so packed rows keep their document masks

@@ -293,5 +293,10 @@ def _take_received(received: dict):
 
 def _own(t):
     """A stage output that is not a view: the zero-bubble schedules detach stage outputs in place, which torch
-    refuses for views (sequence parallel's gather hands back one)."""
-    return t.clone() if t._is_view() else t
+    refuses for views (sequence parallel's gather hands back one). A copy keeps what a plugin marked on the tensor
+    (the chunked head marks its per-token losses)."""
+    if not t._is_view():
+        return t
+    out = t.clone()
+    out.__dict__.update(t.__dict__)
+    return out
