@@ -29,15 +29,23 @@ log-probabilities (a reference model parallelized in the same layout and frozen,
 True)``; a PEFT policy with its adapters disabled; or precomputed in the layout at the start of ``train``), and its
 mean over this rank's pairs becomes the micro-batch's (``ParallelModel.row_mean``).
 
+In a pipeline the loss runs on the last stage, inside the schedule: TRL's loss is computed there as the step's
+objective (``ParallelModel.with_objective``) from each pipeline micro-batch's per-token outputs, DPO's rows
+reordered so that every micro-batch holds whole pairs, and what TRL logs is computed once over the batch and handed
+to every stage.
+
 Refused at construction, naming the reason: a TRL version whose trainers' contract is not known here
 (``TESTED_TRL``), TRL's other trainers (GRPO, RLOO and the others that generate are out of scope), the TRL
 arguments that need the whole logits or that the layout owns: ``parallelism_config``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload`` instead), Liger kernels; DPO's
-that the parallel head or a sharded reference cannot honour (``refuse_dpo_arguments``); a pipeline (``pp > 1``). A
-mixture of experts' router auxiliary loss (TRL's ``router_aux_loss_coef``) is computed over the global batch, as
-one process computes it.
+that the parallel head or a sharded reference cannot honour (``refuse_dpo_arguments``); in a pipeline, a router
+auxiliary loss and DPO with a PEFT model. A mixture of experts' router auxiliary loss (TRL's
+``router_aux_loss_coef``) is otherwise computed over the global batch, as one process computes it.
 """
 from __future__ import annotations
+
+import collections
+import contextlib
 
 from ..interface.config import ConfigError
 
@@ -87,12 +95,12 @@ def refuse_sft_arguments(args) -> None:
             raise ConfigError(f"{type(args).__name__}({field}={getattr(args, field)!r}) with ultrascale: {fix}")
 
 
-def refuse_pipeline(pp: int, kind: str = "sft") -> None:
-    if pp > 1 and kind == "dpo":
-        raise ConfigError(f"UltraScale{kind.upper()}Trainer with pp={pp}: TRL computes its loss from per-token "
-                          "log-probabilities after the forward, and a pipeline runs its loss on the last stage, inside "
-                          "the schedule: not available yet. Fix: pp: 1 (ZeRO, HSDP, tensor, context and expert "
-                          "parallel are)")
+def refuse_pipeline(pp: int, kind: str = "sft", peft: bool = False) -> None:
+    if pp > 1 and kind == "dpo" and peft:
+        raise ConfigError(f"UltraScaleDPOTrainer with pp={pp} and a PEFT model: the reference is the model with its "
+                          "adapters disabled, and a pipeline's stages hold their own copies of the adapters, which "
+                          "TRL's switch does not reach: not available yet. Fix: pp: 1, or a reference model "
+                          "(ref_model=) with full fine-tuning")
 
 
 def router_loss_enabled(model, args) -> bool:
@@ -106,11 +114,11 @@ def router_loss_enabled(model, args) -> bool:
     return hasattr(text, "output_router_logits") and bool(coef)
 
 
-def refuse_router_loss_in_pipeline(pp: int, enabled: bool) -> None:
+def refuse_router_loss_in_pipeline(pp: int, enabled: bool, kind: str = "sft") -> None:
     if pp > 1 and enabled:
-        raise ConfigError(f"UltraScaleSFTTrainer with pp={pp} and a router auxiliary loss: a pipeline computes it per "
-                          "pipeline micro-batch, TRL over its whole batch, and the two differ. Fix: pp: 1 (expert "
-                          "parallel is), or SFTConfig(router_aux_loss_coef=0)")
+        raise ConfigError(f"UltraScale{kind.upper()}Trainer with pp={pp} and a router auxiliary loss: a pipeline "
+                          "computes it per pipeline micro-batch, TRL over its whole batch, and the two differ. Fix: "
+                          "pp: 1 (expert parallel is), or router_aux_loss_coef=0")
 
 
 # DPOConfig values the layout cannot honour: (field, is it set, why and the fix)
@@ -152,7 +160,9 @@ def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
     if config is not None:
         refuse_pipeline(config.pp, kind)
         model = kwargs.get("model", args[0] if args else None)
-        refuse_router_loss_in_pipeline(config.pp, kind == "sft" and router_loss_enabled(model, trl_args))
+        refuse_router_loss_in_pipeline(config.pp, router_loss_enabled(model, trl_args), kind)
+        peft = kwargs.get("peft_config") is not None or hasattr(model, "peft_config")
+        refuse_pipeline(config.pp, kind, peft)
 
 
 def after_init(trainer) -> None:
@@ -168,13 +178,14 @@ def after_init(trainer) -> None:
                 refuse_dpo_arguments(trainer.args, trainer.accelerator.ultrascale_config.dp)
         except ConfigError as exc:
             refuse(exc)
-    if kind == "sft" and getattr(trainer, "aux_loss_enabled", False):
-        from ..distributed.launch import refuse
+    from ..distributed.launch import refuse
 
-        try:
-            refuse_router_loss_in_pipeline(trainer.accelerator.ultrascale_config.pp, True)
-        except ConfigError as exc:
-            refuse(exc)
+    pp = trainer.accelerator.ultrascale_config.pp
+    try:
+        refuse_router_loss_in_pipeline(pp, getattr(trainer, "aux_loss_enabled", False), kind)
+        refuse_pipeline(pp, kind, hasattr(trainer.model, "peft_config"))
+    except ConfigError as exc:
+        refuse(exc)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     base.__dict__.pop("forward", None)
     reference = getattr(trainer, "ref_model", None)
@@ -289,14 +300,149 @@ def dpo_compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_
                           "evaluate with prediction_loss_only=True")
     if "ref_chosen_logps" not in inputs:
         reference = trainer.ref_model if trainer.ref_model is not None else adapter
-        chosen, rejected = DPOTrainer.compute_ref_log_probs(trainer, WholeRowsHead(reference), inputs)
+        chosen, rejected = reference_log_probs(trainer, reference, inputs)
         inputs = {**inputs, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
-    saved, trainer.precompute_ref_logps = trainer.precompute_ref_logps, True  # TRL reads them from the batch
-    try:
+    if adapter.pipelined:
+        return _pipelined_dpo_loss(trainer, model, inputs)
+    with _precomputed(trainer):  # TRL reads the reference's log-probabilities from the batch
         loss = DPOTrainer._compute_loss(trainer, WholeRowsHead(adapter), inputs, False)
+    return adapter.pmodel.row_mean(loss)
+
+
+FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1", "label_mask")
+
+
+class GivenHead:
+    """Per-token outputs already computed (a pipeline's last stage: ``FIELDS`` of whole rows, targets-shaped),
+    answered the way TRL's fused head answers (``seq_len - 1`` next-token figures)."""
+
+    def __init__(self, fields: dict):
+        self.fields = fields
+
+    def __call__(self, **kwargs):
+        from types import SimpleNamespace
+
+        cut = {name: value[:, :-1] for name, value in self.fields.items()}
+        return SimpleNamespace(**cut, aux_loss=None, log_sum_sq_probs=None, loss=None)
+
+
+@contextlib.contextmanager
+def _precomputed(trainer):
+    """TRL's loss reading the reference's log-probabilities from the batch."""
+    saved, trainer.precompute_ref_logps = trainer.precompute_ref_logps, True
+    try:
+        yield
     finally:
         trainer.precompute_ref_logps = saved
-    return adapter.pmodel.row_mean(loss)
+
+
+@contextlib.contextmanager
+def _unlogged(trainer):
+    """TRL's loss computed without what it logs (a pipeline micro-batch's part of the loss: the micro-batch's
+    figures are logged once, over all its pairs)."""
+    metrics, tokens = trainer._metrics, trainer._total_train_tokens
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    try:
+        yield
+    finally:
+        trainer._metrics, trainer._total_train_tokens = metrics, tokens
+
+
+def _pipelined_rows(adapter, inputs, objective):
+    """Run ``adapter`` (a pipeline) on TRL's rows with the completions as labels, ``objective(chunk, fields)``
+    given each micro-batch's per-token outputs of whole rows on the last stage (the whole local batch outside
+    training); returns the model's output."""
+    pmodel = adapter.pmodel
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
+    width = labels.shape[1]
+    places = pmodel.token_places(batch)
+
+    def run(chunk, out, scale):
+        part = places if chunk is None else places.tensor_split(pmodel.microbatches_inside)[chunk]
+        return objective(chunk, pmodel.whole_rows(out, part, width))
+
+    with pmodel.with_objective(run):
+        return adapter(**batch)
+
+
+def reference_log_probs(trainer, reference, inputs):
+    """The reference's summed log-probabilities of the chosen and the rejected completions (TRL's
+    ``compute_ref_log_probs``) from ``reference``, a parallel model (the sharded reference, or the policy: a PEFT
+    model's adapters disabled by TRL), on every rank; a pipeline computes them on its last stage."""
+    import torch
+    from trl import DPOTrainer
+
+    if not reference.pipelined:
+        return DPOTrainer.compute_ref_log_probs(trainer, WholeRowsHead(reference), inputs)
+    got = {}
+
+    def keep(chunk, out):
+        got["fields"] = {name: getattr(out, name).detach() for name in FIELDS}
+        return out.log_probs.detach().sum() * 0  # a forward-only pass: its value is not used
+
+    with torch.no_grad():
+        _pipelined_rows(reference, inputs, keep)
+    rows = inputs["input_ids"].shape[0] // 2
+    both = torch.zeros(2 * rows, device=inputs["input_ids"].device)
+    if got:  # the last stage
+        both = torch.cat(DPOTrainer.compute_ref_log_probs(trainer, GivenHead(got["fields"]), inputs)).float()
+    return reference.pmodel.from_last_stage(both).chunk(2)
+
+
+def _pipelined_dpo_loss(trainer, adapter, inputs):
+    """DPO in a pipeline: the rows reordered so that each pipeline micro-batch holds whole pairs (its pairs'
+    chosen rows, then their rejected rows, as TRL's collator orders a batch), each micro-batch's TRL loss computed
+    on the last stage inside the schedule (its share of the gradient), then TRL's loss and metrics over every pair
+    at once from the kept outputs, as a plain run logs them, handed to every stage."""
+    import torch
+    from trl import DPOTrainer
+
+    pmodel = adapter.pmodel
+    training = adapter.training and torch.is_grad_enabled()
+    pairs = inputs["input_ids"].shape[0] // 2
+    m = pmodel.microbatches_inside if training else 1
+    if pairs % m:
+        raise ConfigError(f"UltraScaleDPOTrainer with {m} pipeline micro-batches: {pairs} pairs per batch do not "
+                          f"split into whole pairs per micro-batch. Fix: per_device_train_batch_size a multiple of "
+                          f"{m} (pp_microbatches)")
+    per = pairs // m
+    order = torch.cat([torch.cat([torch.arange(k * per, (k + 1) * per), pairs + torch.arange(k * per, (k + 1) * per)])
+                       for k in range(m)]).to(inputs["input_ids"].device)
+    moved = {k: inputs[k].index_select(0, order) for k in ("input_ids", "attention_mask", "completion_mask")}
+    kept: dict = {}
+    weight = adapter.loss_scale * pmodel.dims.grad_scale / pmodel.dims.dp / m  # row_mean's rule, per micro-batch
+
+    def objective(chunk, out):
+        kept[chunk] = {name: getattr(out, name).detach() for name in FIELDS}
+        if chunk is None:  # forward only: the figures come from the kept outputs below
+            return out.log_probs.detach().sum() * 0
+        rows = slice(2 * per * chunk, 2 * per * (chunk + 1))
+        these = torch.arange(chunk * per, (chunk + 1) * per, device=order.device)
+        part = {k: v[rows] for k, v in moved.items()}
+        part.update(ref_chosen_logps=inputs["ref_chosen_logps"].index_select(0, these),
+                    ref_rejected_logps=inputs["ref_rejected_logps"].index_select(0, these))
+        with _precomputed(trainer), _unlogged(trainer):
+            return DPOTrainer._compute_loss(trainer, GivenHead(
+                {name: getattr(out, name) for name in FIELDS}), part, False) * weight
+
+    _pipelined_rows(adapter, moved, objective)
+    mode = "train" if adapter.training else "eval"
+    value = torch.zeros((), device=pmodel.device)
+    if kept:  # the last stage: TRL's loss and metrics of the whole batch, rows back in TRL's order
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        fields = {name: torch.cat([kept[c][name] for c in sorted(kept, key=lambda c: -1 if c is None else c)])
+                  .index_select(0, back) for name in FIELDS}
+        with torch.no_grad(), _precomputed(trainer):
+            value = DPOTrainer._compute_loss(trainer, GivenHead(fields), inputs, False).detach().float()
+    value = pmodel.from_last_stage(value)
+    logged = pmodel.from_last_stage(({k: list(v) for k, v in trainer._metrics[mode].items()},
+                                     trainer._total_train_tokens))
+    trainer._metrics[mode] = collections.defaultdict(list, logged[0])
+    trainer._total_train_tokens = logged[1]
+    with torch.no_grad():
+        return pmodel.row_mean(value)
 
 
 def precompute_reference(trainer, dataset, batch_size: int):
@@ -306,7 +452,6 @@ def precompute_reference(trainer, dataset, batch_size: int):
     replicas only (their tensor-, context-parallel peers hold the same rows)."""
     import torch
     from torch.utils.data import DataLoader
-    from trl import DPOTrainer
 
     adapter = trainer._ultrascale_adapter()
     if adapter is None:
@@ -317,7 +462,7 @@ def precompute_reference(trainer, dataset, batch_size: int):
         num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory))
     chosen, rejected = [], []
     for batch in loader:
-        c, r = DPOTrainer.compute_ref_log_probs(trainer, WholeRowsHead(reference), batch)
+        c, r = reference_log_probs(trainer, reference, batch)
         c, r = trainer.accelerator.gather_for_metrics((c, r))
         chosen.append(c.cpu())
         rejected.append(r.cpu())

@@ -77,6 +77,10 @@ DPO_CASES = {
     "dpo_zero3_lora": {"dp_shard": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
     "dpo_ddp": {"dp_replicate": 2, "_ref": "copy"},
     "dpo_hsdp": {"dp_replicate": 2, "dp_shard": 2, "_ref": "path"},  # 4 processes
+    # pipelines: each micro-batch holds whole pairs; the reference model a pipeline of its own, or precomputed
+    "dpo_pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b", "_ref": "copy"},
+    "dpo_pp2_zbv_eval": {"pp": 2, "pp_schedule": "zbv", "_layers": 4, "_ref": "precompute",
+                         "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
     "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 CASES.update(DPO_CASES)
@@ -195,11 +199,11 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     if ref == "path":  # the model by name: TRL loads it, and a second copy as the reference
         model = os.path.join(out_dir, "dpo_base")
         if not os.path.isdir(model) and int(os.environ.get("RANK", "0")) == 0:
-            model_for(tokenizer, arch).save_pretrained(model)
+            model_for(tokenizer, arch, layers).save_pretrained(model)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
     elif ref == "copy":
-        extra["ref_model"] = model_for(tokenizer, arch)
+        extra["ref_model"] = model_for(tokenizer, arch, layers)
     trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(data()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)

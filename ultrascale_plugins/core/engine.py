@@ -774,7 +774,7 @@ class ParallelModel:
             raise ConfigError("pp>1: per-token log-probabilities for a trainer's own loss are not available in a "
                               "pipeline (its loss runs on the last stage, inside the schedule). Fix: use pp: 1")
         width = batch["input_ids"].shape[1]
-        places = self._token_places(batch) if whole_rows else None  # before the batch's own split
+        places = self.token_places(batch) if whole_rows else None  # before the batch's own split
         batch = self.prepare_batch(batch)
         targets = batch.pop("targets")
         count = self.global_token_count(targets)
@@ -788,9 +788,9 @@ class ParallelModel:
         got.count, got.output, got.terms = count, output, self.loss_terms(output, batch)
         if not torch.is_grad_enabled():  # no backward frees what the forward gathered (a frozen reference's pass)
             self.ctx.release_gathered(self.modules)
-        return self._whole_rows(got, places, width) if whole_rows else got
+        return self.whole_rows(got, places, width) if whole_rows else got
 
-    def _token_places(self, batch: dict) -> torch.Tensor:
+    def token_places(self, batch: dict) -> torch.Tensor:
         """Where in its row each token this rank will hold sits (-100: padding a dimension adds): every plugin's
         ``ultrascale_shard_batch`` run on the batch with each target replaced by its own position. The plugins
         split by position alone, so the real batch's tokens land where these positions do."""
@@ -801,10 +801,11 @@ class ParallelModel:
         self.pm.hook.ultrascale_shard_batch(batch=probe, ctx=self.ctx)
         return probe["targets"]
 
-    def _whole_rows(self, got, places: torch.Tensor, width: int):
+    def whole_rows(self, got, places: torch.Tensor, width: int):
         """``got``'s per-token figures put back in their rows, ``width`` tokens each: those of the ranks holding
         other tokens of the same rows (the token-counting axes that do not split rows) all-gathered without
-        gradient, this rank's with theirs (its part of every row's sum)."""
+        gradient, this rank's with theirs (its part of every row's sum). ``places``: ``token_places`` of the batch
+        (its rows that ``got`` holds)."""
         names = tuple(a for a in self.dims.token_axes if a not in self.dims.row_axes)
         group = self.dims.group(names) if names else None
         fields = ("log_probs", "entropy", "is_top1", "label_mask", "mean_logits")
@@ -863,8 +864,9 @@ class ParallelModel:
         finally:
             self.objective = None
 
-    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (a small tensor an objective computed where the loss runs) on every rank of the pipeline."""
+    def from_last_stage(self, values):
+        """``values`` (a small tensor, or any picklable object, an objective computed where the loss runs) as the
+        rank holding the last stage has them, on every rank of the pipeline."""
         return self.runtime.from_last_stage(values)
 
     def backward(self, loss: torch.Tensor, backward_fn=None) -> None:

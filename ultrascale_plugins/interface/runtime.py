@@ -46,8 +46,9 @@ class Runtime:
         """Every rank's part of the full state (a pipeline's stages), given this rank's."""
         return state
 
-    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (a small tensor computed where the loss is: a pipeline's last stage) on every rank."""
+    def from_last_stage(self, values):
+        """``values`` (a small tensor or object computed where the loss is: a pipeline's last stage) on every
+        rank."""
         return values
 
     @property

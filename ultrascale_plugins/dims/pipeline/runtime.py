@@ -267,11 +267,16 @@ class Pipeline(Runtime):
     def after_backward(self, pmodel) -> None:
         self.sync_tied_grads()
 
-    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` as the last stage's rank holds them, on every stage's (the others pass zeros)."""
-        out = values.clone() if self.has_last else torch.zeros_like(values)
-        dist.all_reduce(out, group=self.pp_group)
-        return out
+    def from_last_stage(self, values):
+        """``values`` as the last stage's rank holds them, on every stage's: a tensor all-reduced (the others pass
+        zeros), any other object gathered."""
+        if isinstance(values, torch.Tensor):
+            out = values.clone() if self.has_last else torch.zeros_like(values)
+            dist.all_reduce(out, group=self.pp_group)
+            return out
+        parts = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(parts, (self.has_last, values), group=self.pp_group)
+        return next(v for last, v in parts if last)
 
     def gather_full_state(self, state: dict) -> dict:
         parts = [None] * dist.get_world_size(self.pp_group)  # every stage's part, on every rank
