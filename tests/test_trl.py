@@ -341,52 +341,42 @@ RECIPE = Path(__file__).parent.parent / "recipes" / "trl"
 def test_the_sft_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
     """recipes/trl/sft.py --check with the recipe's layout file: the layout against 8 processes and Llama-3.1-8B's
     config on the meta device, and the memory estimate against an H100 80 GB (with TRL's chunked head)."""
+    line, predicted = _check("sft", "llama-3.1-8b", "llama-3.1-8b-8gpu.yaml", capsys)
+    assert line.startswith("ok: llama (8.03B) on 8 x h100-sxm-80gb") and "'chunked_loss': 1024" in line, line
+    assert 10 < predicted < 80, line
+
+
+def _check(recipe: str, model: str, layout: str, capsys, *extra) -> tuple[str, float]:
+    """recipes/trl/RECIPE.py --check on recipes/sft/configs/MODEL.json with a layout file of recipes/trl, on 8 x
+    H100 80 GB: its line, and the GB per GPU it predicts."""
+    import importlib
+
     sys.path.insert(0, str(RECIPE))
     try:
-        import sft
+        module = importlib.import_module(recipe)
     finally:
         sys.path.remove(str(RECIPE))
-    sft.main(["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "llama-3.1-8b.json"),
-              "--layout", str(RECIPE / "llama-3.1-8b-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"])
+    module.main(["--check", "--model", str(RECIPE.parent / "sft" / "configs" / f"{model}.json"), "--layout",
+                 str(RECIPE / layout), "--nproc", "8", "--gpu", "h100-sxm-80gb", *extra])
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("ok: llama (8.03B) on 8 x h100-sxm-80gb") and "'chunked_loss': 1024" in line, line
-    predicted = float(line.split("predicted ")[1].split(" GB")[0])
-    assert 10 < predicted < 80, line
+    return line, float(line.split("predicted ")[1].split(" GB")[0])
 
 
 def test_the_sft_recipe_checks_qwen3_30b_a3b_with_expert_parallel_on_8_gpus(capsys):
     """recipes/trl/sft.py --check with the expert-parallel layout file: Qwen3-30B-A3B's config on the meta device,
     its 128 experts split over ep=8 under ZeRO-3, bf16 states, against 8 x H100 80 GB."""
-    sys.path.insert(0, str(RECIPE))
-    try:
-        import sft
-    finally:
-        sys.path.remove(str(RECIPE))
-    sft.main(["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "qwen3-30b-a3b.json"),
-              "--layout", str(RECIPE / "qwen3-30b-a3b-ep-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    line, predicted = _check("sft", "qwen3-30b-a3b", "qwen3-30b-a3b-ep-8gpu.yaml", capsys)
     assert line.startswith("ok: qwen3_moe (30.53B) on 8 x h100-sxm-80gb") and "'ep': 8" in line, line
-    assert 20 < float(line.split("predicted ")[1].split(" GB")[0]) < 70, line
+    assert 20 < predicted < 70, line
 
 
 def test_the_dpo_recipe_checks_llama_8b_on_8_gpus_at_full_size(capsys):
     """recipes/trl/dpo.py --check with its layout file: Llama-3.1-8B on 8 x H100 80 GB, the policy's chosen and
     rejected rows and the reference model's weights (sharded as the policy's) in the estimate; without a reference
     (LoRA or precomputed log-probabilities) less."""
-    sys.path.insert(0, str(RECIPE))
-    try:
-        import dpo
-    finally:
-        sys.path.remove(str(RECIPE))
-    base = ["--check", "--model", str(RECIPE.parent / "sft" / "configs" / "llama-3.1-8b.json"), "--layout",
-            str(RECIPE / "llama-3.1-8b-dpo-8gpu.yaml"), "--nproc", "8", "--gpu", "h100-sxm-80gb"]
-    dpo.main(base)
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    line, with_reference = _check("dpo", "llama-3.1-8b", "llama-3.1-8b-dpo-8gpu.yaml", capsys)
     assert line.startswith("ok: llama (8.03B) on 8 x h100-sxm-80gb") and "a reference model's weights" in line, line
-    with_reference = float(line.split("predicted ")[1].split(" GB")[0])
-    dpo.main(base + ["--precompute"])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    alone = float(line.split("predicted ")[1].split(" GB")[0])
+    line, alone = _check("dpo", "llama-3.1-8b", "llama-3.1-8b-dpo-8gpu.yaml", capsys, "--precompute")
     assert 10 < alone < with_reference < 80 and "reference" not in line, line
 
 

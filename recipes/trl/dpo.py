@@ -17,11 +17,9 @@ sigmoid loss, beta 0.1) but for what the flags set. ``--set FIELD=VALUE`` overri
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from sft import layout_fields, meta_model, model_config  # recipes/trl/sft.py: the same layout and model files
+from sft import arguments, layout_fields, meta_model, model_config  # recipes/trl/sft.py: the same files and flags
 from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
 
 
@@ -43,27 +41,13 @@ def main(argv=None):
 
     from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a save_pretrained directory (with --check: or its config.json)")
-    ap.add_argument("--layout", help="a layout YAML (ParallelConfig fields); none: the layout of the launch")
-    ap.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE")
-    ap.add_argument("--data", help="a .jsonl of preference pairs")
-    ap.add_argument("--output-dir", default="runs/trl-dpo")
-    ap.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (default: one epoch)")
-    ap.add_argument("--batch-size", type=int, default=1, help="pairs per data-parallel replica per micro-batch")
-    ap.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
-    ap.add_argument("--max-length", type=int, default=2048, help="tokens per row, prompt and completion")
-    ap.add_argument("--lr", type=float, default=5e-7)
+    ap = arguments(__doc__, data="a .jsonl of preference pairs", output_dir="runs/trl-dpo", rows="pairs",
+                   max_length=2048, lr=5e-7)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--loss-type", default="sigmoid", help="TRL's loss_type (comma-separated to combine)")
     ap.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (0: the model)")
     ap.add_argument("--precompute", action="store_true", help="the reference's log-probabilities once, up front")
     ap.add_argument("--logging-steps", type=int, default=10, help="log the loss and TRL's rewards every N steps")
-    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    ap.add_argument("--check", action="store_true", help="only the pre-launch checks, at full size")
-    ap.add_argument("--nproc", type=int, default=8, help="with --check: the processes (GPUs) of the launch")
-    ap.add_argument("--gpu", default="h100-sxm-80gb", help="with --check: the GPU preset (ultrascale plan --help)")
     args = ap.parse_args(argv)
     if args.check:
         return check(args)

@@ -58,6 +58,27 @@ def check(args) -> None:
                            max_length=args.max_length, batch_size=args.batch_size, accumulate=args.accumulate))
 
 
+def arguments(doc: str, *, data: str, output_dir: str, rows: str, max_length: int, lr: float):
+    """The flags this script and recipes/trl/dpo.py share (the model, the layout, the data, the loop, --check)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a save_pretrained directory (with --check: or its config.json)")
+    ap.add_argument("--layout", help="a layout YAML (ParallelConfig fields); none: the layout of the launch")
+    ap.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--data", help=data)
+    ap.add_argument("--output-dir", default=output_dir)
+    ap.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (default: one epoch)")
+    ap.add_argument("--batch-size", type=int, default=1, help=f"{rows} per data-parallel replica per micro-batch")
+    ap.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
+    ap.add_argument("--max-length", type=int, default=max_length, help="tokens per row (longer rows are truncated)")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    ap.add_argument("--check", action="store_true", help="only the pre-launch checks, at full size")
+    ap.add_argument("--nproc", type=int, default=8, help="with --check: the processes (GPUs) of the launch")
+    ap.add_argument("--gpu", default="h100-sxm-80gb", help="with --check: the GPU preset (ultrascale plan --help)")
+    return ap
+
+
 def main(argv=None):
     from datasets import load_dataset
     from transformers import AutoTokenizer
@@ -65,22 +86,8 @@ def main(argv=None):
 
     from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a save_pretrained directory (with --check: or its config.json)")
-    ap.add_argument("--layout", help="a layout YAML (ParallelConfig fields); none: the layout of the launch")
-    ap.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE")
-    ap.add_argument("--data", help="a .jsonl of prompt-completion pairs or conversations")
-    ap.add_argument("--output-dir", default="runs/trl-sft")
-    ap.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (default: one epoch)")
-    ap.add_argument("--batch-size", type=int, default=1, help="rows per data-parallel replica per micro-batch")
-    ap.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
-    ap.add_argument("--max-length", type=int, default=4096, help="tokens per row (longer rows are truncated)")
-    ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    ap.add_argument("--check", action="store_true", help="only the pre-launch checks, at full size")
-    ap.add_argument("--nproc", type=int, default=8, help="with --check: the processes (GPUs) of the launch")
-    ap.add_argument("--gpu", default="h100-sxm-80gb", help="with --check: the GPU preset (ultrascale plan --help)")
+    ap = arguments(__doc__, data="a .jsonl of prompt-completion pairs or conversations", output_dir="runs/trl-sft",
+                   rows="rows", max_length=4096, lr=2e-5)
     args = ap.parse_args(argv)
     if args.check:
         return check(args)
