@@ -158,7 +158,6 @@ def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
         raise ConfigError(f"UltraScale{kind.upper()}Trainer(compute_loss_func=...): a loss of the whole logits, "
                           "which the layout never builds. Fix: TRL's loss_type instead")
     if config is not None:
-        refuse_pipeline(config.pp, kind)
         model = kwargs.get("model", args[0] if args else None)
         refuse_router_loss_in_pipeline(config.pp, router_loss_enabled(model, trl_args), kind)
         peft = kwargs.get("peft_config") is not None or hasattr(model, "peft_config")
@@ -166,24 +165,17 @@ def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
 
 
 def after_init(trainer) -> None:
-    """After the TRL trainer's ``__init__``: a layout from the launch checked; TRL's patch of the model's forward
-    (its fused head) removed, since the parallel model provides the head's outputs."""
-    kind = trainer._trl
-    if getattr(trainer.ultrascale_plugin, "config", None) is None:  # the layout came from the launch
-        from ..distributed.launch import refuse
-
-        try:
-            refuse_pipeline(trainer.accelerator.ultrascale_config.pp, kind)
-            if kind == "dpo":
-                refuse_dpo_arguments(trainer.args, trainer.accelerator.ultrascale_config.dp)
-        except ConfigError as exc:
-            refuse(exc)
+    """After the TRL trainer's ``__init__``: the resolved layout checked against what TRL decided (the refusals of
+    ``before_init`` once more, for a layout from the launch or with degrees left to resolve); TRL's patch of the
+    model's forward (its fused head) removed, since the parallel model provides the head's outputs."""
     from ..distributed.launch import refuse
 
-    pp = trainer.accelerator.ultrascale_config.pp
+    kind, config = trainer._trl, trainer.accelerator.ultrascale_config
     try:
-        refuse_router_loss_in_pipeline(pp, getattr(trainer, "aux_loss_enabled", False), kind)
-        refuse_pipeline(pp, kind, hasattr(trainer.model, "peft_config"))
+        if kind == "dpo":
+            refuse_dpo_arguments(trainer.args, config.dp)
+        refuse_router_loss_in_pipeline(config.pp, getattr(trainer, "aux_loss_enabled", False), kind)
+        refuse_pipeline(config.pp, kind, hasattr(trainer.model, "peft_config"))
     except ConfigError as exc:
         refuse(exc)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
