@@ -157,8 +157,10 @@ def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) ->
 @hookspec
 def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of ``batch`` in place (a dict of tensors: ``input_ids``, ``attention_mask``,
-    ``position_ids``, ``targets`` — next-token targets, already shifted, -100 where ignored). Called on every
-    step after the data loader's row split, before the forward."""
+    ``position_ids``, ``targets`` — next-token targets, already shifted, -100 where ignored), every tensor by the
+    same positions, chosen from the batch's shape alone (``ParallelModel.token_places`` runs it on the positions
+    themselves to put a row's tokens back together). Called on every step after the data loader's row split,
+    before the forward."""
 
 
 @hookspec(firstresult=True)
