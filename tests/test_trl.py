@@ -22,6 +22,8 @@ LAYOUTS = {"zero3": "reference", "zero1": "reference", "zero2_eval": "reference_
            # pipelines: 1F1B and GPipe (DFT) on 2 layers, interleaved 1F1B and ZBV (with evaluation) on 4
            "pp2_1f1b": "reference", "pp2_gpipe_dft": "reference_zero3_dft",
            "pp2_interleaved": "reference_pp2_interleaved", "pp2_zbv_eval": "reference_pp2_zbv_eval",
+           "pp2_zero_bubble": "reference_pp2_interleaved", "pp2_dualpipev": "reference_pp2_interleaved",
+           "pp2_lora": "reference_zero3_lora", "zero3_ga2": "reference_zero3_ga2",
            # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
            "zero3_save": "reference_zero3_save", "tp2_sp_resume": "reference_tp2_sp_resume"}
 # DPOTrainer (trl_worker.DPO_CASES: where each takes its reference model from)
@@ -30,8 +32,10 @@ DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp
                "dpo_zero2_ipo_eval": "reference_dpo_zero2_ipo_eval", "dpo_ep2_moe": "reference_dpo_ep2_moe",
                "dpo_zero3_lora": "reference_dpo_zero3_lora", "dpo_tp2_sp_lora": "reference_dpo_zero3_lora",
                # pipelines: 1F1B with a reference model (a pipeline too), ZBV (4 layers) precomputed, evaluated
-               "dpo_pp2_1f1b": "reference_dpo", "dpo_pp2_zbv_eval": "reference_dpo_pp2_zbv_eval"}
-CLIP = {"zero3_dft": 0.002, "pp2_gpipe_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1}  # max_grad_norm (default 1)
+               "dpo_pp2_1f1b": "reference_dpo", "dpo_pp2_zbv_eval": "reference_dpo_pp2_zbv_eval",
+               "dpo_tp2_sp_ga2": "reference_dpo_tp2_sp_ga2"}
+CLIP = {"zero3_dft": 0.002, "pp2_gpipe_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1,
+        "pp2_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
 DPO_CLIP = {"dpo_zero3_lora": 0.1, "dpo_tp2_sp_lora": 0.1}  # trl_worker's max_grad_norm for DPO (default: 0.5)
 # The final weights of a DPO run: the chosen and the rejected row of a pair share their prompt, and at the start
 # (policy = reference) their gradients through the prompt's tokens nearly cancel; Adam divides each element's update
@@ -172,22 +176,28 @@ def test_dpo_matches_plain_trl(results, case):
 
 @pytest.fixture(scope="module")
 def hsdp(results):
-    """HSDP on 4 processes (2 replicas of 2 ZeRO-3 shards): TRL's SFT and DPO, against the plain TRL runs of
-    ``results``."""
+    """The 4-process cases (``FOUR``: HSDP and compositions), against the plain TRL runs of ``results``."""
     from conftest import retry_native_crash, torchrun
 
-    proc = retry_native_crash(lambda: torchrun(4, WORKER, str(results / "tok"), str(results), "hsdp", "dpo_hsdp"),
+    proc = retry_native_crash(lambda: torchrun(4, WORKER, str(results / "tok"), str(results), *FOUR),
                               "test_trl hsdp")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return results
 
 
+# the 4-process cases (trl_worker.CASES) and the plain TRL runs they match
+FOUR = {"hsdp": "reference", "dpo_hsdp": "reference_dpo", "dp2_tp2_sp": "reference", "pp2_tp2": "reference",
+        "dpo_pp2_dp2": "reference_dpo"}
+
+
 @pytest.mark.sweep  # benchmarks/sweep_tests.py: 4 processes; every 2-process layout in CI
-@pytest.mark.parametrize("case", ["hsdp", "dpo_hsdp"])
-def test_hsdp_matches_plain_trl(hsdp, case):
-    """HSDP (dp_replicate=2 x dp_shard=2): SFTTrainer and DPOTrainer (the reference loaded by TRL from the model's
-    name, sharded the same way), every logged figure within 1e-5 of plain TRL's, and the final weights."""
-    reference = "reference" if case == "hsdp" else "reference_dpo"
+@pytest.mark.parametrize("case", list(FOUR))
+def test_four_process_layouts_match_plain_trl(hsdp, case):
+    """On 4 processes: HSDP (dp_replicate=2 x dp_shard=2) for SFTTrainer and DPOTrainer (the reference loaded by
+    TRL from the model's name, sharded the same way), SFT under ZeRO-3 x TP 2 + SP and under a pipeline x TP 2, DPO
+    under a pipeline x ZeRO-3 (a reference model, a pipeline too): every logged figure within 1e-5 of plain TRL's,
+    and the final weights."""
+    reference = FOUR[case]
     ref, got = (json.loads((hsdp / f"{name}.json").read_text())["logs"] for name in (reference, case))
     assert len(ref) == len(got) == 4
     for step, (a, b) in enumerate(zip(ref, got)):
@@ -195,7 +205,7 @@ def test_hsdp_matches_plain_trl(hsdp, case):
         for key in a:
             close = abs(a[key] - b[key]) <= TOL * a[key] if key == "grad_norm" else _close(a[key], b[key])
             assert close, (step, key, a[key], b[key])
-    if case == "dpo_hsdp":
+    if case.startswith("dpo"):
         return _dpo_weights_match(hsdp / case, hsdp / reference)
     mine, theirs = _weights(hsdp / case), _weights(hsdp / reference)
     worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in theirs)

@@ -51,7 +51,7 @@ CASES = {
     # conversations of two turns under TRL's chat template (one with generation tags): the loss on the assistant's
     # replies only (assistant_only_loss)
     "cp2_ring_assistant": {"cp": 2, "_sft": {"assistant_only_loss": True}, "_messages": True},
-    # 4 processes (tests/test_trl.py::test_hsdp_matches_plain_trl): HSDP, 2 replicas of 2 ZeRO-3 shards
+    # 4 processes (tests/test_trl.py::test_four_process_layouts_match_plain_trl): HSDP, 2 replicas of 2 ZeRO-3 shards
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
     # pipelines: TRL's loss on the last stage, inside the schedule (2 decoder layers: one a stage; 4 for the
     # schedules with 2 stages a rank)
@@ -60,6 +60,14 @@ CASES = {
     "pp2_interleaved": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "_layers": 4},
     "pp2_zbv_eval": {"pp": 2, "pp_schedule": "zbv", "_layers": 4,
                      "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
+    "pp2_zero_bubble": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2, "_layers": 4},
+    "pp2_dualpipev": {"pp": 2, "pp_schedule": "dualpipev", "_layers": 4},
+    "pp2_lora": {"pp": 2, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
+    # gradient accumulation: 2 micro-batches of 2 rows a rank per step (TRL weighs them by their tokens)
+    "zero3_ga2": {"dp_shard": 2, "_sft": {"gradient_accumulation_steps": 2}},
+    # 4 processes (test_trl.py::test_four_process_layouts_match_plain_trl): compositions
+    "dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
+    "pp2_tp2": {"pp": 2, "tp": 2},
 }
 # DPOTrainer (UltraScaleDPOTrainer; cases named dpo_*), its default sigmoid loss unless named. Where the reference
 # comes from: "_ref": "path" (the model given by name: TRL loads the policy and a second copy, the reference, which
@@ -81,6 +89,9 @@ DPO_CASES = {
     "dpo_pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b", "_ref": "copy"},
     "dpo_pp2_zbv_eval": {"pp": 2, "pp_schedule": "zbv", "_layers": 4, "_ref": "precompute",
                          "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
+    # gradient accumulation: 2 micro-batches of 2 pairs a step (TRL weighs them evenly)
+    "dpo_tp2_sp_ga2": {"tp": 2, "sequence_parallel": True, "_ref": "copy", "_sft": {"gradient_accumulation_steps": 2}},
+    "dpo_pp2_dp2": {"pp": 2, "dp_shard": 2, "_ref": "copy"},  # 4 processes
     "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 CASES.update(DPO_CASES)
@@ -179,7 +190,8 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     config = DPOConfig if dpo else SFTConfig
     if dpo:
         sft = {"max_grad_norm": 0.5, **sft, "precompute_ref_log_probs": ref == "precompute"}
-    args = config(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=GLOBAL_BATCH // dp,
+    rows_each = GLOBAL_BATCH // dp // sft.get("gradient_accumulation_steps", 1)  # the same rows a step, any window
+    args = config(output_dir=os.path.join(out_dir, f"run-{case}"), per_device_train_batch_size=rows_each,
                   max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], bf16=False, seed=0,
                   disable_tqdm=True, train_sampling_strategy="sequential", **({"save_strategy": "no"} | sft))
     if peft:  # TRL wraps the model with LoRA itself (peft_config), its adapters drawn from the seed
