@@ -68,6 +68,7 @@ CASES = {
     # 4 processes (test_trl.py::test_four_process_layouts_match_plain_trl): compositions
     "dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
     "pp2_tp2": {"pp": 2, "tp": 2},
+    "pp2_dp2": {"pp": 2, "dp_shard": 2},
 }
 # DPOTrainer (UltraScaleDPOTrainer; cases named dpo_*), its default sigmoid loss unless named. Where the reference
 # comes from: "_ref": "path" (the model given by name: TRL loads the policy and a second copy, the reference, which
@@ -91,7 +92,6 @@ DPO_CASES = {
                          "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
     # gradient accumulation: 2 micro-batches of 2 pairs a step (TRL weighs them evenly)
     "dpo_tp2_sp_ga2": {"tp": 2, "sequence_parallel": True, "_ref": "copy", "_sft": {"gradient_accumulation_steps": 2}},
-    "dpo_pp2_dp2": {"pp": 2, "dp_shard": 2, "_ref": "copy"},  # 4 processes
     "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
 }
 CASES.update(DPO_CASES)

@@ -52,8 +52,8 @@ class Pipeline(Runtime):
 
     def _token_outputs(self, output, targets, count=None):
         """The last stage's per-token outputs of one micro-batch (``ParallelModel.token_outputs``' contract), with
-        the plugins' loss terms (the router auxiliary loss, from every stage's router logits) and its global
-        valid-token count."""
+        the plugins' loss terms (the router auxiliary loss, from every stage's router logits) and, where there are
+        terms or it is given, its global valid-token count."""
         from types import SimpleNamespace
 
         from ...distributed.loss import token_outputs_of
@@ -68,7 +68,9 @@ class Pipeline(Runtime):
         got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=logits, targets=targets)
         if got is None:
             got = token_outputs_of(logits, targets)
-        got.count = count if count is not None else pmodel.global_token_count(targets)
+        # no collective inside the schedule where none is needed: its data-parallel peers may be gathering
+        # FSDP shards over the same group at that moment (the count, for the loss terms only)
+        got.count = count if count is not None or not terms else pmodel.global_token_count(targets)
         got.terms = terms
         return got
 
