@@ -39,7 +39,7 @@ Refused at construction, naming the reason: a TRL version whose trainers' contra
 arguments that need the whole logits or that the layout owns: ``parallelism_config``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload`` instead), Liger kernels; DPO's
 that the parallel head or a sharded reference cannot honour (``refuse_dpo_arguments``); in a pipeline, a router
-auxiliary loss and DPO with a PEFT model. A mixture of experts' router auxiliary loss (TRL's
+auxiliary loss, DPO with a PEFT model, and (not yet) DPO beside data parallel. A mixture of experts' router auxiliary loss (TRL's
 ``router_aux_loss_coef``) is otherwise computed over the global batch, as one process computes it.
 """
 from __future__ import annotations
