@@ -516,12 +516,12 @@ def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows,
     config = ParallelConfig.from_dict(dict(layout))
     if not config.chunked_loss:
         config = config.replace(chunked_loss=DEFAULT_CHUNK)
-    refuse_pipeline(config.pp, kind)
     if gpu not in PRESETS:
         raise ConfigError(f"gpu={gpu!r}: not a preset. Fix: one of {', '.join(PRESETS)}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     resolved = validate(config, model_config, world_size, model=model)
+    refuse_pipeline(resolved.pp, kind, dp=resolved.dp)
     validate_loop(resolved, accumulate, max_grad_norm)
     memory = PRESETS[gpu].memory_gb
     held = 0.0
