@@ -266,8 +266,6 @@ class WholeRowsHead:
         self.adapter = adapter
 
     def __call__(self, **kwargs):
-        from types import SimpleNamespace
-
         out = self.adapter(**kwargs, whole_rows=True)
         aux = None
         if out.terms:
@@ -276,9 +274,7 @@ class WholeRowsHead:
             dp = self.adapter.pmodel.dims.dp
             scaled = term * dp  # row_mean averages the replicas' gradients; the term's parts add up
             aux = (scaled + (term - scaled).detach()) / (coef or 1.0)
-        cut = {name: getattr(out, name)[:, :-1] for name in ("log_probs", "entropy", "mean_logits", "is_top1",
-                                                             "label_mask")}
-        return SimpleNamespace(**cut, aux_loss=aux, log_sum_sq_probs=None, loss=None)
+        return GivenHead({name: getattr(out, name) for name in FIELDS}, aux_loss=aux)()
 
 
 def dpo_compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -312,14 +308,14 @@ class GivenHead:
     """Per-token outputs already computed (a pipeline's last stage: ``FIELDS`` of whole rows, targets-shaped),
     answered the way TRL's fused head answers (``seq_len - 1`` next-token figures)."""
 
-    def __init__(self, fields: dict):
-        self.fields = fields
+    def __init__(self, fields: dict, aux_loss=None):
+        self.fields, self.aux_loss = fields, aux_loss
 
     def __call__(self, **kwargs):
         from types import SimpleNamespace
 
         cut = {name: value[:, :-1] for name, value in self.fields.items()}
-        return SimpleNamespace(**cut, aux_loss=None, log_sum_sq_probs=None, loss=None)
+        return SimpleNamespace(**cut, aux_loss=self.aux_loss, log_sum_sq_probs=None, loss=None)
 
 
 @contextlib.contextmanager
