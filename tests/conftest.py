@@ -45,8 +45,9 @@ NATIVE_CRASHES: list[str] = []  # launches run once more (retry_native_crash): p
 
 def retry_native_crash(launch, what: str):
     """``launch()`` (a torchrun, writing its results where it is told), and once more if a rank died from a signal
-    in native code: the gloo transport's rare crash (the CI saw a SIGSEGV in ~10 runs, this machine a SIGABRT in
-    test_qlora's launch once, neither reproduced) would otherwise fail every test of the launch. The crash report
+    in native code: the gloo transport's rare crash (the CI saw a SIGSEGV in ~10 runs, never reproduced) would
+    otherwise fail every test of the launch. (test_qlora's SIGABRTs were not that: torchao's NF4 all-gather
+    corrupted the heap in one launch in four, and both attempts could fail; quantized_base.gathered replaces it.) The crash report
     is printed in the terminal summary; a wrong result or a Python error is never retried. ``launch`` must write
     to fresh paths each call."""
     proc = launch()

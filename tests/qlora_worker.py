@@ -25,7 +25,8 @@ from models import packed_batches, padded_batches, rows  # noqa: E402
 from peft_worker import run_cases, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_bytes, quantized_weights  # noqa: E402
+from ultrascale_plugins.features.peft.quantized_base import (  # noqa: E402
+    gathered, quantize_base, quantized_bytes, quantized_weights)
 
 warnings.filterwarnings("ignore")
 STEPS, LR, MOMENTUM, CLIP = 4, 0.1, 0.9, 0.05
@@ -98,7 +99,8 @@ def reference(arch: str, extra: dict) -> dict:
 
 
 def inner(weight) -> dict:
-    return {n: getattr(weight, n).detach().clone() for n in INNER}
+    """An NF4 weight's inner tensors, and the value they stand for (dequantized)."""
+    return {**{n: getattr(weight, n).detach().clone() for n in INNER}, "value": weight.get_original_weight()}
 
 
 def run(name: str) -> dict | None:
@@ -131,8 +133,9 @@ def run(name: str) -> dict | None:
         dtypes.add(str(local.dtype))
         data_bytes += local.quantized_data.numel() * local.quantized_data.element_size()
         numel += p.numel()
-        whole = p.full_tensor() if isinstance(p, DTensor) else p
-        base_unchanged &= all(torch.equal(getattr(whole, k), v) for k, v in start_inner.items())
+        whole = gathered(p)  # not torchao's asynchronous NF4 all-gather: it corrupts the heap over gloo
+        base_unchanged &= all(torch.equal(getattr(whole, k), v) for k, v in start_inner.items() if k != "value")
+        base_unchanged &= torch.equal(whole.get_original_weight(), start_inner["value"])
     held = {"nf4_bytes": quantized_bytes(pmodel.parameters()), "packed_data_bytes": data_bytes, "numel": numel,
             # what the same weights take in bf16 on this rank: sharded as FSDP2 shards, whole under DDP / CP
             "bf16_bytes": numel * 2 // (pmodel.dims.facts.fsdp_shards),
@@ -228,9 +231,6 @@ def meta_build(directory: str) -> dict:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
         return quantize_base(model, "nf4") if quantized else model
 
-    def whole(p):
-        return p.full_tensor() if isinstance(p, DTensor) else p
-
     def same_nf4(a, b) -> bool:
         return all(torch.equal(getattr(a, k), getattr(b, k)) for k in INNER)
 
@@ -247,7 +247,7 @@ def meta_build(directory: str) -> dict:
         for name, p in pmodel.named_parameters():
             if "lora_" in name:
                 continue
-            mine, theirs = whole(p), ref_params[name]
+            mine, theirs = gathered(p), ref_params[name]
             nf4 += type(theirs).__name__ == "NF4Tensor"
             equal &= same_nf4(mine, theirs) if type(theirs).__name__ == "NF4Tensor" else torch.equal(mine, theirs)
         batch = batches({})[0]
@@ -263,9 +263,9 @@ def meta_build(directory: str) -> dict:
             local = p.to_local() if isinstance(p, DTensor) else p
             if type(local).__name__ == "NF4Tensor":
                 seeded_nf4 += 1
-                seeded_equal &= same_nf4(whole(p), requantized(local, whole(plain[name])))
+                seeded_equal &= same_nf4(gathered(p), requantized(local, gathered(plain[name])))
             else:
-                seeded_equal &= torch.equal(whole(p), whole(plain[name]))
+                seeded_equal &= torch.equal(gathered(p), gathered(plain[name]))
         return {"nf4": nf4, "equal": bool(equal), "first_loss": first, "ref_first_loss": ref_first,
                 "seeded_nf4": seeded_nf4, "seeded_equal": bool(seeded_equal)}
     except Exception:  # noqa: BLE001

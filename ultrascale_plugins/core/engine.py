@@ -591,12 +591,10 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
-        out = {}
+        out, wrapper = {}, wrapper_of(self.module, self.pm)  # a wrapper's tensor subclasses gather its own way
         for module in self.modules:
             for name, tensor in module.state_dict().items():
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()
-                out[name] = tensor.detach().cpu().clone()
+                out[name] = wrapper.whole_value(tensor).detach().cpu().clone()
         return self.runtime.gather_full_state(out)
 
     # ---- the step's pieces: the built-in step, the pipeline runtime and the front ends use these --------

@@ -46,6 +46,15 @@ class ModelWrapper:
         (a quantized base: ``full`` quantized whole, so that each part is a part of the whole's quantization)."""
         return full
 
+    def whole_value(self, tensor):
+        """An entry's whole value from ``tensor``, this rank's view of it (a DTensor, or a plain tensor that is
+        whole already), as ``ParallelModel.full_state_dict`` returns it. Every rank calls it, in the same order. The
+        default: ``full_tensor()``. A wrapper that holds entries as tensor subclasses gathers those its own way (a
+        quantized base: each NF4 weight's sharded parts)."""
+        from torch.distributed.tensor import DTensor
+
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
     def quantize_base(self, scheme: str) -> None:
         """Hold the wrapped model's frozen base weights quantized (``scheme``: QLoRA's "nf4"), in place; on the meta
         device it marks them, and loading quantizes each weight whole (``held_value``). The default: a wrapper

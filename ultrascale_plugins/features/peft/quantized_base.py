@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...interface.facts import layout_facts
@@ -104,7 +106,6 @@ def quantize_base(model: nn.Module, scheme: str = "nf4", *, block_size: int = 64
     only: ``parallelize`` gives each weight its value (read from ``init_from``, or drawn from the seed) whole, one
     at a time, quantizes it whole and keeps this rank's part (``requantized``), so every rank's shard is the
     shard of the whole weight's quantization, the same in every layout, and no rank holds the whole base."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     if scheme not in SCHEMES:
@@ -167,6 +168,44 @@ def requantized(local, full):
         return full
     _, to_nf4 = _torchao_nf4()
     return to_nf4(full.to(local.dtype).contiguous(), local.block_size, local.scaler_block_size)
+
+
+# an NF4Tensor's inner tensors that FSDP2 shards along dim 0 (torchao's split: whole scale blocks per shard); the
+# others (the scales' mean, the code book) are whole on every rank
+_SHARDED_INNER = ("quantized_data", "quantized_scalers", "quantization_factor")
+
+
+def gathered(tensor):
+    """The whole value of a parameter held as a DTensor (``full_tensor()``); for an ``NF4Tensor`` shard, the whole
+    ``NF4Tensor``, its sharded inner tensors gathered here with one blocking all-gather each over the mesh
+    dimension that shards it. Written by hand because torchao's own path (DTensor's all-gather dispatched to
+    ``NF4Tensor``) issues them as asynchronous functional collectives and leaves its block count the shard's; over
+    gloo it corrupted the heap in about one 2-process launch in four (tests/qlora_worker.py; torch 2.13, torchao
+    0.18)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = tensor.to_local()
+    cls = nf4_class()
+    if cls is None or not isinstance(local, cls):
+        return tensor.full_tensor()
+    dims = [i for i, p in enumerate(tensor.placements) if p.is_shard()]
+    if any(tensor.placements[i] != Shard(0) for i in dims) or len(dims) > 1:
+        raise ConfigError(f"an NF4 weight placed as {tensor.placements} cannot be gathered: only FSDP's dim-0 "
+                          "shards of whole scale blocks are (quantize_base's layouts)")
+    if not dims:
+        return local
+    group = tensor.device_mesh.get_group(dims[0])
+    n = dist.get_world_size(group)
+    whole = {}
+    for name in _SHARDED_INNER:
+        part = getattr(local, name).contiguous()
+        whole[name] = part.new_empty((n * part.shape[0], *part.shape[1:]))
+        dist.all_gather_into_tensor(whole[name], part, group=group)
+    size = torch.Size((local.shape[0] * n, *local.shape[1:]))
+    whole.update(size=size, stride=torch.empty(size, device="meta").stride(), n_blocks=local.n_blocks * n)
+    return cls(*sys.modules[cls.__module__].construct_nf4_args(local, whole))
 
 
 def quantized_bytes(model_or_params) -> int:

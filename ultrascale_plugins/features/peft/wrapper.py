@@ -7,7 +7,7 @@ from ...interface.hookspecs import hookimpl
 from ...interface.model_wrapper import ModelWrapper
 from .adapters import is_peft_model, save_adapters
 from .meta import entry_plain_name, init_dependent, init_module
-from .quantized_base import quantize_base, requantized
+from .quantized_base import gathered, quantize_base, requantized
 
 
 class PeftWrapper(ModelWrapper):
@@ -30,6 +30,9 @@ class PeftWrapper(ModelWrapper):
 
     def held_value(self, local, full):
         return requantized(local, full)  # an NF4 base (quantize_base on the meta device): quantized whole
+
+    def whole_value(self, tensor):
+        return gathered(tensor)  # an NF4 base weight: its parts gathered without torchao's asynchronous path
 
     def init_dependent(self, modules: list) -> None:
         init_dependent(modules)
