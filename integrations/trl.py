@@ -39,8 +39,8 @@ Refused at construction, naming the reason: a TRL version whose trainers' contra
 arguments that need the whole logits or that the layout owns: ``parallelism_config``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``activation_offloading`` (the layout's ``activation_offload`` instead), Liger kernels; DPO's
 that the parallel head or a sharded reference cannot honour (``refuse_dpo_arguments``); in a pipeline, a router
-auxiliary loss, DPO with a PEFT model, and (not yet) DPO beside data parallel. A mixture of experts' router auxiliary loss (TRL's
-``router_aux_loss_coef``) is otherwise computed over the global batch, as one process computes it.
+auxiliary loss and DPO with a PEFT model. A mixture of experts' router auxiliary loss (TRL's ``router_aux_loss_coef``)
+is otherwise computed over the global batch, as one process computes it.
 """
 from __future__ import annotations
 
@@ -95,11 +95,7 @@ def refuse_sft_arguments(args) -> None:
             raise ConfigError(f"{type(args).__name__}({field}={getattr(args, field)!r}) with ultrascale: {fix}")
 
 
-def refuse_pipeline(pp: int, kind: str = "sft", peft: bool = False, dp: int = 1) -> None:
-    if pp > 1 and kind == "dpo" and dp > 1:
-        raise ConfigError(f"UltraScaleDPOTrainer with pp={pp} and {dp} data-parallel replicas: not available yet (the "
-                          "pipelined policy and reference do not finish their step together under data parallel: "
-                          "it hangs in testing). Fix: a pipeline with tensor or context parallel only, or pp: 1")
+def refuse_pipeline(pp: int, kind: str = "sft", peft: bool = False) -> None:
     if pp > 1 and kind == "dpo" and peft:
         raise ConfigError(f"UltraScaleDPOTrainer with pp={pp} and a PEFT model: the reference is the model with its "
                           "adapters disabled, and a pipeline's stages hold their own copies of the adapters, which "
@@ -165,7 +161,7 @@ def before_init(kind: str, args: tuple, kwargs: dict, plugin) -> None:
         model = kwargs.get("model", args[0] if args else None)
         refuse_router_loss_in_pipeline(config.pp, router_loss_enabled(model, trl_args), kind)
         peft = kwargs.get("peft_config") is not None or hasattr(model, "peft_config")
-        refuse_pipeline(config.pp, kind, peft, config.dp)
+        refuse_pipeline(config.pp, kind, peft)
 
 
 def after_init(trainer) -> None:
@@ -179,7 +175,7 @@ def after_init(trainer) -> None:
         if kind == "dpo":
             refuse_dpo_arguments(trainer.args, config.dp)
         refuse_router_loss_in_pipeline(config.pp, getattr(trainer, "aux_loss_enabled", False), kind)
-        refuse_pipeline(config.pp, kind, hasattr(trainer.model, "peft_config"), config.dp)
+        refuse_pipeline(config.pp, kind, hasattr(trainer.model, "peft_config"))
     except ConfigError as exc:
         refuse(exc)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
@@ -517,7 +513,6 @@ def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     resolved = validate(config, model_config, world_size, model=model)
-    refuse_pipeline(resolved.pp, kind, dp=resolved.dp)
     validate_loop(resolved, accumulate, max_grad_norm)
     memory = PRESETS[gpu].memory_gb
     held = 0.0

@@ -88,6 +88,7 @@ DPO_CASES = {
     "dpo_hsdp": {"dp_replicate": 2, "dp_shard": 2, "_ref": "path"},  # 4 processes
     # pipelines: each micro-batch holds whole pairs; the reference model a pipeline of its own, or precomputed
     "dpo_pp2_1f1b": {"pp": 2, "pp_schedule": "1f1b", "_ref": "copy"},
+    "dpo_pp2_dp2": {"pp": 2, "dp_shard": 2, "_ref": "copy"},  # 4 processes
     "dpo_pp2_zbv_eval": {"pp": 2, "pp_schedule": "zbv", "_layers": 4, "_ref": "precompute",
                          "_sft": {"eval_strategy": "steps", "eval_steps": 2}},
     # gradient accumulation: 2 micro-batches of 2 pairs a step (TRL weighs them evenly)

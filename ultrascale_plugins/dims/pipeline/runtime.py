@@ -289,10 +289,18 @@ class Pipeline(Runtime):
     def stats(self) -> dict | None:
         return self.last_step_stats
 
+    def _stale(self, pmodel, shape: tuple) -> bool:
+        """Whether the schedule is rebuilt for a batch of ``shape``: when this rank's or any data-parallel peer's
+        shape changed. torch's shape inference runs a real forward and backward, so ZeRO's gathers and reductions
+        of a stage run in it: data-parallel peers holding rows of other lengths rebuild together or their
+        collectives pair up wrongly (a hang). Their pipeline peers hold the same rows and decide the same."""
+        stale = self.schedule is None or shape != self._built_for
+        return bool(pmodel.sum_over_rows(torch.tensor([int(stale)])).item()) if pmodel.dims.dp > 1 else stale
+
     def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         batch = pmodel.prepare_batch(batch)
         ids, targets = batch["input_ids"], batch["targets"]
-        if train and (self.schedule is None or tuple(ids.shape) != self._built_for):
+        if train and self._stale(pmodel, tuple(ids.shape)):
             # torch's stages infer the shapes they send and receive on their first step and keep them: a batch of
             # another shape (a collator padding each batch to its longest row, as TRL's does) gets a schedule of
             # its own, its shapes inferred again
