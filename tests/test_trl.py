@@ -33,7 +33,9 @@ DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp
                "dpo_zero3_lora": "reference_dpo_zero3_lora", "dpo_tp2_sp_lora": "reference_dpo_zero3_lora",
                # pipelines: 1F1B with a reference model (a pipeline too), ZBV (4 layers) precomputed, evaluated
                "dpo_pp2_1f1b": "reference_dpo", "dpo_pp2_zbv_eval": "reference_dpo_pp2_zbv_eval",
-               "dpo_tp2_sp_ga2": "reference_dpo_tp2_sp_ga2"}
+               "dpo_tp2_sp_ga2": "reference_dpo_tp2_sp_ga2",
+               # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
+               "dpo_zero3_save": "reference_dpo_zero3_save", "dpo_tp2_sp_resume": "reference_dpo_tp2_sp_resume"}
 CLIP = {"zero3_dft": 0.002, "pp2_gpipe_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1,
         "pp2_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
 DPO_CLIP = {"dpo_zero3_lora": 0.1, "dpo_tp2_sp_lora": 0.1}  # trl_worker's max_grad_norm for DPO (default: 0.5)
@@ -147,11 +149,13 @@ def test_dpo_matches_plain_trl(results, case):
     expert parallel on a Qwen3-MoE (the router auxiliary loss and its logged aux_loss), LoRA under ZeRO-3 and TP +
     SP (the reference is the policy with its adapters disabled: no second copy), pipelines (1F1B with a reference
     model, itself a pipeline; ZBV on 4 layers with precomputed log-probabilities and evaluation: each pipeline
-    micro-batch holds whole pairs). The final weights within 1e-5 relative (DPO_WEIGHTS_TOL: why)."""
+    micro-batch holds whole pairs), and a run saved under ZeRO-3 and resumed from its step-2 checkpoint under TP +
+    SP (against plain TRL resuming its own). The final weights within 1e-5 relative (DPO_WEIGHTS_TOL: why)."""
     ref_run = json.loads((results / f"{DPO_LAYOUTS[case]}.json").read_text())
     got_run = json.loads((results / f"{case}.json").read_text())
     ref, got = ref_run["logs"], got_run["logs"]
-    assert len(got) == len(ref) == 4 and len(got_run["eval"]) == len(ref_run["eval"]) == (2 if "eval" in case else 0)
+    steps = 2 if case.endswith("resume") else 4
+    assert len(got) == len(ref) == steps and len(got_run["eval"]) == len(ref_run["eval"]) == (2 if "eval" in case else 0)
     for a, b in zip(ref_run["eval"], got_run["eval"]):
         assert a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a), (a, b)
     for step, (a, b) in enumerate(zip(ref, got)):
@@ -168,7 +172,7 @@ def test_dpo_matches_plain_trl(results, case):
         assert reference == {"class": None}  # no second model: adapters disabled, or log-probabilities precomputed
     else:  # a second model, in the layout: frozen, and sharded where the layout shards (ZeRO-3 by 2, TP by 2)
         assert reference["class"] == "ParallelCausalLM" and reference["trainable"] == 0, reference
-        if case in ("dpo_zero3", "dpo_tp2_sp"):
+        if case in ("dpo_zero3", "dpo_tp2_sp", "dpo_tp2_sp_resume"):
             assert reference["held"] < 0.6 * reference["whole"], reference
         if case == "dpo_pp2_1f1b":  # this rank's stage of it: one of the two decoder layers, a part of the model
             assert reference["whole"] < 0.6 * 125248, reference
@@ -224,14 +228,15 @@ def _trainer_classes():
 
 @pytest.mark.slow
 def test_the_checkpoint_a_layout_saved_is_the_packages_sharded_one(results):
-    """The ZeRO-3 run's checkpoint-2 holds the package's sharded checkpoint (model and optimizer shards), which the
-    TP + SP run resumed from (test_sft_matches_plain_trl[tp2_sp_resume]), and TRL's model card is written beside
-    it."""
-    checkpoint = results / "run-zero3_save" / "checkpoint-2"
-    assert (checkpoint / "ultrascale.json").is_file() and (checkpoint / "trainer_state.json").is_file()
-    # TRL's model card beside the checkpoints, as plain TRL writes it at each save
-    for run in ("run-zero3_save", "run-reference_zero3_save"):
-        assert (results / run / "README.md").is_file(), run
+    """Each trainer's ZeRO-3 run's checkpoint-2 holds the package's sharded checkpoint (model and optimizer shards),
+    which the TP + SP run resumed from (test_sft_matches_plain_trl[tp2_sp_resume],
+    test_dpo_matches_plain_trl[dpo_tp2_sp_resume]), and TRL's model card is written beside it."""
+    for saved in ("zero3_save", "dpo_zero3_save"):
+        checkpoint = results / f"run-{saved}" / "checkpoint-2"
+        assert (checkpoint / "ultrascale.json").is_file() and (checkpoint / "trainer_state.json").is_file()
+        # TRL's model card beside the checkpoints, as plain TRL writes it at each save
+        for run in (f"run-{saved}", f"run-reference_{saved}"):
+            assert (results / run / "README.md").is_file(), run
 
 
 def test_what_is_refused_at_construction(monkeypatch):

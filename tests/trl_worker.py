@@ -94,6 +94,10 @@ DPO_CASES = {
     # gradient accumulation: 2 micro-batches of 2 pairs a step (TRL weighs them evenly)
     "dpo_tp2_sp_ga2": {"tp": 2, "sequence_parallel": True, "_ref": "copy", "_sft": {"gradient_accumulation_steps": 2}},
     "dpo_tp2_sp_lora": {"tp": 2, "sequence_parallel": True, "_peft": True, "_sft": {"max_grad_norm": 0.1}},
+    # checkpoints: saved every 2 steps under ZeRO-3, resumed from step 2 under TP + SP (the reference model is not
+    # in the checkpoint: the resumed trainer is given it again, as a plain TRL run resuming is)
+    "dpo_zero3_save": {"dp_shard": 2, "_ref": "copy", "_sft": {"save_strategy": "steps", "save_steps": 2}},
+    "dpo_tp2_sp_resume": {"tp": 2, "sequence_parallel": True, "_ref": "copy", "_resume": "dpo_zero3_save"},
 }
 CASES.update(DPO_CASES)
 DPO_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss", "rewards/chosen",
