@@ -495,6 +495,13 @@ def check_dpo_layout(layout: dict, model_config, world_size: int, gpu: str, *, m
                          max_grad_norm, reference=reference)
 
 
+def reference_weights_gb(policy_memory: dict | None) -> float:
+    """What a DPO reference model's weights take per rank (GB), given the policy's memory estimate
+    (``check_memory``): the policy's parameter bytes on its most loaded rank, since the reference is parallelized in
+    the same layout from the same model (tests/test_trl.py measures it: equal on every tested layout)."""
+    return policy_memory["params"] if policy_memory is not None else 0.0
+
+
 def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows, accumulate, max_grad_norm,
                   reference: bool) -> str:
     import torch
@@ -519,7 +526,7 @@ def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows,
     if reference:  # the reference's weights: what the policy's take per rank, beside them
         mem = check_memory(resolved, model_config, model, world_size, max_length, rows, accumulate, world_size,
                            float("inf"))
-        held = mem["params"] if mem is not None else 0.0
+        held = reference_weights_gb(mem)
         if mem is not None and mem["total"] + held > memory:
             raise ConfigError(f"model {model_config.model_type} with its DPO reference needs about "
                               f"{mem['total'] + held:.1f} GB per GPU in this layout (the policy {mem['total']:.1f}, "

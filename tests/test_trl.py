@@ -131,6 +131,25 @@ def _dpo_weights_match(mine: Path, theirs: Path) -> None:
     assert float(diff.abs().max()) <= 1e-4, float(diff.abs().max())
 
 
+def _reference_estimate_bytes(tokenizer_dir: Path, case: str) -> float:
+    """check_dpo_layout's price of the reference model's weights per rank for ``case``'s model and layout (2 ranks)."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl_worker import CASES, model_for
+
+    from ultrascale_plugins.cli.main import check_memory
+    from ultrascale_plugins.core.engine import validate
+    from ultrascale_plugins.integrations.trl import reference_weights_gb
+    from ultrascale_plugins.interface.config import ParallelConfig
+
+    layout = {k: v for k, v in CASES[case].items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = model_for(AutoTokenizer.from_pretrained(str(tokenizer_dir)), CASES[case].get("_arch", "llama"),
+                          CASES[case].get("_layers", 2))
+    resolved = validate(ParallelConfig(**layout), model.config, 2, model=model)
+    return reference_weights_gb(check_memory(resolved, model.config, model, 2, 64, 8, 1, 2, float("inf"))) * 1e9
+
+
 def _close(a: float, b: float) -> bool:
     """Within 1e-5, relative for figures larger than 1 (a sequence's summed log-probabilities: ~40)."""
     return abs(a - b) <= TOL * max(1.0, abs(a))
@@ -172,6 +191,9 @@ def test_dpo_matches_plain_trl(results, case):
         assert reference == {"class": None}  # no second model: adapters disabled, or log-probabilities precomputed
     else:  # a second model, in the layout: frozen, and sharded where the layout shards (ZeRO-3 by 2, TP by 2)
         assert reference["class"] == "ParallelCausalLM" and reference["trainable"] == 0, reference
+        # what it holds is what check_dpo_layout prices it at (the policy's parameter bytes, most loaded rank)
+        estimate = _reference_estimate_bytes(results / "tok", case)
+        assert abs(reference["most_bytes"] - estimate) <= 1e-6 * estimate, (reference, estimate)
         if case in ("dpo_zero3", "dpo_tp2_sp", "dpo_tp2_sp_resume"):
             assert reference["held"] < 0.6 * reference["whole"], reference
         if case == "dpo_pp2_1f1b":  # this rank's stage of it: one of the two decoder layers, a part of the model

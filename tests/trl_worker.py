@@ -227,14 +227,19 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     trainer.save_model(os.path.join(out_dir, case))
     pushed = push_without_network(trainer)
     reference = None
-    if dpo:  # what DPO's reference is on this rank: its class, and its parameters' elements held here / in all
+    if dpo:  # DPO's reference: its class, its elements held here / in all, the most bytes a rank holds
         held = trainer.ref_model
         if held is not None:
             from torch.distributed.tensor import DTensor
 
             params = list(held.parameters())
-            local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-            reference = {"class": type(held).__name__, "held": local, "whole": sum(p.numel() for p in params),
+            locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+            nbytes = [sum(t.numel() * t.element_size() for t in locals_)]  # each rank's parameter bytes
+            if torch.distributed.is_initialized():
+                nbytes = nbytes * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(nbytes, nbytes[0])
+            reference = {"class": type(held).__name__, "held": sum(t.numel() for t in locals_),
+                         "whole": sum(p.numel() for p in params), "most_bytes": max(nbytes),
                          "trainable": sum(p.numel() for p in params if p.requires_grad)}
         else:
             reference = {"class": None}
