@@ -191,7 +191,7 @@ def gathered(tensor):
     if cls is None or not isinstance(local, cls):
         return tensor.full_tensor()
     dims = [i for i, p in enumerate(tensor.placements) if p.is_shard()]
-    if any(tensor.placements[i] != Shard(0) for i in dims) or len(dims) > 1:
+    if len(dims) > 1 or (dims and tensor.placements[dims[0]] != Shard(0)):
         raise ConfigError(f"an NF4 weight placed as {tensor.placements} cannot be gathered: only FSDP's dim-0 "
                           "shards of whole scale blocks are (quantize_base's layouts)")
     if not dims:
