@@ -327,8 +327,8 @@ def _precomputed(trainer):
 @contextlib.contextmanager
 def _unlogged(trainer):
     """TRL's loss computed without what it logs (a pipeline micro-batch's part of the loss: the micro-batch's
-    figures are logged once, over all its pairs). Its gathers for the metrics stay local: they would run inside
-    the schedule, between its sends and receives, on the last stage's ranks only."""
+    figures are logged once, over all its pairs). Its gathers for the metrics stay local: what they gather is
+    discarded."""
     metrics, tokens = trainer._metrics, trainer._total_train_tokens
     accelerator = trainer.accelerator
     trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}

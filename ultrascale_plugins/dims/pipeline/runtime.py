@@ -68,8 +68,7 @@ class Pipeline(Runtime):
         got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=logits, targets=targets)
         if got is None:
             got = token_outputs_of(logits, targets)
-        # no collective inside the schedule where none is needed: its data-parallel peers may be gathering
-        # FSDP shards over the same group at that moment (the count, for the loss terms only)
+        # the global count (a collective) only where the loss terms need it: an objective normalizes its own way
         got.count = count if count is not None or not terms else pmodel.global_token_count(targets)
         got.terms = terms
         return got
