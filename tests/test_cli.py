@@ -136,16 +136,61 @@ def test_resume_from_the_command_line_continues_exactly(tmp_path):
     common = ["--nproc", "2", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=2",
               "--set", "sequence_parallel=false", "--set", "train.steps=6", "--set", "train.log_every=1",
               "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--set", "train.save_every=3"]
-    full = tmp_path / "full.json"
+    full, logs = tmp_path / "full.json", tmp_path / "logs"
     # the checkpoints are written in the background (train.async_save) while the steps after them run
-    proc = ultrascale("train", *common, "--set", "train.async_save=true", "--metrics", str(full))
+    proc = ultrascale("train", *common, "--set", "train.async_save=true", "--metrics", str(full), "--log-dir",
+                      str(logs))
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = tmp_path / "resumed.json"
     proc = ultrascale("train", *common, "--resume", str(tmp_path / "ckpt" / "step-00000003"), "--metrics",
-                      str(resumed))
+                      str(resumed), "--log-dir", str(logs))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stdout
-    assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][3:]
+    losses = json.loads(full.read_text())["losses"]
+    assert json.loads(resumed.read_text())["losses"] == losses[3:]
+    # --log-dir after a resume from step 3 of a run that logged to step 6: one curve, steps 4-6 the resumed run's
+    # (they were kept and then written again, issue 47)
+    lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6] and [r["loss"] for r in lines] == losses
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logs))  # both runs' event files; the resumed one's purge_step hides 4-6 of the first
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_resumed_run_supersedes_the_logged_steps_after_its_checkpoint(tmp_path):
+    """Issue 47: the interrupted run's lines after the checkpoint were kept and then logged again. The resumed run's
+    first logged step drops them from metrics.jsonl (written aside, then moved over: no .tmp left; a line that is not
+    a record stays) and has TensorBoard hide the earlier event files' steps from the checkpoint's on."""
+    from ultrascale_plugins.cli.progress import EventLog, keep_log_lines_through, write_log_line
+
+    first = EventLog(str(tmp_path))
+    for step in range(1, 7):  # the interrupted run: steps 1-6, the checkpoint at 3
+        write_log_line(str(tmp_path), {"step": step, "loss": float(step)})
+        first.write({"step": step, "loss": float(step)})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("a note of the user's own\n")
+    keep_log_lines_through(str(tmp_path), 3)
+    resumed = EventLog(str(tmp_path), purge_step=4)
+    for step in range(4, 7):
+        write_log_line(str(tmp_path), {"step": step, "loss": -float(step)})
+        resumed.write({"step": step, "loss": -float(step)})
+    resumed.close()
+    text = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert text[3] == "a note of the user's own" and not list(tmp_path.glob("*.tmp"))
+    lines = [json.loads(line) for line in text[:3] + text[4:]]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 1), (2, 2), (3, 3), (4, -4), (5, -5), (6, -6)]
+    keep_log_lines_through(str(tmp_path / "absent"), 3)  # nothing logged there yet: nothing to do
+    if first.writer is not None:  # tensorboard installed: one value per step, the resumed run's after 3
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(r["step"], r["loss"]) for r in lines]
 
 
 def test_resume_from_a_bad_path_is_one_line(tmp_path):

@@ -3,6 +3,7 @@ bar's postfix, ``LOG_DIR/metrics.jsonl`` and TensorBoard event files), and the c
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -39,12 +40,43 @@ def write_log_line(log_dir: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def logged_step(line: str) -> int | None:
+    """The step of one line of ``metrics.jsonl`` (None for a line that is not one of its records)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def keep_log_lines_through(log_dir: str, last_step: int) -> None:
+    """Before a resumed run's first line: ``metrics.jsonl`` without the records after the resumed step
+    ``last_step`` (the interrupted run's, which the resumed run logs again), so the file holds one curve. Written
+    aside and moved over the old file, so a failure here leaves it as it was; lines that are not records are kept."""
+    path = Path(log_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if (logged_step(line) or 0) <= last_step]
+    if len(kept) == len(lines):
+        return
+    aside = path.with_name(path.name + ".tmp")
+    with open(aside, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(aside, path)
+
+
 class EventLog:
     """TensorBoard event files in ``LOG_DIR`` beside ``metrics.jsonl``: the same values per logged step, with peak
     memory as one scalar per rank (``memory/peak_mb_rank{r}``). Without the ``tensorboard`` package (the
-    ``ultrascale-plugins[tensorboard]`` extra) only the JSON lines are written, and that is said once."""
+    ``ultrascale-plugins[tensorboard]`` extra) only the JSON lines are written, and that is said once.
+    ``purge_step`` (a resumed run's first step, 1-based): TensorBoard hides the earlier files' events from that step
+    on, the interrupted run's steps that the resumed one logs again."""
 
-    def __init__(self, log_dir: str, bar=None):
+    def __init__(self, log_dir: str, bar=None, purge_step: int | None = None):
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter  # an optional extra: asked for only with --log-dir
@@ -53,7 +85,7 @@ class EventLog:
                     "adds TensorBoard event files")
             (bar.write if bar is not None else print)(note)
             return
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def write(self, record: dict) -> None:
         if self.writer is None:
@@ -76,8 +108,9 @@ class Progress:
     exchange of a logged step). ``opening`` says the layout, the model and the batch, then starts the bar;
     ``step_done`` after each optimizer step; ``closing`` the final line."""
 
-    def __init__(self, recipe, built, device: torch.device, log_dir: str | None = None):
+    def __init__(self, recipe, built, device: torch.device, log_dir: str | None = None, resumed_at: int = 0):
         self.recipe, self.built, self.device, self.log_dir = recipe, built, device, log_dir
+        self.resumed_at = resumed_at  # the checkpoint's step: --log-dir's records after it are superseded
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tokens_per_step = recipe.train.global_batch * recipe.data.seq_len
         self.bar = None
@@ -125,8 +158,9 @@ class Progress:
         if self.log_dir and self.rank == 0:
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
                       "peak_mb_per_rank": peaks}
+            if self.events is None:  # this run's first line
+                self.events = self.open_logs()
             write_log_line(self.log_dir, record)
-            self.events = self.events or EventLog(self.log_dir, self.bar)
             self.events.write(record)
         if self.bar is not None:
             idle = self.built.pmodel.pipeline_stats
@@ -134,6 +168,15 @@ class Progress:
             self.bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s{bubble} | peak MB/rank "
                                      + ",".join(str(p) for p in peaks), refresh=False)
             self.bar.update((step + 1) - self.bar.n)
+
+    def open_logs(self) -> EventLog:
+        """--log-dir at this run's first logged step: after a resume, what the interrupted run logged after the
+        checkpoint is superseded (metrics.jsonl rewritten without it, TensorBoard told to hide it), so that each
+        step is plotted once, with the values of the run that continued."""
+        if not self.resumed_at:
+            return EventLog(self.log_dir, self.bar)
+        keep_log_lines_through(self.log_dir, self.resumed_at)
+        return EventLog(self.log_dir, self.bar, purge_step=self.resumed_at + 1)
 
     def closing(self, result: dict, metrics_path: str | None = None) -> None:
         """The closing line and the metrics file (rank 0); nothing but the bar's end after a stop by signal."""

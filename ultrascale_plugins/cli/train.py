@@ -44,7 +44,7 @@ def run(recipe: Recipe, metrics_path: str | None = None, resume: str | None = No
     optimizer = make_optimizer(pmodel, recipe)
     recipe, data = training_data(recipe, pmodel)
     first_step = resume_state(resume, pmodel, optimizer, data)
-    progress = Progress(recipe, built, device, log_dir)
+    progress = Progress(recipe, built, device, log_dir, resumed_at=first_step)
     progress.opening(first_step, resume)
     loop = train_loop(recipe, pmodel, optimizer, data, Checkpoints(recipe, pmodel, optimizer, data, built.base_from),
                       progress, stop or StopSignals(), first_step, profile_step)
