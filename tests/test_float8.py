@@ -69,7 +69,8 @@ def test_without_torchao_float8_is_refused_with_the_extra_to_install(monkeypatch
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     message = _refused({"float8": "tensorwise"})
-    assert "torchao is not installed" in message and 'pip install "ultrascale-plugins[float8]"' in message
+    # the extra's own requirement, which installs wherever the package came from (a clone has no index entry)
+    assert "torchao is not installed" in message and 'pip install "torchao>=' in message, message
     us.validate(us.ParallelConfig(), None, 1)  # float8: none needs no torchao
 
 

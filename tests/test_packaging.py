@@ -284,3 +284,15 @@ def test_a_users_script_prints_no_torchao_import_notes(tmp_path):
     quiet = stderr_of("from ultrascale_plugins.integrations.trainer import UltraScaleTrainer")
     assert "Failed to load" not in quiet and "natively supported" not in quiet, quiet
     assert "another torchao note" in quiet, quiet
+
+
+def test_an_extras_hint_installs_from_anywhere():
+    """A hint for a missing extra names the extra's own requirements, read from the installed metadata: `pip install
+    "ultrascale-plugins[peft]"` needs the package on an index, which a clone's install is not (issue 47)."""
+    from ultrascale_plugins.interface.extras import install_command
+
+    for extra, package in (("peft", "peft>="), ("tensorboard", "tensorboard>="), ("float8", "torchao>="),
+                           ("plot", "matplotlib>="), ("trl", "trl")):
+        command = install_command(extra)
+        assert command.startswith(f'pip install "{package}') and "ultrascale-plugins[" not in command, command
+    assert install_command("no-such-extra").startswith('pip install ".[no-such-extra]"')

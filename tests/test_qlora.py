@@ -184,7 +184,7 @@ def test_without_torchao_quantize_base_says_what_to_install(monkeypatch):
     model = _model()
     for name in quantized_base._NF4_MODULES:
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(us.ConfigError, match="needs torchao's NF4Tensor.*pip install torchao"):
+    with pytest.raises(us.ConfigError, match="needs torchao's NF4Tensor.*pip install \"torchao>="):
         quantized_base.quantize_base(model, "nf4")
 
 

@@ -1,4 +1,4 @@
-"""float8 training through torchao (the optional extra ``pip install "ultrascale-plugins[float8]"``).
+"""float8 training through torchao (the optional extra ``float8``: ``pip install ".[float8]"`` in a clone).
 
 ``float8: tensorwise`` or ``rowwise`` (torchao's ``Float8LinearConfig.from_recipe_name`` recipes) swaps the decoder
 layers' ``nn.Linear`` modules for torchao's ``Float8Linear``: their three matmuls (output, input gradient, weight
@@ -19,6 +19,7 @@ import os
 import torch
 from torch import nn
 
+from ...interface.extras import install_command
 from ...interface.facts import layout_facts
 from ...interface.fields import field_error
 from ...interface.hookspecs import hookimpl
@@ -26,14 +27,13 @@ from ...interface.stages import Stage
 from ...models.plan import layers_present
 
 RECIPES = ("none", "tensorwise", "rowwise")
-EXTRA = 'pip install "ultrascale-plugins[float8]"'
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: the first GPUs with float8 tensor cores (cuBLAS float8 matmul)
 
 
 @hookimpl
 def ultrascale_add_fields(fields):
     fields.add("float8", str, "none", "float8 matmuls in the decoder layers' Linear modules through torchao "
-               "(pip install \"ultrascale-plugins[float8]\"): tensorwise (one scale per tensor) or rowwise (one "
+               "(the float8 extra: torchao): tensorwise (one scale per tensor) or rowwise (one "
                "per row: more accurate); weights and optimizer states keep their precision; needs a GPU "
                "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES)
 
@@ -97,7 +97,8 @@ def ultrascale_validate_config(config, model_config, world_size):
     try:
         _import_torchao()
     except ImportError:
-        raise field_error("float8", recipe, "torchao is not installed", f"{EXTRA}, or float8: none") from None
+        raise field_error("float8", recipe, "torchao is not installed",
+                          f"{install_command('float8')}, or float8: none") from None
     if layout_facts(config).degree("tp") > 1:
         # torchao converts TP shards with its own Float8ColwiseParallel / Float8RowwiseParallel styles (the cast and
         # its amax reduction have to happen on the whole activation); this package's TP plans use torch's styles

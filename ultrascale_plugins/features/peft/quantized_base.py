@@ -37,12 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...interface.facts import layout_facts
+from ...interface.extras import install_command
 from ...interface.fields import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from .adapters import is_peft_model
 
 SCHEMES = ("nf4",)
-EXTRA = "pip install torchao"
 # where torchao keeps NF4Tensor: its current module, then the older torchao.dtypes.nf4tensor
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 
@@ -59,7 +59,7 @@ def _torchao_nf4():
         except (ImportError, AttributeError) as exc:
             errors.append(f"{name}: {exc}")
     raise ConfigError(f"quantize_base(..., 'nf4') needs torchao's NF4Tensor, which could not be imported "
-                      f"({'; '.join(errors)}). Fix: {EXTRA}")
+                      f"({'; '.join(errors)}). Fix: {install_command('float8')}")
 
 
 def nf4_class():
