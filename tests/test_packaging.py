@@ -296,3 +296,20 @@ def test_an_extras_hint_installs_from_anywhere():
         command = install_command(extra)
         assert command.startswith(f'pip install "{package}') and "ultrascale-plugins[" not in command, command
     assert install_command("no-such-extra").startswith('pip install ".[no-such-extra]"')
+
+
+def test_the_quick_starts_main_job_installs_no_torchao():
+    """The README's first command installs what the main job uses, and no extra that brings torchao: with it
+    installed, every script that imports transformers before this package prints torchao's import notes (issue 47)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    first, second = [line for line in block.strip().splitlines() if line.strip()]
+    assert "ultrascale train" in first and "pytest" in second
+    extras = re.findall(r'\.\[([\w,-]+)\]', first.split("&& ultrascale train")[0])
+    requires = metadata.requires("ultrascale-plugins") or []
+    assert not any(r.startswith("torchao") and "extra ==" not in r for r in requires)
+    brought = [e for group in extras for e in group.split(",")
+               if any(r.startswith("torchao") and re.search(rf"""extra == ['"]{e}['"]""", r) for r in requires)]
+    assert not brought, f"the quick start's install brings torchao through {brought}"
