@@ -17,13 +17,15 @@ when it holds what did not reach it (``dropped_by_the_launcher``), rather than r
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from ..interface.config import ConfigError, ParallelConfig
+from ..interface.config import ConfigError, ParallelConfig, suggest
 from ..interface.parallel_dims import declared_axes
 
 ACCELERATE_ENV_PREFIXES = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
@@ -61,6 +63,8 @@ def read_layout_file(path: str | Path) -> ParallelConfig:
 def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
     section = dict(data.get("parallelism_config") or {})
     extra = dict(section.pop(SECTION, None) or {})
+    refuse_unread_keys(section, f"{where}: parallelism_config", YAML_PREFIX)
+    refuse_unknown_fields(extra, f"{where}: parallelism_config: {SECTION}")
     fields = sizes_to_fields({k.removeprefix(YAML_PREFIX): v for k, v in section.items()
                               if k.startswith(YAML_PREFIX) and k.endswith("_size")}, where)
     fields.update(_fsdp_fields({k.upper(): str(v) for k, v in (data.get("fsdp_config") or {}).items()},
@@ -72,7 +76,70 @@ def from_accelerate_file(data: Mapping, where: str) -> ParallelConfig:
     fields.update(extra)
     if str(data.get("mixed_precision", "no")) not in ("no", "None"):
         fields.setdefault("mixed_precision", str(data["mixed_precision"]))
-    return ParallelConfig.from_dict(fields)
+    try:
+        return ParallelConfig.from_dict(fields)
+    except ConfigError as exc:  # a value the field refuses: say which file holds it
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def accelerates_own_keys() -> frozenset[str]:
+    """The ``parallelism_config`` keys the installed Accelerate reads, without their prefix: its launcher's
+    ``--parallelism_config_*`` options (the sizes, and settings such as ``cp_backend``, ``cp_comm_strategy`` and
+    the ``sp_*`` ones, which have no meaning here but belong in its file). Read from Accelerate itself, so a
+    version that adds a key is followed; none without Accelerate (the plugins' sizes still are)."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+    except ImportError:
+        return frozenset()
+    return frozenset(action.dest.removeprefix(YAML_PREFIX) for action in launch_command_parser()._actions
+                     if action.dest.startswith(YAML_PREFIX))
+
+
+def refuse_unread_keys(section: Mapping[str, Any], where: str, prefix: str) -> None:
+    """A key of Accelerate's ``parallelism_config`` (``prefix``: the file's ``parallelism_config_``, or the
+    environment's ``PARALLELISM_CONFIG_``) that neither Accelerate nor an installed plugin reads is refused, naming
+    the nearest key that is read: left out, a misspelled size (``tp_sise``, ``tp``, a bare ``tp_size``) would train
+    another layout without a word. A prefixed key ending in ``_size`` is left to ``sizes_to_fields``, which refuses
+    it above 1 (a plugin not installed may be what reads it)."""
+    known = known_keys(prefix)
+    for key, value in section.items():
+        if key in known or key == SECTION or (key.startswith(prefix) and key.lower().endswith("_size")):
+            continue  # the 'ultrascale' block has its own check (refuse_unknown_fields)
+        raise ConfigError(f"{where}: {key}={value}: neither Accelerate nor an installed plugin reads this key, so "
+                          f"it would change nothing. Fix: {nearest_key(key.removeprefix(prefix), value, prefix)}")
+
+
+def known_keys(prefix: str) -> list[str]:
+    """Every ``parallelism_config`` key read here, spelled with ``prefix`` (the file's or the environment's)."""
+    spell = str.upper if prefix.isupper() else str.lower
+    return sorted(prefix + spell(key) for key in accelerates_own_keys() | set(accelerate_keys()))
+
+
+def nearest_key(bare: str, value: Any, prefix: str) -> str:
+    """What a key nobody reads (``bare``: without its prefix) was likely meant to be: the size key of the layout
+    field it names (``tp`` -> ``tp_size``), the ``ultrascale`` block for a field Accelerate has no key for
+    (``pp_size``), else the closest key by spelling (close enough that the shared prefix alone does not count)."""
+    spell = str.upper if prefix.isupper() else str.lower
+    field = bare.lower().removesuffix("_size")
+    if field in ParallelConfig.field_names():
+        own = [key for key, (named, implied) in accelerate_keys().items() if named == field and not implied]
+        if own:
+            return f"did you mean '{prefix}{spell(own[0])}'?"
+        return f"set {field}: {value} in parallelism_config's '{SECTION}' block (Accelerate has no key for it)"
+    known = known_keys(prefix)
+    close = difflib.get_close_matches(prefix + spell(bare), known, n=1, cutoff=0.85)
+    return f"did you mean '{close[0]}'?" if close else f"remove it (the keys read: {', '.join(known)})"
+
+
+def refuse_unknown_fields(block: Mapping[str, Any], where: str) -> None:
+    """A key of the ``ultrascale`` block that no installed plugin declares, refused naming the file and the
+    nearest field."""
+    names = ParallelConfig.field_names()
+    for field, value in block.items():
+        if field not in names:
+            raise ConfigError(f"{where}: {field}={value!r}: no installed plugin declares this field. Fix: "
+                              f"{suggest(field, names)} (`ultrascale plugins` lists the fields)")
 
 
 def accelerate_keys() -> dict[str, tuple[str, dict]]:
@@ -97,8 +164,15 @@ def sizes_to_fields(sizes: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, value in sorted(values.items(), key=lambda item: -item[1]):  # sizes above 1 first
         if key not in keys:
             if value > 1:
+                # a key Accelerate does not know either may be a misspelling of one that is read
+                fix = "set it to 1, or install the plugin that provides it"
+                meant = "" if key in accelerates_own_keys() else nearest_key(key, value, YAML_PREFIX)
+                if meant.startswith("did you mean"):
+                    fix = f"{meant} Else {fix}"
+                elif meant.startswith("set "):  # a layout field Accelerate has no size for (pp_size)
+                    fix = meant
                 raise ConfigError(f"{where}: parallelism_config_{key}={value}: no installed plugin reads this "
-                                  "Accelerate size. Fix: set it to 1, or install the plugin that provides it")
+                                  f"Accelerate size. Fix: {fix}")
             continue
         field, implied = keys[key]
         if value == 1 and field in set_by:
@@ -148,6 +222,8 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
     else:
         fields: dict[str, Any] = {}
         if exported:
+            refuse_unread_keys({k: v for k, v in env.items() if k.startswith(ENV_PREFIX)},
+                               "accelerate launch's environment", ENV_PREFIX)
             fields = sizes_to_fields(exported_sizes(env), "accelerate launch")
         fields.update(_fsdp_fields(env, str(env.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"))
         config = ParallelConfig.from_dict(fields)
@@ -160,6 +236,8 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
                 f"processes but {world} {'was' if world == 1 else 'were'} launched") if all(a.degree != -1 for a in axes) and product != world \
         else ""
     file = launcher_config_file() if exported else None
+    if file:  # Accelerate's launcher passes over a key it does not know: the launcher's file is checked here
+        refuse_unread_keys(launcher_section(file), f"{file}: parallelism_config", YAML_PREFIX)
     dropped = dropped_by_the_launcher(file, env) if file else []
     if dropped:
         seen = (f", so the layout the workers see {mismatch}" if mismatch
@@ -215,17 +293,23 @@ def launcher_config_file(parent_cmdline: list[str] | None = None) -> str | None:
     return given or (default_config_file if os.path.isfile(default_config_file) else None)
 
 
+def launcher_section(file: str | Path) -> dict:
+    """The ``parallelism_config`` section of the launcher's file ({} when it cannot be read: the layout is then
+    what the launcher exported)."""
+    try:
+        data = yaml.safe_load(Path(file).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    section = data.get("parallelism_config") if isinstance(data, dict) else None
+    return dict(section) if isinstance(section, dict) else {}
+
+
 def dropped_by_the_launcher(file: str | Path, env: Mapping[str, str]) -> list[str]:
     """The keys of an Accelerate config file's ``parallelism_config`` that ``accelerate launch`` did not pass to
     its workers: a size above 1 that no ``PARALLELISM_CONFIG_*`` variable carries (Accelerate exports a fixed set,
     which a plugin's size such as ``ep_size`` is not in) and the ``ultrascale`` block."""
-    try:
-        data = yaml.safe_load(Path(file).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return []
-    section = data.get("parallelism_config") if isinstance(data, dict) else None
     dropped = []
-    for key, value in (section or {}).items() if isinstance(section, dict) else ():
+    for key, value in launcher_section(file).items():
         if key == SECTION and value:
             dropped.append(f"the '{SECTION}' block ({', '.join(sorted(value))})")
         elif key.startswith(YAML_PREFIX) and key.endswith("_size") and str(value).isdigit() and int(value) > 1 \

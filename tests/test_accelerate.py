@@ -298,6 +298,64 @@ def tp3_file(tmp_path) -> Path:
     return path
 
 
+def test_a_key_neither_accelerate_nor_a_plugin_reads_is_refused_with_the_nearest_one(tmp_path, monkeypatch):
+    """A misspelled key in an Accelerate file's parallelism_config (or its 'ultrascale' block, or the environment a
+    launcher exported) would leave its size out and train another layout: each is refused in one line naming the
+    file, the key and the key it is nearest to; Accelerate's own keys that are no size (cp_backend, the sp_*
+    settings) stay accepted."""
+    from ultrascale_plugins.interface.config import ConfigError
+    from ultrascale_plugins.integrations import layout
+
+    def file_with(section: dict) -> Path:
+        data = yaml.safe_load((RECIPES / "zero3.yaml").read_text())
+        data["parallelism_config"].update(section)
+        path = tmp_path / "f.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    for key, near in (("parallelism_config_tp_sise", "parallelism_config_tp_size"),
+                      ("parallelism_config_tp", "parallelism_config_tp_size"),
+                      ("tp_size", "parallelism_config_tp_size"),
+                      ("parallelism_config_cp_backends", "parallelism_config_cp_backend")):
+        path = file_with({"parallelism_config_dp_shard_size": 1, key: 2})
+        with pytest.raises(ConfigError) as exc:
+            layout.read_layout_file(path)
+        said = str(exc.value)
+        assert said.startswith(f"{path}: parallelism_config: {key}=2: ") and f"Fix: did you mean '{near}'?" in said, \
+            said
+        assert "\n" not in said
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'f.yaml'}: parallelism_config: ultrascale: tpp=2: .* Fix: "
+                                          "did you mean 'tp'"):
+        layout.read_layout_file(file_with({"ultrascale": {"tpp": 2}}))
+    # a size no plugin reads: the nearest key, beside the plugin that would read it
+    with pytest.raises(ConfigError, match="parallelism_config_tpp_size=2: no installed plugin reads this Accelerate "
+                                          "size. Fix: did you mean 'parallelism_config_tp_size'"):
+        layout.read_layout_file(file_with({"parallelism_config_tpp_size": 2}))
+    accepted = layout.read_layout_file(file_with({
+        "parallelism_config_cp_backend": "torch", "parallelism_config_cp_comm_strategy": "allgather",
+        "parallelism_config_sp_backend": "deepspeed", "parallelism_config_sp_seq_length": 256,
+        "parallelism_config_sp_seq_length_is_variable": True, "parallelism_config_sp_attn_implementation": "sdpa"}))
+    assert (accepted.dp_shard, accepted.tp, accepted.cp) == (2, 1, 1)
+    # a layout field Accelerate has no size key for belongs in the 'ultrascale' block
+    with pytest.raises(ConfigError, match="parallelism_config_pp_size=2: .* Fix: set pp: 2 in parallelism_config's "
+                                          "'ultrascale' block"):
+        layout.read_layout_file(file_with({"parallelism_config_pp_size": 2}))
+    # what a launcher exported, and (plain `accelerate launch`, which passes over a key it does not know) its file
+    exported = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1",
+                "PARALLELISM_CONFIG_CP_BACKEND": "torch", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    monkeypatch.setattr(layout, "launcher_config_file", lambda: None)
+    assert layout.layout_from_environment({**exported, "PARALLELISM_CONFIG_TP_SIZE": "2"}, 2).tp == 2
+    with pytest.raises(ConfigError, match="PARALLELISM_CONFIG_TP_SISE=2: .* Fix: did you mean "
+                                          "'PARALLELISM_CONFIG_TP_SIZE'"):
+        layout.layout_from_environment({**exported, "PARALLELISM_CONFIG_TP_SISE": "2"}, 2)
+    launched = file_with({"parallelism_config_dp_shard_size": 1, "parallelism_config_tp_sise": 2,
+                          "ultrascale": {"zero_stage": 2}})
+    monkeypatch.setattr(layout, "launcher_config_file", lambda: str(launched))
+    with pytest.raises(ConfigError, match=f"^{launched}: parallelism_config: parallelism_config_tp_sise=2: .* Fix: "
+                                          "did you mean 'parallelism_config_tp_size'"):
+        layout.layout_from_environment({**exported, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}, 2)
+
+
 def test_a_size_that_does_not_fit_the_processes_is_blamed_on_itself(tmp_path, monkeypatch):
     """A file with parallelism_config_tp_size: 3 for 2 processes: a plain `accelerate launch` worker names
     Accelerate's tp_size key (the file has no 'ultrascale' block to blame); through ULTRASCALE_CONFIG the message
