@@ -12,6 +12,69 @@ from pathlib import Path
 from ..interface.config import ConfigError
 
 
+def read_config_json(path: Path, where: str) -> dict:
+    """The keys of the ``config.json`` at ``path`` (``where`` names it to the user: ``--model X``, ``--init-from
+    DIR``): a file that is not JSON, or not a mapping, is refused in one line naming it and where it breaks."""
+    import json
+
+    try:
+        fields = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:  # a truncated or hand-edited file: say where the JSON breaks
+        raise ConfigError(f"{where}: {path} is not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}). "
+                          "Fix: correct the file, or write it again with save_pretrained") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: {path} cannot be read ({exc}). Fix: give a readable config.json") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{where}: {path} holds a JSON {type(fields).__name__}, not a mapping of config fields. "
+                          "Fix: give a Hugging Face config.json ({\"model_type\": ..., ...})")
+    return fields
+
+
+# huggingface_hub's strict dataclasses (transformers 5's configs) name the field in the message only
+_REFUSED_FIELD = re.compile(r"Validation error for field '(\w+)'")
+
+
+def config_from_fields(fields: dict, where: str, prefix: str = ""):
+    """transformers' config of ``fields`` (a recipe's model section, a config.json's keys; ``model_type`` among
+    them), each value as transformers checks it: a value it refuses (transformers 5 checks each field's type, and
+    its config class's rules) is said in one line naming ``where`` (the file), the field (``prefix`` + its name,
+    e.g. ``model.``), the value and a fix, not as transformers' traceback."""
+    from transformers import AutoConfig
+
+    spec = dict(fields)
+    model_type = spec.pop("model_type")
+    config_class(model_type, field=f"{where}: {prefix}model_type")  # an unknown type: the closest known one
+    try:
+        return AutoConfig.for_model(model_type, **spec)
+    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a value: ValueError, TypeError, strict checks
+        raise ConfigError(refused_value_line(exc, fields, where, prefix)) from None
+
+
+def refused_value_line(exc: Exception, fields: dict, where: str, prefix: str = "") -> str:
+    """One line for transformers' refusal ``exc`` of a config built from ``fields``: the field it names (a strict
+    dataclass's field check) with the value given and the class default as the example, else what it said."""
+    model_type = fields.get("model_type")
+    said = " ".join(str(exc.__cause__ or exc).split()).rstrip(".") or type(exc).__name__
+    named = _REFUSED_FIELD.search(str(exc))
+    try:
+        cls = config_class(model_type, where)
+    except ConfigError:
+        cls = None
+    owner = f"transformers' {cls.__name__}" if cls is not None else f"transformers' {model_type} config"
+    if named and named.group(1) in fields:
+        field = named.group(1)
+        example = getattr(_default_instance(cls), field, None) if cls is not None else None
+        fix = f"e.g. {field}: {example}" if example is not None else f"correct {prefix}{field}"
+        return f"{where}: {prefix}{field}={fields[field]!r}: {owner} refuses it ({said}). Fix: {fix}"
+    return f"{where}: {owner} refuses the {prefix.rstrip('.') or 'config'}: {said}. Fix: correct the field it names"
+
+
+@functools.lru_cache(maxsize=None)
+def _default_instance(cls):
+    try:
+        return cls()
+    except Exception:  # noqa: BLE001 - a class without a default instance: no example value to give
+        return None
 
 
 def check_model_section(model: dict, where: str = "model") -> None:
@@ -103,9 +166,9 @@ def _subconfigs_of(config) -> dict:
     return {name: value for name, value in vars(config).items() if isinstance(value, PretrainedConfig)}
 
 
-def config_class(model_type, where: str = "model"):
+def config_class(model_type, where: str = "model", field: str = ""):
     """transformers' config class of ``model_type`` (``CONFIG_MAPPING``); an unknown type is refused with the
-    closest known one."""
+    closest known one, naming ``field`` (default: ``where``.model_type)."""
     import difflib
 
     from transformers import CONFIG_MAPPING
@@ -114,7 +177,8 @@ def config_class(model_type, where: str = "model"):
         return CONFIG_MAPPING[model_type]
     close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
     hint = f"did you mean '{close[0]}'?" if close else "not a transformers model type"
-    raise ConfigError(f"{where}.model_type={model_type!r}: {hint} Fix: use a transformers model type such as llama, "
+    field = field or f"{where}.model_type"
+    raise ConfigError(f"{field}={model_type!r}: {hint} Fix: use a transformers model type such as llama, "
                       "qwen2, qwen3_moe, mistral or gpt2")
 
 

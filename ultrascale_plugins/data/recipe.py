@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from ..interface.config import ConfigError, ParallelConfig, load_yaml, suggest
-from .model_section import check_model_section, config_keys
+from ..interface.extras import install_command
+from .model_section import check_model_section, config_from_fields, config_keys, read_config_json, refused_value_line
 
 SECTIONS = {"nproc", "model", "data", "train", "parallel", "peft"}
 
@@ -93,7 +94,6 @@ class TrainSpec:
 
 
 PEFT_METHODS = ("lora",)
-PEFT_EXTRA = 'pip install "ultrascale-plugins[peft]"'
 
 
 @dataclasses.dataclass
@@ -209,7 +209,7 @@ def peft_spec(section: Any) -> PeftSpec | None:
 
     if importlib.util.find_spec("peft") is None:
         raise ConfigError(f"the recipe's peft section ({spec.describe()}) needs the peft package, which is not "
-                          f"installed. Fix: {PEFT_EXTRA}, or drop the peft section")
+                          f"installed. Fix: {install_command('peft')}, or drop the peft section")
     return spec
 
 
@@ -227,7 +227,7 @@ def peft_model(model, spec: PeftSpec):
         from peft import get_peft_model
     except ImportError:
         raise ConfigError(f"the recipe's peft section needs the peft package, which is not installed. Fix: "
-                          f"{PEFT_EXTRA}, or drop the peft section") from None
+                          f"{install_command('peft')}, or drop the peft section") from None
     names = [name for name, _ in model.named_modules() if name]
     kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
@@ -487,32 +487,48 @@ def compare_peft_with_checkpoint(peft: PeftSpec | None, path: str, init_from: st
 
 
 def pretrained_config(directory: str):
-    """The transformers config of a ``save_pretrained`` directory (``--init-from``)."""
+    """The transformers config of a ``save_pretrained`` directory (``--init-from``); a config.json that is not
+    JSON, or holds a value transformers refuses, is refused in one line naming the file and the field."""
     from transformers import AutoConfig
 
-    if not (Path(directory) / "config.json").is_file():
-        raise ConfigError(f"--init-from {directory}: no config.json there. Fix: pass a directory written by "
+    where, path = f"--init-from {directory}", Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{where}: no config.json there. Fix: pass a directory written by "
                           "save_pretrained (config.json + *.safetensors)")
-    return AutoConfig.from_pretrained(directory)
+    fields = read_config_json(path, where)
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a value: ValueError, TypeError, strict checks
+        raise ConfigError(refused_value_line(exc, fields, f"{where}: {path}")) from None
 
 
-def model_config_of(model: dict, check: bool = True):
+def model_config_of(model: dict, check: bool = True, where: str = "the recipe"):
     """The transformers config of a recipe's ``model`` section, after checking its keys (``check_model_section``;
-    ``check=False``: a config's own ``to_dict``, which may hold the extra keys a config.json brought)."""
-    from transformers import AutoConfig
-
+    ``check=False``: a config's own ``to_dict``, which may hold the extra keys a config.json brought); a value
+    transformers refuses is said in one line naming ``where`` (the recipe file) and the field."""
     if check:
         check_model_section(model)
-    spec = dict(model)
-    model_type = spec.pop("model_type", None)
-    if not model_type:
+    if not model.get("model_type"):
         raise ConfigError("model.model_type is missing. Fix: add e.g. model_type: llama to the model section")
-    try:
-        return AutoConfig.for_model(model_type, **spec)
-    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a value: ValueError, TypeError, strict checks
-        said = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-        raise ConfigError(f"the model section does not make a {model_type} config: transformers says: {said}. "
-                          "Fix: correct the field it names") from None
+    return config_from_fields(model, where, prefix="model.")
+
+
+# the recipe's sections that are mappings of fields, with the example a refusal gives
+SECTION_EXAMPLES = {"model": "{model_type: llama, hidden_size: 2048}", "data": "{seq_len: 2048}",
+                    "train": "{steps: 100, global_batch: 32}", "parallel": "{tp: 2}", "peft": "{method: lora, r: 16}"}
+
+
+def _check_mapping(data: dict[str, Any], name: str, where: str) -> None:
+    """Refuse (ConfigError naming the recipe file and the section) a section that is set but is not a mapping of
+    fields (``parallel: [1, 2]``, ``train: 5``), which would otherwise fail deep inside as a TypeError or an
+    AttributeError; absent or null is an empty section."""
+    value = data.get(name)
+    if value is None or isinstance(value, dict):
+        return
+    kind = type(value).__name__
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ConfigError(f"{where}: {name} is {article} {kind} ({value!r}). Fix: write it as a mapping of fields, e.g. "
+                      f"{name}: {SECTION_EXAMPLES[name]}")
 
 
 def _typed(section: str, cls, data: dict[str, Any]):
@@ -676,10 +692,13 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     nproc = data.get("nproc", 1)
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc={nproc!r}: must be a positive integer. Fix: e.g. nproc: 4")
+    where = str(path) if path is not None else "the default recipe"
+    for name in SECTION_EXAMPLES:
+        _check_mapping(data, name, where)
     model = data.get("model")
     if init_from or resume_from:
-        model = model if isinstance(model, dict) else {}
-    elif not isinstance(model, dict):
+        model = model or {}
+    elif model is None:
         raise ConfigError("the recipe has no model section. Fix: add model: {model_type: llama, ...}, or start "
                           "from pretrained weights with --init-from HF_DIR")
     data_spec = _typed("data", DataSpec, data.get("data"))
@@ -699,7 +718,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
                     peft=peft)
     own = own_model_section(path, overrides, model)
     if not (init_from or resume_from):
-        check_model_section(model)
+        model_config_of(model, where=where)  # its keys, then its values as transformers checks them
     elif recipe.init_from and own:  # the pretrained weights' config.json is the model
         compare_with_pretrained(own, recipe.model_config(), f"--init-from {init_from}")
     elif recipe.resume_from:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..data.model_section import config_from_fields, read_config_json
 from ..interface.config import ConfigError
 from ..interface.estimates import meta_model
 
@@ -58,13 +59,10 @@ def load_model_config(spec):
     if not path.is_file():
         raise ConfigError(f"--model {spec!r}: neither a preset nor a config.json. Fix: give a path to a Hugging Face "
                           f"config.json, or one of: {', '.join(PRESETS)}")
-    fields = json.loads(path.read_text())
+    fields = read_config_json(path, f"--model {spec}")
     if "model_type" not in fields:
         raise ConfigError(f"--model {spec}: config.json has no model_type. Fix: use a transformers config.json")
-    try:
-        return load_model_config(fields)
-    except ValueError as exc:
-        raise ConfigError(f"--model {spec}: {exc}") from None
+    return without_storage_dtype(config_from_fields(fields, f"--model {spec}"))
 
 
 def without_storage_dtype(model_config):
