@@ -16,6 +16,7 @@ from ..core.accumulation import AccumulationWindow
 from ..data.recipe import Recipe
 from ..data.recipe_data import TrainingData
 from ..interface.config import ConfigError
+from ..interface.extras import install_command
 
 
 def make_optimizer(pmodel, recipe: Recipe):
@@ -52,7 +53,7 @@ def optimizer_class(name: str, stochastic_round: bool):
         import torchao.optim as ao
     except ImportError:
         raise ConfigError(f"train.optimizer={name}{', bf16_stochastic_round' if stochastic_round else ''}: needs "
-                          "torchao. Fix: pip install \"ultrascale-plugins[float8]\"") from None
+                          f"torchao. Fix: {install_command('float8')}") from None
     cls = {"adamw": getattr(ao, "_AdamW", None), "adamw_8bit": ao.AdamW8bit, "adamw_4bit": ao.AdamW4bit}[name]
     if cls is None:
         raise ConfigError("train.bf16_stochastic_round=true: this torchao has no AdamW with stochastic rounding "

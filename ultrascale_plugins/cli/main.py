@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics", help="write losses and throughput as JSON to this file")
     train.add_argument("--log-dir", help="append a JSON line per logged step (loss, learning rate, gradient norm, "
                        "tokens/s, peak memory per rank) to DIR/metrics.jsonl, and TensorBoard event files to DIR "
-                       "(with pip install ultrascale-plugins[tensorboard])")
+                       "(with the tensorboard extra installed)")
     train.add_argument("--profile-step", type=int, default=0, metavar="N",
                        help="record every collective of optimizer step N (1 = the first) on every rank and print, "
                             "once, its bytes per mesh axis beside the package's estimate and the layout's minimum")

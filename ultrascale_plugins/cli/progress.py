@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ..interface.extras import install_command
+
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
@@ -72,7 +74,7 @@ def keep_log_lines_through(log_dir: str, last_step: int) -> None:
 class EventLog:
     """TensorBoard event files in ``LOG_DIR`` beside ``metrics.jsonl``: the same values per logged step, with peak
     memory as one scalar per rank (``memory/peak_mb_rank{r}``). Without the ``tensorboard`` package (the
-    ``ultrascale-plugins[tensorboard]`` extra) only the JSON lines are written, and that is said once.
+    ``tensorboard`` extra) only the JSON lines are written, and that is said once.
     ``purge_step`` (a resumed run's first step, 1-based): TensorBoard hides the earlier files' events from that step
     on, the interrupted run's steps that the resumed one logs again."""
 
@@ -81,7 +83,7 @@ class EventLog:
         try:
             from torch.utils.tensorboard import SummaryWriter  # an optional extra: asked for only with --log-dir
         except ImportError:  # torch's writer needs the tensorboard package
-            note = ("ultrascale: --log-dir writes metrics.jsonl only; pip install ultrascale-plugins[tensorboard] "
+            note = (f"ultrascale: --log-dir writes metrics.jsonl only; {install_command('tensorboard')} "
                     "adds TensorBoard event files")
             (bar.write if bar is not None else print)(note)
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 from ..interface.config import ConfigError
+from ..interface.extras import install_command
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "other")
 MEMORY_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
@@ -51,7 +52,7 @@ def _figure_class():
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ConfigError("--plot needs matplotlib, which is not installed. "
-                          "Fix: pip install 'ultrascale-plugins[plot]'") from err
+                          f"Fix: {install_command('plot')}") from err
     return Figure
 
 
