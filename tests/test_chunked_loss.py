@@ -98,6 +98,28 @@ def test_a_model_that_changes_its_logits_after_the_head_is_refused_before_launch
         us.validate(us.ParallelConfig(chunked_loss=64), model.config, 1, model=model)
 
 
+def test_a_pad_id_outside_the_embedding_passes_the_checks_that_rebuild_the_model():
+    """Issue 47: a tokenizer's pad token added without resizing, whose id TRL copies into ``model.config`` after
+    the model was built. transformers cannot build the model from that config (nn.Embedding asserts), and the
+    meta twins of the chunked loss's and the pipeline's checks were built from it: a raw AssertionError. The twin
+    now takes the padding index of the model the user gave; the user's config is left as it is."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ultrascale_plugins.models.dataflow import meta_twin
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=3)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.config.pad_token_id = 64  # the vocabulary's size: one past the embedding's last row, as TRL sets it
+    with pytest.raises(AssertionError, match="Padding_idx"), torch.device("meta"):
+        type(model)(model.config)  # what meta_twin did
+    twin = meta_twin(model)
+    assert twin.model.embed_tokens.padding_idx == 3 and model.config.pad_token_id == 64
+    us.validate(us.ParallelConfig(chunked_loss=64), model.config, 1, model=model)
+    us.validate(us.ParallelConfig(pp=2, dp_shard=1, chunked_loss=64), model.config, 2, model=model)
+
+
 def test_loss_parallel_beside_the_chunked_loss_is_one_line_naming_the_field():
     with pytest.raises(us.ConfigError, match="chunked_loss=64: .*Fix: set loss_parallel: false"):
         us.validate(us.ParallelConfig(tp=2, loss_parallel=True, chunked_loss=64), None, 2)

@@ -193,12 +193,12 @@ class _Trace(TorchFunctionMode):
 def meta_twin(model: nn.Module) -> nn.Module:
     """A fresh copy of ``model``'s architecture on the meta device, configured to run there (eager attention,
     experts without grouped_mm, no router auxiliary loss), in eval mode. A Hugging Face model is rebuilt from
-    its config; anything else (a wrapper around one, such as a PEFT model, whose adapters are part of the
-    architecture) is copied structurally, with its own copy of the config."""
+    its config (``config_to_rebuild``); anything else (a wrapper around one, such as a PEFT model, whose adapters
+    are part of the architecture) is copied structurally, with its own copy of the config."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        config = copy.deepcopy(model.config)
+        config = config_to_rebuild(model)
     else:
         twin = meta_copy(model, meta_buffers=True)
         config = twin.config
@@ -212,6 +212,23 @@ def meta_twin(model: nn.Module) -> nn.Module:
         with torch.device("meta"):
             twin = type(model)(config)
     return twin.eval()
+
+
+def config_to_rebuild(model: nn.Module):
+    """A copy of ``model.config`` that ``type(model)`` can be built from again, with the embedding the model has.
+    A pad id outside the input embedding (a tokenizer's pad token added without resizing it, whose id TRL copies
+    into the config after the model was built) would stop the constructor (nn.Embedding asserts on its padding
+    index): the copy takes the padding index the model's embedding was built with instead."""
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without one: nothing to compare the pad id with
+        return config
+    pad, rows = getattr(text, "pad_token_id", None), getattr(embedding, "num_embeddings", None)
+    if isinstance(pad, int) and isinstance(rows, int) and not -rows <= pad < rows:
+        text.pad_token_id = getattr(embedding, "padding_idx", None)
+    return config
 
 
 def meta_inputs(seq: int) -> dict:
