@@ -35,7 +35,9 @@ DPO_LAYOUTS = {"dpo_zero3": "reference_dpo", "dpo_ddp": "reference_dpo", "dpo_tp
                "dpo_pp2_1f1b": "reference_dpo", "dpo_pp2_zbv_eval": "reference_dpo_pp2_zbv_eval",
                "dpo_tp2_sp_ga2": "reference_dpo_tp2_sp_ga2",
                # in this order: the second resumes from the first's checkpoint-2 (plain TRL: from its own)
-               "dpo_zero3_save": "reference_dpo_zero3_save", "dpo_tp2_sp_resume": "reference_dpo_tp2_sp_resume"}
+               "dpo_zero3_save": "reference_dpo_zero3_save", "dpo_tp2_sp_resume": "reference_dpo_tp2_sp_resume",
+               # a tokenizer's pad id outside the embedding, copied by TRL into model.config (issue 47)
+               "dpo_zero3_pad_outside": "reference_dpo_zero3_pad_outside"}
 CLIP = {"zero3_dft": 0.002, "pp2_gpipe_dft": 0.002, "zero3_lora": 0.1, "tp2_sp_lora": 0.1,
         "pp2_lora": 0.1}  # the cases' max_grad_norm (default: 1.0)
 DPO_CLIP = {"dpo_zero3_lora": 0.1, "dpo_tp2_sp_lora": 0.1}  # trl_worker's max_grad_norm for DPO (default: 0.5)
@@ -186,6 +188,9 @@ def test_dpo_matches_plain_trl(results, case):
             assert close, (step, key, a[key], b[key])
     assert got_run["pushed"] == ref_run["pushed"] and "README.md" in got_run["pushed"], got_run["pushed"]
     _dpo_weights_match(results / case, results / DPO_LAYOUTS[case])
+    if case.endswith("pad_outside"):  # what the case stands for: the config's pad id one past the embedding
+        saved = json.loads((results / case / "config.json").read_text())
+        assert saved["pad_token_id"] == saved["vocab_size"], saved
     reference = got_run["reference"]
     if case.endswith("lora") or case in ("dpo_cp2_ulysses", "dpo_pp2_zbv_eval"):
         assert reference == {"class": None}  # no second model: adapters disabled, or log-probabilities precomputed

@@ -98,6 +98,10 @@ DPO_CASES = {
     # in the checkpoint: the resumed trainer is given it again, as a plain TRL run resuming is)
     "dpo_zero3_save": {"dp_shard": 2, "_ref": "copy", "_sft": {"save_strategy": "steps", "save_steps": 2}},
     "dpo_tp2_sp_resume": {"tp": 2, "sequence_parallel": True, "_ref": "copy", "_resume": "dpo_zero3_save"},
+    # a pad token added to the tokenizer without resizing the model: its id lies outside the embedding, and TRL
+    # copies it into model.config (the checks' meta twins were built from that config and failed); rows of one
+    # length, so no pad is embedded and plain TRL trains (issue 47)
+    "dpo_zero3_pad_outside": {"dp_shard": 2, "_ref": "copy", "_pad_outside": True},
 }
 CASES.update(DPO_CASES)
 DPO_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss", "rewards/chosen",
@@ -146,6 +150,15 @@ def pairs(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
     return [{"prompt": words(2, 8), "chosen": " " + words(2, 10), "rejected": " " + words(2, 10)} for _ in range(n)]
 
 
+def even_pairs(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
+    """Preference rows of one length in tokens (words the tiny tokenizer holds as one token each): a batch of
+    them needs no padding."""
+    r = random.Random(seed)
+    one = "the quick brown fox jumps over a lazy dog while seven wizards box".split()
+    words = lambda k: " ".join(r.choice(one) for _ in range(k))  # noqa: E731
+    return [{"prompt": words(5), "chosen": " " + words(6), "rejected": " " + words(6)} for _ in range(n)]
+
+
 def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -161,6 +174,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
     ref = layout.pop("_ref", None)
     messages = layout.pop("_messages", False)
     layers = layout.pop("_layers", 2)
+    pad_outside = layout.pop("_pad_outside", False)
     logs: list[dict] = []
     dpo = case.removeprefix("reference_").startswith("dpo")
     logged = DPO_LOGGED if dpo else LOGGED
@@ -179,7 +193,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
         sft, peft, resume = dict(mirrored.get("_sft", {})), mirrored.get("_peft", False), mirrored.get("_resume")
         resume = f"reference_{resume}" if resume else None
         arch, ref, messages = mirrored.get("_arch", "llama"), mirrored.get("_ref"), mirrored.get("_messages", False)
-        layers = mirrored.get("_layers", 2)
+        layers, pad_outside = mirrored.get("_layers", 2), mirrored.get("_pad_outside", False)
     else:
         from ultrascale_plugins.integrations import trl as integration
         from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
@@ -204,7 +218,7 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     torch.manual_seed(1)
-    data = pairs if dpo else conversations if messages else rows
+    data = (even_pairs if pad_outside else pairs) if dpo else conversations if messages else rows
     if messages:
         from tiny_tokenizer import CHATML_TAGGED
 
@@ -221,6 +235,8 @@ def run(tokenizer_dir: str, out_dir: str, case: str) -> None:
             torch.distributed.barrier()
     elif ref == "copy":
         extra["ref_model"] = model_for(tokenizer, arch, layers)
+    if pad_outside:  # after the models were built over the vocabulary: the new id is one past their embeddings
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(data()),
                   processing_class=tokenizer, callbacks=[Record()], **extra)
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"run-{resume}", "checkpoint-2") if resume else None)
