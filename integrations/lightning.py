@@ -28,6 +28,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from .layout import make_config
 from .lightning_common import (_UltraScaleLauncherMixin, _UltraScalePrecisionMixin, _UltraScaleStrategyMixin,
@@ -62,7 +63,7 @@ class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
     _lightning_optimizer_class = LightningOptimizer
 
 
-UltraScaleStrategy.register_strategies(StrategyRegistry)
+UltraScaleStrategy.register_strategies(StrategyRegistry, _AcceleratorConnector)
 
 if importlib.util.find_spec("pytorch_lightning") is not None:
     # the standalone package: its own base classes and registry get their own pair of classes

@@ -458,10 +458,42 @@ class _UltraScaleStrategyMixin:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
     @classmethod
-    def register_strategies(cls, registry) -> None:
+    def register_strategies(cls, registry, connector=None) -> None:
+        """The ``ultrascale_<preset>`` names in Lightning's ``registry``; with ``connector`` (the package's
+        ``_AcceleratorConnector``) a misspelled one is refused naming the nearest (``refuse_misspelled_names``)."""
         for name, preset in presets().items():  # the dimension plugins' presets: ultrascale_<name>
             key = "ultrascale" if name == "default" else f"ultrascale_{name}"
             registry.register(key, cls, description=preset.description, preset=name)
+        if connector is not None:
+            refuse_misspelled_names(connector, registry)
+
+
+def refuse_misspelled_names(connector, registry) -> None:
+    """Make the Trainer refuse a strategy name that starts with "ultrascale" but is not registered (a misspelled
+    ``ultrascale_zero3``) naming the nearest registered one; Lightning's own error would list a few of its own
+    names. Its check of the name (``connector._check_config_and_set_final_flags``, where the Trainer reads its
+    flags) is wrapped so that this runs first; any other name is left to Lightning. A Lightning whose connector
+    has no such method keeps its own error."""
+    import difflib
+    import functools
+
+    check = getattr(connector, "_check_config_and_set_final_flags", None)
+    if check is None or getattr(check, "_ultrascale_names", False):
+        return
+
+    @functools.wraps(check)
+    def checked(self, *args, **kwargs):
+        strategy = kwargs.get("strategy", args[0] if args else None)
+        names = registry.available_strategies()
+        if isinstance(strategy, str) and strategy.lower().startswith("ultrascale") and strategy.lower() not in names:
+            ours = sorted(n for n in names if n.startswith("ultrascale"))
+            close = difflib.get_close_matches(strategy.lower().replace("-", "_"), ours, n=1, cutoff=0.5)
+            fix = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(ours)}"
+            refuse(ConfigError(f"strategy={strategy!r}: no strategy of that name is registered. Fix: {fix}"))
+        return check(self, *args, **kwargs)
+
+    checked._ultrascale_names = True
+    connector._check_config_and_set_final_flags = checked
 
 
 class _UltraScaleLauncherMixin:

@@ -16,6 +16,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from .lightning_common import _UltraScaleLauncherMixin, _UltraScalePrecisionMixin, _UltraScaleStrategyMixin
 
@@ -41,6 +42,6 @@ class UltraScaleStrategy(_UltraScaleStrategyMixin, ParallelStrategy):
     _lightning_optimizer_class = LightningOptimizer
 
 
-UltraScaleStrategy.register_strategies(StrategyRegistry)
+UltraScaleStrategy.register_strategies(StrategyRegistry, _AcceleratorConnector)
 
 __all__ = ["UltraScaleStrategy", "UltraScalePrecision", "UltraScaleLauncher"]

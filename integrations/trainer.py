@@ -65,9 +65,14 @@ class UltraScaleTrainer(Trainer):
 
         # built on a TRL trainer: one whose contract is known (integrations/trl.py: SFTTrainer, DPOTrainer), or
         # refused
-        self._trl = trl.trl_kind(type(self))
-        if self._trl:
-            trl.before_init(self._trl, args, kwargs, ultrascale_plugin)
+        from ..distributed.launch import refuse
+
+        try:
+            self._trl = trl.trl_kind(type(self))
+            if self._trl:
+                trl.before_init(self._trl, args, kwargs, ultrascale_plugin)
+        except ConfigError as exc:  # in launched workers one line from rank 0 and exit status 2, not a traceback
+            refuse(exc)
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
         self._initializing = True  # DPO's reference log-probabilities wait for the parallel model (train)
         self._pending_references: list[tuple[str, int]] = []

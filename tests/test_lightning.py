@@ -176,6 +176,34 @@ def test_invalid_layout_fails_when_the_trainer_is_built(capsys):
         L.Trainer(accelerator="cpu", devices=1, strategy=UltraScaleStrategy(tp=2), logger=False)
 
 
+def test_a_misspelled_ultrascale_strategy_name_is_refused_with_the_nearest_registered_one(capsys, monkeypatch):
+    """Trainer(strategy="ultrascale_zer3"): Lightning would list a few of its own names; a name that starts with
+    "ultrascale" is one of the package's misspelled, refused naming the nearest registered one (in a torchrun
+    worker: one line from rank 0, status 2). Any other unknown name keeps Lightning's own error; so does each
+    name in the standalone pytorch_lightning."""
+    import lightning.pytorch as L
+
+    import ultrascale_plugins.integrations.lightning  # noqa: F401 - registers the names
+    from ultrascale_plugins.interface.config import ConfigError
+
+    for name, near in (("ultrascale_zer3", "ultrascale_zero3"), ("ultrascale-tp", "ultrascale_tp"),
+                       ("ULTRASCALE_TP_SP2", "ultrascale_tp_sp")):
+        with pytest.raises(ConfigError, match=rf"^strategy='{name}': no strategy of that name is registered\. Fix: "
+                                              rf"did you mean '{near}'\?"):
+            L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+    with pytest.raises(ValueError, match="You selected an invalid strategy name: `strategy='dpp'`") as plain:
+        L.Trainer(accelerator="cpu", devices=1, strategy="dpp", logger=False)
+    assert not isinstance(plain.value, ConfigError)
+    import pytorch_lightning
+
+    with pytest.raises(ConfigError, match="did you mean 'ultrascale_pp'"):
+        pytorch_lightning.Trainer(accelerator="cpu", devices=1, strategy="ultrascale_ppp", logger=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert refused_trainer(capsys, devices=2, strategy="ultrascale_zer3") == \
+        "strategy='ultrascale_zer3': no strategy of that name is registered. Fix: did you mean 'ultrascale_zero3'?"
+
+
 def test_expert_parallel_is_checked_against_the_model_before_the_process_group(capsys):
     """What needs the model (its experts, and zero_stage 2 or 3 for them) is checked when fit() reaches the
     strategy's setup_environment, before this process joins a process group; strategy="ultrascale_ep" picks the

@@ -299,6 +299,38 @@ def test_expert_parallel_is_checked_against_trainers_model_before_accelerates_pr
     assert lines[0].endswith("Fix: use zero_stage: 2 or 3, or ep: 1")
 
 
+def as_launched_rank(monkeypatch, rank: int) -> None:
+    """This process as global rank ``rank`` of a 2-process torchrun job (its environment; no process group)."""
+    from ultrascale_plugins.distributed import launch
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch, "SAY_FIRST_S", 0)  # rank 1's wait for rank 0's line
+
+
+@pytest.mark.parametrize("fields,said", [
+    ({"tpp": 2}, "unknown parallel key 'tpp': did you mean 'tp'?"),
+    ({"sequence_parallel": "yes"}, "sequence_parallel='yes': must be true or false or auto. Fix: e.g. "
+                                   "sequence_parallel: False")])
+def test_a_bad_plugin_argument_is_one_line_from_rank_0_in_launched_workers(monkeypatch, capsys, fields, said):
+    """UltraScalePlugin(tpp=2) (the Trainer's, TRL's and Accelerate's) in a torchrun worker: rank 0 says the field,
+    the value and the fix in one line and exits with status 2, rank 1 exits with status 2 saying nothing; no
+    traceback from either (SystemExit prints none). In one process it stays an exception to catch."""
+    from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
+    from ultrascale_plugins.interface.config import ConfigError
+
+    with pytest.raises(ConfigError, match=said.split(":")[0]):
+        UltraScalePlugin(**fields)
+    for rank in (0, 1):
+        as_launched_rank(monkeypatch, rank)
+        with pytest.raises(SystemExit) as exc:
+            UltraScalePlugin(**fields)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert len(err.splitlines()) == (rank == 0), err
+        assert rank != 0 or err.startswith(f"ultrascale: error: {said}"), err
+
+
 @pytest.mark.slow
 def test_a_layout_the_trainer_cannot_run_is_one_line_under_plain_torchrun(tmp_path):
     """UltraScalePlugin(tp=3) on 2 processes under plain torchrun, TrainingArguments' defaults: rank 0 says one line

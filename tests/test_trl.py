@@ -325,6 +325,26 @@ def test_dpo_arguments_the_layout_cannot_honour_are_refused(field, value, dp, wo
         refuse_dpo_arguments(args, 1)
 
 
+def test_what_is_refused_at_construction_is_one_line_from_rank_0_in_launched_workers(monkeypatch, capsys, tmp_path):
+    """A TRL argument the layout owns, in a torchrun worker: one line from rank 0 naming the field and the fix, exit
+    status 2 on every rank, no traceback (the refusals above, as a launched job sees them)."""
+    from trl import SFTConfig
+
+    from test_trainer import as_launched_rank
+    from ultrascale_plugins.integrations.trl import UltraScaleSFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), bf16=False, label_smoothing_factor=0.1)
+    for rank in (0, 1):
+        as_launched_rank(monkeypatch, rank)
+        with pytest.raises(SystemExit) as exc:
+            UltraScaleSFTTrainer(model=None, args=args)
+        lines = capsys.readouterr().err.splitlines()
+        assert exc.value.code == 2
+        assert len(lines) == (rank == 0) and all(line.startswith("ultrascale: error: SFTConfig(label_smoothing_"
+                                                                  "factor=0.1) with ultrascale: label smoothing")
+                                                 for line in lines), lines
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("label_smoothing_factor", 0.1, "needs the whole logits"),
     ("activation_offloading", True, "activation_offload"),
