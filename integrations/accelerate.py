@@ -58,7 +58,12 @@ class UltraScalePlugin:
 
     def __init__(self, config: ParallelConfig | dict | str | Path | None = None, *, init_from: str | None = None,
                  timeout: float | None = None, **fields):
-        self.config = make_config(config, fields) if (config is not None or fields) else None
+        from ..distributed.launch import refuse
+
+        try:
+            self.config = make_config(config, fields) if (config is not None or fields) else None
+        except ConfigError as exc:  # a bad field (tpp=2): in launched workers one line from rank 0, exit status 2
+            refuse(exc)
         self.init_from = init_from
         self.timeout = timeout
 
@@ -201,6 +206,7 @@ class UltraScaleAccelerator(Accelerator):
 
     def _parallelize(self, model, reference: bool = False):
         from ..core import engine
+        from ..core.engine import causal_lm_of
         from ..core.hf_module import ParallelCausalLM
 
         if not hasattr(model, "lm_head"):
@@ -209,16 +215,32 @@ class UltraScaleAccelerator(Accelerator):
         init_from = self.ultrascale_plugin.init_from
         if reference and not any(p.is_meta for p in model.parameters()):
             init_from = None  # a reference loaded whole keeps its own weights
+        n_params = sum(p.numel() for p in model.parameters())  # the whole model's (meta parameters included)
         pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_from=init_from)
         adapter = ParallelCausalLM(pmodel)
         if reference:
             self.ultrascale_references.append(adapter)
             return adapter
+        self._log_layout(pmodel, causal_lm_of(model).config.model_type, n_params)
         # Accelerate's contract: the window's micro-batches weighted evenly (its loss / gradient_accumulation_steps)
         adapter.loss_scale = AccumulationWindow.even(self.gradient_accumulation_steps).take()
         self.ultrascale_models.append(adapter)
         self._models.append(adapter)
         return adapter
+
+    def _log_layout(self, pmodel, model_type: str, n_params: int) -> None:
+        """The layout that trains, once for the job (global rank 0), as the command line and Lightning log it: the
+        mesh and every feature the layout turned on (``ParallelDims.describe``), whether it came from the launch,
+        the file or ``UltraScalePlugin``. On standard error, as Lightning's: a script's own output stays its own."""
+        import sys
+
+        from ..distributed.launch import global_rank, world_size
+
+        if global_rank() != 0:
+            return
+        source = f" from {self.ultrascale_plugin.init_from}" if self.ultrascale_plugin.init_from else ""
+        print(f"ultrascale: {world_size()} processes, layout {pmodel.dims.describe()}, model "
+              f"{model_type}{source} {n_params / 1e6:.2f}M params", file=sys.stderr, flush=True)
 
     def _repoint(self, optimizer, names: dict[int, list[str]]):
         """An optimizer built on the unparallelized model's parameters now holds this rank's sharded ones (a

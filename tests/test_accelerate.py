@@ -79,6 +79,13 @@ def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas,
     out = tmp_path / "out.json"
     proc = launch(str(RECIPES / f"{recipe}.yaml"), out, "--adamw", adamw)
     check(proc, out, reference, replicas, adamw=adamw)
+    # the layout that trained, said once by rank 0 (ParallelDims.describe): zero1.yaml's ZeRO-1 comes from its
+    # 'ultrascale' block and is said although no dp_shard axis says a ZeRO stage
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ultrascale: ") and " layout " in line]
+    want = {"tp_sp": "tp=2 + sequence parallel", "zero1": "dp_replicate=2 x zero_stage=1",
+            "pp_tp_zero3": "pp=2 (1f1b) x dp_shard=2 (ZeRO-3) x tp=2 + sequence parallel"}[recipe]
+    processes = {"tp_sp": 2, "zero1": 2, "pp_tp_zero3": 8}[recipe]
+    assert said == [f"ultrascale: {processes} processes, layout {want}, model llama 0.31M params"], proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -271,3 +271,25 @@ def test_names_transformers_takes_without_declaring_them_are_accepted():
     with pytest.raises(ConfigError, match=r"unknown key 'model\.vision_config\.hiden_size': did you mean "
                                           r"'hidden_size'\?.*CLIPVisionConfig"):
         model_config_of({"model_type": "llava", "vision_config": {"hiden_size": 32}})
+
+
+def test_the_layout_line_says_every_field_a_run_sets_away_from_its_default():
+    """``ParallelDims.describe`` (every front end's ``layout ...`` line): the mesh, then each field whose value
+    differs from its plugin's default -- the memory features a run turned on included -- each said once; a
+    layout of defaults says nothing more than its mesh."""
+    from ultrascale_plugins.interface.parallel_dims import ParallelDims
+
+    def line(world, **fields):
+        return ParallelDims(ParallelConfig(**fields).resolve(world), world).describe()
+
+    assert line(2) == "dp_shard=2 (ZeRO-3)"
+    assert line(2, cpu_offload=True, optimizer_in_backward=True) == \
+        "dp_shard=2 (ZeRO-3) x cpu_offload x optimizer_in_backward"
+    assert line(2, activation_offload=True, chunked_loss=512, param_dtype="bf16") == \
+        "dp_shard=2 (ZeRO-3) x param_dtype=bf16 x chunked_loss=512 x activation_offload"
+    # ZeRO-1 over replicas: the stage is said even where no dp_shard axis says it
+    assert line(2, dp_replicate=2, dp_shard=1, zero_stage=1) == "dp_replicate=2 x zero_stage=1"
+    # what the mesh part says already is not said twice; a field resolved from "auto" is not a setting
+    assert line(2, tp=2, sequence_parallel="auto", mixed_precision="bf16") == "tp=2 + sequence parallel x bf16"
+    assert line(4, pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, activation_checkpointing="full") == \
+        "pp=2 (interleaved_1f1b, 2 stages/rank) x dp_shard=2 (ZeRO-3) x activation checkpointing=full"
