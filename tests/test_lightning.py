@@ -80,6 +80,11 @@ def test_two_devices_every_name_accumulation_precision_pretrained(tmp_path, refe
     assert "dp_shard=2 (ZeRO-2) x experts over efsdp=1, ep=2" in lines["ep2_zero2"]
     assert "chosen by" not in lines["ep2_zero2"]  # an explicit UltraScaleStrategy(...)
     assert 'layout dp_shard=2 (ZeRO-3) x bf16, chosen by strategy="ultrascale_zero3"' in lines["zero3_bf16_mixed"]
+    # the memory features a fit turned on are said with its layout (ParallelDims.describe)
+    assert "layout dp_shard=2 (ZeRO-3) x cpu_offload x optimizer_in_backward, model" in \
+        lines["zero3_offload_step_in_backward"]
+    assert "layout tp=2 + sequence parallel x chunked_loss=16, model" in lines["tp_sp_chunked"]
+    assert 'layout tp=2 x param_dtype=bf16, chosen by strategy="ultrascale_tp"' in lines["tp_bf16_true"]
     # expert parallel on the MoE: strategy="ultrascale_ep" picked ep=2 (the devices of the node) under ZeRO-3, and
     # UltraScaleStrategy(ep=2, zero_stage=2) ran as given
     picked = results["ultrascale_ep"]["layout"]
