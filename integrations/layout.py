@@ -56,7 +56,10 @@ def read_layout_file(path: str | Path) -> ParallelConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of fields. Fix: write field: value lines")
     if not is_accelerate_file(data):
-        return ParallelConfig.from_dict(data)
+        try:
+            return ParallelConfig.from_dict(data)
+        except ConfigError as exc:  # an unknown field or a bad value: say which file holds it
+            raise ConfigError(f"{path}: {exc}") from None
     return from_accelerate_file(data, str(path))
 
 
