@@ -69,6 +69,9 @@ def results(tmp_path_factory):
     proc = retry_native_crash(lambda: torchrun(2, WORKER, str(out / "tok"), str(out), *LAYOUTS, *DPO_LAYOUTS),
                               "test_trl")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    # each run's layout said once by rank 0, with the chunked head the trainers turn on (chunked_loss=1024)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ultrascale: 2 processes, layout ")]
+    assert len(said) == len(LAYOUTS) + len(DPO_LAYOUTS) and all("chunked_loss=" in line for line in said), said
     return out
 
 
