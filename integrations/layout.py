@@ -11,7 +11,9 @@ schedule, micro-batches, sequence parallel, ZeRO stage, activation checkpointing
 never exports them — and reach the workers because ``$ULTRASCALE_CONFIG`` names the file (shell variables do
 reach the workers; ``ultrascale accelerate-launch`` sets it). ``ultrascale accelerate-config`` writes such a file.
 A plugin's own size key (expert parallel's ``parallelism_config_ep_size``) is read from the file the same way, or
-from ``PARALLELISM_CONFIG_EP_SIZE`` in the environment: Accelerate's launcher does not export it. A worker that
+from ``PARALLELISM_CONFIG_EP_SIZE`` in the environment: Accelerate's launcher does not export it. Any other key of
+``parallelism_config`` that neither Accelerate nor a plugin reads (a misspelled size), and any field of the
+``ultrascale`` block no plugin declares, is refused naming the file and the nearest key (``refuse_unread_keys``). A worker that
 plain ``accelerate launch`` started without ``$ULTRASCALE_CONFIG`` reads the launcher's file and refuses to run
 when it holds what did not reach it (``dropped_by_the_launcher``), rather than run without it.
 """
