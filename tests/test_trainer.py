@@ -309,7 +309,7 @@ def as_launched_rank(monkeypatch, rank: int) -> None:
 
 
 @pytest.mark.parametrize("fields,said", [
-    ({"tpp": 2}, "unknown parallel key 'tpp': did you mean 'tp'?"),
+    ({"tpp": 2}, "unknown parallel key 'tpp' (tpp=2): no installed plugin declares it. Fix: did you mean 'tp'?"),
     ({"sequence_parallel": "yes"}, "sequence_parallel='yes': must be true or false or auto. Fix: e.g. "
                                    "sequence_parallel: False")])
 def test_a_bad_plugin_argument_is_one_line_from_rank_0_in_launched_workers(monkeypatch, capsys, fields, said):
@@ -319,8 +319,9 @@ def test_a_bad_plugin_argument_is_one_line_from_rank_0_in_launched_workers(monke
     from ultrascale_plugins.integrations.accelerate import UltraScalePlugin
     from ultrascale_plugins.interface.config import ConfigError
 
-    with pytest.raises(ConfigError, match=said.split(":")[0]):
+    with pytest.raises(ConfigError) as refused:
         UltraScalePlugin(**fields)
+    assert str(refused.value).startswith(said)
     for rank in (0, 1):
         as_launched_rank(monkeypatch, rank)
         with pytest.raises(SystemExit) as exc:

@@ -101,8 +101,8 @@ class ParallelConfig:
 
 
 def _unknown(key: str, value: Any, fields) -> ConfigError:
-    return ConfigError(f"unknown parallel key '{key}': {suggest(key, [f.name for f in fields])} (no installed "
-                       "plugin declares it; `ultrascale plugins` lists the fields)")
+    return ConfigError(f"unknown parallel key '{key}' ({key}={value!r}): no installed plugin declares it. Fix: "
+                       f"{suggest(key, [f.name for f in fields])} (`ultrascale plugins` lists the fields)")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
