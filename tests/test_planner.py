@@ -39,12 +39,11 @@ def test_plan_ranks_runnable_layouts_and_prints_what_to_paste(capsys, tmp_path):
             "activation_checkpointing", "pp_schedule", "fits", "memory_gb", "tokens_per_s_per_gpu", "mfu"}
     assert keys <= set(cands[0]) and set(cands[0]["memory_gb"]) == {"params", "grads", "optimizer", "activations",
                                                                      "other", "total"}
-    # best first: the layouts with room for the memory estimate's error within 3 % of the fastest, then by speed
-    fastest = max(c["tokens_per_s_per_gpu"] for c in cands if c["fits"])
-    lead = [c for c in cands if c["fits_with_margin"] and c["tokens_per_s_per_gpu"] >= 0.97 * fastest]
-    assert lead and cands[:len(lead)] == lead
-    rest = [c["tokens_per_s_per_gpu"] for c in cands[len(lead):] if c["fits"]]
-    assert [c["tokens_per_s_per_gpu"] for c in lead] == sorted(c["tokens_per_s_per_gpu"] for c in lead)[::-1]
+    # best first: the fastest layout with room for the memory estimate's error, then the others by speed
+    roomy = [c for c in cands if c["fits_with_margin"]]
+    assert roomy and cands[0] is roomy[0] and cands[0]["tokens_per_s_per_gpu"] == max(c["tokens_per_s_per_gpu"]
+                                                                                       for c in roomy)
+    rest = [c["tokens_per_s_per_gpu"] for c in cands[1:] if c["fits"]]
     assert rest == sorted(rest, reverse=True)
     for c in cands:
         assert c["dp_replicate"] * c["dp_shard"] * c["tp"] * c["pp"] * c["cp"] == 8
@@ -60,7 +59,7 @@ def test_plan_ranks_runnable_layouts_and_prints_what_to_paste(capsys, tmp_path):
     assert loaded.parallel.zero_stage == cands[0]["zero_stage"]
 
 
-def test_the_plan_prefers_headroom_when_it_costs_little(capsys):
+def test_the_plan_prefers_headroom(capsys):
     """Llama-3.2-1B on 8 x H100: the fastest layout (59.1 GB) leaves less of the memory free than the estimate's
     90th-percentile error; one 0.1 % slower leaves 36 %: it is chosen, by `ultrascale plan` and by layout: auto,
     and the table says which rows fit only as predicted, and why two rows have the same figures."""
@@ -74,7 +73,6 @@ def test_the_plan_prefers_headroom_when_it_costs_little(capsys):
     chosen, fastest = cands[0], max((c for c in cands if c["fits"]), key=lambda c: c["tokens_per_s_per_gpu"])
     assert chosen["fits_with_margin"] and chosen["memory_free"] >= MEMORY_MARGIN
     assert fastest is not chosen and fastest["fits"] and not fastest["fits_with_margin"]
-    assert chosen["tokens_per_s_per_gpu"] >= 0.97 * fastest["tokens_per_s_per_gpu"]
     speed_only = json.loads(_plan(capsys, *args, "--json", "--memory-margin", "0")[1])["candidates"]
     assert speed_only[0]["tokens_per_s_per_gpu"] == fastest["tokens_per_s_per_gpu"]  # the rule made the change
 
@@ -82,7 +80,7 @@ def test_the_plan_prefers_headroom_when_it_costs_little(capsys):
     rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
     assert code == 0 and rows[0][2] == "yes" and "edge" in [r[2] for r in rows]
     assert "leaves 26.3% of the memory free" in out and "90th-percentile error" in out
-    assert "chosen over 1 faster layout at the edge" in out
+    assert "chosen over a faster layout at the edge: " in out and "it may run out of memory" in out
     twin = next(line for line in out.splitlines() if "same as #" in line)  # zero=3 beside its zero=2 twin
     assert "zero=3" in twin and "ZeRO-3 runs as ZeRO-2 in a pipeline" in twin
     assert "keeps each stage's weights gathered between micro-batches" in out
@@ -135,6 +133,7 @@ def test_explain_prints_the_chosen_layouts_stages_in_order(capsys):
     (["--gpu", "h100-sxm-80gb", "--model", "no/such/config.json"], "neither a preset nor a config.json"),
     (["--model", "llama-8b"], "--model 'llama-8b': neither a preset"),  # the model first, though --gpu is missing
     (["--gpu", "h100-sxm-80gb", "--memory-margin", "1.5"], "--memory-margin 1.5: must be a fraction"),
+    (["--gpu", "h100-sxm-80gb", "--speed-tolerance", "0.05"], "--speed-tolerance 0.05: no longer an option"),
 ])
 def test_bad_input_names_the_flag_and_the_fix(capsys, args, message):
     base = ["--model", "llama-3.2-1b", "--gpus", "8"]
@@ -171,6 +170,83 @@ def test_plot_writes_memory_bars_and_the_schedule(capsys, tmp_path):
     code, _, _ = _plan(capsys, "--model", "llama-3.1-8b", "--gpus", "16", "--gpu", "h100-sxm-80gb", "--layout",
                        "dp=4,tp=2,pp=2,zero=3,mbs=1,ga=64,schedule=interleaved_1f1b,virtual=2", "--plot", str(out))
     assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _chosen(out: str) -> tuple[str, str]:
+    """The layout under `Chosen:` and the line on its memory below it."""
+    label, room = out.split("Chosen: ", 1)[1].splitlines()[:2]
+    return label, room.strip()
+
+
+def test_the_first_choice_leaves_the_margin_whenever_any_layout_does(capsys):
+    """Issue 47: the README's example (Llama-3.1-8B on 16 x H100) chose a layout at 80.0 of 80 GB, and Qwen2.5-7B on
+    64 chose ZeRO-2 at 78.9 GB over a ZeRO-3 layout at 58.9 GB 9.9 % slower, because the rule gave way whenever
+    every safe layout was more than 3 % slower. Now the fastest layout that leaves the margin is chosen, by the plan
+    and by layout: auto, and the faster one at the edge is named beside it with its risk, right below it."""
+    from ultrascale_plugins.planner.auto import choose_layout
+    from ultrascale_plugins.planner.hardware import PRESETS
+    from ultrascale_plugins.planner.model_spec import load_model_config
+
+    for model, gpus in (("llama-3.1-8b", 16), ("qwen2.5-7b", 64)):
+        args = ("--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm-80gb")
+        data = json.loads(_plan(capsys, *args, "--json")[1])
+        cands = data["candidates"]
+        first, edge = cands[0], cands[1]
+        assert first["fits_with_margin"] and first["memory_free"] >= data["memory_margin"]
+        assert edge["fits"] and not edge["fits_with_margin"]  # the fastest at the edge, listed beside the choice
+        assert edge["tokens_per_s_per_gpu"] == max(c["tokens_per_s_per_gpu"] for c in cands if c["fits"])
+        code, out, _ = _plan(capsys, *args)
+        label, room = _chosen(out)
+        gain = edge["tokens_per_s_per_gpu"] / first["tokens_per_s_per_gpu"] - 1
+        assert code == 0 and room.startswith("fits with") and f"room for the memory estimate's 26.3% margin" in room
+        assert (f"chosen over a faster layout at the edge: {_label(edge)} is {gain:.1%} faster at "
+                f"{edge['memory_gb']['total']:.1f} GB, only {edge['memory_free']:.1%} free: it may run out of "
+                "memory") in room, room
+        config = us.ParallelConfig(layout="auto", auto_seq_len=4096, auto_global_batch=256, mixed_precision="bf16")
+        _, best, why = choose_layout(config, load_model_config(model), gpus, PRESETS["h100-sxm-80gb"])
+        assert best.layout.label() == label == _label(first) and "chosen over a faster layout at the edge" in why
+    # Qwen2.5-7B on 64: the 58.9 GB ZeRO-3 layout, not ZeRO-2 at 78.9 GB 11 % faster
+    assert (first["zero_stage"], first["micro_batch_size"], first["activation_checkpointing"]) == (3, 1, "none")
+    assert first["memory_gb"]["total"] == pytest.approx(58.9, abs=0.1)
+    assert (edge["zero_stage"], edge["memory_gb"]["total"]) == (2, pytest.approx(78.9, abs=0.1))
+
+
+def _label(candidate: dict) -> str:
+    from ultrascale_plugins.planner.cost import Layout
+
+    fields = {k: candidate[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
+                                        "micro_batch_size", "grad_accum", "activation_checkpointing",
+                                        "pp_schedule", "pp_virtual_stages")}
+    return Layout(**fields, mixed_precision="bf16").label()
+
+
+def test_when_no_layout_leaves_the_margin_the_plan_says_where_one_does(capsys):
+    """Llama-3.2-3B on one H100 (sequence 2048, 8 sequences a step): every layout that fits is at the edge. The
+    plan says so, and names the GPU count its search finds with a layout that leaves the margin (2) and the memory
+    savers with which one does on this GPU (states on the host; bf16 states, which change the numbers); so does
+    layout: auto."""
+    from ultrascale_plugins.planner.auto import choose_layout
+    from ultrascale_plugins.planner.hardware import PRESETS
+    from ultrascale_plugins.planner.model_spec import load_model_config
+
+    args = ("--model", "llama-3.2-3b", "--gpus", "1", "--gpu", "h100-sxm-80gb", "--seq-len", "2048",
+            "--global-batch-size", "8")
+    code, out, _ = _plan(capsys, *args)
+    _, room = _chosen(out)
+    assert code == 0 and room.startswith("at the edge:") and "it may run out of memory" in room
+    assert "No costed layout leaves that room; on 2 GPUs the planner's first choice does: " in room, room
+    assert "with cpu_offload=True, one does" in room and "with param_dtype=bf16, which changes the numbers" in room
+    data = json.loads(_plan(capsys, *args, "--json")[1])
+    elsewhere = data["room_elsewhere"]
+    assert not any(c["fits_with_margin"] for c in data["candidates"]) and elsewhere["gpus"] == 2
+    assert elsewhere["on_more_gpus"]["memory_gb"] <= 80 * (1 - data["memory_margin"])
+    assert elsewhere["with_savers"]["savers"] == {"cpu_offload": True}
+    assert elsewhere["with_lossy_savers"]["savers"] == {"param_dtype": "bf16"}
+    on_two = json.loads(_plan(capsys, *args, "--gpus", "2", "--json")[1])  # the count it names does leave it
+    assert on_two["candidates"][0]["fits_with_margin"] and "room_elsewhere" not in on_two
+    config = us.ParallelConfig(layout="auto", auto_seq_len=2048, auto_global_batch=8, mixed_precision="bf16")
+    _, _, why = choose_layout(config, load_model_config("llama-3.2-3b"), 1, PRESETS["h100-sxm-80gb"])
+    assert "at the edge" in why and "on 2 GPUs the planner's first choice does" in why
 
 
 def test_layout_auto_takes_the_planners_best():

@@ -80,11 +80,10 @@ PLANNED = {"layout", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
 
 def choose_layout(config, model_config, world_size: int, hardware=None):
     """(the concrete ``ParallelConfig``, the chosen planner ``Result``, a one-line reason) for an auto layout: the
-    planner's ranking, so a layout with room for the memory estimate's error is preferred to a slightly faster one at
-    the edge (``headroom``)."""
+    planner's ranking, so a layout with room for the memory estimate's error is chosen whenever any has it, and a
+    faster one at the edge is named beside it (``headroom``); at the edge, where the room is found."""
     from ..interface.config import ParallelConfig
     from .cost import CostModel, Workload
-    from .headroom import MEMORY_MARGIN, has_headroom
     from .model_spec import ModelSpec
     from .search import best_layout, search
 
@@ -95,7 +94,6 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision))
     ranked = search(cost, world_size, lossy=False)  # bf16 states change the numbers: the user's choice, not ours
     best = best_layout(cost, world_size, ranked)
-    runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
     # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept; a
     # plugin field it searched (ep) is its choice, at the field's default when the chosen layout leaves it out
     kept = {k: v for k, v in config.to_dict().items() if k not in PLANNED and k not in cost.searched}
@@ -107,19 +105,39 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     note = (f" (assumed {' and '.join(assumed)}: set them to the run's sequence length and sequences per step, "
             "e.g. UltraScaleStrategy(layout='auto', auto_seq_len=2048, auto_global_batch=64); recipes set them "
             "from data.seq_len and train.global_batch)") if assumed else ""
-    def edge(result) -> str:
-        return "" if has_headroom(result, hw.memory_gb) or not result.fits else ": at the edge"
-
-    room = (f"with room for the memory estimate's {MEMORY_MARGIN:.1%} margin" if has_headroom(best, hw.memory_gb)
-            else f"at the edge: less free than the memory estimate's {MEMORY_MARGIN:.1%} margin, it may run out of "
-            "memory")
     why = (f"layout: auto chose {best.layout.label()} for {world_size} x {hw.name}, sequence {seq}, "
            f"global batch {batch}{note}: predicted {best.memory_gb['total']:.1f} of {hw.memory_gb:.0f} GB per device "
-           f"({room}), "
-           f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/device, mostly {best.dominant}; best of {len(ranked)} "
-           "costed layouts" + (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s, "
-                               f"{runner.memory_gb['total']:.1f} GB{edge(runner)})" if runner else ""))
+           f"({_room(best, hw)}), {best.tokens_per_s_per_gpu:,.0f} tokens/s/device, mostly {best.dominant}; best of "
+           f"{len(ranked)} costed layouts{_beside(best, ranked, cost, world_size)}")
     return ParallelConfig(**fields), best, why
+
+
+def _room(best, hw) -> str:
+    from .headroom import MEMORY_MARGIN, has_headroom
+
+    if has_headroom(best, hw.memory_gb):
+        return f"with room for the memory estimate's {MEMORY_MARGIN:.1%} margin"
+    return f"at the edge: less free than the memory estimate's {MEMORY_MARGIN:.1%} margin, it may run out of memory"
+
+
+def _beside(best, ranked, cost, world_size: int) -> str:
+    """What the reason says after the choice: the faster layout at the edge it was chosen over, with its risk; at
+    the edge itself, where a layout with the margin is found (more GPUs, a memory saver); else the runner-up."""
+    from .headroom import edge_risk, faster_at_the_edge, has_headroom
+    from .render import room_elsewhere_text
+    from .search import room_elsewhere
+
+    limit = cost.hw.memory_gb
+    if not has_headroom(best, limit):
+        return ". " + room_elsewhere_text(best, room_elsewhere(cost, world_size, ranked), limit, frozenset(cost.savers))
+    edge = faster_at_the_edge(best, ranked, limit)
+    if edge is not None:
+        return f"; chosen over a faster layout at the edge: {edge_risk(edge, best, limit)}"
+    runner = next((r for r in ranked[1:] if r.layout.label() != best.layout.label()), None)
+    if runner is None:
+        return ""
+    return (f" (next: {runner.layout.label()}, {runner.tokens_per_s_per_gpu:,.0f} tokens/s, "
+            f"{runner.memory_gb['total']:.1f} GB)")
 
 
 def _rank() -> int:

@@ -8,7 +8,7 @@ import sys
 from ..interface.config import ConfigError
 from ..interface.estimates import OPTIMIZERS, PROFILES
 from .hardware import PRESETS as GPU_PRESETS
-from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE
+from .headroom import MEMORY_MARGIN
 from .model_spec import PRESETS as MODEL_PRESETS
 
 
@@ -51,12 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "changes neither memory nor time")
     p.add_argument("--layout", help='cost exactly one layout, e.g. "dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,'
                    'recompute=none" (also schedule=, virtual=, dp_replicate=, sp=)')
-    p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN, help="rank first the layouts whose "
+    p.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN, help="rank first every layout whose "
                    "predicted memory leaves this share of the GPU's free (default: the memory estimate's "
-                   f"90th-percentile error against measured runs, {MEMORY_MARGIN}), when within --speed-tolerance "
-                   "of the fastest; 0: by speed alone")
-    p.add_argument("--speed-tolerance", type=float, default=SPEED_TOLERANCE, help="the share of tokens/s given up "
-                   f"at most for that headroom (default {SPEED_TOLERANCE})")
+                   f"90th-percentile error against measured runs, {MEMORY_MARGIN}); 0: by speed alone")
+    # removed: the first choice leaves the margin whenever any layout does, so no speed is traded against it
+    p.add_argument("--speed-tolerance", type=float, help=argparse.SUPPRESS)
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--all", action="store_true", help="rank layouts this engine cannot run too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -75,11 +74,13 @@ def build(args):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1. Fix: give a "
                               "positive number")
-    for name in ("memory_margin", "speed_tolerance"):
-        value = getattr(args, name, 0.0)
-        if not 0 <= value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a fraction, at least 0 and below 1. "
-                              "Fix: e.g. 0.1 for 10 %")
+    if getattr(args, "speed_tolerance", None) is not None:
+        raise ConfigError(f"--speed-tolerance {args.speed_tolerance}: no longer an option: the first choice leaves "
+                          "the memory margin whenever any layout does, and the plan shows the fastest layout at the "
+                          "edge beside it. Fix: drop it (--memory-margin 0 ranks by speed alone)")
+    if not 0 <= args.memory_margin < 1:
+        raise ConfigError(f"--memory-margin {args.memory_margin}: must be a fraction, at least 0 and below 1. "
+                          "Fix: e.g. 0.1 for 10 %")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
                           "multiple of --gpus-per-node")
@@ -126,7 +127,7 @@ def run_plan(args, accelerate_yaml) -> int:
     header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
               "gpus": args.gpus, "hardware": dataclasses.asdict(hw), "seq_len": args.seq_len,
               "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer,
-              "memory_margin": args.memory_margin, "speed_tolerance": args.speed_tolerance}
+              "memory_margin": args.memory_margin}
     adapters = cost.work.adapters
     trainable = cost.spec.trainable_params(adapters)
     if adapters is not None:
@@ -138,18 +139,21 @@ def run_plan(args, accelerate_yaml) -> int:
         lay = dataclasses.replace(layout_from_string(args.layout, args.gpus), mixed_precision=cost.work.precision)
         results = [cost.evaluate(lay)]
     else:
-        results = search(cost, args.gpus, include_unrunnable=args.all, margin=args.memory_margin,
-                         tolerance=args.speed_tolerance)
+        results = search(cost, args.gpus, include_unrunnable=args.all, margin=args.memory_margin)
     if not results:
         raise ConfigError(f"no layout of {args.gpus} GPUs is possible for this model and batch. Fix: check that the "
                           "global batch divides over the GPUs")
     best = results[0]
+    elsewhere = _room_elsewhere(args, cost, results)
     if args.plot:
         from .plot import plot_plan
 
         plot_plan(results, best, args.plot, hw.memory_gb, top=min(args.top, 8))
     if args.json:
-        print(render.as_json(results, args.top, {**header, "fits": best.fits}, hw.memory_gb, args.memory_margin))
+        extra = {**header, "fits": best.fits}
+        if elsewhere is not None:
+            extra["room_elsewhere"] = render.room_elsewhere_json(elsewhere, cost.savers)
+        print(render.as_json(results, args.top, extra, hw.memory_gb, args.memory_margin))
         return 0 if best.fits else 1
     print(f"ultrascale plan: {args.model} ({cost.spec.total_params / 1e9:.2f}B parameters"
           + (f", {cost.spec.active_params / 1e9:.2f}B active" if cost.spec.active_params != cost.spec.total_params
@@ -160,7 +164,7 @@ def run_plan(args, accelerate_yaml) -> int:
         print(f"PEFT: {adapters.describe()}: {trainable / 1e6:,.1f}M trainable parameters "
               f"({trainable / cost.spec.total_params:.2%}); the frozen base is held (and sharded) without gradients "
               "or optimizer states; MFU counts the FLOPs LoRA needs (4 per frozen weight, 6 per trained one)\n")
-    print(render.table(results, hw.memory_gb, args.top, args.memory_margin, args.speed_tolerance))
+    print(render.table(results, hw.memory_gb, args.top, args.memory_margin))
     print()
     if not best.fits:
         host = (f" and {best.memory_gb['host']:.1f} of {hw.host_memory_gb:g} GB of host memory"
@@ -171,8 +175,8 @@ def run_plan(args, accelerate_yaml) -> int:
         return 1
     if not best.runnable:
         print(f"The best layout is not runnable by this engine: {best.not_runnable_because}")
-    room = render.headroom_line(best, results, hw.memory_gb, args.memory_margin, args.speed_tolerance,
-                                searched=not args.layout)
+    room = render.headroom_line(best, results, hw.memory_gb, args.memory_margin, elsewhere,
+                                frozenset(cost.savers))
     savers = render.saver_costs(best, cost)
     print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n" + (f"  {savers}\n" if savers else ""))
     if args.explain:
@@ -188,6 +192,19 @@ def run_plan(args, accelerate_yaml) -> int:
     if args.plot:
         print(f"\nultrascale: wrote {args.plot}")
     return 0
+
+
+def _room_elsewhere(args, cost, results):
+    """For a searched first choice that fits only at the edge: where the margin is found (``search.room_elsewhere``),
+    else None."""
+    from .headroom import has_headroom
+    from .search import room_elsewhere
+
+    best = results[0]
+    if args.layout or args.memory_margin <= 0 or not best.fits or has_headroom(best, cost.hw.memory_gb,
+                                                                                 args.memory_margin):
+        return None
+    return room_elsewhere(cost, args.gpus, results, args.memory_margin)
 
 
 def _stages(result, cost, gpus: int) -> str:

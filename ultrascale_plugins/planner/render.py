@@ -9,7 +9,7 @@ import math
 import yaml
 
 from .cost import Result
-from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, explain, free_fraction, has_headroom, status
+from .headroom import MEMORY_MARGIN, edge_risk, explain, faster_at_the_edge, free_fraction, has_headroom, status
 
 _SHORT = {"compute": "compute", "bubble": "pipeline bubble", "host": "host link and host optimizer"}
 
@@ -18,8 +18,7 @@ def dominant_name(key: str) -> str:
     return _SHORT.get(key, key.replace("comm_", "communication on ") if key.startswith("comm_") else key)
 
 
-def table(results: list[Result], memory_gb: float, top: int, margin: float = MEMORY_MARGIN,
-          tolerance: float = SPEED_TOLERANCE) -> str:
+def table(results: list[Result], memory_gb: float, top: int, margin: float = MEMORY_MARGIN) -> str:
     """The ranked rows: whether each fits with room for the memory estimate's error ('yes'), only as predicted
     ('edge') or not ('NO'), the share of memory it leaves free, and a note where a row's figures are another's."""
     width = max([74] + [len(r.layout.label()) for r in results[:top]])
@@ -34,7 +33,7 @@ def table(results: list[Result], memory_gb: float, top: int, margin: float = MEM
                      f"{r.memory_gb['total']:>7.1f} {free_fraction(r, memory_gb):>6.1%} "
                      f"{r.tokens_per_s_per_gpu:>10,.0f} {r.mfu:>6.1%}  {dominant_name(r.dominant)}{note}{mark}")
     lines.append(f"(memory limit {memory_gb:g} GB per GPU; {len(results)} layouts costed)\n "
-                 + explain(margin, tolerance, memory_gb))
+                 + explain(margin, memory_gb))
     if any(PIPELINE_ZERO3 in n for n in notes.values()):
         lines.append(" 'ZeRO-3 runs as ZeRO-2 in a pipeline': inside a pipeline this engine keeps each stage's "
                      "weights gathered between micro-batches (one all-gather per step, as torchtitan does), so ZeRO-3 "
@@ -68,41 +67,59 @@ def twin_notes(results: list[Result], top: int) -> dict[int, str]:
 
 
 def headroom_line(best: Result, results: list[Result], memory_gb: float, margin: float = MEMORY_MARGIN,
-                  tolerance: float = SPEED_TOLERANCE, searched: bool = True) -> str:
-    """What the chosen layout leaves free, and what it was chosen over (``headroom``); ``searched``: chosen by the
-    search, not given (``--layout``)."""
+                  elsewhere=None, savers: frozenset = frozenset()) -> str:
+    """What the chosen layout leaves free: with the margin, the fastest layout at the edge it was chosen over and
+    that one's risk; at the edge, that no costed layout leaves the margin and where one does (``elsewhere``, a
+    ``search.RoomElsewhere``; None: the layout was given, not searched). ``savers``: the memory savers' fields."""
     left = memory_gb - best.memory_gb["total"]
     free = f"{free_fraction(best, memory_gb):.1%} of the GPU's memory free ({left:.1f} GB)"
     if margin <= 0:
         return f"{free}; ranked by speed alone (--memory-margin 0)"
     if not has_headroom(best, memory_gb, margin):
         return (f"at the edge: {free}, less than the memory estimate's {margin:.1%} margin (a prediction up to "
-                f"{memory_gb * (1 - margin):.1f} GB){roomier(best, results, memory_gb, margin, tolerance, searched)}"
-                ". It may run out of memory: try it first, or plan for more GPUs or a shorter --seq-len")
-    faster = [r for r in results if r.fits and r.runnable and r.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu]
+                f"{memory_gb * (1 - margin):.1f} GB): it may run out of memory"
+                + ("" if elsewhere is None else f". {room_elsewhere_text(best, elsewhere, memory_gb, savers)}"))
     line = f"fits with {free}: room for the memory estimate's {margin:.1%} margin"
-    if faster:
-        top = max(faster, key=lambda r: r.tokens_per_s_per_gpu)
-        gain = top.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu - 1
-        line += (f"; chosen over {len(faster)} faster layout{'s' if len(faster) > 1 else ''} at the edge, the "
-                 f"fastest {gain:.1%} faster at {top.memory_gb['total']:.1f} GB ({top.layout.label()})")
+    edge = faster_at_the_edge(best, results, memory_gb, margin)
+    if edge is not None:
+        line += f"; chosen over a faster layout at the edge: {edge_risk(edge, best, memory_gb)}"
     return line
 
 
-def roomier(best: Result, results: list[Result], memory_gb: float, margin: float, tolerance: float,
-            searched: bool) -> str:
-    """For a choice at the edge: the fastest costed layout with headroom and the --speed-tolerance that chooses
-    it, or that none has."""
-    if not searched:
-        return ""
-    roomy = [r for r in results if r.runnable and has_headroom(r, memory_gb, margin)]
-    if not roomy:
-        return "; none of the costed layouts leaves that room"
-    alt = max(roomy, key=lambda r: r.tokens_per_s_per_gpu)
-    slower = 1 - alt.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
-    return (f"; none within {tolerance:.0%} of its speed does: the fastest that does is {slower:.1%} slower at "
-            f"{alt.memory_gb['total']:.1f} GB ({alt.layout.label()}), chosen with --speed-tolerance "
-            f"{math.ceil(slower * 100) / 100:g}")
+def room_elsewhere_text(best: Result, elsewhere, memory_gb: float, savers: frozenset = frozenset()) -> str:
+    """No costed layout leaves the margin: the GPU count and the memory savers with which one does, or that
+    neither was found."""
+    options = []
+    if elsewhere.on_more_gpus is not None:
+        r = elsewhere.on_more_gpus
+        options.append(f"on {elsewhere.gpus} GPUs the planner's first choice does: "
+                       f"{r.layout.label()} at {r.memory_gb['total']:.1f} GB")
+    for r, note in ((elsewhere.with_savers, ""), (elsewhere.with_lossy_savers, ", which changes the numbers")):
+        if r is None:
+            continue
+        named = ", ".join(f"{k}={v}" for k, v in r.layout.extra.items() if k in savers) or "a memory saver"
+        slower = 1 - r.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
+        options.append(f"on these GPUs with {named}{note}, one does: {r.layout.label()} at "
+                       f"{r.memory_gb['total']:.1f} GB, {abs(slower):.1%} {'slower' if slower >= 0 else 'faster'}")
+    if not options:
+        return (f"No costed layout leaves that room, nor does one with the memory savers or on up to "
+                f"{elsewhere.tried_up_to} GPUs. Fix: a shorter --seq-len or a GPU with more memory")
+    return "No costed layout leaves that room; " + "; ".join(options)
+
+
+def room_elsewhere_json(elsewhere, savers) -> dict:
+    """``search.RoomElsewhere`` for ``--json``: the GPU count and the layouts that leave the margin (null: none
+    found), and the largest GPU count searched."""
+    def brief(r):
+        if r is None:
+            return None
+        return {"layout": r.layout.label(), "memory_gb": round(r.memory_gb["total"], 2),
+                "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 1),
+                **({"savers": {k: v for k, v in r.layout.extra.items() if k in savers}} if r.layout.extra else {})}
+
+    return {"gpus": elsewhere.gpus, "on_more_gpus": brief(elsewhere.on_more_gpus),
+            "with_savers": brief(elsewhere.with_savers), "with_lossy_savers": brief(elsewhere.with_lossy_savers),
+            "gpus_searched_up_to": elsewhere.tried_up_to}
 
 
 def breakdown(r: Result) -> str:

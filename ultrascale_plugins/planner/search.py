@@ -7,15 +7,16 @@ their own layout fields (``ultrascale_search_choices``: expert parallelism's deg
 when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
 time otherwise. What saves memory at a price (``ultrascale_search_savers``) is searched only when no layout fits
 without it: first what costs time (the chunked loss, states on the host), then what changes the numbers (states in
-bf16). Among the layouts that fit, those with room for the memory estimate's error rank first when they cost
-little speed (``headroom``).
+bf16). Among the layouts that fit, those with room for the memory estimate's error rank first (``headroom``);
+when none has that room, ``room_elsewhere`` looks for it on more GPUs and with the memory savers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .cost import CostModel, Layout, Result
-from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, prefer_headroom
+from .headroom import MEMORY_MARGIN, has_headroom, prefer_headroom
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -82,10 +83,10 @@ def layouts(world: int, cost: CostModel, savers: int = 0):
 
 
 def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, limit: int | None = None,
-           margin: float = MEMORY_MARGIN, tolerance: float = SPEED_TOLERANCE, lossy: bool = True) -> list[Result]:
+           margin: float = MEMORY_MARGIN, lossy: bool = True) -> list[Result]:
     """Costed layouts, best first: those that fit before those that don't, then by predicted tokens/s/GPU, except
-    that layouts leaving room for the memory estimate's error (``margin``) within ``tolerance`` of the fastest go
-    first (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
+    that every layout leaving room for the memory estimate's error (``margin``) goes first
+    (``headroom.prefer_headroom``). Layouts this engine cannot run are left out unless
     ``include_unrunnable``. ``lossy=False``: never the memory savers that change the numbers (``layout: auto``
     does not choose them for a run)."""
     results = _costed(layouts(world, cost), cost, include_unrunnable)
@@ -94,7 +95,7 @@ def search(cost: CostModel, world: int, *, include_unrunnable: bool = False, lim
             break
         results += _costed(layouts(world, cost, savers=savers), cost, include_unrunnable)
     results.sort(key=rank_key(results))
-    results = prefer_headroom(results, cost.hw.memory_gb, margin, tolerance)
+    results = prefer_headroom(results, cost.hw.memory_gb, margin)
     return results[:limit] if limit else results
 
 
@@ -139,3 +140,75 @@ def best_layout(cost: CostModel, world: int, results: list[Result] | None = None
         raise ConfigError(f"no layout of {world} GPUs fits {cost.hw.memory_gb:g} GB per GPU (the smallest needs "
                           f"{need:.1f} GB). Fix: use more GPUs, a shorter sequence or a smaller global batch")
     return results[0]
+
+
+# how far room_elsewhere looks for more GPUs: doublings of the job's count up to this factor
+MORE_GPUS_FACTOR = 8
+
+
+@dataclasses.dataclass
+class RoomElsewhere:
+    """Where the memory estimate's margin is found when no layout of the job's GPUs leaves it: the smallest GPU
+    count the search tried that has a layout with it (and that layout), and the fastest layout of the job's GPUs
+    with the memory savers that keep the numbers (offloaded states, the chunked loss, ...) that has it, and with
+    those that change them (bf16 states); None where none was found."""
+
+    gpus: int | None = None
+    on_more_gpus: Result | None = None
+    with_savers: Result | None = None
+    with_lossy_savers: Result | None = None
+    tried_up_to: int = 0  # the largest GPU count searched
+
+
+def first_with_headroom(results: list[Result], limit_gb: float, margin: float = MEMORY_MARGIN) -> Result | None:
+    """The first runnable layout of ``results`` (ranked) that leaves ``margin`` free, or None."""
+    return next((r for r in results if r.runnable and has_headroom(r, limit_gb, margin)), None)
+
+
+def more_gpu_counts(world: int, per_node: int, factor: int = MORE_GPUS_FACTOR) -> list[int]:
+    """The GPU counts tried above ``world``: doublings, each rounded up to whole nodes once past one node."""
+    counts, n = [], world
+    while n * 2 <= world * factor:
+        n *= 2
+        if n > per_node and n % per_node:
+            n = math.ceil(n / per_node) * per_node
+        counts.append(n)
+    return counts
+
+
+# the degrees (of the best layouts at the edge) that room_elsewhere tries the memory savers on: every degree with
+# every saver is the costliest search there is (a minute for a mixture of experts on one node)
+SAVER_DEGREES = 3
+
+
+def _degrees(lay: Layout) -> tuple:
+    return lay.dp_replicate * lay.dp_shard, lay.tp, lay.pp, lay.cp
+
+
+def room_elsewhere(cost: CostModel, world: int, ranked: list[Result], margin: float = MEMORY_MARGIN,
+                   lossy: bool = True) -> RoomElsewhere:
+    """When no layout of ``world`` GPUs leaves ``margin`` free (``ranked``: the search's results, best first): the
+    smallest count of more GPUs (doublings, up to ``MORE_GPUS_FACTOR`` times) whose search has a layout that does,
+    and the fastest layout with the degrees of the ``SAVER_DEGREES`` best ones and memory savers on
+    (``ultrascale_search_savers``: those that cost time, then, with ``lossy``, those that change the numbers) that
+    does. Each is the planner's own search, nothing extrapolated."""
+    limit = cost.hw.memory_gb
+    found = RoomElsewhere()
+    degrees = []
+    for r in ranked:
+        if r.fits and _degrees(r.layout) not in degrees:
+            degrees.append(_degrees(r.layout))
+    degrees = degrees[:SAVER_DEGREES]
+    for savers in ((1, 2) if lossy else (1,)):  # 2: each layout has a saver that changes the numbers on
+        groups = (g for g in layouts(world, cost, savers=savers) if g and _degrees(g[0][0]) in degrees)
+        saving = _costed(groups, cost, include_unrunnable=False)
+        saving.sort(key=rank_key(saving))
+        setattr(found, "with_lossy_savers" if savers == 2 else "with_savers",
+                first_with_headroom(saving, limit, margin))
+    for n in more_gpu_counts(world, cost.hw.gpus_per_node):
+        found.tried_up_to = n
+        first = first_with_headroom(search(cost, n, margin=margin, lossy=lossy), limit, margin)
+        if first is not None:
+            found.gpus, found.on_more_gpus = n, first
+            break
+    return found

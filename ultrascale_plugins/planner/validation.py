@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .cost import GB, CostModel, Layout, Workload, coordinates_to_cost, peak_memory_gb
 from .hardware import PRESETS
-from .headroom import MEMORY_MARGIN, SPEED_TOLERANCE, prefer_headroom
+from .headroom import MEMORY_MARGIN, prefer_headroom
 from .model_spec import ModelSpec, load_model_config
 
 DATA = Path(__file__).resolve().parent.parent / "resources" / "playbook_benchmarks_1B_3B.csv"
@@ -212,5 +212,4 @@ def validate(rows: list[dict] | None = None, constants: dict | None = None, memo
     met = {k: (figures[k] <= TARGETS[k] if k.startswith("memory") else figures[k] >= TARGETS[k]) for k in TARGETS}
     return {"rows": len(rows), "completed": len(mem_errors), "cells": len(cells), "figures": figures,
             "targets": TARGETS, "met": met, "per_cell": per_cell,
-            "headroom": {"memory_margin": MEMORY_MARGIN, "speed_tolerance": SPEED_TOLERANCE,
-                         "first_choice": headroom_choice(buildable, memory_gb)}}
+            "headroom": {"memory_margin": MEMORY_MARGIN, "first_choice": headroom_choice(buildable, memory_gb)}}
