@@ -215,3 +215,24 @@ def test_a_family_reads_no_other_familys_fields(path):
     foreign = sorted(f"{name} ({fields[name]})" for name in field_reads(path.read_text())
                      if fields.get(name, mine) != mine)
     assert not foreign, f"{module_name(path)} reads {foreign}: read layout_facts(config) instead"
+
+
+LONGEST_FUNCTION = 80  # lines, decorators excluded (issue 48: one job per function, its steps read top to bottom)
+
+
+def long_functions(source: str, limit: int = LONGEST_FUNCTION) -> list[tuple[int, str, int]]:
+    """(line, name, lines) of every function and method in ``source`` longer than ``limit`` lines (nested ones
+    too), read with ast: from its ``def`` to its last line."""
+    return [(node.lineno, node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_is_over_80_lines():
+    assert long_functions("@hookimpl\ndef f():\n" + "    x = 1\n" * 80) == [(2, "f", 81)]
+    assert long_functions("class C:\n    def m(self):\n" + "        pass\n" * 79) == []
+    paths = sorted(p for p in PACKAGE.rglob("*.py") if "resources" not in p.relative_to(PACKAGE).parts)
+    found = [f"{path.relative_to(ROOT)}:{line} {name} ({lines} lines)"
+             for path in paths + sorted((ROOT / "integrations").glob("*.py"))
+             for line, name, lines in long_functions(path.read_text())]
+    assert not found, f"functions over {LONGEST_FUNCTION} lines (split them into steps with names): {found}"

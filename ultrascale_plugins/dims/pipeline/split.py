@@ -147,13 +147,40 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
     of it inside the copied wrapper: the wrapper's modules (PEFT's adapters) sit inside the causal LM's, and its
     own forward only hands the inputs on."""
     wrapper, model = model, (model.get_submodule(root) if root else model)
-    before, layers_name, after = pp_parts(model)
-    first, last = stage_id == 0, stage_id == n_stages - 1
-    base_orig = _base(model)
-    layers_orig = getattr(base_orig, layers_name)
+    parts = pp_parts(model)
+    ends = (stage_id == 0, stage_id == n_stages - 1)  # (first, last)
     received: dict = {}
-    elsewhere: dict[int, nn.Module] = {}  # id of a module another stage owns -> this stage's placeholder
-    for i, layer in enumerate(layers_orig):
+    stage = _stage_copy(wrapper, _placeholders(model, parts, layer_range, ends, received))
+    inner = stage.get_submodule(root) if root else stage
+    layers = getattr(_base(inner), parts[1])
+    if not ends[0]:
+        layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
+    sent: dict = {}
+    if not ends[1]:
+        # what the stage's last layer hands on, after every hook on it (sequence parallel gathers there): the
+        # input of the next, absent layer. Models may transform the hidden states after their layers.
+        layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
+    # the runtime says per step whether the batch has a mask (the input is always one), and per schedule whether
+    # the first stage's output must require a gradient (see _stage_forward)
+    options = {"mask": True, "grad_chain": False}
+    # an instance attribute: FSDP/TP hooks on the module still run around it
+    stage.forward = _stage_forward(inner, type(model).forward, ends, (received, sent), options,
+                                   routed_logits_width(model))
+    stage.pipeline_options = options
+    stage.pipeline_stage = (stage_id, n_stages)
+    return stage
+
+
+def _placeholders(model, parts: tuple, layer_range: range, ends: tuple, received: dict) -> dict[int, nn.Module]:
+    """{id of a module of ``model`` another stage owns: this stage's placeholder}: the layers outside
+    ``layer_range``; unless this stage is the first (``ends``: first, last), the modules before the layers (the
+    input embedding: a ``ZeroEmbedding`` over ``received``); unless it is the last, those after them and the head.
+    ``parts``: ``pp_parts(model)``."""
+    before, layers_name, after = parts
+    first, last = ends
+    base_orig = _base(model)
+    elsewhere: dict[int, nn.Module] = {}
+    for i, layer in enumerate(getattr(base_orig, layers_name)):
         if i not in layer_range:
             elsewhere[id(layer)] = Absent()
     if not first:
@@ -166,22 +193,17 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
         for name in after:
             elsewhere[id(getattr(base_orig, name))] = Absent()
         elsewhere[id(model.lm_head)] = Absent()
-    stage = _stage_copy(wrapper, elsewhere)
-    inner = stage.get_submodule(root) if root else stage
+    return elsewhere
+
+
+def _stage_forward(inner, causal_lm_forward, ends: tuple, handoff: tuple, options: dict, routing: int):
+    """The stage's forward: the model's own, from the token ids (the first stage's input) or with the received
+    hidden states handed to the first layer; the last stage's logits (and, with ``routing`` experts, every stage's
+    router logits), or what the stage's last layer hands on. ``inner``: the stage's causal LM; ``ends``: (first,
+    last); ``handoff``: the (received, sent) slots the layers' hooks read and fill."""
+    first, last = ends
+    received, sent = handoff
     base = _base(inner)
-    layers = getattr(base, layers_name)
-    if not first:
-        layers[layer_range.start].register_forward_pre_hook(_take_received(received), with_kwargs=True)
-    sent: dict = {}
-    if not last:
-        # what the stage's last layer hands on, after every hook on it (sequence parallel gathers there): the
-        # input of the next, absent layer. Models may transform the hidden states after their layers.
-        layers[layer_range.stop].register_forward_pre_hook(_capture_input(sent), with_kwargs=True)
-    causal_lm_forward = type(model).forward
-    # the runtime says per step whether the batch has a mask (the input is always one), and per schedule whether
-    # the first stage's output must require a gradient (see below)
-    options = {"mask": True, "grad_chain": False}
-    routing = routed_logits_width(model)
 
     def forward(x, attention_mask, position_ids, input_ids=None, routed=None):
         if first:
@@ -214,10 +236,7 @@ def build_stage(model, stage_id: int, n_stages: int, layer_range: range, root: s
             received.clear()
             sent.clear()
 
-    stage.forward = forward  # instance attribute: FSDP/TP hooks on the module still run around it
-    stage.pipeline_options = options
-    stage.pipeline_stage = (stage_id, n_stages)
-    return stage
+    return forward
 
 
 def routed_logits_width(model) -> int:

@@ -17,6 +17,8 @@ its regions.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -208,68 +210,132 @@ def ultrascale_stages(config, model_config):
                   does=f"attention heads and MLP features split over {config.tp} ranks{sp}, the plan's styles")]
 
 
+@dataclasses.dataclass
+class _TpCut:
+    """What ``shard_model`` decided for one model (a pipeline stage's, or the whole): the plan's modules present in
+    it and their styles' names (``matched``), the trace's verdict (``flow``), the regions handed back by one
+    row-parallel layer (``simple``) or reduced where their sum ends (``summed``), the decoder layers present, and
+    whether this model ends the sequence-parallel stretch at the head (``head_end``) or starts it at a
+    vocabulary-parallel embedding (``start_end``)."""
+
+    plan: object
+    mesh: object
+    sp: bool
+    present: set
+    matched: dict
+    flow: object
+    simple: set
+    summed: set
+    layers: list
+    head_end: bool
+    start_end: bool
+
+
 def shard_model(model, ctx):
+    """Tensor parallel's transform: the plan's styles on its modules, the parameters that meet only this rank's
+    slice summed over TP, one reduction per region, sequence parallel's splits and gathers, the tied head, and every
+    other parameter replicated over TP."""
     if not ctx.dims.enabled("tp"):
         return
-    plan = ctx.plan
+    cut = _cut(model, ctx)
+    styles = _module_styles(cut, ctx.config.loss_parallel)
+    gathered = gathered_regions(model, cut.plan)[0] if cut.sp else []
+    seq_modules = summed_shard_modules(model, cut.plan, gathered) if cut.sp else []
+    parallelize_module(model, cut.mesh, styles)
+    for fqn, module in seq_modules:
+        if fqn in cut.present:
+            run_on_local_params(module, cut.mesh, replicate_plain=True)
+    _sum_local_params(model, cut)
+    _reduce_regions(model, cut)
+    if cut.sp:
+        _split_sequence(model, cut, gathered)
+    if cut.plan.tied and cut.plan.embedding in cut.present and cut.plan.lm_head in cut.present:
+        _tie_head(model, cut.plan)
+    if not ctx.dims.facts.states_sharded:  # FSDP makes every parameter a DTensor itself
+        replicate_the_rest(model, cut.mesh)
+
+
+def _cut(model, ctx) -> _TpCut:
+    """The plan's named parameters sharded, then the trace of the model's data flow and what follows from it."""
+    plan, sp = ctx.plan, ctx.config.sequence_parallel
     mesh = ctx.sub_mesh("tp")
-    sp = ctx.config.sequence_parallel
     present = present_modules(model)
     matched = {fqn: name for fqn, name in plan.matches(model).items() if fqn in present}
     simple = simple_regions(plan, matched)
-    region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in matched}
     _shard_named_params(model, plan, mesh, present)
-    for fqn, name in matched.items():
-        if name == "mla_kv_a_proj":
-            model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
+    _mark_mla_rope_width(model, matched)
     flow = rank_local_params(model, plan)
     model._ultrascale_tp_flow = flow  # what the estimate of this model's collectives counts (dims.tensor.costs)
-    once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
     layers = ctx.plan_layers(model)
     # under SP, the stage that ends the model reduce-scatters the head's input gradient at the last layer's gather
     head_end = (sp and flow.end is not None and plan.lm_head in present and bool(layers)
                 and layers[-1] == plan.layers[-1])
-    if head_end:
-        once.add(plan.lm_head)
     # ... and the stage that starts it reduce-scatters a vocabulary-parallel embedding's partial sum
     start_end = sp and flow.start and plan.embedding in present and bool(layers) and layers[0] == plan.layers[0]
     summed = flow.sums - simple  # regions of several addends, reduced once where they end (Megatron's "g")
-    styles = {fqn: make_style(name, sequence_parallel=sp, loss_parallel=ctx.config.loss_parallel,
-                              is_head=(fqn == plan.lm_head), extra=plan.styles,
-                              shard_output=region_of.get(fqn) in simple, partial_input=fqn in once,
-                              partial_output=region_of.get(fqn) in summed or (start_end and fqn == plan.embedding))
-              for fqn, name in matched.items()}
-    gathered = gathered_regions(model, plan)[0] if sp else []
-    seq_modules = summed_shard_modules(model, plan, gathered) if sp else []
-    local = flow.local
-    parallelize_module(model, mesh, styles)
-    for fqn, module in seq_modules:
-        if fqn in present:
-            run_on_local_params(module, mesh, replicate_plain=True)
+    return _TpCut(plan, mesh, sp, present, matched, flow, simple, summed, layers, head_end, start_end)
+
+
+def _mark_mla_rope_width(model, matched: dict) -> None:
+    """The ``mla_kv_a_proj`` style sums the rotary part of the projection's output over TP: it reads that part's
+    width from the module, which knows nothing of the model's config."""
+    for fqn, name in matched.items():
+        if name == "mla_kv_a_proj":
+            model.get_submodule(fqn).qk_rope_head_dim = model.config.qk_rope_head_dim
+
+
+def _module_styles(cut: _TpCut, loss_parallel: bool) -> dict:
+    """{module: its ``ParallelStyle``}: the plan's style, handing back sequence shards where its region is simple,
+    leaving its input's gradient partial where its region reduces it once, and its output partial where its region
+    is reduced where its sum ends."""
+    plan, flow = cut.plan, cut.flow
+    region_of = {f: next((r for r in plan.regions if f.startswith(r + ".")), None) for f in cut.matched}
+    once = {fqn for consumers in flow.block.values() for fqn in consumers}  # their region reduces their input
+    if cut.head_end:
+        once.add(plan.lm_head)
+    return {fqn: make_style(name, sequence_parallel=cut.sp, loss_parallel=loss_parallel,
+                            is_head=(fqn == plan.lm_head), extra=plan.styles,
+                            shard_output=region_of.get(fqn) in cut.simple, partial_input=fqn in once,
+                            partial_output=(region_of.get(fqn) in cut.summed
+                                            or (cut.start_end and fqn == plan.embedding)))
+            for fqn, name in cut.matched.items()}
+
+
+def _sum_local_params(model, cut: _TpCut) -> None:
+    """The plain parameters that meet only this rank's slice become replicated DTensors whose gradients are summed
+    over TP: the trace's, those applied to a region's partial sum, and the final norm where the head ends SP."""
+    flow = cut.flow
     owners: dict[str, set[str]] = {}
-    for name in local:
+    for name in flow.local:
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)
-    for region in summed:  # e.g. LoRA's B after a row-parallel A: applied to a partial sum
-        gate_params = [f"{g}.{n}" for g in flow.gates.get(region, ()) if g in present
+    for region in cut.summed:  # e.g. LoRA's B after a row-parallel A: applied to a partial sum
+        gate_params = [f"{g}.{n}" for g in flow.gates.get(region, ()) if g in cut.present
                        for n, _ in model.get_submodule(g).named_parameters()]  # a gate of the sum
         for name in [*flow.summed_params.get(region, ()), *gate_params]:
             owner, _, pname = name.rpartition(".")
             owners.setdefault(owner, set()).add(pname)
-    for name in flow.end if head_end else ():  # the final norm: it sees the head's partial gradient
+    for name in flow.end if cut.head_end else ():  # the final norm: it sees the head's partial gradient
         owner, _, pname = name.rpartition(".")
         owners.setdefault(owner, set()).add(pname)
     for owner, names in owners.items():
-        if owner in present:
-            run_on_local_params(model.get_submodule(owner), mesh, replicate_plain=True, only=names)
+        if owner in cut.present:
+            run_on_local_params(model.get_submodule(owner), cut.mesh, replicate_plain=True, only=names)
+
+
+def _reduce_regions(model, cut: _TpCut) -> None:
+    """Megatron's "f" (one reduction of a region's input gradient) where the trace found one, and its "g" (the
+    reduction of a region's partial sum) where the sum ends."""
+    flow, mesh, sp, present = cut.flow, cut.mesh, cut.sp, cut.present
     for region in flow.block:  # one reduction of the input's gradient per region, Megatron's "f"
         if region in present:
             model.get_submodule(region).register_forward_pre_hook(region_input(mesh, sp), with_kwargs=True)
             # readers whose input gradient is whole: 1/tp of it (a gate of a sum reduced once has a partial one)
-            for fqn in flow.scaled.get(region, set()) - (flow.gates.get(region, set()) if region in summed else set()):
+            gates = flow.gates.get(region, set()) if region in cut.summed else set()
+            for fqn in flow.scaled.get(region, set()) - gates:
                 model.get_submodule(fqn).register_forward_pre_hook(scale_input_grad(1 / mesh.size()),
                                                                    with_kwargs=True, prepend=True)
-    for region in summed:
+    for region in cut.summed:
         if region in present and region in flow.sum_end:  # a norm on the sum ends the region: reduced at its input
             norm = model.get_submodule(flow.sum_end[region])
             norm.register_forward_pre_hook(redistribute_first_input(mesh, Partial(), Shard(1) if sp else Replicate()),
@@ -279,38 +345,44 @@ def shard_model(model, ctx):
         elif region in present:
             model.get_submodule(region).register_forward_hook(
                 redistribute_output(mesh, Partial(), Shard(1) if sp else Replicate()))
-    if sp:
-        for region in plan.regions:
-            if region in present:
-                module = model.get_submodule(region)
-                if region not in flow.block:  # each projection reduces its input's gradient (a slice here)
-                    module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
-                                                      with_kwargs=True)
-                if region not in simple and region not in summed:
-                    module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
-        for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence
-            if region in present:
-                module = model.get_submodule(region)
+
+
+def _split_sequence(model, cut: _TpCut, gathered) -> None:
+    """Sequence parallel: each region gathers its input and hands back sequence shards, the ``gathered`` regions
+    run replicated on the whole sequence, and the (stage's) layers split the sequence where they start and gather
+    it where they end."""
+    mesh, present = cut.mesh, cut.present
+    for region in cut.plan.regions:
+        if region in present:
+            module = model.get_submodule(region)
+            if region not in cut.flow.block:  # each projection reduces its input's gradient (a slice here)
                 module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
                                                   with_kwargs=True)
+            if region not in cut.simple and region not in cut.summed:
                 module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
-        if layers:
-            # the sequence is split where the (stage's) layers start and gathered again where they end: the
-            # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
-            model.get_submodule(layers[0]).register_forward_pre_hook(
-                redistribute_first_input(mesh, Partial() if start_end else Replicate(), Shard(1)), with_kwargs=True)
-            model.get_submodule(layers[-1]).register_forward_hook(
-                redistribute_output(mesh, Shard(1), Replicate(), Partial() if head_end else None))
-    if plan.tied and plan.embedding in present and plan.lm_head in present:
-        # parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's.
-        embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)
-        if head.weight is not embed.weight:
-            if getattr(embed.weight, "placements", None) != getattr(head.weight, "placements", None):
-                raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
-                                  "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
-            head.weight = embed.weight
-    if not ctx.dims.facts.states_sharded:  # FSDP makes every parameter a DTensor itself
-        replicate_the_rest(model, mesh)
+    for region in gathered:  # see sequence_parallel: runs replicated on the whole sequence
+        if region in present:
+            module = model.get_submodule(region)
+            module.register_forward_pre_hook(redistribute_first_input(mesh, Shard(1), Replicate()),
+                                              with_kwargs=True)
+            module.register_forward_hook(redistribute_output(mesh, Replicate(), Shard(1)))
+    if cut.layers:
+        # the sequence is split where the (stage's) layers start and gathered again where they end: the
+        # model builds its masks and positions, and reshapes the final hidden states, on the full sequence
+        model.get_submodule(cut.layers[0]).register_forward_pre_hook(
+            redistribute_first_input(mesh, Partial() if cut.start_end else Replicate(), Shard(1)), with_kwargs=True)
+        model.get_submodule(cut.layers[-1]).register_forward_hook(
+            redistribute_output(mesh, Shard(1), Replicate(), Partial() if cut.head_end else None))
+
+
+def _tie_head(model, plan) -> None:
+    """parallelize_module gives each module a fresh Parameter; tie the head back to the embedding's."""
+    embed, head = model.get_submodule(plan.embedding), model.get_submodule(plan.lm_head)
+    if head.weight is not embed.weight:
+        if getattr(embed.weight, "placements", None) != getattr(head.weight, "placements", None):
+            raise ConfigError(f"tied embedding '{plan.embedding}' and head '{plan.lm_head}' got different TP "
+                              "placements. Fix: shard both by vocabulary rows, or neither, in the plan")
+        head.weight = embed.weight
 
 
 def _shard_named_params(model, plan, mesh, present) -> None:
