@@ -123,7 +123,7 @@ def nanotron_terms(config, shape, est: Estimate) -> None:
         return
     if config.zero_stage == 0:  # torch DDP's buckets in the weights' dtype (nanotron: ZeRO-0 only)
         est.add_memory("other", 2 * sum(r.local_numel for r in records if r.trainable))
-    _add_dp_collectives(config, shape, est, records, 4, 2)
+    _add_dp_collectives(config, shape, est, records, 4, 2)  # fp32 gradients (the accumulator's), bf16 weights
 
 
 def megatron_deepspeed_terms(config, shape, est: Estimate) -> None:
