@@ -151,7 +151,7 @@ SMALL = ["nproc=2", "pp=1", "tp=1", "dp_shard=2"]  # the embedded default recipe
     (["peft.modules_to_save=lm_head"], ["peft.modules_to_save='lm_head'", "list of module names", "Fix"]),
     (["peft.use_dora=maybe"], ["peft.use_dora='maybe'", "true or false", "Fix"]),
     (["peft.rank=8"], ["unknown key 'peft.rank'"]),
-    (["peft=lora"], ["peft='lora'", "section of fields", "Fix"]),
+    (["peft=lora"], ["peft is a str ('lora')", "mapping of fields", "Fix: write it as a mapping"]),
 ])
 def test_bad_peft_values_are_refused_naming_field_value_and_fix(sets, words):
     from ultrascale_plugins.data.recipe import load_recipe
