@@ -205,3 +205,16 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(world, tmp_path
             if not r["ddp_bucket_bytes"]:  # torch's MemTracker agrees, where nothing only C++ holds (DDP's buckets)
                 tracked = r["memtracker"]["peak"]
                 assert abs(tracked - measured) <= 0.02 * measured, (name, r["coords"], measured, tracked)
+
+
+def test_an_unknown_memory_profile_is_refused_naming_the_known_ones():
+    """A profile no plugin prices is one line naming the value and the profiles there are, before any costing
+    (each data-parallel plugin holds one function per profile)."""
+    from transformers import LlamaConfig
+
+    import ultrascale_plugins as us
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    with pytest.raises(us.ConfigError, match=r"^profile='deepspeed': .*Fix: one of ultrascale, nanotron"):
+        us.estimate(us.ParallelConfig(), config, world_size=1, seq_len=64, profile="deepspeed")

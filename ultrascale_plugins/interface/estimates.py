@@ -488,6 +488,11 @@ class Shape:
     adapters: object = None  # an ``Adapters`` to price on a model that has none (the inventory gets them here)
 
     def __post_init__(self):
+        if self.profile not in PROFILES:  # each data-parallel plugin prices its memory per profile
+            from .fields import ConfigError
+
+            raise ConfigError(f"profile={self.profile!r}: no memory profile of that name. Fix: one of "
+                              f"{', '.join(PROFILES)}")
         if self.adapters is not None and self.inventory:
             if self.model is None:
                 raise ValueError("Shape(adapters=...) needs the model the inventory was read from (model=)")
