@@ -268,7 +268,7 @@ def main(argv=None) -> int:
 
     def layout_line_features():
         p = c.run("ultrascale train --nproc 2 --set pp=1 --set tp=1 --set dp_shard=2 --set cpu_offload=true "
-                  "--set optimizer_in_backward=true --set train.steps=2")
+                  "--set optimizer_in_backward=true --set train.max_grad_norm=0 --set train.steps=2")
         said = layout_lines(p)
         ok = p.returncode == 0 and len(said) == 1 and all(f in said[0] for f in ("cpu_offload", "optimizer_in_backward"))
         return ok, f"{said[:1] or tail(p)}"
@@ -301,9 +301,10 @@ def main(argv=None) -> int:
 
     story(results, "Trainer under torchrun: UltraScalePlugin(tpp=2) is one line from rank 0",
           lambda: one_line_under_torchrun("recipes/trainer/finetune.py", "tpp=2", f"--output-dir {w / 'tr-bad'}"))
-    story(results, "TRL under torchrun: sequence_parallel='yes' is one line from rank 0",
-          lambda: one_line_under_torchrun("recipes/trl/sft.py", "sequence_parallel=yes",
-                                          f"--model {w / 'exported'} --data x.jsonl --output-dir {w / 'trl-bad'}"))
+    # --set values are YAML (`yes` is true): a value no YAML reads as a boolean
+    story(results, "TRL under torchrun: sequence_parallel='maybe' is one line from rank 0",
+          lambda: one_line_under_torchrun("recipes/trl/sft.py", "sequence_parallel=maybe",
+                                          f"--model {w / 'exported'} --data {w / 'sft.jsonl'} --output-dir {w / 'trl-bad'}"))
 
     def lightning_strategy_typo():
         p = c.run("python recipes/lightning/finetune.py --strategy ultrascale_tpp --devices 2 --max-steps 1 "
