@@ -167,3 +167,20 @@ def test_every_docs_page_is_in_the_index_and_the_readme_links_the_index():
     assert not missing, f"docs/README.md does not link {missing}"
     readme = ROOT / "README.md"
     assert index.resolve() in {(ROOT / t.partition("#")[0]).resolve() for _, t in links(readme)}
+
+
+def test_what_the_readme_calls_not_available_is_no_field_of_the_package():
+    """The README's "Not available here" sentence names no feature the package has a field for (it listed CPU
+    offload and the optimizer step inside the backward after both had landed: issue 47)."""
+    import re
+
+    from ultrascale_plugins.interface.config import ParallelConfig
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"Not available here: (.*?)\. ", readme).group(1).lower()
+    spelled = {"cpu_offload": "cpu offload", "optimizer_in_backward": "optimizer step inside the backward",
+               "activation_offload": "activation", "float8": "float8", "chunked_loss": "chunked"}
+    fields = set(ParallelConfig.field_names())
+    assert set(spelled) <= fields, set(spelled) - fields  # the spellings follow the fields
+    claimed = [field for field, words in spelled.items() if words in said]
+    assert not claimed, f"the README calls {claimed} not available: {said!r}"
