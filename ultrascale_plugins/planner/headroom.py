@@ -27,11 +27,16 @@ def has_headroom(result, limit_gb: float, margin: float = MEMORY_MARGIN) -> bool
     return result.fits and free_fraction(result, limit_gb) >= margin
 
 
+def first_with_headroom(results: list, limit_gb: float, margin: float = MEMORY_MARGIN):
+    """The first runnable layout of ``results`` (ranked) that leaves ``margin`` free, or None."""
+    return next((r for r in results if r.runnable and has_headroom(r, limit_gb, margin)), None)
+
+
 def prefer_headroom(results: list, limit_gb: float, margin: float = MEMORY_MARGIN) -> list:
     """``results`` (ranked by speed, those that fit first) with the first runnable layout that has headroom moved
     to the front: the first choice leaves the margin whenever any layout does. The others keep their order by
     speed, so the faster layouts at the edge it was chosen over are listed right below it, each with its risk."""
-    first = next((r for r in results if r.runnable and has_headroom(r, limit_gb, margin)), None)
+    first = first_with_headroom(results, limit_gb, margin)
     if first is None:
         return list(results)
     return [first] + [r for r in results if r is not first]

@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 from .cost import CostModel, Layout, Result
-from .headroom import MEMORY_MARGIN, has_headroom, prefer_headroom
+from .headroom import MEMORY_MARGIN, first_with_headroom, prefer_headroom
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -158,11 +158,6 @@ class RoomElsewhere:
     with_savers: Result | None = None
     with_lossy_savers: Result | None = None
     tried_up_to: int = 0  # the largest GPU count searched
-
-
-def first_with_headroom(results: list[Result], limit_gb: float, margin: float = MEMORY_MARGIN) -> Result | None:
-    """The first runnable layout of ``results`` (ranked) that leaves ``margin`` free, or None."""
-    return next((r for r in results if r.runnable and has_headroom(r, limit_gb, margin)), None)
 
 
 def more_gpu_counts(world: int, per_node: int, factor: int = MORE_GPUS_FACTOR) -> list[int]:
