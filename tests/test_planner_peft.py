@@ -258,3 +258,18 @@ def test_the_printed_plan_says_what_trains_and_how_to_wrap_the_model(capsys):
     trainable = 16 * 8 * ((2048 + 2048) + (2048 + 512))  # q: 2048 -> 2048, v: 2048 -> 512, 16 layers
     assert code == 0 and f"LoRA r=8 on q_proj,v_proj: {trainable / 1e6:,.1f}M trainable" in out
     assert "get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=['q_proj', 'v_proj']))" in out
+
+
+def test_pricing_lora_without_peft_installed_says_how_to_install_it(monkeypatch):
+    """The planner asks the installed peft which layers LoRA adapts (which it changes from release to release):
+    without peft, one line that says so and how to install it."""
+    import sys
+
+    from ultrascale_plugins.features.peft.pricing import priced_factors
+    from ultrascale_plugins.interface.fields import ConfigError
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(ConfigError) as err:
+        priced_factors(meta_model(make_config("llama")), Adapters(r=4))
+    assert "peft is not installed" in str(err.value) and "Fix: pip install" in str(err.value)
+    assert "\n" not in str(err.value)
