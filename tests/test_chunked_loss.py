@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import ultrascale_plugins as us
-from ultrascale_plugins.distributed.chunked_loss import chunked_head_loss
+from ultrascale_plugins.features.chunked_loss.head_loss import chunked_head_loss
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def test_the_chunked_loss_is_the_cross_entropy_of_the_whole_logits(bias, autocas
 def test_each_tokens_loss_and_its_gradient_for_per_row_sums():
     """``chunked_token_losses``: each token's loss (0 where ignored), and gradients for any weighting of them (a
     preference loss weighs the rows' sums differently)."""
-    from ultrascale_plugins.distributed.chunked_loss import chunked_token_losses
+    from ultrascale_plugins.features.chunked_loss.head_loss import chunked_token_losses
 
     torch.manual_seed(1)
     hidden = torch.randn(2, 9, 8, requires_grad=True)
@@ -183,7 +183,7 @@ def test_each_tokens_entropy_and_top1_are_the_whole_logits():
     """``chunked_token_stats`` (the metrics a trainer logs beside the loss: TRL's entropy and mean token accuracy),
     without a vocabulary split: each token's entropy and whether its target is torch.argmax of the whole logits
     (ties: the first index), zero where ignored; and minus ``chunked_token_losses``, its log-probability."""
-    from ultrascale_plugins.distributed.chunked_loss import chunked_token_losses, chunked_token_stats
+    from ultrascale_plugins.features.chunked_loss.head_loss import chunked_token_losses, chunked_token_stats
 
     hidden, weight, bias, targets = _stats_case()
     want_entropy, want_top1, want_mean = _whole_stats(hidden, weight, bias, targets)
@@ -199,7 +199,7 @@ def test_each_tokens_entropy_and_top1_are_the_whole_logits():
 def _sharded_stats(rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
-    from ultrascale_plugins.distributed.chunked_loss import VocabShard, chunked_token_losses, chunked_token_stats
+    from ultrascale_plugins.features.chunked_loss.head_loss import VocabShard, chunked_token_losses, chunked_token_stats
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

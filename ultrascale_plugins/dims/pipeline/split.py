@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...interface.config import ConfigError
+from ...interface.moe_config import routed_experts
 
 SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
@@ -245,9 +246,9 @@ def routed_logits_width(model) -> int:
     gradient of the auxiliary loss flows back through), and the last stage hands them to the loss; else 0."""
     if not getattr(model.config, "output_router_logits", False):
         return 0
-    from ...distributed.router_loss import aux_loss_function
-
-    return aux_loss_function(model)[1]  # the expert count the auxiliary loss itself uses
+    # the expert count the auxiliary loss reads from the causal LM (the routers feature refuses, before any
+    # transform, a model that computes that loss another way), else the config's
+    return int(getattr(model, "num_experts", None) or routed_experts(model.config))
 
 
 def _routed(previous, result, width: int, like: torch.Tensor) -> torch.Tensor:

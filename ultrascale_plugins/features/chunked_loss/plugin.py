@@ -1,5 +1,5 @@
 """Built-in plugin: ``chunked_loss: N`` computes the head and the cross-entropy N tokens at a time inside the
-model's forward (``distributed.chunked_loss``), so the logits of a micro-batch never exist whole: the loss's peak
+model's forward (``head_loss``), so the logits of a micro-batch never exist whole: the loss's peak
 memory is one chunk's, whatever the vocabulary.
 
 The head's ``forward`` is replaced in place (parameter names unchanged, so checkpoints load across settings) after
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ...distributed.chunked_loss import VocabShard, chunked_head_loss, chunked_token_losses, chunked_token_stats
+from .head_loss import VocabShard, chunked_head_loss, chunked_token_losses, chunked_token_stats
 from ...distributed.loss import IGNORE_INDEX, TokenOutputs
 from ...interface.config import ConfigError
 from ...interface.facts import layout_facts

@@ -1,11 +1,11 @@
 """Built-in plugin: a mixture of experts' router auxiliary (load-balancing) loss, as transformers adds it when the
-model's config has ``output_router_logits`` on, over the global batch (``router_loss``: the router statistics of
+model's config has ``output_router_logits`` on, over the global batch (``global_loss``: the router statistics of
 every rank that holds other tokens gathered, the gradient kept on this rank's own). It reaches the step through
 ``ultrascale_loss_terms``; a model whose causal-LM head computes the loss another way is refused before launch."""
 from __future__ import annotations
 
 from ...interface.hookspecs import hookimpl
-from ...distributed.router_loss import aux_loss_function, router_aux_loss
+from .global_loss import aux_loss_function, router_aux_loss
 
 
 @hookimpl

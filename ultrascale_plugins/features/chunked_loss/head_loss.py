@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .loss import IGNORE_INDEX
+from ...distributed.loss import IGNORE_INDEX
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..interface.config import ConfigError
+from ...interface.config import ConfigError
 
 
 def aux_loss_function(model):
