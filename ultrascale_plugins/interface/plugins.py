@@ -118,10 +118,10 @@ def list_plugins() -> list[dict]:
         dist = dists.get(id(plugin))
         if dist is not None:
             source, version = dist.project_name, dist.version
-        else:
-            from .. import __version__
+        else:  # the package's own, as an entry point's version comes from its distribution
+            from importlib.metadata import version as installed_version
 
-            source, version = "builtin", __version__
+            source, version = "builtin", installed_version("ultrascale-plugins")
         fields = [f for f in layout_fields() if f.plugin == name]
         rows.append({"name": name, "source": source, "version": version, "hooks": hooks, "fields": fields})
     return rows
