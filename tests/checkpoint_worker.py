@@ -68,7 +68,7 @@ def checksum_shares(directory: Path) -> dict:
     """Who hashes what: at save each rank its own files (rank 0 also DCP's .metadata); at load each rank a disjoint
     share; a shard with flipped bytes (same size) refused on every rank, naming it, before anything is loaded."""
     from ultrascale_plugins.checkpoints import checksums
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
 
     real, hashed = checksums.file_digest, []
     checksums.file_digest = lambda p: (hashed.append(str(p).split(f"step-{1:08d}/", 1)[1]), real(p))[1]

@@ -25,8 +25,8 @@ from models import padded_batches, rows  # noqa: E402
 from peft_worker import LR, MOMENTUM, STEPS, base_model, reference, train_steps  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.checkpoints.sharded import (CheckpointError, SafeReader, load_checkpoint,  # noqa: E402
-                                                    save_checkpoint)
+from ultrascale_plugins.checkpoints.errors import CheckpointError  # noqa: E402
+from ultrascale_plugins.checkpoints.sharded import SafeReader, load_checkpoint, save_checkpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 EXTRA = {"modules_to_save": ["lm_head"]}

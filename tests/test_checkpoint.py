@@ -15,8 +15,8 @@ import torch.distributed as dist
 import ultrascale_plugins as us
 from conftest import torchrun
 from models import make_model, padded_batches
-from ultrascale_plugins.checkpoints.sharded import (CheckpointError, list_checkpoints, load_checkpoint, read_meta,
-                                           save_checkpoint)
+from ultrascale_plugins.checkpoints.errors import CheckpointError
+from ultrascale_plugins.checkpoints.sharded import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 
 WORKER = Path(__file__).parent / "checkpoint_worker.py"
 
@@ -264,7 +264,8 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
 
 
 def test_a_hugging_face_directory_is_not_taken_for_a_broken_checkpoint(tmp_path):
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError, read_meta
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
+    from ultrascale_plugins.checkpoints.sharded import read_meta
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="Hugging Face model directory.*--init-from"):

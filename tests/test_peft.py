@@ -81,7 +81,7 @@ def test_a_peft_models_checkpoint_resumes_bit_for_bit(results):
 def test_exporting_a_peft_models_checkpoint_is_refused(results, tmp_path):
     """Its names are the wrapper's (base_model.model....) plus adapters: transformers would load random weights."""
     from ultrascale_plugins.checkpoints.export import export_hf
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="not parameters of a llama model.*save_pretrained"):
         export_hf(Path(results["dir"]) / "ckpt" / "step-00000002", tmp_path / "out")

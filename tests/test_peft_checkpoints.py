@@ -98,7 +98,7 @@ def test_a_full_checkpoint_written_before_still_loads(run):
 @pytest.mark.slow
 def test_plain_export_is_refused_and_points_to_adapter_and_merged(run, tmp_path):
     from ultrascale_plugins.checkpoints.export import export_hf
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="not parameters of a llama model.*export --adapter.*export --merged"):
         export_hf(step4(run), tmp_path / "out")
@@ -204,7 +204,8 @@ def test_export_merged_folds_dora_rslora_and_the_embedding_in(extra, tmp_path, o
     from models import padded_batches
     from peft_worker import base_model, peft_model
     from ultrascale_plugins.checkpoints.export import export_form
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError, save_checkpoint
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
+    from ultrascale_plugins.checkpoints.sharded import save_checkpoint
 
     base_model("llama").save_pretrained(tmp_path / "base")
     pmodel = us.parallelize(peft_model("llama", extra), us.ParallelConfig())

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from models import make_config, make_model
-from ultrascale_plugins.checkpoints.sharded import CheckpointError
+from ultrascale_plugins.checkpoints.errors import CheckpointError
 from ultrascale_plugins.checkpoints.pretrained import empty_model, match_weights, prepare
 
 

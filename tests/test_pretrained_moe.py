@@ -74,7 +74,7 @@ def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
 
 def test_already_fused_checkpoint_and_shape_errors(tmp_path):
     from safetensors.torch import load_file, save_file
-    from ultrascale_plugins.checkpoints.sharded import CheckpointError
+    from ultrascale_plugins.checkpoints.errors import CheckpointError
     from ultrascale_plugins.checkpoints.pretrained import prepare
 
     path = save_moe("qwen3_moe", tmp_path / "m")

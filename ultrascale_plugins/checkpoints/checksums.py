@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .sharded import CheckpointError
+from .errors import CheckpointError
 
 ALGORITHM = "crc32"
 CHUNK_BYTES = 4 * 2**20

@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..interface.config import ConfigError
-from .sharded import CheckpointError, SafeReader, read_meta, saved_model_config
+from .errors import CheckpointError
+from .sharded import SafeReader, read_meta, saved_model_config
 
 MODEL_PREFIX = "model."
 FORMS = ("adapter", "merged")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..interface.model_wrapper import wrapper_of
-from .sharded import CheckpointError
+from .errors import CheckpointError
 
 SUFFIX = ".safetensors"
 

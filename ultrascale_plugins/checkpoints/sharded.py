@@ -29,13 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..interface.config import ConfigError
+from .errors import CheckpointError
 
 META = "ultrascale.json"
 PREFIX = "step-"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be loaded: missing, incomplete, truncated, or from an incompatible run."""
 
 
 # What a DCP ``.metadata`` pickle may name (torch 2.11 to 2.13): DCP's metadata records, the filesystem storage's
