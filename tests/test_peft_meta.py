@@ -192,12 +192,12 @@ def test_a_peft_section_checks_and_costs_the_peft_model(tmp_path, monkeypatch):
     from ultrascale_plugins.cli.main import check_recipe
     from ultrascale_plugins.data.recipe import load_recipe
 
-    assert load_recipe(None, SMALL).peft is None and "peft" not in load_recipe(None, SMALL).to_dict()
-    assert load_recipe(None, [*SMALL, "peft=null"]).peft is None
+    assert load_recipe(None, SMALL).section("peft") is None and "peft" not in load_recipe(None, SMALL).to_dict()
+    assert load_recipe(None, [*SMALL, "peft=null"]).section("peft") is None
     recipe = load_recipe(None, [*SMALL, "peft.method=lora", "peft.r=16", "peft.alpha=16", "peft.dropout=0.1",
                                 "peft.target_modules=[q_proj,v_proj]", "peft.use_rslora=true",
                                 "peft.modules_to_save=[lm_head]"])
-    spec = recipe.peft
+    spec = recipe.section("peft")
     assert (spec.r, spec.alpha, spec.dropout, spec.target_modules, spec.use_rslora, spec.modules_to_save) == \
         (16, 16, 0.1, ["q_proj", "v_proj"], True, ["lm_head"])
     config = spec.lora_config()
@@ -205,7 +205,7 @@ def test_a_peft_section_checks_and_costs_the_peft_model(tmp_path, monkeypatch):
                                                                                              {"q_proj", "v_proj"})
     again = tmp_path / "again.yaml"
     again.write_text(yaml.safe_dump(recipe.to_dict()))
-    assert load_recipe(again).peft == spec
+    assert load_recipe(again).section("peft") == spec
     monkeypatch.setenv("ULTRASCALE_SKIP_MEMORY_CHECK", "1")
     assert check_recipe(recipe)  # the fingerprint of the checks that passed on the PEFT model
     seen = {}
@@ -230,7 +230,7 @@ def test_a_peft_section_without_peft_installed_says_how_to_install_it(monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
     with pytest.raises(us.ConfigError, match=r'needs the peft package.*pip install "peft>='):
         load_recipe(None, [*SMALL, "peft.r=8"])
-    assert load_recipe(None, SMALL).peft is None  # no section, no peft needed
+    assert load_recipe(None, SMALL).section("peft") is None  # no section, no peft needed
 
 
 def test_resuming_with_other_adapters_is_refused_before_launch(tmp_path):
@@ -246,7 +246,7 @@ def test_resuming_with_other_adapters_is_refused_before_launch(tmp_path):
             "extra": {"recipe": saved.to_dict(), "init_from": ""}}
     (step / "ultrascale.json").write_text(json.dumps(meta))
     assert load_recipe(None, [*SMALL, "peft.r=8", "peft.target_modules=[q_proj]", "peft.alpha=8"],
-                       resume_from=str(step)).peft.alpha == 8  # the scaling may change, not the parameters
+                       resume_from=str(step)).section("peft").alpha == 8  # the scaling may change, not the parameters
     for sets, words in ((["peft.r=4", "peft.target_modules=[q_proj]"], ["peft.r=4 (checkpoint: 8)"]),
                         (["peft.r=8"], ["peft.target_modules='all-linear' (checkpoint: ['q_proj'])"]),
                         ([], ["trained with adapters", "the recipe has none", "--set peft.r=8"])):
@@ -278,4 +278,4 @@ def test_resuming_a_peft_run_reads_its_base_from_the_recorded_directory(tmp_path
                 load_recipe(None, [*SMALL, "peft.r=8"], resume_from=str(step))
             assert load_recipe(None, [*SMALL, "peft.r=8"], resume_from=str(step), init_from=str(tmp_path))
         else:
-            assert load_recipe(None, [*SMALL, "peft.r=8"], resume_from=str(step)).peft.r == 8
+            assert load_recipe(None, [*SMALL, "peft.r=8"], resume_from=str(step)).section("peft").r == 8

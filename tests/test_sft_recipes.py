@@ -156,7 +156,7 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     assert (config.hidden_size, config.num_hidden_layers) == (fields["hidden_size"], fields["num_hidden_layers"])
     assert recipe.data.dataset and recipe.data.format == "chat" and recipe.data.packing, path.name
     assert "bf16" in (recipe.parallel.mixed_precision, recipe.parallel.param_dtype), path.name
-    if recipe.peft is not None:
+    if recipe.section("peft") is not None:
         return lora_layout_validates_and_fits(path, recipe, nodes, monkeypatch)
     # What `ultrascale train` checks before launch (meta model, TP plan, mesh, batch), but its memory check against
     # this machine: the recipe is for 80 GB GPUs, costed below.
@@ -228,7 +228,7 @@ def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> Non
     from ultrascale_plugins.cli.main import check_recipe
     from ultrascale_plugins.core.engine import estimate
     from ultrascale_plugins.planner.cost import coordinates_to_cost, peak_memory_gb
-    from ultrascale_plugins.data.recipe import peft_model
+    from ultrascale_plugins.features.peft.recipe_section import peft_model
 
     from ultrascale_plugins.planner.hardware import hardware_from_args
 
@@ -239,8 +239,8 @@ def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> Non
     resolved = recipe.parallel.resolve(world)
     assert math.prod(getattr(resolved, d) for d in MESH_DEGREES) == world
     with torch.device("meta"):
-        model = peft_model(AutoModelForCausalLM.from_config(recipe.model_config(), dtype=recipe.peft.torch_base_dtype),
-                           recipe.peft)  # the frozen base in the recipe's dtype (bf16 by default), as the CLI builds it
+        spec = recipe.section("peft")  # the frozen base in the recipe's dtype (bf16 by default), as the CLI builds it
+        model = peft_model(AutoModelForCausalLM.from_config(recipe.model_config(), dtype=spec.torch_base_dtype), spec)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < trainable < 0.05 * sum(p.numel() for p in model.parameters()), path.name
     t = recipe.train
@@ -251,7 +251,7 @@ def lora_layout_validates_and_fits(path, recipe, nodes: int, monkeypatch) -> Non
     assert mem["total"] <= gpu_gb, (path.name, mem)
     if not recipe.parallel.cpu_offload:  # offloaded, the model states are in host memory
         assert mem["grads"] < 0.1 * mem["params"], (path.name, mem)
-    if recipe.peft.quantize_base:  # the adapted weights as torchao holds NF4: about half a byte each
+    if recipe.section("peft").quantize_base:  # the adapted weights as torchao holds NF4: about half a byte each
         bases = [p for n, p in model.named_parameters() if n.endswith("base_layer.weight")]
         nf4 = [p for p in bases if type(p).__name__ == "NF4Tensor"]
         assert nf4 and len(nf4) == len(bases), (len(nf4), len(bases))
@@ -332,7 +332,7 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, ep, tmp_path):
         layout["ep"] = ep  # divides the shrunk dp_shard*cp*tp (2) and its 8 experts
     world = math.prod(layout[d] for d in MESH_DEGREES)
     tiny = tmp_path / "tiny"
-    quantized = recipe.peft is not None and recipe.peft.quantize_base
+    quantized = recipe.section("peft") is not None and recipe.section("peft").quantize_base
     shrunk_model(config_json(path), tiny, layers=4 if layout["pp"] > 1 else 2,
                  sizes=NF4_SHRUNK_SIZES if quantized else None)
     dp = layout["dp_replicate"] * layout["dp_shard"]
@@ -340,8 +340,8 @@ def test_shrunk_model_trains_in_the_recipes_layout(path, ep, tmp_path):
     sets = [*shrunk_data(tmp_path, tiny), *SHRUNK_TRAIN, *batch, f"train.save_dir={tmp_path / 'ckpt'}",
             *(f"{k}={v}" for k, v in layout.items())]
     peft = None
-    if recipe.peft is not None:  # the command line's override of one field of the recipe's peft section
-        peft = dataclasses.replace(recipe.peft, r=8)
+    if recipe.section("peft") is not None:  # the command line's override of one field of the recipe's peft section
+        peft = dataclasses.replace(recipe.section("peft"), r=8)
         sets.append("peft.r=8")
     metrics = tmp_path / "metrics.json"
     proc = ultrascale_train(str(path), "--init-from", str(tiny), "--nproc", str(world), "--metrics", str(metrics),

@@ -45,10 +45,8 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
 
         with torch.device("meta"):  # a PEFT recipe's frozen base in its dtype (bf16 by default), as the workers'
             model = AutoModelForCausalLM.from_config(model_config, **recipe.base_dtype())
-    if recipe.peft is not None:  # the worker's PEFT model, on the meta device: its targets, names and memory
-        from ..data.recipe import peft_model
-
-        model = peft_model(model, recipe.peft)
+    if recipe.sections:  # the worker's model with the sections applied (PEFT's adapters), on the meta device
+        model = recipe.apply_sections(model)
         if init_from:  # the adapters' names resolved against the files, as the workers will
             from ..checkpoints.pretrained import match_weights
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..core.engine import ParallelModel, from_pretrained, parallelize
-from ..data.recipe import Recipe, peft_model, recorded_init_from
+from ..data.recipe import Recipe, recorded_init_from
 from ..interface.estimates import meta_model
 
 
@@ -33,7 +33,7 @@ class BuiltModel:
 def pretrained_source(recipe: Recipe, init_from: str | None, resume: str | None) -> str | None:
     """Where the model's pretrained weights come from: ``--init-from``, or, resuming an adapter-only checkpoint,
     the directory the run it continues started from (the frozen base is not in the checkpoint)."""
-    if not init_from and resume and recipe.peft is not None:
+    if not init_from and resume and not recipe.checkpoint_holds_whole_model():
         return recorded_init_from(resume) or None
     return init_from
 
@@ -43,7 +43,7 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
     """This rank's part of the recipe's model, with its weights: pretrained (``init_from``), or drawn per shard from
     the seed already set."""
     base_from = pretrained_source(recipe, init_from, resume)
-    if init_from and recipe.peft is None:  # a plain pretrained model: the engine reads it shard by shard
+    if init_from and not recipe.sections:  # a plain pretrained model: the engine reads it shard by shard
         return BuiltModel(from_pretrained(init_from, recipe.parallel, device=device), None, base_from=base_from)
     if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
         # checkpoints import DCP, which takes over a second: only for a run that starts from pretrained weights
@@ -54,8 +54,8 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
         with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards
             model = AutoModelForCausalLM.from_config(recipe.model_config(), **recipe.base_dtype())
     trainable = None
-    if recipe.peft is not None:  # the adapters on the meta device too: the engine draws them per shard
-        model = peft_model(model, recipe.peft)
+    if recipe.sections:  # PEFT's adapters on the meta device too: the engine draws them per shard
+        model = recipe.apply_sections(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_params = sum(p.numel() for p in model.parameters())
     # the base's weights from base_from, the adapters drawn from train.seed

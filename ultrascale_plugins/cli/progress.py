@@ -132,7 +132,7 @@ class Progress:
             source = f" from {built.base_from}" if built.base_from else ""
             adapters = ""
             if built.trainable is not None:
-                adapters = (f", {recipe.peft.describe()}: {built.trainable / 1e6:.2f}M trainable "
+                adapters = (f", {recipe.describe_sections()}: {built.trainable / 1e6:.2f}M trainable "
                             f"({100 * built.trainable / n_params:.2f} %), the base frozen")
             t = recipe.train
             print(f"ultrascale: {self.world} processes, layout {pmodel.dims.describe()}, "

@@ -12,10 +12,30 @@ from typing import Any
 import yaml
 
 from ..interface.config import ConfigError, ParallelConfig, load_yaml, suggest
-from ..interface.extras import install_command
+from ..interface.recipe_section import SavedRun
 from .model_section import check_model_section, config_from_fields, config_keys, read_config_json, refused_value_line
 
-SECTIONS = {"nproc", "model", "data", "train", "parallel", "peft"}
+OWN_SECTIONS = ("nproc", "model", "data", "train", "parallel")
+
+
+def recipe_sections() -> dict:
+    """{name: ``RecipeSection``} of the sections the installed plugins declare (``ultrascale_recipe_sections``:
+    PEFT's ``peft``); a name declared twice, or one of the recipe's own, is refused."""
+    from ..interface.plugins import get_plugin_manager
+
+    out: dict = {}
+    for answer in get_plugin_manager().hook.ultrascale_recipe_sections():
+        for section in answer or ():
+            if section.name in OWN_SECTIONS or section.name in out:
+                raise ConfigError(f"recipe section '{section.name}' is declared twice (by {type(section).__name__}). "
+                                  "Fix: uninstall one of the plugins that declare it")
+            out[section.name] = section
+    return out
+
+
+def section_names() -> set[str]:
+    """Every top-level key a recipe may have: its own sections and the plugins'."""
+    return {*OWN_SECTIONS, *recipe_sections()}
 
 
 @dataclasses.dataclass
@@ -93,195 +113,6 @@ class TrainSpec:
                               "signal_grace_s: 30")
 
 
-PEFT_METHODS = ("lora",)
-
-
-@dataclasses.dataclass
-class PeftSpec:
-    """The recipe's ``peft:`` section: LoRA adapters (``peft.LoraConfig``) on the model, whose base is frozen; the
-    worker wraps the model with ``peft.get_peft_model`` on the meta device, before ``parallelize``. Absent: no
-    PEFT, every parameter trains."""
-
-    method: str = "lora"  # the adapter kind; DoRA is LoRA with use_dora
-    r: int = 16  # the adapters' rank
-    alpha: float = 32  # lora_alpha: the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)
-    dropout: float = 0.0  # lora_dropout, on the adapters' input
-    # the modules that get adapters: "all-linear" (every linear layer but the output head), a list of module names
-    # (a name matches a module whose name is it or ends with "." + it: q_proj, mlp.down_proj), or one regular
-    # expression matched against the whole module name, as PEFT reads target_modules
-    target_modules: Any = "all-linear"
-    modules_to_save: list = dataclasses.field(default_factory=list)  # modules trained whole (e.g. lm_head)
-    use_dora: bool = False  # DoRA: a trained magnitude per output feature, from the base weight's norms
-    use_rslora: bool = False  # rank-stabilized scaling: alpha / sqrt(r)
-    # the frozen base's dtype: bf16 (half the bytes of weights that never train; the adapters stay fp32, as PEFT
-    # keeps them), or fp32
-    base_dtype: str = "bf16"
-    # QLoRA: the adapted linear layers' frozen weights quantized ("nf4": torchao's 4-bit NormalFloat,
-    # features/peft/quantized_base), each read whole and quantized whole as it is loaded, every rank keeping only
-    # its shard; the matmuls dequantize to base_dtype. "" (the default): not quantized
-    quantize_base: str = ""
-
-    @property
-    def torch_base_dtype(self):
-        import torch
-
-        return torch.bfloat16 if self.base_dtype == "bf16" else torch.float32
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["target_modules"] = (list(self.target_modules) if isinstance(self.target_modules, (list, tuple))
-                                 else self.target_modules)
-        return out
-
-    def lora_config(self):
-        """The ``peft.LoraConfig`` of this section. No ``task_type``: ``get_peft_model`` then returns the plain
-        ``PeftModel``, whose forward is the causal LM's (``task_type="CAUSAL_LM"`` trains the same: its wrapper hands
-        the labels on to the causal LM)."""
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.target_modules, modules_to_save=list(self.modules_to_save) or None,
-                          use_dora=self.use_dora, use_rslora=self.use_rslora)
-
-    def describe(self) -> str:
-        kind = "DoRA" if self.use_dora else "LoRA"
-        targets = (self.target_modules if isinstance(self.target_modules, str)
-                   else ",".join(self.target_modules))
-        saved = f", training {','.join(self.modules_to_save)} whole" if self.modules_to_save else ""
-        base = f", the base in {self.quantize_base.upper()}" if self.quantize_base else ""
-        return (f"{'Q' if self.quantize_base else ''}{kind} r={self.r} alpha={self.alpha:g}"
-                f"{' (rsLoRA)' if self.use_rslora else ''} on {targets}{saved}{base}")
-
-
-def peft_spec(section: Any) -> PeftSpec | None:
-    """The recipe's ``peft:`` section checked and typed (None when absent or null); every bad value is refused
-    naming the field, the value and a fix, and a section without peft installed says how to install it."""
-    if section is None:
-        return None
-    if not isinstance(section, dict):
-        raise ConfigError(f"peft={section!r}: must be a section of fields. Fix: e.g. peft: {{method: lora, r: 16}} "
-                          "(or --set peft.method=lora), or leave it out for full fine-tuning")
-    names = {f.name for f in dataclasses.fields(PeftSpec)}
-    for key in section:
-        if key not in names:
-            raise ConfigError(f"unknown key 'peft.{key}': {suggest(str(key), names)}")
-    spec = PeftSpec(**section)
-    if spec.base_dtype not in ("bf16", "fp32"):
-        raise ConfigError(f"peft.base_dtype={spec.base_dtype!r}: the frozen base is held in bf16 or fp32. Fix: "
-                          "base_dtype: bf16 (the default), or fp32")
-    if spec.method not in PEFT_METHODS:
-        raise ConfigError(f"peft.method={spec.method!r}: only lora is supported (DoRA is lora with use_dora: true). "
-                          "Fix: method: lora")
-    if isinstance(spec.r, bool) or not isinstance(spec.r, int) or spec.r < 1:
-        raise ConfigError(f"peft.r={spec.r!r}: must be a positive integer (the adapters' rank). Fix: e.g. r: 16")
-    if isinstance(spec.alpha, bool) or not isinstance(spec.alpha, (int, float)) or spec.alpha <= 0:
-        raise ConfigError(f"peft.alpha={spec.alpha!r}: must be a positive number (lora_alpha; the update is scaled by "
-                          "alpha / r). Fix: e.g. alpha: 32 (twice r)")
-    if isinstance(spec.dropout, bool) or not isinstance(spec.dropout, (int, float)) or not 0 <= spec.dropout < 1:
-        raise ConfigError(f"peft.dropout={spec.dropout!r}: must be at least 0 and below 1. Fix: e.g. dropout: 0.05")
-    targets = spec.target_modules
-    if isinstance(targets, (list, tuple)):
-        if not targets or not all(isinstance(t, str) and t for t in targets):
-            raise ConfigError(f"peft.target_modules={targets!r}: must be module names. Fix: e.g. target_modules: "
-                              "[q_proj, k_proj, v_proj, o_proj], or all-linear")
-    elif not isinstance(targets, str) or not targets:
-        raise ConfigError(f"peft.target_modules={targets!r}: must be all-linear, a list of module names or one "
-                          "regular expression. Fix: e.g. target_modules: all-linear")
-    saved = spec.modules_to_save
-    if saved is None:
-        spec.modules_to_save = saved = []
-    if not isinstance(saved, (list, tuple)) or not all(isinstance(m, str) and m for m in saved):
-        raise ConfigError(f"peft.modules_to_save={saved!r}: must be a list of module names. Fix: e.g. "
-                          "modules_to_save: [lm_head]")
-    for key in ("use_dora", "use_rslora"):
-        if not isinstance(getattr(spec, key), bool):
-            raise ConfigError(f"peft.{key}={getattr(spec, key)!r}: must be true or false. Fix: e.g. {key}: false")
-    if spec.quantize_base in (None, False):
-        spec.quantize_base = ""
-    if spec.quantize_base not in ("", "nf4"):
-        raise ConfigError(f"peft.quantize_base={spec.quantize_base!r}: the frozen base is quantized to nf4 (QLoRA's "
-                          "4-bit NormalFloat, torchao) or not at all. Fix: quantize_base: nf4, or leave it out")
-    if spec.quantize_base and spec.use_dora:
-        raise ConfigError("peft.use_dora=True: DoRA with a quantized base is not supported (PEFT's DoRA dequantizes "
-                          "the base through weight.dequantize(), which torchao's NF4Tensor lacks). Fix: use_dora: "
-                          "false, or leave quantize_base out")
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        raise ConfigError(f"the recipe's peft section ({spec.describe()}) needs the peft package, which is not "
-                          f"installed. Fix: {install_command('peft')}, or drop the peft section")
-    return spec
-
-
-def _module_matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
-
-
-def peft_model(model, spec: PeftSpec):
-    """``model`` (the causal LM, on the meta device as the command line builds it) wrapped by
-    ``peft.get_peft_model`` as ``spec`` says. A ``target_modules`` or ``modules_to_save`` name that matches no
-    module of the model is refused (ConfigError) before PEFT sees it; so is a target PEFT cannot adapt."""
-    import re
-
-    try:
-        from peft import get_peft_model
-    except ImportError:
-        raise ConfigError(f"the recipe's peft section needs the peft package, which is not installed. Fix: "
-                          f"{install_command('peft')}, or drop the peft section") from None
-    names = [name for name, _ in model.named_modules() if name]
-    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                     if name and not list(m.children()) and not name.rsplit(".", 1)[-1].isdigit()})
-    shown = ", ".join(leaves[:16]) + (", ..." if len(leaves) > 16 else "")
-    targets = spec.target_modules
-    if isinstance(targets, str) and targets != "all-linear":
-        if not any(re.fullmatch(targets, name) for name in names):
-            raise ConfigError(f"peft.target_modules={targets!r}: as a regular expression it matches no module name "
-                              f"of this {kind} model (whole names, e.g. {names[-2]}). Fix: a list of module names, "
-                              f"e.g. target_modules: [q_proj, v_proj] (its modules: {shown}), or all-linear")
-    for field, wanted in (("target_modules", targets if isinstance(targets, (list, tuple)) else []),
-                          ("modules_to_save", spec.modules_to_save)):
-        missing = [t for t in wanted if not any(_module_matches(name, t) for name in names)]
-        if missing:
-            import difflib
-
-            close = difflib.get_close_matches(missing[0].rsplit(".", 1)[-1], leaves, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"peft.{field}={list(wanted)!r}: {', '.join(repr(m) for m in missing)} names no module "
-                              f"of this {kind} model{hint}. Fix: use its module names ({shown})"
-                              + (", or all-linear" if field == "target_modules" else ""))
-    import contextlib
-
-    import torch
-
-    # a model on the meta device gets its adapters there too: PEFT would otherwise make them on the CPU (and draw
-    # them) before moving them to the base's device, holding every adapter in each process's memory for nothing
-    on_meta = all(p.is_meta for p in model.parameters())
-    try:
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            model = get_peft_model(model, spec.lora_config())
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        field, fix = next(((f, fix) for word, f, fix in PEFT_REFUSALS if word in said.lower()),
-                          ("target_modules", "target other modules, e.g. target_modules: [q_proj, k_proj, v_proj, "
-                                             "o_proj]"))
-        raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
-                          f"says: {said}. Fix: {fix}") from None
-    if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
-        from ..interface.model_wrapper import wrapper_of
-
-        wrapper_of(model).quantize_base(spec.quantize_base)
-    return model
-
-
-# what PEFT's refusals name -> (the recipe field, its fix)
-PEFT_REFUSALS = (("dropout", "dropout", "dropout: 0.0, or target_modules without the parameters PEFT wraps (a MoE "
-                                        "layer's fused experts), e.g. [q_proj, k_proj, v_proj, o_proj]"),
-                 ("dora", "use_dora", "use_dora: false, or target_modules PEFT's DoRA supports"),
-                 ("modules_to_save", "modules_to_save", "name modules the adapters do not target"),
-                 ("rank", "r", "r: 16"))
-
-
 @dataclasses.dataclass
 class Recipe:
     nproc: int
@@ -291,19 +122,45 @@ class Recipe:
     parallel: ParallelConfig
     init_from: str = ""  # a pretrained directory: its config.json is the model (a model section must agree in sizes)
     resume_from: str = ""  # a checkpoint (without init_from): the config it was saved with is the model
-    peft: PeftSpec | None = None  # adapters on the model (the base frozen); None: every parameter trains
+    # the plugins' sections the recipe sets (``recipe_sections``: PEFT's ``peft``), {name: the value it read}
+    sections: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def section(self, name: str) -> Any:
+        """The value of the plugins' section ``name`` (``peft``), None when the recipe does not set it."""
+        return self.sections.get(name)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"nproc": self.nproc, "model": dict(self.model), "data": dataclasses.asdict(self.data),
                "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict()}
-        if self.peft is not None:
-            out["peft"] = self.peft.to_dict()
+        owners = recipe_sections()
+        out.update({name: owners[name].to_dict(value) for name, value in self.sections.items()})
         return out
 
     def base_dtype(self) -> dict:
-        """How the model is built (``from_config``'s keyword): a PEFT recipe's frozen base in ``peft.base_dtype``;
-        otherwise nothing (fp32, transformers' default)."""
-        return {"dtype": self.peft.torch_base_dtype} if self.peft is not None else {}
+        """How the model is built (``from_config``'s keywords): what the sections ask (a PEFT recipe's frozen base
+        in ``peft.base_dtype``); otherwise nothing (fp32, transformers' default)."""
+        owners, out = recipe_sections(), {}
+        for name, value in self.sections.items():
+            out.update(owners[name].model_kwargs(value))
+        return out
+
+    def apply_sections(self, model):
+        """``model`` (on the meta device) with every section the recipe sets applied (PEFT's adapters)."""
+        owners = recipe_sections()
+        for name, value in self.sections.items():
+            model = owners[name].apply(model, value)
+        return model
+
+    def describe_sections(self) -> str:
+        """The sections the recipe sets, in a few words each ("" for none)."""
+        owners = recipe_sections()
+        return ", ".join(owners[name].describe(value) for name, value in self.sections.items())
+
+    def checkpoint_holds_whole_model(self) -> bool:
+        """Whether this recipe's checkpoints hold every parameter (False: adapters only, the base read again from
+        the run's ``--init-from``)."""
+        owners = recipe_sections()
+        return all(owners[name].checkpoint_holds_whole_model(value) for name, value in self.sections.items())
 
     def model_config(self):
         if self.init_from:
@@ -435,55 +292,25 @@ def _fields_set(config, own: dict) -> list[str]:
     return out
 
 
-PEFT_SHAPES = ("method", "r", "target_modules", "modules_to_save", "use_dora")  # what decides the parameters
+def saved_run(path: str) -> SavedRun | None:
+    """What the checkpoint ``path`` says of the run that wrote it (``ultrascale.json``'s ``extra``: the recipe and
+    the ``--init-from`` directory it started from), or None for a missing or unreadable checkpoint."""
+    from ..checkpoints.sharded import read_meta, resolve_checkpoint
+
+    try:
+        meta = read_meta(resolve_checkpoint(path))
+    except Exception:  # noqa: BLE001 - a missing or broken checkpoint is reported where it is read
+        return None
+    extra = meta.get("extra") or {}
+    recipe, init_from = extra.get("recipe"), extra.get("init_from")
+    return SavedRun(str(path), recipe if isinstance(recipe, dict) else None,
+                    init_from if isinstance(init_from, str) else "")
 
 
 def recorded_init_from(path: str) -> str:
-    """The ``--init-from`` directory the run that wrote the checkpoint ``path`` started from (``ultrascale.json``,
-    ``extra.init_from``), or ""."""
-    from ..checkpoints.sharded import read_meta, resolve_checkpoint
-
-    try:
-        meta = read_meta(resolve_checkpoint(path))
-    except Exception:  # noqa: BLE001 - a missing or broken checkpoint is reported where it is read
-        return ""
-    value = (meta.get("extra") or {}).get("init_from")
-    return value if isinstance(value, str) else ""
-
-
-def compare_peft_with_checkpoint(peft: PeftSpec | None, path: str, init_from: str | None = None) -> None:
-    """Refuse (ConfigError) resuming a checkpoint with a ``peft`` section that builds other parameters than the one
-    it was trained with (its recipe is saved in ``ultrascale.json``, ``extra.recipe``); checkpoints without a saved
-    recipe are not compared. Without ``init_from`` a PEFT run's frozen base is read again from the directory the
-    checkpoint records (``recorded_init_from``): it must be there."""
-    from ..checkpoints.sharded import read_meta, resolve_checkpoint
-
-    try:
-        meta = read_meta(resolve_checkpoint(path))
-    except Exception:  # noqa: BLE001 - a missing or broken checkpoint is reported where it is read
-        return
-    base = recorded_init_from(path)
-    if peft is not None and not init_from and base and not (Path(base) / "config.json").is_file():
-        raise ConfigError(f"--resume {path}: the run's frozen base is read again from the directory it started from, "
-                          f"'{base}' (its --init-from), which is not a save_pretrained directory here. Fix: pass the "
-                          "base with --init-from DIR")
-    saved = (meta.get("extra") or {}).get("recipe")
-    if not isinstance(saved, dict):
-        return
-    theirs, mine = saved.get("peft"), peft.to_dict() if peft is not None else None
-    if (theirs is None) != (mine is None):
-        how = (f"with adapters (peft: {theirs})" if theirs is not None else "without adapters (no peft section)")
-        raise ConfigError(f"--resume {path}: the checkpoint was trained {how}, the recipe "
-                          f"{'has none' if mine is None else f'adds peft: {mine}'}, so its parameters differ. Fix: "
-                          "resume with the peft section the run was started with"
-                          + (f" (e.g. --set peft.r={theirs.get('r')})" if theirs is not None else
-                             " (drop it: --set peft=null)"))
-    if theirs is not None:
-        differ = {k: (mine.get(k), theirs.get(k)) for k in PEFT_SHAPES if mine.get(k) != theirs.get(k)}
-        if differ:
-            what = ", ".join(f"peft.{k}={v!r} (checkpoint: {w!r})" for k, (v, w) in differ.items())
-            raise ConfigError(f"--resume {path}: the recipe's {what} builds other adapters than the checkpoint "
-                              "holds. Fix: set the checkpoint's values to resume it")
+    """The ``--init-from`` directory the run that wrote the checkpoint ``path`` started from, or ""."""
+    saved = saved_run(path)
+    return saved.init_from if saved is not None else ""
 
 
 def pretrained_config(directory: str):
@@ -515,10 +342,10 @@ def model_config_of(model: dict, check: bool = True, where: str = "the recipe"):
 
 # the recipe's sections that are mappings of fields, with the example a refusal gives
 SECTION_EXAMPLES = {"model": "{model_type: llama, hidden_size: 2048}", "data": "{seq_len: 2048}",
-                    "train": "{steps: 100, global_batch: 32}", "parallel": "{tp: 2}", "peft": "{method: lora, r: 16}"}
+                    "train": "{steps: 100, global_batch: 32}", "parallel": "{tp: 2}"}
 
 
-def _check_mapping(data: dict[str, Any], name: str, where: str) -> None:
+def _check_mapping(data: dict[str, Any], name: str, where: str, example: str) -> None:
     """Refuse (ConfigError naming the recipe file and the section) a section that is set but is not a mapping of
     fields (``parallel: [1, 2]``, ``train: 5``), which would otherwise fail deep inside as a TypeError or an
     AttributeError; absent or null is an empty section."""
@@ -528,7 +355,7 @@ def _check_mapping(data: dict[str, Any], name: str, where: str) -> None:
     kind = type(value).__name__
     article = "an" if kind[0] in "aeiou" else "a"
     raise ConfigError(f"{where}: {name} is {article} {kind} ({value!r}). Fix: write it as a mapping of fields, e.g. "
-                      f"{name}: {SECTION_EXAMPLES[name]}")
+                      f"{name}: {example}")
 
 
 def _typed(section: str, cls, data: dict[str, Any]):
@@ -563,7 +390,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """``key=value`` (a parallel field, e.g. ``tp=2``) or ``section.key=value`` (e.g. ``train.steps=20``; deeper
     keys set a field inside a mapping, e.g. ``model.rope_parameters.factor=8``); values are parsed as YAML
     scalars."""
-    data = copy.deepcopy(data)
+    data, names = copy.deepcopy(data), section_names()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value. Fix: e.g. --set tp=2 or --set train.steps=20")
@@ -571,12 +398,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         value = yaml.safe_load(raw) if raw != "" else ""
         if "." in key:
             section, field = key.split(".", 1)
-        elif key in SECTIONS:
+        elif key in names:
             section, field = key, None
         else:
             section, field = "parallel", key
-        if section not in SECTIONS:
-            raise ConfigError(f"--set {key}: unknown section '{section}': {suggest(section, SECTIONS)}")
+        if section not in names:
+            raise ConfigError(f"--set {key}: unknown section '{section}': {suggest(section, names)}")
         if field is None:
             data[section] = value
         else:  # section.a.b=value sets b inside a (a sub-config: model.text_config.hidden_size=64)
@@ -686,15 +513,16 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     section that disagrees with it in a size is refused."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
+    owners = recipe_sections()
     for key in data:
-        if key not in SECTIONS:
-            raise ConfigError(f"unknown recipe key '{key}': {suggest(key, SECTIONS)}")
+        if key not in OWN_SECTIONS and key not in owners:
+            raise ConfigError(f"unknown recipe key '{key}': {suggest(key, section_names())}")
     nproc = data.get("nproc", 1)
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc={nproc!r}: must be a positive integer. Fix: e.g. nproc: 4")
     where = str(path) if path is not None else "the default recipe"
-    for name in SECTION_EXAMPLES:
-        _check_mapping(data, name, where)
+    for name, example in (*SECTION_EXAMPLES.items(), *((n, o.example) for n, o in owners.items())):
+        _check_mapping(data, name, where, example)
     model = data.get("model")
     if init_from or resume_from:
         model = model or {}
@@ -711,11 +539,11 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"train.epochs={train.epochs} needs data.dataset (the byte-level corpus is sampled, not "
                           "read in epochs). Fix: set train.steps instead, or add data.dataset")
     parallel = ParallelConfig.from_dict(data.get("parallel"))
-    peft = peft_spec(data.get("peft"))
+    sections = {name: value for name, owner in owners.items() if (value := owner.read(data.get(name))) is not None}
     world = world_size or nproc * nnodes
     recipe = Recipe(nproc=nproc, model=model, data=data_spec, train=train, parallel=parallel,
                     init_from=str(init_from or ""), resume_from="" if init_from else str(resume_from or ""),
-                    peft=peft)
+                    sections=sections)
     own = own_model_section(path, overrides, model)
     if not (init_from or resume_from):
         model_config_of(model, where=where)  # its keys, then its values as transformers checks them
@@ -724,7 +552,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     elif recipe.resume_from:
         compare_with_checkpoint(own, recipe.model_config(), f"--resume {resume_from}")
     if resume_from:
-        compare_peft_with_checkpoint(peft, resume_from, init_from)
+        saved = saved_run(resume_from)
+        for name, owner in owners.items() if saved is not None else ():
+            owner.check_resume(sections.get(name), saved, init_from)
     if getattr(parallel, "layout", "manual") == "auto":
         parallel, train = _auto_layout(parallel, train, data_spec, recipe.model_config(), world)
     train, parallel = resolve_batching(train, parallel, world)

@@ -17,8 +17,9 @@ when plugins load. ``GROUPS`` lists them by what they are for, in the order the 
   gradient accumulation, what follows the last backward, the step itself (replace it, or wrap it with a
   ``@hookimpl(wrapper=True)`` generator);
 - **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe, its own exported forms;
-- **cost**: its per-rank costs, the adapters it prices, the micro-batches of a step, the ranks worth costing, the
-  values the planner's search should try, a schedule's timeline for the plot.
+- **cost**: its per-rank costs, the least communication its axes need, the adapters it prices, the micro-batches
+  of a step, the ranks worth costing, the values the planner's search should try, a schedule's timeline for the
+  plot.
 
 A family's own runtime needs are methods of its own objects, not hooks: a pipeline's schedule is its
 ``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``.
@@ -32,8 +33,10 @@ import pluggy
 
 # The annotations below are names only (this module imports nothing of the package, so every module may import
 # it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
-# PlanEdit (interface.plan_edit), Preset (interface.presets), LayoutFacts (interface.facts), Runtime (interface.runtime), Stage
-# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), ModelWrapper
+# PlanEdit (interface.plan_edit), Preset (interface.presets), RecipeSection (interface.recipe_section),
+# LayoutFacts (interface.facts), Runtime (interface.runtime), Stage
+# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), MinimumTerm
+# (interface.comm_minimum), ModelWrapper
 # (interface.model_wrapper), ModelPlan (models.plan), ParallelContext / ParallelModel (core.engine), PluginState
 # (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
 # PretrainedConfig (transformers).
@@ -149,6 +152,17 @@ def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
 
     :return: ``{key: (field, implied)}``, or None for none: the key sets ``field`` to its value and the fields of
         ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``).
+    """
+
+
+@hookspec
+def ultrascale_recipe_sections() -> list[RecipeSection] | None:
+    """Declare the sections of the command line's recipe this plugin reads: a feature configured from the recipe
+    (PEFT's ``peft:`` adapters) without the recipe knowing it. The recipe reads, checks, saves, applies and
+    compares each through its ``recipe_section.RecipeSection``. Asked of every plugin; a name declared twice, or
+    one of the recipe's own sections, is refused (``ConfigError``).
+
+    :return: ``recipe_section.RecipeSection`` objects, or None for none.
     """
 
 
@@ -449,6 +463,21 @@ def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, 
 
 
 @hookspec
+def ultrascale_comm_minimum(config: ParallelConfig, shape: Shape) -> list[MinimumTerm] | None:
+    """State the least communication this dimension's mesh axes need for one optimizer step on one rank (the
+    Ultra-Scale Playbook's formulas for the built-in families, each in its folder). A plugin's own mesh axis gets a
+    minimum the communication report (``ParallelModel.profile_step``) compares its ledger with; an axis no plugin
+    answers for has none, and the report's rows say so. Asked of every plugin; the answers are concatenated.
+
+    :param config: The resolved layout.
+    :param shape: The ``estimates.Shape`` as ``ultrascale_estimate`` left it: the inventory cut to this rank's share
+        (tensor and pipeline parallel's, expert parallel's experts), ``layers_here``, ``holds_head``, ``coords``.
+    :return: ``comm_minimum.MinimumTerm`` values (axis, collective, calls and payload per step in the ledger's units,
+        the formula in words), or None for axes it does not own.
+    """
+
+
+@hookspec
 def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
     """Price this plugin's adapters: the factors they put on ``model``, so the estimates count them.
 
@@ -538,7 +567,7 @@ def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, 
 GROUPS = {
     "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_layout_facts", "ultrascale_model_plan",
                 "ultrascale_model_wrapper", "ultrascale_extend_plan", "ultrascale_presets",
-                "ultrascale_accelerate_keys"),
+                "ultrascale_accelerate_keys", "ultrascale_recipe_sections"),
     "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model",
                  "ultrascale_validate_loop"),
     "transform": ("ultrascale_stages",),
@@ -548,7 +577,7 @@ GROUPS = {
              "ultrascale_after_backward", "ultrascale_train_step"),
     "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
               "ultrascale_export"),
-    "cost": ("ultrascale_estimate", "ultrascale_adapter_factors", "ultrascale_microbatches",
-             "ultrascale_cost_coordinates", "ultrascale_search_choices", "ultrascale_search_savers",
-             "ultrascale_schedule_timeline"),
+    "cost": ("ultrascale_estimate", "ultrascale_comm_minimum", "ultrascale_adapter_factors",
+             "ultrascale_microbatches", "ultrascale_cost_coordinates", "ultrascale_search_choices",
+             "ultrascale_search_savers", "ultrascale_schedule_timeline"),
 }

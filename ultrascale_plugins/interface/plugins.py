@@ -39,6 +39,7 @@ DEFAULT_PLUGINS = (
     "ultrascale_plugins.features.peft.checkpoints",
     "ultrascale_plugins.features.peft.meta",
     "ultrascale_plugins.features.peft.quantized_base",
+    "ultrascale_plugins.features.peft.recipe_section",
     "ultrascale_plugins.features.routers.aux_loss",
     "ultrascale_plugins.features.routers.bias",
     "ultrascale_plugins.core.step",
