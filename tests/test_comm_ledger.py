@@ -1,5 +1,5 @@
 """The communication ledger (``comm_ledger``, ``comm_report``, ``ParallelModel.profile_step``): payload and wire
-bytes of each collective, the layout's minimum (``interface.comm_minimum``), and one launch of the ledger benchmark
+bytes of each collective, the layout's minimum (``ultrascale_comm_minimum``), and one launch of the ledger benchmark
 (benchmarks/comm_ledger.py) whose counts are facts of the layout, checked against torch's flight recorder."""
 import json
 from pathlib import Path
@@ -10,9 +10,8 @@ import ultrascale_plugins as us
 from conftest import torchrun
 from models import make_config, make_model
 from ultrascale_plugins.distributed.comm_ledger import SMALL_BYTES, CommRecord, records_of, summarise, wire_bytes
-from ultrascale_plugins.core.comm_report import merge_rows
+from ultrascale_plugins.core.comm_report import merge_rows, minimum_terms
 from ultrascale_plugins.core.engine import estimate_with_shape
-from ultrascale_plugins.interface.comm_minimum import minimum_terms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +96,7 @@ def _minimum(layout: dict, world: int, **step) -> dict:
     resolved = us.validate(config, mc, world)
     _, shape = estimate_with_shape(resolved, mc, world_size=world, check=False, **step)
     out: dict = {}
-    for t in minimum_terms(resolved, shape):
+    for t in minimum_terms(resolved, shape, us.get_plugin_manager()):
         calls, payload = out.get((t.axis, t.op), (0, 0))
         out[t.axis, t.op] = (calls + t.calls, payload + t.payload)
     return out
@@ -119,7 +118,7 @@ def test_minimum_is_the_playbooks_formulas():
     tied = us.validate(us.ParallelConfig(tp=2, sequence_parallel=True, dp_shard=1), make_config("llama_tied"), 2)
     _, shape = estimate_with_shape(tied, make_config("llama_tied"), world_size=2, check=False, **step)
     calls = {}
-    for t in minimum_terms(tied, shape):
+    for t in minimum_terms(tied, shape, us.get_plugin_manager()):
         calls[t.op] = calls.get(t.op, 0) + t.calls
     assert calls == {"all_gather": 10 + 1, "reduce_scatter": 10}
     # ZeRO: gradients reduce-scattered once (ZeRO-1) or every micro-batch (ZeRO-2/3); weights gathered once a

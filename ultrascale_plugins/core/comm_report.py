@@ -1,6 +1,7 @@
 """One optimizer step's communication, every rank's ledger (``comm_ledger``) set out per mesh axis and collective
 beside what the package's estimate says the same step sends (``engine.estimate``'s communication terms) and what the
-layout needs at least (``interface.comm_minimum``). ``ParallelModel.profile_step`` fills a ``StepProfile``.
+layout needs at least (``minimum_terms``: every plugin's ``ultrascale_comm_minimum``). ``ParallelModel.profile_step``
+fills a ``StepProfile``.
 
 The rows are the most loaded rank's: for each axis and collective, the rank that sent the most payload (a pipeline's
 middle stages send more than its ends), as the estimate prices the most loaded rank along every axis. Scalar
@@ -14,6 +15,7 @@ import math
 import torch.distributed as dist
 
 from ..distributed.comm_ledger import SMALL_BYTES, flight_recorder_check, summarise, wire_bytes
+from ..interface.comm_minimum import MinimumTerm
 
 P2P = ("send", "recv")  # one row: the estimate and the minimum count a pipeline's transfers at both ends
 
@@ -67,7 +69,6 @@ def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
     """The estimate's and the minimum's terms for this step, as (axis, op, calls, payload, wire) per step, for the
     most loaded rank (no coordinates). Their wire bytes are the ring's for their payload (``wire_bytes``)."""
     from .engine import estimate_with_shape
-    from ..interface.comm_minimum import minimum_terms
 
     model = pmodel.module
     est, shape = estimate_with_shape(pmodel.config, model.config, world_size=dist.get_world_size(),
@@ -77,7 +78,15 @@ def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
     terms = [_with_wire(t.axis, t.collective, t.calls * (m if t.per == "micro_batch" else 1),
                         t.nbytes * (m if t.per == "micro_batch" else 1), size(t.axis)) for t in est.terms]
     return terms, [_with_wire(t.axis, t.op, t.calls, t.payload, size(t.axis))
-                   for t in minimum_terms(pmodel.config, shape)]
+                   for t in minimum_terms(pmodel.config, shape, pmodel.pm)]
+
+
+def minimum_terms(config, shape, pm) -> list[MinimumTerm]:
+    """The least communication the layout needs for one step on the rank ``shape`` describes, once every
+    dimension's ``ultrascale_estimate`` has cut its inventory: every plugin's ``ultrascale_comm_minimum`` terms
+    (an axis no plugin answers for has none), those with calls, in one order whatever the plugins' order."""
+    terms = [t for answer in pm.hook.ultrascale_comm_minimum(config=config, shape=shape) for t in answer or ()]
+    return sorted((t for t in terms if t.calls > 0), key=lambda t: (t.axis, t.op))
 
 
 def _with_wire(axis: str, op: str, calls: int, payload: float, size: int) -> tuple:

@@ -156,6 +156,14 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     return result
 
 
+@hookimpl
+def ultrascale_comm_minimum(config, shape):
+    """The least communication context parallel's ``cp`` axis needs for a step (``minimum``)."""
+    from .minimum import context_minimum
+
+    return context_minimum(config, shape)
+
+
 def _cp_layout(world, per_node, model_config):
     from ...interface.presets import largest_divisor
 

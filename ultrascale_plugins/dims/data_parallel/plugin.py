@@ -475,6 +475,15 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     data_parallel_terms(config, shape, estimate)
 
 
+@hookimpl
+def ultrascale_comm_minimum(config, shape):
+    """The least communication of a step's gradients and weights over the axes that reduce gradients
+    (``dp_replicate``, ``dp_shard``, ``cp``; a view's ``efsdp``) (``minimum``)."""
+    from .minimum import data_parallel_minimum
+
+    return data_parallel_minimum(config, shape)
+
+
 def partitioned(optimizer, group):
     """ZeRO-1: a ``ZeroRedundancyOptimizer`` of the same class and settings as ``optimizer`` over ``group``."""
     import inspect

@@ -30,7 +30,7 @@ from ...interface.config import ConfigError, field_error
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
-from ...interface.parallel_dims import MeshAxis, MeshView
+from ...interface.mesh_axes import MeshAxis, MeshView
 from ...interface.plan_edit import PlanEdit
 from ...interface.moe_config import experts_per_token, routed_experts, text_config
 
@@ -261,6 +261,14 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     width = max((math.prod(r.shape[1:]) for r in shape.inventory if r.view == VIEW and len(r.shape) == 3), default=0)
     if width:
         estimate.factors["expert_matmul_gflop"] = 2 * config.ep * tokens * top_k / count * width / 1e9
+
+
+@hookimpl
+def ultrascale_comm_minimum(config, shape):
+    """The least communication expert parallel's ``ep`` axis needs for a step (``minimum``)."""
+    from .minimum import expert_minimum
+
+    return expert_minimum(config, shape)
 
 
 @hookimpl

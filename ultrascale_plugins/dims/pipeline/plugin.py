@@ -206,6 +206,14 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookimpl
+def ultrascale_comm_minimum(config, shape):
+    """The least communication the pipeline's ``pp`` axis needs for a step (``minimum``)."""
+    from .minimum import pipeline_minimum
+
+    return pipeline_minimum(config, shape)
+
+
+@hookimpl
 def ultrascale_microbatches(config):
     return microbatches(config) if config.pp > 1 else None
 

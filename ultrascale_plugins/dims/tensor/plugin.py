@@ -414,6 +414,14 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     tensor_parallel_terms(config, shape, estimate)
 
 
+@hookimpl
+def ultrascale_comm_minimum(config, shape):
+    """The least communication tensor parallel's ``tp`` axis needs for a step (``minimum``)."""
+    from .minimum import tensor_minimum
+
+    return tensor_minimum(config, shape)
+
+
 def tp_degree(devices_per_node: int, model_config) -> int:
     """The largest divisor of the devices per node that divides the attention and key/value head counts."""
     from ...interface.presets import largest_divisor
