@@ -1,0 +1,583 @@
+"""What a parallelism dimension is: the pluggy hook specifications, in six groups.
+
+Every built-in dimension and feature (data parallel / ZeRO, tensor and sequence parallel, pipeline, context and
+expert parallel, PEFT, routers, float8, compile, activation checkpointing, the training step, the model plans)
+implements these hooks exactly as a third-party plugin registered under the ``ultrascale_plugins`` entry point
+would. Hook names start with ``ultrascale_``; an implementation whose name matches no specification is rejected
+when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
+
+- **declare**: the plugin's layout fields and mesh axes, the facts it decides for other families to read, the
+  model plans it knows (and its additions to other plugins' plans), a model wrapper it owns (a PEFT model:
+  ``model_wrapper.ModelWrapper``), the names front ends offer (Lightning strategies, Accelerate keys);
+- **validate**: before any process group, the layout chosen when asked (``layout: auto``), then checked against the
+  world size, the model's config and its structure;
+- **transform**: its model transforms as named stages, each declaring which stages it runs after and before
+  (``interface.stages`` orders them);
+- **step**: its part of every step: the batch, the optimizer, the loss (how it is computed, what is added to it),
+  gradient accumulation, what follows the last backward, the step itself (replace it, or wrap it with a
+  ``@hookimpl(wrapper=True)`` generator);
+- **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe, its own exported forms;
+- **cost**: its per-rank costs, the least communication its axes need, the adapters it prices, the micro-batches
+  of a step, the ranks worth costing, the values the planner's search should try, a schedule's timeline for the
+  plot.
+
+A family's own runtime needs are methods of its own objects, not hooks: a pipeline's schedule is its
+``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pluggy
+
+# The annotations below are names only (this module imports nothing of the package, so every module may import
+# it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
+# PlanEdit (interface.plan_edit), Preset (interface.presets), RecipeSection (interface.recipe_section),
+# LayoutFacts (interface.facts), Runtime (interface.runtime), Stage
+# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), MinimumTerm
+# (interface.comm_minimum), ModelWrapper
+# (interface.model_wrapper), ModelPlan (models.plan), ParallelContext / ParallelModel (core.engine), PluginState
+# (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
+# PretrainedConfig (transformers).
+
+PROJECT = "ultrascale_plugins"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---- declare ---------------------------------------------------------------------------------------------------------
+# What the plugin adds: its layout fields and mesh axes, the model plans it knows, a wrapper it owns, the names
+# front ends offer.
+@hookspec
+def ultrascale_add_fields(fields: Fields) -> None:
+    """Declare this dimension's layout fields. They become valid everywhere a layout is written.
+
+    Called for each plugin in registration order (``fields.collect``); each field is recorded with its plugin.
+
+    :param fields: The ``fields.Fields`` to add to: ``fields.add(name, type, default, help, choices=..., minimum=...,
+        optional=..., check=...)``.
+    :return: Nothing; the fields go into ``fields``.
+    """
+
+
+@hookspec
+def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
+    """Declare the mesh axes this dimension needs. Their degrees multiply to the world size (degree 1
+    allowed; one axis in the whole layout may have degree -1, the rest of the world); a ``MeshView`` counts the ranks
+    of existing axes again and adds nothing to the world size.
+
+    :param config: The layout, resolved or not.
+    :return: ``parallel_dims.MeshAxis`` and ``parallel_dims.MeshView`` values, or None for none. A name two plugins
+        declare is refused (``ConfigError``).
+    """
+
+
+@hookspec
+def ultrascale_layout_facts(config: ParallelConfig, degrees: dict[str, int]) -> dict[str, Any] | None:
+    """Decide the ``facts.LayoutFacts`` flags this plugin owns, from its own fields and the mesh
+    degrees, e.g. data parallel's ``{"fsdp_units": zero_stage >= 2}``. Other families read them from
+    ``facts.layout_facts(config)`` instead of this plugin's fields. Called for each plugin in registration order.
+
+    :param config: The layout, resolved or not; read only this plugin's own fields.
+    :param degrees: Every declared mesh axis's degree (a view's axes too), by name.
+    :return: ``{flag: value}`` for the flags this plugin owns, or None. Each flag has one owner: a flag
+        ``LayoutFacts`` lacks, or one another plugin answers too, is refused (``ConfigError``).
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
+    """Give the ``ModelPlan`` of a Hugging Face causal LM whose architecture this plugin knows.
+    ``engine.model_plan`` asks, wherever the engine needs the plan.
+
+    Stops at the first non-None result.
+
+    :param model: The causal LM (a wrapper's inner model, e.g. a PEFT model's: the engine names the plan from the
+        wrapper's root); it may live on the meta device.
+    :param config: The layout (e.g. the ``tp`` degree, for head-parallel layers).
+    :return: A ``ModelPlan``, or None to let another plugin answer.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_model_wrapper(model: nn.Module) -> ModelWrapper | None:
+    """Describe ``model`` when it wraps the causal LM the plans are for (a PEFT model holds it at
+    ``base_model.model``): the causal LM and its path, where each entry's pretrained value comes from, the initial
+    values of what the wrapper introduced and of values computed from others, its own saved form. The engine asks the
+    plans of the inner model and names them from ``model``'s root, so every dimension finds the layers, the embedding
+    and the head through the wrapper.
+
+    Stops at the first non-None result.
+
+    :param model: A model the engine or a front end holds: a wrapper (a PEFT model) or a causal LM itself.
+    :return: A ``model_wrapper.ModelWrapper``, or None when ``model`` is not this plugin's (the engine then treats
+        ``model`` as the causal LM itself).
+    """
+
+
+@hookspec
+def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
+    """Edit the plan for modules this plugin introduces into ``model`` (adapters around a planned
+    layer) or claims from the plan (experts for another dimension).
+
+    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_model_plan`` (and the
+    wrapper's renaming) and before ``ultrascale_validate_model``. Every plugin's edit applies to that same plan, in
+    pluggy's call order; two plugins that give one name different styles are refused (``ConfigError``). The plan's
+    regions (what sequence parallel gathers) are then recomputed from the edited entries, so every dimension, the
+    data-flow trace and the dry runs see the edited plan.
+
+    :param model: The model as given, a wrapper included; the plan's names are from its root.
+    :param plan: The plan as the other plugins made it; never None.
+    :param config: The layout.
+    :return: A ``plan_edit.PlanEdit``, or None for no edit.
+    """
+
+
+@hookspec
+def ultrascale_presets() -> list[Preset] | None:
+    """Name layouts that front ends offer by name (Lightning registers each as the strategy
+    ``ultrascale_<name>``: ``Trainer(strategy="ultrascale_cp", devices=8)``). Asked of every plugin; a name declared
+    twice is refused (``ConfigError``).
+
+    :return: ``presets.Preset`` values, or None for none.
+    """
+
+
+@hookspec
+def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
+    """Name the Accelerate ``parallelism_config`` size keys this dimension reads: the YAML key
+    ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>``. Asked of every plugin wherever a
+    front end reads Accelerate's configuration (``integrations/layout.py``).
+
+    :return: ``{key: (field, implied)}``, or None for none: the key sets ``field`` to its value and the fields of
+        ``implied`` (e.g. ``{"sp_size": ("cp", {"cp_method": "ulysses"})}``).
+    """
+
+
+@hookspec
+def ultrascale_recipe_sections() -> list[RecipeSection] | None:
+    """Declare the sections of the command line's recipe this plugin reads: a feature configured from the recipe
+    (PEFT's ``peft:`` adapters) without the recipe knowing it. The recipe reads, checks, saves, applies and
+    compares each through its ``recipe_section.RecipeSection``. Asked of every plugin; a name declared twice, or
+    one of the recipe's own sections, is refused (``ConfigError``).
+
+    :return: ``recipe_section.RecipeSection`` objects, or None for none.
+    """
+
+
+# ---- validate --------------------------------------------------------------------------------------------------------
+# Before any process group: the layout chosen when asked, then checked against the world and the model.
+@hookspec(firstresult=True)
+def ultrascale_resolve_layout(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> ParallelConfig | None:
+    """Choose the concrete layout for one that asks to be chosen (the planner's ``layout: auto``).
+    Asked first, before any check and any process group (``engine.validate``, a recipe's ``layout: auto``).
+
+    Stops at the first non-None result.
+
+    :param config: The layout as written.
+    :param model_config: The model's Hugging Face config, or None when only the world is known.
+    :param world_size: The number of ranks.
+    :return: The ``ParallelConfig`` to run, or None to keep ``config``.
+    """
+
+
+@hookspec
+def ultrascale_validate_config(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> None:
+    """Check this dimension's part of the layout. Called before any process group: with
+    ``model_config=None`` when the layout is resolved against the world size, and again with the Hugging Face config
+    when the model is known.
+
+    :param config: The resolved layout.
+    :param model_config: The model's Hugging Face config, or None.
+    :param world_size: The number of ranks.
+    :return: Nothing; raises ``ConfigError`` when this dimension's part of ``config`` cannot run.
+    """
+
+
+@hookspec
+def ultrascale_validate_model(model: nn.Module, plan: ModelPlan | None, config: ParallelConfig) -> None:
+    """Check this dimension against the model's structure. Called before any process group exists
+    (``engine.validate``), after the plan is made and edited.
+
+    :param model: The model to parallelize, real or on the meta device.
+    :param plan: Its model plan, or None when no plugin plans it.
+    :param config: The resolved layout.
+    :return: Nothing; raises ``ConfigError`` when this dimension cannot run on this model.
+    """
+
+
+@hookspec
+def ultrascale_validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None) -> None:
+    """Check the training loop a front end will run with this layout. Each front end asks before its
+    first step, with its own settings (the recipe's ``train``, the Trainer's arguments, Lightning's ``Trainer``,
+    Accelerate's accumulation).
+
+    :param config: The layout.
+    :param micro_batches: Forwards and backwards per optimizer step (gradient accumulation).
+    :param max_grad_norm: The global norm the gradients are clipped to; None when they are not clipped (0 arrives as
+        None).
+    :return: Nothing; raises ``ConfigError`` when this dimension cannot run that loop.
+    """
+
+
+# ---- transform -------------------------------------------------------------------------------------------------------
+# What it does to the model, as named stages the engine orders by their declarations.
+@hookspec
+def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) -> list[Stage]:
+    """Declare this plugin's model transforms as named stages: an ``interface.stages.Stage`` holds a name,
+    the names it runs ``after`` and ``before``, its mesh ``axes``, what it ``does``, whether this layout uses it
+    (``active``) and ``run(model, ctx)``. Declare every stage the plugin has, active or not, so that others can name
+    it. The engine orders all plugins' stages by those declarations (``stages.order_stages``; a cycle or an unknown
+    name is refused before any process group) and runs the active ones: the built-ins are ``split`` (pipeline;
+    ``splits``: returns this rank's stages and their runtime), ``float8``, ``router_bias``, ``gpt2_heads``, ``ep``,
+    ``tp`` (with sequence parallel), ``cp``, ``ac``, ``compile``, ``dp`` (FSDP2 or DDP: a wrapper that averages
+    gradients over some axes itself says so with ``ctx.claim_grad_reduction(*axes)``; the engine averages the
+    others). An implementation with ``wrapper=True`` is refused.
+
+    :param config: The layout.
+    :param model_config: The model's Hugging Face config, or None when only the world is known.
+    :return: Every ``Stage`` this plugin declares, active or not; None or ``[]`` for none.
+    """
+
+
+# ---- step ------------------------------------------------------------------------------------------------------------
+# Its part of every training step: the batch, the optimizer, the loss, accumulation, after the backward, the step
+# itself.
+@hookspec
+def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
+    """Take this rank's part of the batch in place, every tensor by the same positions, chosen from the
+    batch's shape alone (``ParallelModel.token_places`` runs it on the positions themselves to put a row's tokens back
+    together). Called on every step after the data loader's row split, before the forward.
+
+    :param batch: This rank's rows, a dict of tensors: ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``targets`` (next-token targets, already shifted, -100 where ignored).
+    :param ctx: The model's ``ParallelContext`` (its mesh, ``ctx.dims``, and ``ctx.plugin_state``).
+    :return: Nothing; ``batch`` is changed in place.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_prepare_optimizer(pmodel: ParallelModel, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """Replace the optimizer a front end trains with (ZeRO-1 partitions its states). Every front end's
+    optimizer passes through here (``ParallelModel.prepare_optimizer``).
+
+    Stops at the first non-None result.
+
+    :param pmodel: The ``ParallelModel`` the optimizer trains.
+    :param optimizer: An optimizer over ``pmodel``'s (sharded) parameters.
+    :return: The optimizer to train with instead, or None to keep ``optimizer``.
+    """
+
+
+@hookspec
+def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | None:
+    """Give a context manager that the loss and its backward run inside (tensor parallel's
+    vocabulary-parallel cross-entropy: torch's ``loss_parallel``). Every step enters every plugin's
+    (``ParallelModel.loss_context``): the built-in one and a pipeline's schedule alike.
+
+    :param pmodel: The ``ParallelModel`` whose loss runs.
+    :return: A context manager, or None.
+    """
+
+
+@hookspec
+def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor,
+                               per_token: bool) -> AbstractContextManager | None:
+    """Give a context manager that one micro-batch's forward runs inside, given its targets: a head
+    that computes the loss inside the model's forward reads them there (the chunked loss). Every runtime enters every
+    plugin's around each micro-batch's forward (``ParallelModel.forward_targets``; a pipeline: around its last
+    stage's).
+
+    :param pmodel: The ``ParallelModel`` whose forward runs.
+    :param targets: That micro-batch's next-token targets: this rank's part, shifted, -100 where ignored.
+    :param per_token: True when the caller wants each token's figures (``ultrascale_token_outputs``: a trainer
+        computing its own loss), False for the loss's sum.
+    :return: A context manager, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_token_outputs(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> Any:
+    """Give each token's log-probability, entropy and top-1 hit when the model's forward computed them
+    (run with ``per_token``). Asked by ``ParallelModel.token_outputs`` and by a pipeline's last stage.
+
+    Stops at the first non-None result.
+
+    :param pmodel: The ``ParallelModel`` whose forward ran.
+    :param logits: What the model's output holds at ``logits`` (a head's own figures, when it computed them).
+    :param targets: This rank's next-token targets, shifted, -100 where ignored.
+    :return: A ``distributed.loss.TokenOutputs``, or None: the engine computes them from the whole logits.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_loss_sum(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """Give this rank's token-loss sum of one micro-batch when the model's forward computed it (the
+    chunked loss). Asked by ``ParallelModel.token_loss_sum``: the built-in step and a pipeline's last stage.
+
+    Stops at the first non-None result.
+
+    :param pmodel: The ``ParallelModel`` whose forward ran.
+    :param logits: What the model's output holds at ``logits`` (the loss sum, when a head computed it).
+    :param targets: This rank's next-token targets, shifted, -100 where ignored.
+    :return: The token-loss sum (a tensor), or None for the built-in cross-entropy of ``logits`` against
+        ``targets``.
+    """
+
+
+@hookspec
+def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """Give terms to add to the step's objective for this forward, besides the token loss: a mixture of
+    experts' router auxiliary loss. Each term has the same value on every rank that holds tokens of the global batch
+    (the token-counting axes), and on each rank the gradient of that rank's share, the shares' gradients summing over
+    those ranks to the term's gradient (e.g. statistics gathered from every rank, the gradient kept on this rank's
+    own). The engine folds each into the loss so that the step's value and gradient include it once.
+
+    :param pmodel: The ``ParallelModel`` whose forward ran.
+    :param output: The model's output (a pipeline's last stage: one holding ``logits`` and ``router_logits``).
+    :param batch: This rank's prepared inputs (a pipeline's last stage: the ``attention_mask`` alone).
+    :return: 0-d tensors, or None for none.
+    """
+
+
+@hookspec
+def ultrascale_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
+    """Give a context manager under which this dimension's wrappers keep gradients local (gradient
+    accumulation: FSDP2's and DDP's reductions off). ``ParallelModel.no_sync`` enters every plugin's; the engine holds
+    back its own reduction of the axes nobody claims too.
+
+    :param pmodel: The ``ParallelModel`` whose gradients accumulate.
+    :return: A context manager, or None.
+    """
+
+
+@hookspec
+def ultrascale_after_backward(pmodel: ParallelModel) -> None:
+    """Do the work that depends on the whole step (a router's load-balancing bias from the step's token
+    counts). Called on every rank once the gradients of an optimizer step are complete and reduced (after the last
+    micro-batch's backward, never inside ``no_sync``), before the optimizer steps.
+
+    :param pmodel: The ``ParallelModel`` whose backward finished.
+    :return: Nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
+    """Run forward and backward on this rank's batch (``ParallelModel.train_step``). The built-in step
+    (``core/step.py``, ``trylast``) runs the model's runtime; a plugin may replace it or wrap it
+    (``@hookimpl(wrapper=True)``: ``loss = yield``).
+
+    Stops at the first non-None result.
+
+    :param pmodel: The ``ParallelModel`` to train.
+    :param batch: This rank's rows, as the data loader gives them (``ultrascale_shard_batch`` runs inside the step).
+    :param loss_scale: The gradients are those of ``loss_scale`` times the loss, added to any already there.
+    :return: The global-mean loss: a 0-d tensor, the same on every rank.
+    """
+
+
+# ---- state -----------------------------------------------------------------------------------------------------------
+# What it keeps in checkpoints and how a checkpoint of its model is exported.
+@hookspec
+def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
+    """Add this dimension's entries to a checkpoint's state: ``state.shared[key]`` for what every rank
+    holds alike (tensors go into the sharded files, other values into JSON) and ``state.rank_local[key]`` for what
+    differs per rank (restored only in the same world size); ``state.left_out``: the model's entries (unparallelized
+    names) to keep out of the checkpoint, which the caller's model supplies on load (a PEFT model's frozen base). A
+    load asks this hook first, with ``state.loading`` set to the checkpoint's metadata: a plugin leaves out there what
+    the checkpoint lacks, and may refuse the checkpoint (raise ``ConfigError``) before anything is read.
+
+    :param pmodel: The ``ParallelModel`` saved or loaded.
+    :param state: The ``checkpoints.sharded.PluginState`` to add to (``state.loading`` None on a save).
+    :return: Nothing; the entries go into ``state``.
+    """
+
+
+@hookspec
+def ultrascale_load_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
+    """Restore this dimension's entries once a checkpoint's model state is loaded (a sharded load,
+    ``ParallelModel.load_state_dict``).
+
+    :param pmodel: The ``ParallelModel`` loaded into.
+    :param state: The ``checkpoints.sharded.PluginState`` as saved (``state.rank_local`` empty in another world size).
+    :return: Nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Show a tensor as a distributed checkpoint (DCP) must see it when this dimension placed it in
+    pieces DCP cannot describe (TP-packed parameters: a rank's pieces of q|k|v are not adjacent in the whole tensor).
+    Every sharded save and load, and pretrained loading, ask it per tensor.
+
+    Stops at the first non-None result.
+
+    :param tensor: A tensor of the model's or the optimizer's state.
+    :return: The view DCP saves and loads (views of ``tensor``, so a load fills it), or None to save and load
+        ``tensor`` as it is.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
+    """Write a sharded checkpoint in a form its model's library defines, when this plugin's model saved it
+    (a PEFT model's): ``ultrascale export --adapter`` / ``--merged``, in one process.
+
+    Stops at the first non-None result.
+
+    :param checkpoint: The ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``, ``config`` (its transformers
+        config), ``names`` (the model tensors it holds) and ``read(names)``, those tensors whole on the CPU.
+    :param form: ``"adapter"`` (PEFT's own files) or ``"merged"`` (a plain transformers model with the adapters folded
+        in).
+    :param out_dir: The new, empty directory to write into.
+    :param base: The directory of the frozen base for ``"merged"``, or None.
+    :param max_shard_bytes: The largest weights file to write, in bytes.
+    :return: True once written; None leaves it to another plugin (none: the export is refused).
+    """
+
+
+# ---- cost ------------------------------------------------------------------------------------------------------------
+# What a layout costs one rank, for the estimate and the planner.
+@hookspec
+def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, shape: Shape, estimate: Estimate) -> None:
+    """Add this dimension's per-rank costs to the estimate: memory in bytes per category
+    (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``), communication
+    (``estimate.add_comm(axis, nbytes, collective, calls=, per="step" | "micro_batch", overlap=)``) and compute
+    factors (``estimate.factors``: ``recompute_flops``, ``bubble``).
+
+    ``shape.inventory`` holds the model's parameters, which the dimensions cut in turn: the pipeline first
+    (``tryfirst``: this rank's stages, ``layers_here``, ``in_flight``, ``holds_head``), tensor parallel next (each
+    record's ``local`` shape), data parallel last (``trylast``: shards what is left and adds parameter, gradient and
+    optimizer bytes). A dimension that changes what the others see (context parallel: the tokens per rank) or needs
+    their totals (a replica axis: the gradient bytes) is a ``wrapper=True`` implementation around them.
+
+    :param config: The resolved layout.
+    :param model_config: The model's Hugging Face config.
+    :param shape: An ``estimates.Shape``: what the estimate is for (``seq_len``, ``micro_batch``, ``micro_batches``,
+        ``profile``, ``optimizer``, ``coords``: the rank) and ``shape.inventory``.
+    :param estimate: The ``estimates.Estimate`` to add to.
+    :return: Nothing; the costs go into ``estimate``.
+    """
+
+
+@hookspec
+def ultrascale_comm_minimum(config: ParallelConfig, shape: Shape) -> list[MinimumTerm] | None:
+    """State the least communication this dimension's mesh axes need for one optimizer step on one rank (the
+    Ultra-Scale Playbook's formulas for the built-in families, each in its folder). A plugin's own mesh axis gets a
+    minimum the communication report (``ParallelModel.profile_step``) compares its ledger with; an axis no plugin
+    answers for has none, and the report's rows say so. Asked of every plugin; the answers are concatenated.
+
+    :param config: The resolved layout.
+    :param shape: The ``estimates.Shape`` as ``ultrascale_estimate`` left it: the inventory cut to this rank's share
+        (tensor and pipeline parallel's, expert parallel's experts), ``layers_here``, ``holds_head``, ``coords``.
+    :return: ``comm_minimum.MinimumTerm`` values (axis, collective, calls and payload per step in the ledger's units,
+        the formula in words), or None for axes it does not own.
+    """
+
+
+@hookspec
+def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
+    """Price this plugin's adapters: the factors they put on ``model``, so the estimates count them.
+
+    :param model: The model to price.
+    :param adapters: None for the factors ``model`` holds (a PEFT model's LoRA layers); an ``estimates.Adapters``
+        whose ``method`` this plugin owns for those it would add to a model that has none, with their shapes (the
+        planner's ``--peft lora``).
+    :return: ``estimates.AdapterFactor`` values, or None when it has none or does not own the method. With
+        ``adapters`` None every plugin's count; otherwise the first answer does.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_microbatches(config: ParallelConfig) -> int | None:
+    """Say how many micro-batches one training step runs inside this dimension (a pipeline schedule's).
+    Recipes derive their batch split from it; ``ParallelModel.microbatches_inside`` reports it.
+
+    Stops at the first non-None result.
+
+    :param config: The resolved layout.
+    :return: The number of micro-batches, or None when this dimension does not decide it (no answer: 1).
+    """
+
+
+@hookspec
+def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] | None:
+    """Name the ranks worth costing along this dimension's mesh axes. The planner estimates the ranks of
+    every combination of every plugin's positions and takes the most loaded.
+
+    :param config: The layout being costed.
+    :return: ``{axis: [index, ...]}``, the positions whose ranks can differ in cost (a pipeline's first, second and
+        last stages), or None when every rank costs the same along them.
+    """
+
+
+@hookspec
+def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
+    """Offer values of this plugin's layout fields worth costing with a candidate of the planner's search
+    (``ultrascale plan``, ``layout: auto``). List the default too when the candidate without this plugin's feature is
+    worth costing (expert parallelism: ``{"ep": [1, 2, 4, 8]}``, the degrees that divide the experts and
+    dp_shard*cp*tp). The search costs every combination of every plugin's values with the candidate, each checked
+    (``ultrascale_validate_config``) and costed (``ultrascale_estimate``) like any layout; the chosen layout carries
+    them into the printed snippets and into ``layout: auto``. Values must keep the world size: a field that is an axis
+    of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh.
+
+    :param config: The candidate: the built-in degrees, ZeRO stage and schedule, resolved for ``world_size``, with
+        every plugin field at its default.
+    :param model_config: The model's Hugging Face config.
+    :param world_size: The number of GPUs the search is for.
+    :return: ``{field: [value, ...]}``, or None (or ``{}``) when this plugin has nothing to try with it.
+    """
+
+
+@hookspec
+def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int,
+                             lossy: bool) -> dict[str, list] | None:
+    """Offer values of this plugin's layout fields that save memory at a price, worth costing with a
+    candidate (as ``ultrascale_search_choices``) only when nothing fits without them. The planner searches the first
+    kind once no layout fits without them, the second once none fits with the first kind alone, each in every
+    combination with the field's current value, and says what each costs against the same layout without it.
+
+    :param config: The candidate, as for ``ultrascale_search_choices``.
+    :param model_config: The model's Hugging Face config.
+    :param world_size: The number of GPUs the search is for.
+    :param lossy: False: values that cost time (a loss computed in chunks, states held on the host); True: values
+        that change the numbers (states held in bf16).
+    :return: ``{field: [value, ...]}``, or None (or ``{}``) for none.
+    """
+
+
+@hookspec(firstresult=True)
+def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
+    """Simulate a schedule this dimension runs (a pipeline's), for the planner's plot.
+
+    Stops at the first non-None result.
+
+    :param schedule: The schedule's name (``pp_schedule``).
+    :param stages: The pipeline ranks.
+    :param microbatches: The micro-batches of one step.
+    :param virtual_stages: Stages per rank where the schedule loops (1 otherwise).
+    :return: Per rank, its actions as (start, end, kind, micro-batch, chunk), kind F, B or W, in units of one forward
+        of one micro-batch on one stage; None for a schedule it does not know (no answer: refused).
+    """
+
+
+# The hooks by what they are for (docs/writing-a-plugin.md walks through them in this order).
+GROUPS = {
+    "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_layout_facts", "ultrascale_model_plan",
+                "ultrascale_model_wrapper", "ultrascale_extend_plan", "ultrascale_presets",
+                "ultrascale_accelerate_keys", "ultrascale_recipe_sections"),
+    "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model",
+                 "ultrascale_validate_loop"),
+    "transform": ("ultrascale_stages",),
+    "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
+             "ultrascale_forward_targets", "ultrascale_token_outputs", "ultrascale_loss_sum",
+             "ultrascale_loss_terms", "ultrascale_no_sync",
+             "ultrascale_after_backward", "ultrascale_train_step"),
+    "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
+              "ultrascale_export"),
+    "cost": ("ultrascale_estimate", "ultrascale_comm_minimum", "ultrascale_adapter_factors",
+             "ultrascale_microbatches", "ultrascale_cost_coordinates", "ultrascale_search_choices",
+             "ultrascale_search_savers", "ultrascale_schedule_timeline"),
+}
