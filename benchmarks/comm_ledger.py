@@ -70,7 +70,7 @@ def one_step(pmodel, optimizer, chunks: list[dict]) -> None:
     """An optimizer step as ``ultrascale train`` runs it: accumulation under ``no_sync``, clipping, AdamW."""
     import contextlib
 
-    shares = pmodel.token_shares(chunks)
+    shares = pmodel.tokens.shares(chunks)
     for i, chunk in enumerate(chunks):
         with contextlib.nullcontext() if i == len(chunks) - 1 else pmodel.no_sync():
             pmodel.train_step(chunk, loss_scale=shares[i])

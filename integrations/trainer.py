@@ -212,7 +212,7 @@ class UltraScaleTrainer(Trainer):
 
     def get_batch_samples(self, *args, **kwargs):
         """Trainer's accumulation window, plus each micro-batch's share of the window's valid tokens on all
-        data-parallel ranks (``ParallelModel.token_shares``, as the command line weights its micro-batches):
+        data-parallel ranks (``pmodel.tokens.shares``, as the command line weights its micro-batches):
         a plain Trainer divides the window's summed token losses by ``num_items_in_batch``, and so does this one,
         whatever the layout. Trainer's own count cannot be used: it gathers over every process, and ranks of a
         tensor-, context- or pipeline-parallel group hold the same rows."""

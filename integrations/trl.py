@@ -15,7 +15,7 @@ TRL's trainers patch the model's forward with their fused LM head (``fused_lm_he
 log-probability, entropy, top-1 hit and mean logit, computed in tiles without the whole logits) and compute their
 loss and metrics from them. Under a layout the patch cannot run: it calls the backbone directly, past the wrappers
 that gather a sharded model's weights, and gathers a tensor-parallel head whole. Here the parallel model provides
-the same contract (``ParallelModel.token_outputs``: the chunked loss's head, each rank holding its vocabulary
+the same contract (``pmodel.outputs.token_outputs``: the chunked loss's head, each rank holding its vocabulary
 shard, the per-token figures reduced over the shards; 1,024 tokens at a time when the layout leaves
 ``chunked_loss`` 0, so no rank holds the logits of a micro-batch).
 
@@ -27,10 +27,10 @@ DPO: TRL's own loss code runs on each rank's rows whole (``token_outputs(whole_r
 log-likelihood is the whole row's on every rank holding some of its tokens), after the reference's
 log-probabilities (a reference model parallelized in the same layout and frozen, ``prepare_model(evaluation_mode=
 True)``; a PEFT policy with its adapters disabled; or precomputed in the layout at the start of ``train``), and its
-mean over this rank's pairs becomes the micro-batch's (``ParallelModel.row_mean``).
+mean over this rank's pairs becomes the micro-batch's (``pmodel.outputs.row_mean``).
 
 In a pipeline the loss runs on the last stage, inside the schedule: TRL's loss is computed there as the step's
-objective (``ParallelModel.with_objective``) from each pipeline micro-batch's per-token outputs, DPO's rows
+objective (``pmodel.outputs.with_objective``) from each pipeline micro-batch's per-token outputs, DPO's rows
 reordered so that every micro-batch holds whole pairs, and what TRL logs is computed once over the batch and handed
 to every stage.
 
@@ -208,9 +208,9 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
             sums = sums + _sft_stats(out)
             return _sft_token_losses(trainer, out).sum() * scale
 
-        with pmodel.with_objective(objective):
+        with pmodel.outputs.with_objective(objective):
             loss = model(**batch).loss
-        sums = pmodel.from_last_stage(sums)
+        sums = pmodel.outputs.from_last_stage(sums)
     else:
         out = model(**batch, fused_lm_head=True)
         loss_sum = _sft_token_losses(trainer, out).sum()
@@ -219,19 +219,19 @@ def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batc
             # micro-batch by its token share (UltraScaleTrainer.training_step: current_gradient_accumulation_steps
             # is 1 / share)
             weight = trainer.current_gradient_accumulation_steps / max(1, trainer.args.gradient_accumulation_steps)
-            loss_sum = pmodel.add_loss_terms(loss_sum, [t * weight for t in out.terms], out.count)
+            loss_sum = pmodel.tokens.add_terms(loss_sum, [t * weight for t in out.terms], out.count)
             if trainer.aux_loss_enabled and trainer.router_aux_loss_coef:
                 metrics["aux_loss"].append(float(sum(t.detach() for t in out.terms)) / trainer.router_aux_loss_coef)
-        loss = pmodel.token_mean(loss_sum, out.count)
+        loss = pmodel.tokens.mean(loss_sum, out.count)
         sums = _sft_stats(out)
     # the metrics over every rank holding other tokens, as one process holding them all computes them
-    valid, entropy, correct = (float(x) for x in pmodel.sum_over_tokens(sums))  # data- and context-parallel ranks
+    valid, entropy, correct = (float(x) for x in pmodel.tokens.sum_over_tokens(sums))  # data- and context-parallel
     metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
     metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
     if mode == "train":  # the rows' tokens (padding-free: their positions), every data-parallel replica's
         local = inputs["attention_mask"].sum() if "attention_mask" in inputs else torch.tensor(
             inputs["position_ids"].numel())
-        trainer._total_train_tokens += int(pmodel.sum_over_rows(local.reshape(1).double().cpu())[0])
+        trainer._total_train_tokens += int(pmodel.tokens.sum_over_rows(local.reshape(1).double().cpu())[0])
     metrics["num_tokens"] = [trainer._total_train_tokens]
     return loss
 
@@ -253,7 +253,7 @@ def _sft_stats(out):
 
 class WholeRowsHead:
     """A parallel model called the way TRL's DPOTrainer calls its fused head (``fused_lm_head=True``), answering
-    with TRL's fields for each row whole, ``seq_len - 1`` next-token figures (``ParallelModel.token_outputs(
+    with TRL's fields for each row whole, ``seq_len - 1`` next-token figures (``pmodel.outputs.token_outputs(
     whole_rows=True)``): every per-row sum TRL takes (a sequence's log-likelihood) is the whole row's on every rank
     holding some of its tokens. ``aux_loss``: a mixture of experts' router loss over the global batch without its
     coefficient, its gradient scaled for ``row_mean`` (each rank's carries its own tokens' part of it)."""
@@ -294,7 +294,7 @@ def dpo_compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_
         return _pipelined_dpo_loss(trainer, model, inputs)
     with _precomputed(trainer):  # TRL reads the reference's log-probabilities from the batch
         loss = DPOTrainer._compute_loss(trainer, WholeRowsHead(adapter), inputs, False)
-    return adapter.pmodel.row_mean(loss)
+    return adapter.pmodel.outputs.row_mean(loss)
 
 
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1", "label_mask")
@@ -348,13 +348,13 @@ def _pipelined_rows(adapter, inputs, objective):
     labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
     batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
     width = labels.shape[1]
-    places = pmodel.token_places(batch)
+    places = pmodel.outputs.token_places(batch)
 
     def run(chunk, out, scale):
-        part = places if chunk is None else places.tensor_split(pmodel.microbatches_inside)[chunk]
-        return objective(chunk, pmodel.whole_rows(out, part, width))
+        part = places if chunk is None else places.tensor_split(pmodel.tokens.microbatches_inside)[chunk]
+        return objective(chunk, pmodel.outputs.whole_rows(out, part, width))
 
-    with pmodel.with_objective(run):
+    with pmodel.outputs.with_objective(run):
         return adapter(**batch)
 
 
@@ -379,7 +379,7 @@ def reference_log_probs(trainer, reference, inputs):
     both = torch.zeros(2 * rows, device=inputs["input_ids"].device)
     if got:  # the last stage
         both = torch.cat(DPOTrainer.compute_ref_log_probs(trainer, GivenHead(got["fields"]), inputs)).float()
-    return reference.pmodel.from_last_stage(both).chunk(2)
+    return reference.pmodel.outputs.from_last_stage(both).chunk(2)
 
 
 def _pipelined_dpo_loss(trainer, adapter, inputs):
@@ -393,7 +393,7 @@ def _pipelined_dpo_loss(trainer, adapter, inputs):
     pmodel = adapter.pmodel
     training = adapter.training and torch.is_grad_enabled()
     pairs = inputs["input_ids"].shape[0] // 2
-    m = pmodel.microbatches_inside if training else 1
+    m = pmodel.tokens.microbatches_inside if training else 1
     if pairs % m:
         raise ConfigError(f"UltraScaleDPOTrainer with {m} pipeline micro-batches: {pairs} pairs per batch do not "
                           f"split into whole pairs per micro-batch. Fix: per_device_train_batch_size a multiple of "
@@ -428,13 +428,13 @@ def _pipelined_dpo_loss(trainer, adapter, inputs):
                   .index_select(0, back) for name in FIELDS}
         with torch.no_grad(), _precomputed(trainer):
             value = DPOTrainer._compute_loss(trainer, GivenHead(fields), inputs, False).detach().float()
-    value = pmodel.from_last_stage(value)
-    logged = pmodel.from_last_stage(({k: list(v) for k, v in trainer._metrics[mode].items()},
+    value = pmodel.outputs.from_last_stage(value)
+    logged = pmodel.outputs.from_last_stage(({k: list(v) for k, v in trainer._metrics[mode].items()},
                                      trainer._total_train_tokens))
     trainer._metrics[mode] = collections.defaultdict(list, logged[0])
     trainer._total_train_tokens = logged[1]
     with torch.no_grad():
-        return pmodel.row_mean(value)
+        return pmodel.outputs.row_mean(value)
 
 
 def precompute_reference(trainer, dataset, batch_size: int):

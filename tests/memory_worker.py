@@ -505,7 +505,7 @@ def optimizer_step(pmodel, opt, batch: dict, mbs: int, ledger=None, clip: bool =
     n = mine["input_ids"].shape[0]
     pipelined = pmodel.config.pp > 1
     chunks = [mine] if pipelined else [{k: v[i:i + mbs] for k, v in mine.items()} for i in range(0, n, mbs)]
-    shares = pmodel.token_shares(chunks)
+    shares = pmodel.tokens.shares(chunks)
     if ledger is not None:  # the engine's gradient averaging after the last backward: a phase of its own
         def finish_backward(inner=pmodel.finish_backward):
             phase("finish_backward")

@@ -114,7 +114,7 @@ def step(pmodel, batch: dict, spec: dict) -> torch.Tensor:
         return pmodel.train_step(mine)
     size = mine["input_ids"].shape[0] // m
     chunks = [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(m)]
-    shares = pmodel.token_shares(chunks)
+    shares = pmodel.tokens.shares(chunks)
     total = 0.0
     for i, chunk in enumerate(chunks):
         with (contextlib.nullcontext() if i == m - 1 else pmodel.no_sync()):

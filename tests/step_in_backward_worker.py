@@ -77,7 +77,7 @@ def run(layout: dict, fused: bool, root: str) -> dict:
             "resume_loss_diff": max(abs(a - b) for a, b in zip(resumed, losses[2:])),
             "resume_weight_diff": max(float((after[k] - got[k]).abs().max()) for k in got),
             "param_devices": sorted({str(p.device) for p in stepped[0].parameters()}),
-            "grads_consumed": bool(stepped[0].gradients_consumed)}
+            "grads_consumed": bool(stepped[0].gradients.consumed)}
 
 
 def main() -> None:

@@ -135,16 +135,17 @@ def test_pipeline_conflicts_name_both_fields():
 
 def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
     """The command line cuts a rank's batch into grad_accum micro-batches unless the model runs them itself (a
-    pipeline's schedule: ``ParallelModel.microbatches_inside``, from the ``ultrascale_microbatches`` hook)."""
+    pipeline's schedule: ``pmodel.tokens.microbatches_inside``, from the ``ultrascale_microbatches`` hook)."""
     from types import SimpleNamespace
 
     from ultrascale_plugins.cli.loop import micro_batches
-    from ultrascale_plugins.core.engine import ParallelModel
+    from ultrascale_plugins.core.tokens import TokenAccounting
     from ultrascale_plugins.interface.plugins import get_plugin_manager
 
     def model_for(recipe):  # what the recipe's ParallelModel answers
         stand_in = SimpleNamespace(pm=get_plugin_manager(), config=recipe.parallel)
-        return SimpleNamespace(microbatches_inside=ParallelModel.microbatches_inside.fget(stand_in))
+        return SimpleNamespace(tokens=SimpleNamespace(
+            microbatches_inside=TokenAccounting.microbatches_inside.fget(stand_in)))
 
     batch = {"input_ids": torch.arange(4 * 5).view(4, 5), "attention_mask": torch.ones(4, 5), "note": "kept"}
     recipe = load_recipe(tiny(tmp_path), ["train.grad_accum=2"])
@@ -155,7 +156,7 @@ def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
     recipe = load_recipe(tiny(tmp_path))
     assert micro_batches(batch, recipe, model_for(recipe)) == [batch]
     recipe = load_recipe(None, ["train.grad_accum=4"])  # pp=2: the schedule splits
-    assert model_for(recipe).microbatches_inside == 4 and micro_batches(batch, recipe, model_for(recipe)) == [batch]
+    assert model_for(recipe).tokens.microbatches_inside == 4 and micro_batches(batch, recipe, model_for(recipe)) == [batch]
 
 
 # ---- accumulation trains exactly like the whole batch --------------------------------------------------------
@@ -217,8 +218,9 @@ class _Recorder:
     def __init__(self):
         self.synced = []
         self.inside = False
+        self.tokens = self  # pmodel.tokens: the token accounting's shares
 
-    def token_shares(self, chunks):
+    def shares(self, chunks):
         counts = [int((c["labels"] != -100).sum()) for c in chunks]
         return [c / sum(counts) for c in counts]
 

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from ..core.plugin_state import PluginState
 from ..interface.config import ConfigError
 from .errors import CheckpointError
 
@@ -175,22 +176,6 @@ def _init_optimizer_state(optimizer) -> None:
         g["lr"] = lr
         if wd is not None:
             g["weight_decay"] = wd
-
-
-class PluginState:
-    """What the plugins save through ``ultrascale_state_dict``: ``shared`` holds what every rank holds alike
-    (tensors go into the sharded files, other values, which must be JSON, into ``ultrascale.json``);
-    ``rank_local`` what differs per rank (tensors and containers of them, one file per rank, restored only when
-    the world size is unchanged). ``left_out``: model entries (the unparallelized model's names) a plugin keeps
-    out of the checkpoint, on save and on load, because the model the caller builds supplies them (a PEFT model's
-    frozen base). ``loading``: on a load, the metadata (``ultrascale.json``) of the checkpoint about to be read,
-    so that a plugin can leave out what it lacks and refuse it before anything is read; None on a save."""
-
-    def __init__(self, shared: dict | None = None, rank_local: dict | None = None, loading: dict | None = None):
-        self.shared: dict[str, Any] = dict(shared or {})
-        self.rank_local: dict[str, Any] = dict(rank_local or {})
-        self.left_out: set[str] = set()
-        self.loading = loading
 
 
 def _plugin_state(pmodel, loading: dict | None = None

@@ -109,9 +109,9 @@ def resume_state(resume: str | None, pmodel, optimizer, data: TrainingData) -> i
 def micro_batches(batch: dict, recipe: Recipe, pmodel) -> list[dict]:
     """A rank's batch as ``grad_accum`` chunks of ``micro_batch_size`` rows (every tensor entry sliced along its
     first dimension, the rows); the whole batch when the model runs the micro-batches itself (a pipeline's
-    schedule: ``ParallelModel.microbatches_inside``) or there is no accumulation."""
+    schedule: ``pmodel.tokens.microbatches_inside``) or there is no accumulation."""
     t = recipe.train
-    if t.grad_accum <= 1 or pmodel.microbatches_inside > 1:
+    if t.grad_accum <= 1 or pmodel.tokens.microbatches_inside > 1:
         return [batch]
     size = t.micro_batch_size
     return [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

@@ -28,8 +28,8 @@ class AccumulationWindow:
     @classmethod
     def by_tokens(cls, pmodel, chunks: list[dict]) -> "AccumulationWindow":
         """Each micro-batch of ``chunks`` weighted by its share of the window's valid target tokens on every
-        data-parallel rank (``ParallelModel.token_shares``: one small all-reduce)."""
-        return cls(pmodel.token_shares(chunks))
+        data-parallel rank (``pmodel.tokens.shares``: one small all-reduce)."""
+        return cls(pmodel.tokens.shares(chunks))
 
     @classmethod
     def even(cls, size: int) -> "AccumulationWindow":

@@ -1,5 +1,5 @@
 """One optimizer step's communication, every rank's ledger (``comm_ledger``) set out per mesh axis and collective
-beside what the package's estimate says the same step sends (``engine.estimate``'s communication terms) and what the
+beside what the package's estimate says the same step sends (``costing``'s communication terms) and what the
 layout needs at least (``minimum_terms``: every plugin's ``ultrascale_comm_minimum``). ``ParallelModel.profile_step``
 fills a ``StepProfile``.
 
@@ -10,12 +10,16 @@ they get rows of their own, marked ``small``, so that they do not blur the bytes
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch.distributed as dist
 
-from ..distributed.comm_ledger import SMALL_BYTES, flight_recorder_check, summarise, wire_bytes
+from ..distributed.comm_ledger import (SMALL_BYTES, CommLedger, GroupLabels, flight_recorder_check, last_record_id,
+                                       summarise, wire_bytes)
 from ..interface.comm_minimum import MinimumTerm
+from ..interface.parallel_dims import resolve
+from .costing import resolved_cost
 
 P2P = ("send", "recv")  # one row: the estimate and the minimum count a pipeline's transfers at both ends
 
@@ -48,12 +52,28 @@ class StepProfile:
         mine = [dict(r, rank=dist.get_rank()) for r in summarise(records)]
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        self.step = step_shape(self.pmodel.microbatches_inside, self.batches)
+        self.step = step_shape(self.pmodel.tokens.microbatches_inside, self.batches)
         estimate, minimum = expected(self.pmodel, self.step) if self.step else ([], [])
         self.rows = merge_rows([r for rank_rows in every for r in rank_rows], estimate, minimum)
         self.table = format_table(self.rows, self.pmodel.dims.describe(), self.step)
         if out is not None and dist.get_rank() == 0:
             out(self.table)
+
+
+@contextlib.contextmanager
+def record_step(pmodel, out=print):
+    """``ParallelModel.profile_step``: record every collective this rank issues inside the block (a ledger over
+    the layout's meshes and its views'), then fill the ``StepProfile`` it yields from every rank's record."""
+    profile = StepProfile(pmodel)
+    labels = GroupLabels(lambda: [pmodel.dims.mesh, *pmodel.dims.view_meshes.values()])
+    after = last_record_id()  # the flight recorder's last entry, when it is on (the independent count)
+    pmodel.recording = profile
+    try:
+        with CommLedger(labels) as ledger:
+            yield profile
+    finally:
+        pmodel.recording = None
+    profile.finish(ledger.records, labels, after, out)
 
 
 def step_shape(pieces: int, batches: list[tuple[int, int]]) -> dict:
@@ -68,11 +88,9 @@ def step_shape(pieces: int, batches: list[tuple[int, int]]) -> dict:
 def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
     """The estimate's and the minimum's terms for this step, as (axis, op, calls, payload, wire) per step, for the
     most loaded rank (no coordinates). Their wire bytes are the ring's for their payload (``wire_bytes``)."""
-    from .engine import estimate_with_shape
-
     model = pmodel.module
-    est, shape = estimate_with_shape(pmodel.config, model.config, world_size=dist.get_world_size(),
-                                     model=_meta_model(model), check=False, **step)
+    resolved = resolve(pmodel.config, dist.get_world_size(), pmodel.pm, check=False)
+    est, shape = resolved_cost(resolved, model.config, pm=pmodel.pm, model=_meta_model(model), **step)
     m = step["micro_batches"]
     size = lambda axis: math.prod(pmodel.dims.degree(a) for a in axis.split("+"))  # noqa: E731
     terms = [_with_wire(t.axis, t.collective, t.calls * (m if t.per == "micro_batch" else 1),

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..interface.config import ConfigError
 from ..interface.model_wrapper import wrapper_of
+from .batches import to_device
 
 
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -121,13 +122,13 @@ class ParallelCausalLM(nn.Module):
         whole_rows = kwargs.pop("whole_rows", False)
         if kwargs.pop("fused_lm_head", False):
             # TRL's fused LM head: each token's log-probability, entropy and top-1 hit, never the whole logits
-            # (ParallelModel.token_outputs; the chunked loss computes them a chunk of tokens at a time);
+            # (pmodel.outputs.token_outputs; the chunked loss computes them a chunk of tokens at a time);
             # whole_rows: each row's tokens whole on every rank holding some of them (a preference loss)
             if labels is None:
                 raise ConfigError("fused_lm_head=True needs labels: the log-probabilities are of the next tokens")
             # the batch's other keys (a collator's seq_idx, ...) are not the model's: only what it should return
             flags = {k: kwargs[k] for k in ("output_router_logits",) if k in kwargs}
-            return pm.token_outputs(batch, whole_rows=whole_rows, **flags)
+            return pm.outputs.token_outputs(batch, whole_rows=whole_rows, **flags)
         if self.pipelined:
             if labels is None:
                 raise ConfigError("pp>1: a pipelined model returns the loss, not logits (they stay on the last "
@@ -139,7 +140,7 @@ class ParallelCausalLM(nn.Module):
             return CausalLMOutputWithPast(loss=loss)
         if labels is None:
             with pm.autocast():
-                return pm.forward_module(**pm.to_device(batch), **kwargs)
+                return pm.forward_module(**to_device(batch, pm.device), **kwargs)
         # the engine's forward, as in the CLI's step: the loss's value is the global mean, its gradient this rank's
         # share, so a front end's backward of it (plus any term the user adds) gives exact gradients
         return pm.forward(batch)

@@ -41,13 +41,13 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class TokenOutputs:
     """Per-token figures of one micro-batch on this rank, each shaped like its next-token targets (this rank's
-    part of them, or its rows whole: ``ParallelModel.token_outputs(whole_rows=True)``) and zero where the target is
+    part of them, or its rows whole: ``pmodel.outputs.token_outputs(whole_rows=True)``) and zero where the target is
     ignored: the log-probability of the target (with gradient), the entropy of the prediction, whether the target
     is its top-1 and the mean of the logits (without). ``label_mask``: the valid targets; ``count``: the valid
     targets of the global micro-batch (every rank holding other tokens); ``output``: the model's output;
     ``terms``: the objective's other terms for this micro-batch (``ultrascale_loss_terms``: a mixture of experts'
     router auxiliary loss over the global batch, with its coefficient), to fold in with
-    ``ParallelModel.add_loss_terms``."""
+    ``pmodel.tokens.add_terms``."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor

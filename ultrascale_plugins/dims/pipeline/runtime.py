@@ -45,13 +45,13 @@ class Pipeline(Runtime):
         self._busy = 0.0
 
     def _loss(self, output, targets):
-        objective = self._pmodel.objective
+        objective = self._pmodel.outputs.objective
         if objective is not None and not self.ctx.stand_in:  # a trainer's own loss of the per-token outputs
             return objective(self._chunk, self._token_outputs(output, targets), self.scale)
         return self._loss_sum(output, targets) * self.scale
 
     def _token_outputs(self, output, targets, count=None):
-        """The last stage's per-token outputs of one micro-batch (``ParallelModel.token_outputs``' contract), with
+        """The last stage's per-token outputs of one micro-batch (``pmodel.outputs.token_outputs``' contract), with
         the plugins' loss terms (the router auxiliary loss, from every stage's router logits) and, where there are
         terms or it is given, its global valid-token count."""
         from types import SimpleNamespace
@@ -64,12 +64,12 @@ class Pipeline(Runtime):
             logits, routed, mask = output
             layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
             seen = SimpleNamespace(logits=logits, router_logits=layers)
-            terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
+            terms = pmodel.outputs.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
         got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=logits, targets=targets)
         if got is None:
             got = token_outputs_of(logits, targets)
         # the global count (a collective) only where the loss terms need it: an objective normalizes its own way
-        got.count = count if count is not None or not terms else pmodel.global_token_count(targets)
+        got.count = count if count is not None or not terms else pmodel.tokens.global_count(targets)
         got.terms = terms
         return got
 
@@ -82,15 +82,15 @@ class Pipeline(Runtime):
 
         pmodel = self._pmodel
         if not isinstance(output, tuple):
-            return pmodel.token_loss_sum(output, targets)
+            return pmodel.outputs.token_loss_sum(output, targets)
         logits, routed, mask = output
-        loss_sum = pmodel.token_loss_sum(logits, targets)
+        loss_sum = pmodel.outputs.token_loss_sum(logits, targets)
         layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
         seen = SimpleNamespace(logits=logits, router_logits=layers)
-        terms = pmodel.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
+        terms = pmodel.outputs.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
         if count is None:
-            count = pmodel.global_token_count(targets)  # this micro-batch's, over every rank holding its tokens
-        return pmodel.add_loss_terms(loss_sum, terms, count)
+            count = pmodel.tokens.global_count(targets)  # this micro-batch's, over every rank holding its tokens
+        return pmodel.tokens.add_terms(loss_sum, terms, count)
 
     def build(self):
         from torch.distributed import pipelining
@@ -128,7 +128,7 @@ class Pipeline(Runtime):
         _around(stage, ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"), stand_in)
 
     def _give_targets(self, stage) -> None:
-        """Run each micro-batch's forward on the last stage inside ``pmodel.forward_targets`` with that
+        """Run each micro-batch's forward on the last stage inside ``pmodel.outputs.forward_targets`` with that
         micro-batch's targets (split as the schedule splits them: into equal row blocks)."""
         inner = stage.forward_one_chunk
 
@@ -137,8 +137,8 @@ class Pipeline(Runtime):
             if chunks is None:  # shape inference: no real batch
                 return inner(fwd_chunk_id, *args, **kwargs)
             self._chunk = fwd_chunk_id  # the schedule computes this micro-batch's loss next
-            per_token = self._pmodel.objective is not None
-            with self._pmodel.forward_targets(chunks[fwd_chunk_id], per_token=per_token):
+            per_token = self._pmodel.outputs.objective is not None
+            with self._pmodel.outputs.forward_targets(chunks[fwd_chunk_id], per_token=per_token):
                 return inner(fwd_chunk_id, *args, **kwargs)
 
         stage.forward_one_chunk = functools.wraps(inner)(forward_one_chunk)
@@ -230,9 +230,10 @@ class Pipeline(Runtime):
                     routed = torch.empty(int(rows), width, device=ids.device)
                     dist.recv(routed, src=src, group=self.pp_group)
             args = (x, mask, positions) if stage == 0 else (x, mask, positions, ids, *((routed,) if width else ()))
-            objective = self._pmodel.objective
+            outputs = self._pmodel.outputs
+            objective = outputs.objective
             last = stage == self.n_stages - 1
-            with self._pmodel.forward_targets(targets, objective is not None) if last else contextlib.nullcontext():
+            with outputs.forward_targets(targets, objective is not None) if last else contextlib.nullcontext():
                 out = modules[stage](*args)
             if last:
                 if objective is not None:  # a trainer's own loss of the whole local batch
@@ -294,7 +295,7 @@ class Pipeline(Runtime):
         of a stage run in it: data-parallel peers holding rows of other lengths rebuild together or their
         collectives pair up wrongly (a hang). Their pipeline peers hold the same rows and decide the same."""
         stale = self.schedule is None or shape != self._built_for
-        return bool(pmodel.sum_over_rows(torch.tensor([int(stale)])).item()) if pmodel.dims.dp > 1 else stale
+        return bool(pmodel.tokens.sum_over_rows(torch.tensor([int(stale)])).item()) if pmodel.dims.dp > 1 else stale
 
     def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         batch = pmodel.prepare_batch(batch)
@@ -318,13 +319,13 @@ class Pipeline(Runtime):
         if train and ids.shape[0] % m:
             raise ConfigError(f"pp_microbatches={m}: this rank's batch of {ids.shape[0]} rows does not split into "
                               f"{m} micro-batches. Fix: make the per-rank batch a multiple of {m}")
-        count = pmodel.global_token_count(targets)
+        count = pmodel.tokens.global_count(targets)
         for module in self.stages:
             module.train(train)
         total = torch.zeros((), dtype=torch.float64, device=ids.device)
         with pmodel.autocast():
             if train:
-                self.scale = float(pmodel.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
+                self.scale = float(pmodel.tokens.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 if _takes_return_outputs():  # else the last stage keeps every micro-batch's logits to merge them
@@ -351,7 +352,7 @@ class Pipeline(Runtime):
         for module in self.stages:
             module.train()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage holds it: a sum is a broadcast
-        return pmodel.reduce_loss(total, count)
+        return pmodel.tokens.reduce_loss(total, count)
 
 
 @functools.cache

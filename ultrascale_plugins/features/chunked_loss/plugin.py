@@ -35,7 +35,7 @@ MARK = "_ultrascale_loss_sum"  # set on the tensor the head returns: the step ta
 
 class _Targets:
     value: torch.Tensor | None = None
-    per_token: bool = False  # each token's figures wanted (ParallelModel.token_outputs), not the loss's sum
+    per_token: bool = False  # each token's figures wanted (pmodel.outputs.token_outputs), not the loss's sum
     stats: tuple | None = None  # (entropy, top-1) of the last per-token forward
 
 

@@ -73,11 +73,12 @@ def ultrascale_validate_loop(config, micro_batches, max_grad_norm):
 def ultrascale_prepare_optimizer(pmodel, optimizer):
     if not pmodel.config.optimizer_in_backward:
         return None
-    if pmodel.unclaimed_gradient_axes:
-        raise ConfigError(f"optimizer_in_backward=true: the gradients over {', '.join(pmodel.unclaimed_gradient_axes)} "
+    unclaimed = pmodel.gradients.unclaimed_axes
+    if unclaimed:
+        raise ConfigError(f"optimizer_in_backward=true: the gradients over {', '.join(unclaimed)} "
                           "are averaged after the backward, so a step inside it would see them unreduced. Fix: "
                           "optimizer_in_backward: false with this layout")
-    pmodel.gradients_consumed = WHY
+    pmodel.gradients.consumed = WHY
     return StepInBackward(optimizer)
 
 

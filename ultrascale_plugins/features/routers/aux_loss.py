@@ -22,5 +22,5 @@ def ultrascale_loss_terms(pmodel, output, batch):
         return None
     lm = pmodel.ctx.plan.causal_lm(pmodel.module) if pmodel.ctx.plan is not None else pmodel.module
     rows = batch.get("input_ids", batch.get("attention_mask"))  # a pipeline's last stage has the mask only
-    return [router_aux_loss(lm, logits, batch.get("attention_mask"), pmodel.token_group,
+    return [router_aux_loss(lm, logits, batch.get("attention_mask"), pmodel.tokens.group,
                             tuple(rows.shape) if rows is not None else None)]

@@ -98,8 +98,8 @@ def ultrascale_after_backward(pmodel):
     rate = pmodel.config.router_bias_update
     modules = list(counts)
     flat = torch.cat([counts[m] for m in modules])
-    if pmodel.token_group is not None:  # every rank that routed other tokens of this step
-        dist.all_reduce(flat, group=pmodel.token_group)
+    if pmodel.tokens.group is not None:  # every rank that routed other tokens of this step
+        dist.all_reduce(flat, group=pmodel.tokens.group)
     for module, load in zip(modules, flat.split([counts[m].numel() for m in modules])):
         bias = getattr(module, BIAS)
         with torch.no_grad():
