@@ -78,7 +78,7 @@ class HeadParallelDeltaNet(ParallelStyle):
     (replicated, gradient-summed) convolution weight."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from ..dims.tensor.styles import _LocalWithSummedGrad, run_on_local_params
+        from ..distributed.local_params import LocalWithSummedGrad, run_on_local_params
 
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         rows = _channels(module, rank, tp)
@@ -98,7 +98,7 @@ class HeadParallelDeltaNet(ParallelStyle):
             try:
                 w = saved["weight"]
                 if isinstance(w, DTensor):
-                    w = _LocalWithSummedGrad.apply(w) if w.requires_grad else w.to_local()
+                    w = LocalWithSummedGrad.apply(w) if w.requires_grad else w.to_local()
                 conv._parameters["weight"] = w[rows.to(w.device)]
                 return inner(*args, **kwargs)
             finally:

@@ -13,11 +13,52 @@ from functools import partial
 
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..interface.hookspecs import hookimpl
 from ..interface.stages import Stage
-from ..dims.tensor.styles import PackedColwiseParallel, run_on_local_params
+from ..distributed.local_params import all_reduce_backward, run_on_local_params
 from .plan import hf_plan_from_model
+
+
+class PackedColwiseParallel(ParallelStyle):
+    """Column-parallel for a weight that packs ``split_factor`` projections side by side (e.g. q|k|v), with the
+    output dimension as dim 1 (GPT-2's Conv1D weight is ``[in, out]``).
+
+    Each rank keeps its slice of every packed part (placement ``_StridedShard``), so its local output is
+    ``[q_i | k_i | v_i]`` and ``full_tensor()`` still returns the original layout. The matmul runs on local
+    tensors; the input is marked so that its gradient is all-reduced over TP (Megatron's "f" operator), unless
+    ``partial_input``: then its region reduces the summed gradient of all its projections once (see
+    ``region_input``). The bias stays replicated over TP and each rank slices its part in forward (the slice's backward gathers
+    the gradient): a strided TP shard on dim 0 would share that dim with FSDP's shard, and torch mis-places
+    the gradient of such nested strided shards.
+    """
+
+    def __init__(self, split_factor: int, partial_input: bool = False):
+        super().__init__()
+        self.split_factor, self.partial_input = split_factor, partial_input
+
+    def _partition(self, name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = _StridedShard(1, split_factor=self.split_factor) if param.ndim > 1 else Replicate()
+            dparam = distribute_tensor(param, mesh, [placement])
+            module.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        bias_slice = [_StridedShard(0, split_factor=self.split_factor)]
+
+        def local_forward(x):
+            if not self.partial_input:
+                x = all_reduce_backward(x, device_mesh)
+            w = module.weight.to_local()
+            y = x.reshape(-1, x.shape[-1]) @ w
+            if module.bias is not None:
+                y = y + module.bias.redistribute(device_mesh, bias_slice).to_local()
+            return y.view(*x.shape[:-1], w.shape[1])
+
+        distribute_module(module, device_mesh, self._partition)
+        module.forward = local_forward  # instance attribute: hooks on the module still run around it
+        return module
 
 
 def _conv1d_apply(style, module, mesh, weight_dim: int, bias_placement):

@@ -103,7 +103,7 @@ _SUMS_OUTPUT = {"rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep",
 def _flow(model, plan):
     """The trace's verdict for ``model``: the one its workers acted on when it is (a copy of) a parallelized
     model, whose own modules no longer run on the meta device, else traced here."""
-    from .plugin import rank_local_params
+    from .regions import rank_local_params
 
     if getattr(model, "_ultrascale_tp_flow", None) is not None:
         return model._ultrascale_tp_flow
@@ -120,7 +120,7 @@ def _per_model(model, plan, flow, sp: bool):
     """Calls of each activation collective for all of ``model``'s regions, and the plan's matches: computed once
     per (model, plan, sp) — the planner's search prices thousands of layouts of one model."""
     from ...models.plan import region_holding
-    from .plugin import simple_regions
+    from .regions import simple_regions
 
     key = (id(model), id(flow), tuple(plan.regions), sp)
     if key in _PER_CACHE and _PER_CACHE[key][0] is model:

@@ -10,7 +10,7 @@ head see the full sequence as the model's own code expects (some models reshape 
 
 One rule covers every parameter that all TP ranks hold whole but apply to different data (this rank's heads,
 this rank's sequence shard): it becomes a replicated DTensor whose gradient is summed over TP
-(``tp_styles.run_on_local_params``). The first kind is found by tracing the model's data flow on the meta
+(``local_params.run_on_local_params``). The first kind is found by tracing the model's data flow on the meta
 device (``models.dataflow``; the plan's ``replicated_with_grad_allreduce`` marks some of them too); under
 sequence parallel the second kind is found from the module tree: every norm parameter in a decoder layer outside
 its regions.
@@ -28,14 +28,14 @@ from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...models.placeholder import present_modules
-from ...models.plan import ROWWISE, region_holding
 from ...interface.facts import layout_facts
 from ...interface.parallel_dims import TP_ORDER, MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .dry_run import dry_run as tp_dry_run
+from .regions import model_type, rank_local_params, simple_regions
 from .styles import (
     KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input, redistribute_output,
-    region_input, replicate_the_rest, run_on_local_params, scale_input_grad, takes_partial_input,
+    region_input, replicate_the_rest, run_on_local_params, scale_input_grad,
 )
 
 
@@ -84,17 +84,13 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "loss_parallel off or pad the vocabulary")
 
 
-def _model_type(model) -> str:
-    return getattr(model.config, "model_type", type(model).__name__)
-
-
 @hookimpl
 def ultrascale_validate_model(model, plan, config):
     """What only the module tree tells (the model may be on the meta device): a plan exists, its styles are
     known, and under sequence parallel nothing but norms acts on the sequence shards between regions."""
     if config.tp == 1:
         return
-    arch = _model_type(model)
+    arch = model_type(model)
     if plan is None:
         raise ConfigError(
             f"tp={config.tp}: model type '{arch}' has no tensor-parallel plan. Fix: use tp: 1, or register a "
@@ -153,7 +149,7 @@ def _build_styles(model, plan, config) -> None:
             make_style(name, sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel,
                        is_head=(fqn == plan.lm_head), extra=plan.styles)
         except ConfigError as exc:
-            raise ConfigError(f"tp={config.tp}: model type '{_model_type(model)}', module '{fqn}': {exc}") from None
+            raise ConfigError(f"tp={config.tp}: model type '{model_type(model)}', module '{fqn}': {exc}") from None
     for fqn, style in plan.param_matches(model).items():
         owner, _, name = fqn.rpartition(".")
         _placement(style, fqn, getattr(model.get_submodule(owner), name).ndim)
@@ -165,42 +161,6 @@ def _placement(style: str, fqn: str, ndim: int):
         raise ConfigError(f"tp plan style '{style}' on parameter '{fqn}' is not supported. Fix: use tp: 1 "
                           "for this model")
     return placement
-
-
-def simple_regions(plan, matched: dict) -> set[str]:
-    """The regions whose output one row-parallel layer hands back directly (reduced, or reduce-scattered under
-    SP); others (MoE blocks, several row-parallel layers) reduce a sum where they end (``TpDataflow.sums``) or,
-    where the trace cannot show it is one, all-reduce inside and slice their output back to sequence shards."""
-    regions = set(plan.regions)
-    rows: dict[str, int] = {}
-    whole = plan.whole_output_styles()
-    opened = set()  # regions holding a module whose output is whole (experts): never simple
-    for fqn, name in matched.items():
-        region = region_holding(fqn, regions)
-        if region is not None:
-            rows[region] = rows.get(region, 0) + (name in ROWWISE or "rowwise" in name)
-            if name in whole:
-                opened.add(region)
-    return {r for r in plan.regions if rows.get(r) == 1 and r not in opened}
-
-
-def rank_local_params(model: nn.Module, plan):
-    """The plain parameters that meet only this rank's slice of the features inside TP regions, those that meet
-    both, and the regions that reduce their input's gradient once, from a trace of the model's data flow
-    (``models.dataflow.TpDataflow``)."""
-    from ...models.dataflow import trace_tp
-
-    def partial_input(fqn, style, module):
-        return takes_partial_input(style, plan.styles) and (style in plan.styles or style == "moe_tp_experts"
-                                                             or isinstance(module, nn.Linear))
-
-    try:
-        return trace_tp(model, plan, partial_input)
-    except Exception as exc:  # noqa: BLE001 - any failure means the data flow is unknown
-        raise ConfigError(
-            f"tp>1: could not trace the data flow of model type '{_model_type(model)}' on the meta device "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}), so the parameters "
-            "that need their gradients summed over TP are unknown. Fix: use tp: 1 for this model") from exc
 
 
 @hookimpl

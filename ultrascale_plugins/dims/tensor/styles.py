@@ -1,9 +1,9 @@
 """transformers' TP style names mapped onto torch DTensor parallel styles.
 
 transformers' own ``apply_tensor_parallelism`` always spans the whole world (it ignores a 2-D ``dp x tp`` mesh),
-so this package applies torch's styles on the ``tp`` sub-mesh itself. The two styles torch lacks — a fused
-("packed") column-parallel Conv1D weight and a replicated weight whose gradient is summed over TP — are
-written here.
+so this package applies torch's styles on the ``tp`` sub-mesh itself, and the styles torch lacks are written here,
+built on ``distributed/local_params`` (a replicated weight whose gradient is summed over TP, Megatron's "f" and
+"g"); GPT-2's packed column-parallel Conv1D weight is GPT-2's (``models/gpt2``).
 """
 from __future__ import annotations
 
@@ -11,55 +11,15 @@ import itertools
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ...distributed.local_params import all_reduce_backward, all_reduce_forward, run_on_local_params
 from ...interface.config import ConfigError
-
-
-class PackedColwiseParallel(ParallelStyle):
-    """Column-parallel for a weight that packs ``split_factor`` projections side by side (e.g. q|k|v), with the
-    output dimension as dim 1 (GPT-2's Conv1D weight is ``[in, out]``).
-
-    Each rank keeps its slice of every packed part (placement ``_StridedShard``), so its local output is
-    ``[q_i | k_i | v_i]`` and ``full_tensor()`` still returns the original layout. The matmul runs on local
-    tensors; the input is marked so that its gradient is all-reduced over TP (Megatron's "f" operator), unless
-    ``partial_input``: then its region reduces the summed gradient of all its projections once (see
-    ``region_input``). The bias stays replicated over TP and each rank slices its part in forward (the slice's backward gathers
-    the gradient): a strided TP shard on dim 0 would share that dim with FSDP's shard, and torch mis-places
-    the gradient of such nested strided shards.
-    """
-
-    def __init__(self, split_factor: int, partial_input: bool = False):
-        super().__init__()
-        self.split_factor, self.partial_input = split_factor, partial_input
-
-    def _partition(self, name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placement = _StridedShard(1, split_factor=self.split_factor) if param.ndim > 1 else Replicate()
-            dparam = distribute_tensor(param, mesh, [placement])
-            module.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        bias_slice = [_StridedShard(0, split_factor=self.split_factor)]
-
-        def local_forward(x):
-            if not self.partial_input:
-                x = all_reduce_backward(x, device_mesh)
-            w = module.weight.to_local()
-            y = x.reshape(-1, x.shape[-1]) @ w
-            if module.bias is not None:
-                y = y + module.bias.redistribute(device_mesh, bias_slice).to_local()
-            return y.view(*x.shape[:-1], w.shape[1])
-
-        distribute_module(module, device_mesh, self._partition)
-        module.forward = local_forward  # instance attribute: hooks on the module still run around it
-        return module
 
 
 def checkpoint_view(tensor):
@@ -108,71 +68,6 @@ def checkpoint_view(tensor):
     spec = DTensorSpec(tensor.device_mesh, tuple(tensor.placements),
                        tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(LocalShardsWrapper(shards, offsets), spec, requires_grad=False)
-
-
-def all_reduce_backward(x: torch.Tensor, mesh) -> torch.Tensor:
-    """Identity forward, gradient summed over TP in backward (Megatron's "f"): for a replicated input that
-    each rank uses with its own shard of the weights."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
-def all_reduce_forward(x: torch.Tensor, mesh) -> torch.Tensor:
-    """Sum of the ranks' partial results in forward, gradient passed through (Megatron's "g")."""
-    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-class _LocalWithSummedGrad(torch.autograd.Function):
-    """A replicated DTensor parameter seen as its local tensor; the gradient each rank computes from its own
-    data is summed over the mesh and handed back as a replicated DTensor. (``DTensor.to_local`` with a Partial
-    gradient placement leaves the parameter's gradient Partial, which neither the optimizer nor FSDP reduce.)"""
-
-    @staticmethod
-    def forward(ctx, param):
-        ctx.mesh, ctx.placements = param.device_mesh, param.placements
-        local = param.to_local()
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.mesh.get_group())
-        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False)
-
-
-def run_on_local_params(module: nn.Module, mesh, replicate_plain: bool, only: set[str] | None = None) -> None:
-    """Run ``module``'s forward on the local values of its own parameters.
-
-    With ``replicate_plain``, plain parameters first become replicated DTensors on ``mesh`` whose gradient is
-    summed over the mesh: the one rule for a parameter that every TP rank holds whole but applies to different
-    data — this rank's heads (Qwen3's per-head ``q_norm``), this rank's sequence shard (every norm under sequence
-    parallel), a gate multiplying partial expert outputs. As DTensors they compose with FSDP2's sharding over
-    data parallel (a gradient hook on the original tensor would be lost when FSDP swaps the parameters).
-    Already sharded parameters (e.g. attention sinks split by heads) are used as their local shard. ``only``
-    limits the replicated ones to those names."""
-    if replicate_plain:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor) and (only is None or name in only):
-                module.register_parameter(name, nn.Parameter(
-                    DTensor.from_local(param, mesh, [Replicate()], run_check=False),
-                    requires_grad=param.requires_grad))
-    if getattr(module, "_ultrascale_local_params", False):
-        return
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        saved = dict(module._parameters)
-        try:
-            for name, param in saved.items():
-                if isinstance(param, DTensor):
-                    summed = all(isinstance(p, Replicate) for p in param.placements)
-                    module._parameters[name] = (_LocalWithSummedGrad.apply(param) if summed and param.requires_grad
-                                                else param.to_local())
-            return inner(*args, **kwargs)
-        finally:
-            module._parameters.update(saved)
-
-    module.forward = forward
-    module._ultrascale_local_params = True
 
 
 def replicate_the_rest(model: nn.Module, mesh) -> None:
