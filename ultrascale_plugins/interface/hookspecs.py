@@ -247,8 +247,8 @@ def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) ->
 @hookspec
 def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of the batch in place, every tensor by the same positions, chosen from the
-    batch's shape alone (``ParallelModel.token_places`` runs it on the positions themselves to put a row's tokens back
-    together). Called on every step after the data loader's row split, before the forward.
+    batch's shape alone (``ParallelModel.outputs.token_places`` runs it on the positions themselves to put a
+    row's tokens back together). Called on every step after the data loader's row split, before the forward.
 
     :param batch: This rank's rows, a dict of tensors: ``input_ids``, ``attention_mask``, ``position_ids``,
         ``targets`` (next-token targets, already shifted, -100 where ignored).
@@ -286,7 +286,7 @@ def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor,
                                per_token: bool) -> AbstractContextManager | None:
     """Give a context manager that one micro-batch's forward runs inside, given its targets: a head
     that computes the loss inside the model's forward reads them there (the chunked loss). Every runtime enters every
-    plugin's around each micro-batch's forward (``ParallelModel.forward_targets``; a pipeline: around its last
+    plugin's around each micro-batch's forward (``ParallelModel.outputs.forward_targets``; a pipeline: around its last
     stage's).
 
     :param pmodel: The ``ParallelModel`` whose forward runs.
@@ -300,7 +300,7 @@ def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor,
 @hookspec(firstresult=True)
 def ultrascale_token_outputs(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> Any:
     """Give each token's log-probability, entropy and top-1 hit when the model's forward computed them
-    (run with ``per_token``). Asked by ``ParallelModel.token_outputs`` and by a pipeline's last stage.
+    (run with ``per_token``). Asked by ``ParallelModel.outputs.token_outputs`` and by a pipeline's last stage.
 
     Stops at the first non-None result.
 
@@ -314,7 +314,7 @@ def ultrascale_token_outputs(pmodel: ParallelModel, logits: torch.Tensor, target
 @hookspec(firstresult=True)
 def ultrascale_loss_sum(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
     """Give this rank's token-loss sum of one micro-batch when the model's forward computed it (the
-    chunked loss). Asked by ``ParallelModel.token_loss_sum``: the built-in step and a pipeline's last stage.
+    chunked loss). Asked by ``ParallelModel.outputs.token_loss_sum``: the built-in step and a pipeline's last stage.
 
     Stops at the first non-None result.
 
@@ -493,7 +493,7 @@ def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> l
 @hookspec(firstresult=True)
 def ultrascale_microbatches(config: ParallelConfig) -> int | None:
     """Say how many micro-batches one training step runs inside this dimension (a pipeline schedule's).
-    Recipes derive their batch split from it; ``ParallelModel.microbatches_inside`` reports it.
+    Recipes derive their batch split from it; ``ParallelModel.tokens.microbatches_inside`` reports it.
 
     Stops at the first non-None result.
 
