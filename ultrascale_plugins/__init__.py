@@ -10,7 +10,7 @@ import sys as _sys
 from .interface.config import ConfigError, ParallelConfig
 from .interface.facts import LayoutFacts, layout_facts
 from .interface.hookspecs import hookimpl, hookspec
-from .interface.parallel_dims import MeshAxis, MeshView
+from .interface.mesh_axes import MeshAxis, MeshView
 from .interface.plugins import get_plugin_manager, list_plugins, register
 from .interface.stages import Stage
 

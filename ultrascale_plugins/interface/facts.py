@@ -70,7 +70,7 @@ _CACHE: dict = {}
 def layout_facts(config, pm=None) -> LayoutFacts:
     """The facts of ``config`` (resolved or not): its axes' degrees and every plugin's answers to
     ``ultrascale_layout_facts``. A flag answered by two plugins, or unknown, is refused naming the plugins."""
-    from .parallel_dims import _declared
+    from .mesh_axes import declared
     from .plugins import get_plugin_manager
 
     pm = pm or get_plugin_manager()
@@ -80,7 +80,7 @@ def layout_facts(config, pm=None) -> LayoutFacts:
             return _CACHE[key]
     except TypeError:  # an unhashable stand-in for a config: not cached
         key = None
-    axes, views = _declared(config, pm)
+    axes, views = declared(config, pm)
     degrees = {a.name: a.degree for a in axes}
     for view in views:
         degrees.update({a.name: a.degree for a in view.axes})

@@ -14,111 +14,14 @@ again, so it adds nothing to the world-size product; the modules a model plan pu
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 from .fields import ConfigError
+from .mesh_axes import MeshAxis, declared_axes, declared_views
 
 # Positions of the built-in axes (smaller = outer). TP is innermost: consecutive ranks share the fastest links.
 PP_ORDER, DP_REPLICATE_ORDER, DP_SHARD_ORDER, CP_ORDER, TP_ORDER = 0, 20, 30, 40, 50
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshAxis:
-    """One axis of the device mesh.
-
-    - ``splits_rows``: each rank along it reads different rows of the global batch (the data loader's shard).
-    - ``reduces_grads``: gradients are averaged over it after backward, and the local loss is scaled by its degree
-      so the average is the gradient of the global mean. The engine does the averaging unless a plugin's wrapper
-      claims the axis (``ctx.claim_grad_reduction``: FSDP and DDP do it themselves).
-    - ``counts_tokens``: each rank along it holds different tokens, so the loss's valid-token count and the loss
-      value are summed over it.
-    """
-
-    name: str
-    degree: int
-    order: int = 10
-    splits_rows: bool = False
-    reduces_grads: bool = False
-    counts_tokens: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshView:
-    """Axes carved from others: the ranks of ``source`` (axes of the layout, flattened outer to inner) counted
-    again as ``axes`` (outer to inner; one may have degree -1, what the source leaves). The view is the layout's
-    mesh with ``source`` replaced by ``axes``: the same ranks, grouped differently for the modules a model plan
-    puts in it (``PlanEdit.views``). Its axes' flags mean what a ``MeshAxis``'s do, for those modules:
-    ``reduces_grads`` marks the axes their parameters are data-parallel over (sharded by ZeRO, gradients summed);
-    ``splits_rows`` and ``counts_tokens`` must stay False (rows and tokens are the layout's). Degree-1 axes of a
-    view stay in its mesh, so a module in the view always has a mesh to be sharded over."""
-
-    name: str
-    source: tuple[str, ...]
-    axes: tuple[MeshAxis, ...]
-
-
-def _declared(config, pm=None) -> tuple[list[MeshAxis], list[MeshView]]:
-    from .plugins import get_plugin_manager
-
-    pm = pm or get_plugin_manager()
-    axes: dict[str, MeshAxis] = {}
-    views: dict[str, MeshView] = {}
-    for result in pm.hook.ultrascale_mesh_axes(config=config):
-        for axis in result or []:
-            if isinstance(axis, MeshView):
-                if axis.name in views:
-                    raise ConfigError(f"mesh view '{axis.name}' is declared by two plugins. Fix: rename one of them")
-                views[axis.name] = axis
-                continue
-            if not isinstance(axis, MeshAxis):
-                raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
-                                  "MeshView values")
-            if axis.name in axes:
-                raise ConfigError(f"mesh axis '{axis.name}' is declared by two plugins. Fix: rename one of them")
-            axes[axis.name] = axis
-    return sorted(axes.values(), key=lambda a: (a.order, a.name)), list(views.values())
-
-
-def declared_axes(config, pm=None) -> list[MeshAxis]:
-    """Every plugin's axes for ``config``, outermost first."""
-    return _declared(config, pm)[0]
-
-
-def declared_views(config, axes: list[MeshAxis] | None = None, pm=None) -> list[MeshView]:
-    """Every plugin's views for ``config`` (resolved: the layout's degrees known), each with its -1 degree filled
-    in and checked against the axes it is carved from."""
-    declared, views = _declared(config, pm)
-    axes = axes if axes is not None else declared
-    return [_resolved_view(view, axes) for view in views]
-
-
-def _resolved_view(view: MeshView, axes: list[MeshAxis]) -> MeshView:
-    names = [a.name for a in axes]
-    missing = [s for s in view.source if s not in names]
-    if missing:
-        raise ConfigError(f"mesh view '{view.name}' is carved from {'/'.join(missing)}, which no plugin declares. "
-                          "Fix: install the plugin that declares it, or carve the view from declared axes")
-    where = sorted(names.index(s) for s in view.source)
-    if where != list(range(where[0], where[0] + len(where))):
-        raise ConfigError(f"mesh view '{view.name}' is carved from {'*'.join(view.source)}, which are not adjacent "
-                          f"in the mesh ({' > '.join(names)}). Fix: carve it from adjacent axes")
-    for axis in view.axes:
-        if axis.splits_rows or axis.counts_tokens:
-            raise ConfigError(f"axis '{axis.name}' of mesh view '{view.name}' splits rows or counts tokens, which only "
-                              "the layout's axes do. Fix: leave those flags False in a view")
-    total = math.prod(axes[i].degree for i in where)
-    fixed = math.prod(a.degree for a in view.axes if a.degree != -1)
-    free = [a for a in view.axes if a.degree == -1]
-    formula = "*".join(a.name for a in view.axes)
-    source = "*".join(view.source)
-    if len(free) > 1 or total % fixed or (not free and fixed != total):
-        raise ConfigError(f"mesh view '{view.name}': {formula} must re-split {source} = {total} ranks, and "
-                          f"{'*'.join(str(a.degree) for a in view.axes)} does not. Fix: pick degrees whose product is "
-                          f"{total}")
-    filled = tuple(dataclasses.replace(a, degree=total // fixed) if a.degree == -1 else a for a in view.axes)
-    return dataclasses.replace(view, axes=filled)
 
 
 def resolve(config, world_size: int, pm=None, check: bool = True):

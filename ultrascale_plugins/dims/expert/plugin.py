@@ -30,7 +30,7 @@ from ...interface.config import ConfigError, field_error
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
-from ...interface.parallel_dims import MeshAxis, MeshView
+from ...interface.mesh_axes import MeshAxis, MeshView
 from ...interface.plan_edit import PlanEdit
 from ...interface.moe_config import experts_per_token, routed_experts, text_config
 
