@@ -61,16 +61,16 @@ def is_sharded_checkpoint(path) -> bool:
 
 class UltraScaleTrainer(Trainer):
     def __init__(self, *args, ultrascale_plugin: UltraScalePlugin | None = None, **kwargs):
-        from . import trl
+        from . import trl_contract
 
         # built on a TRL trainer: one whose contract is known (integrations/trl.py: SFTTrainer, DPOTrainer), or
         # refused
         from ..distributed.launch import refuse
 
         try:
-            self._trl = trl.trl_kind(type(self))
+            self._trl = trl_contract.trl_kind(type(self))
             if self._trl:
-                trl.before_init(self._trl, args, kwargs, ultrascale_plugin)
+                trl_contract.before_init(self._trl, args, kwargs, ultrascale_plugin)
         except ConfigError as exc:  # in launched workers one line from rank 0 and exit status 2, not a traceback
             refuse(exc)
         self.ultrascale_plugin = ultrascale_plugin or UltraScalePlugin()
@@ -79,7 +79,7 @@ class UltraScaleTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._initializing = False
         if self._trl:
-            trl.after_init(self)
+            trl_contract.after_init(self)
         # the adapter's loss is already a micro-batch's global mean over its valid tokens: it takes no
         # num_items_in_batch; the accumulation window is weighted by tokens in training_step instead
         self.model_accepts_loss_kwargs = False
@@ -144,17 +144,17 @@ class UltraScaleTrainer(Trainer):
         """Layout fields this trainer sets where the layout leaves them at their default: TRL's SFTTrainer and
         DPOTrainer compute their loss through a fused, chunked head, so the parallel model's head runs in chunks
         too."""
-        from .trl import DEFAULT_CHUNK
+        from .trl_contract import DEFAULT_CHUNK
 
         return {"chunked_loss": DEFAULT_CHUNK} if self._trl else {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's (or the Trainer subclass's); TRL's SFTTrainer's and DPOTrainer's from the parallel model's
-        per-token outputs (integrations/trl.py)."""
+        per-token outputs (integrations/trl_contract.py)."""
         if self._trl:
-            from . import trl
+            from . import trl_contract
 
-            loss = trl.compute_loss if self._trl == "sft" else trl.dpo_compute_loss
+            loss = trl_contract.compute_loss if self._trl == "sft" else trl_contract.dpo_compute_loss
             return loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
@@ -162,13 +162,13 @@ class UltraScaleTrainer(Trainer):
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """TRL's DPOTrainer (``precompute_ref_log_probs``) computes the reference's log-probabilities in its
         ``__init__``, before anything is parallelized: here they wait for the parallel model, computed at the start
-        of ``train`` (or of an ``evaluate`` before it) in the layout (``trl.precompute_reference``)."""
+        of ``train`` (or of an ``evaluate`` before it) in the layout (``trl_contract.precompute_reference``)."""
         if self._trl != "dpo":
             return super()._precompute_ref_logps(dataset, name, batch_size)
         if self._initializing:
             self._pending_references.append((name, batch_size))
             return dataset
-        from .trl import precompute_reference
+        from .trl_contract import precompute_reference
 
         return precompute_reference(self, dataset, batch_size)
 
@@ -281,7 +281,7 @@ class UltraScaleTrainer(Trainer):
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         if self._trl:  # TRL's trainers write their model card (README.md in output_dir) at every checkpoint
-            from .trl import write_model_card
+            from .trl_contract import write_model_card
 
             write_model_card(self)
         output_dir = os.path.join(run_dir, folder)

@@ -278,7 +278,8 @@ def test_what_is_refused_at_construction(monkeypatch):
     import trl
     from trl import DPOTrainer
 
-    from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer, trl_kind
+    from ultrascale_plugins.integrations.trl import UltraScaleDPOTrainer
+    from ultrascale_plugins.integrations.trl_contract import trl_kind
     from ultrascale_plugins.interface.config import ConfigError
 
     base, sft, plain_sft, grpo = _trainer_classes()
@@ -325,7 +326,7 @@ def test_dpo_arguments_the_layout_cannot_honour_are_refused(field, value, dp, wo
     with pytest.raises(ConfigError, match=f"DPOConfig\\({field}=.*{words}"):
         UltraScaleDPOTrainer(model=None, args=args, ultrascale_plugin=UltraScalePlugin(dp_shard=dp))
     if field == "loss_type":  # one replica holds the whole micro-batch: TRL's own loss is the one-process one
-        from ultrascale_plugins.integrations.trl import refuse_dpo_arguments
+        from ultrascale_plugins.integrations.trl_contract import refuse_dpo_arguments
 
         refuse_dpo_arguments(args, 1)
 
@@ -358,7 +359,7 @@ def test_what_is_refused_at_construction_is_one_line_from_rank_0_in_launched_wor
 def test_sft_arguments_the_layout_owns_are_refused(field, value, words, tmp_path):
     from trl import SFTConfig
 
-    from ultrascale_plugins.integrations.trl import refuse_sft_arguments
+    from ultrascale_plugins.integrations.trl_contract import refuse_sft_arguments
     from ultrascale_plugins.interface.config import ConfigError
 
     args = SFTConfig(output_dir=str(tmp_path), bf16=False)
