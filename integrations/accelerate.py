@@ -207,7 +207,7 @@ class UltraScaleAccelerator(Accelerator):
     def _parallelize(self, model, reference: bool = False):
         from ..core import engine
         from ..core.engine import causal_lm_of
-        from ..core.hf_module import ParallelCausalLM
+        from .hf_module import ParallelCausalLM
 
         if not hasattr(model, "lm_head"):
             raise ConfigError(f"{type(model).__name__}: ultrascale parallelizes causal LMs (a model with an "

@@ -297,7 +297,7 @@ class _UltraScaleStrategyMixin:
 
     def setup(self, trainer) -> None:
         from ..core import engine
-        from ..core.hf_module import ParallelCausalLM
+        from .hf_module import ParallelCausalLM
 
         self.accelerator.setup(trainer)
         lm = self.lightning_module

@@ -164,7 +164,7 @@ def run(name: str) -> dict | None:
                   if "lora_" in n and "layers.0.self_attn" in n and hasattr(param, "placements")}
     saved = None
     if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
-        from ultrascale_plugins.core.hf_module import ParallelCausalLM
+        from ultrascale_plugins.integrations.hf_module import ParallelCausalLM
 
         saved = extra["save"] + "/" + name
         ParallelCausalLM(pmodel).save_pretrained(saved)

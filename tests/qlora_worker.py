@@ -145,7 +145,7 @@ def run(name: str) -> dict | None:
     final = pmodel.full_state_dict()
     saved = None
     if extra.get("save"):  # the adapters in PEFT's format, as the front ends' save_model writes them
-        from ultrascale_plugins.core.hf_module import ParallelCausalLM
+        from ultrascale_plugins.integrations.hf_module import ParallelCausalLM
 
         saved = extra["save"] + "/" + name
         ParallelCausalLM(pmodel).save_pretrained(saved)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..interface.config import ConfigError
 from ..interface.model_wrapper import wrapper_of
-from .batches import to_device
+from ..core.batches import to_device
 
 
 _SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
