@@ -2,6 +2,7 @@
 step equal to one process without Accelerate (fp32, 1e-5); checkpoints, export, config files and errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,13 +252,40 @@ def test_accelerate_config_writes_a_file_accelerate_accepts(tmp_path):
 
 
 def test_accelerate_config_interactive(tmp_path):
+    """The questions are the fields the plugins mark to be asked, in their declaration order (processes;
+    dp_replicate, zero_stage, mixed_precision; tp, sequence_parallel when tp > 1; pp, pp_schedule when pp > 1;
+    cp, cp_method when cp > 1; ep): every mesh degree is asked, a follow-up only when it matters."""
     out = tmp_path / "c.yaml"
-    answers = "4\n2\n2\nfalse\n1\n3\nno\n1f1b\n"
+    answers = "4\n1\n3\nno\n2\nfalse\n2\n1f1b\n1\n1\n"
     proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--interactive",
                            "--cpu", "--out", str(out)], input=answers, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     data = yaml.safe_load(out.read_text())
     assert data["num_processes"] == 4 and data["parallelism_config"]["ultrascale"] == {"pp": 2}
+    asked = re.findall(r"\((\w+)[:)]", proc.stdout)
+    assert asked == ["dp_replicate", "zero_stage", "mixed_precision", "tp", "sequence_parallel", "pp", "pp_schedule",
+                     "cp", "ep"], proc.stdout
+    answers = "4\n1\n3\nno\n1\n1\n4\nulysses\n1\n"  # cp=4 asks its method; tp=1 and pp=1 ask nothing more
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--interactive",
+                           "--cpu", "--out", str(out)], input=answers, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "cp_method" in proc.stdout and "sequence_parallel" not in proc.stdout and "pp_schedule" not in proc.stdout
+    written = yaml.safe_load(out.read_text())["parallelism_config"]
+    assert written["parallelism_config_cp_size"] == 4 and written["ultrascale"] == {"cp_method": "ulysses"}
+
+
+def test_accelerate_config_interactive_asks_an_outside_plugins_field(tmp_path):
+    """A plugin outside the package (tests/outside_plugin) that marks its field to be asked is asked, after the
+    built-ins, with no change to the command line."""
+    from conftest import outside_plugin_env
+
+    out = tmp_path / "c.yaml"
+    proc = subprocess.run([sys.executable, "-m", "ultrascale_plugins.cli.main", "accelerate-config", "--interactive",
+                           "--cpu", "--out", str(out)], input="4\n1\n3\nno\n1\n1\n1\n1\n2\n", capture_output=True,
+                          text=True, env=outside_plugin_env())
+    assert proc.returncode == 0, proc.stderr
+    assert re.findall(r"\((\w+)[:)]", proc.stdout)[-1] == "acme_dp", proc.stdout
+    assert yaml.safe_load(out.read_text())["parallelism_config"]["ultrascale"] == {"acme_dp": 2}
 
 
 def test_layout_mismatch_and_unavailable_dimensions_are_config_errors(tmp_path):

@@ -23,7 +23,7 @@ FUSED = {"norms": 0}  # RMSNorm modules this process computes with the fused ker
 @hookimpl
 def ultrascale_add_fields(fields):
     fields.add("acme_dp", int, 1, "acme's second data-parallel degree: its ranks split each replica's rows",
-               minimum=1)
+               minimum=1, ask="Acme's second data-parallel degree")
     fields.add("acme_fused_norm", bool, False, "compute every RMSNorm with torch's fused rms_norm")
 
 

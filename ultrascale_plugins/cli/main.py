@@ -305,22 +305,29 @@ def cmd_export(args) -> int:
     return 0
 
 
-ASK = [("num_processes", "How many processes in all (all machines)?", int, 2),
-       ("pp", "Pipeline-parallel degree (pp)?", int, 1),
-       ("tp", "Tensor-parallel degree (tp)?", int, 1),
-       ("sequence_parallel", "Sequence parallel with TP (true/false)?", bool, False),
-       ("dp_replicate", "Replicated data-parallel degree (dp_replicate, HSDP)?", int, 1),
-       ("zero_stage", "ZeRO stage for the sharded data-parallel rest (0-3)?", int, 3),
-       ("mixed_precision", "Mixed precision (no/bf16)?", str, "no")]
-
-
 def _ask(prompt: str, kind, default):
     answer = input(f"{prompt} [{default}]: ").strip()
     if not answer:
         return default
     if kind is bool:
         return answer.lower() in ("1", "true", "yes", "y")
-    return kind(answer)
+    try:
+        return kind(answer)
+    except ValueError:
+        raise ConfigError(f"{prompt} {answer!r}: must be {kind.__name__}. Fix: answer e.g. {default}") from None
+
+
+def _ask_layout() -> dict:
+    """The layout fields the installed plugins ask for (``Field.ask``), in their declaration order, each only
+    when the answers so far make it matter (``pp_schedule`` once ``pp`` > 1); each answer checked as a recipe's
+    value is."""
+    from ..interface.plugins import layout_fields
+
+    answers: dict = {}
+    for field in layout_fields():
+        if field.asked(answers):
+            answers[field.name] = field.validate(_ask(field.prompt(), field.type, field.default))
+    return answers
 
 
 def cmd_accelerate_config(args) -> int:
@@ -334,15 +341,8 @@ def cmd_accelerate_config(args) -> int:
     fields = apply_overrides({}, args.overrides).get("parallel", {}) if args.overrides else {}
     num_processes = args.num_processes
     if args.interactive:
-        for key, prompt, kind, default in ASK:
-            value = _ask(prompt, kind, default)
-            if key == "num_processes":
-                num_processes = value
-            else:
-                fields[key] = value
-        if fields.get("pp", 1) > 1:
-            fields["pp_schedule"] = _ask("Pipeline schedule (gpipe/1f1b/interleaved_1f1b/zero_bubble/zbv/"
-                                         "dualpipev)?", str, "1f1b")
+        num_processes = _ask("How many processes in all (all machines)?", int, 2)
+        fields.update(_ask_layout())
     if num_processes is None:
         raise ConfigError("--num-processes is required (or --interactive). Fix: e.g. --num-processes 4")
     config = ParallelConfig.from_dict(fields)

@@ -49,7 +49,10 @@ TYPES = {int: "an integer", bool: "true or false", str: "a string", float: "a nu
 class Field:
     """One layout field. ``check(value)`` returns None or ``(problem, fix)`` for values the type and ``choices``
     / ``minimum`` do not rule out; ``optional`` allows None. ``auto`` (a function of the layout) lets the field
-    also take the value ``"auto"``, which ``ParallelConfig.resolve`` replaces by ``auto(resolved_config)``."""
+    also take the value ``"auto"``, which ``ParallelConfig.resolve`` replaces by ``auto(resolved_config)``.
+    ``ask``: the question ``ultrascale accelerate-config --interactive`` asks for the field ("": it is left at its
+    default), asked when ``ask_when(answers so far)`` is true, or always without one (``pp_schedule`` is asked
+    once ``pp`` > 1)."""
 
     name: str
     type: type
@@ -61,6 +64,17 @@ class Field:
     optional: bool = False
     check: Callable[[Any], tuple[str, str] | None] | None = None
     auto: Callable[[Any], Any] | None = None
+    ask: str = ""
+    ask_when: Callable[[dict], bool] | None = None
+
+    def asked(self, answers: dict) -> bool:
+        """Whether the interactive configuration asks for this field, given the ``answers`` so far."""
+        return bool(self.ask) and (self.ask_when is None or bool(self.ask_when(answers)))
+
+    def prompt(self) -> str:
+        """The interactive question, with the field's name and the values it takes."""
+        kinds = "/".join(map(str, self.choices)) if self.choices else ("true/false" if self.type is bool else "")
+        return f"{self.ask} ({self.name}{': ' + kinds if kinds else ''})?"
 
     def validate(self, value: Any) -> Any:
         """The value, checked (lists are copied); a ConfigError naming the field, the value and the fix."""
@@ -101,12 +115,12 @@ class Fields:
         self.plugin = ""  # set by the caller while one plugin's hook runs
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
-            optional: bool = False, check=None, auto=None) -> None:
+            optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None) -> None:
         if name in self.by_name:
             raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
                               f"'{self.plugin}'. Fix: rename one of them")
         field = Field(name, type, default, help, self.plugin, tuple(choices) if choices is not None else None,
-                      minimum, optional, check, auto)
+                      minimum, optional, check, auto, ask, ask_when)
         if default is not None or not optional:
             field.validate(default)  # a plugin's own default must be valid
         self.by_name[name] = field

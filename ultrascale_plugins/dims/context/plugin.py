@@ -36,9 +36,11 @@ _names = itertools.count(1)
 
 @hookimpl
 def ultrascale_add_fields(fields):
-    fields.add("cp", int, 1, "context-parallel degree: the sequence of every row is split over cp ranks", minimum=1)
+    fields.add("cp", int, 1, "context-parallel degree: the sequence of every row is split over cp ranks", minimum=1,
+               ask="Context-parallel degree, splitting each sequence")
     fields.add("cp_method", str, "ring", "ring: keys/values travel round the cp ranks (any head count); ulysses: "
-               "all-to-all from sequence shards to head shards around attention", choices=METHODS)
+               "all-to-all from sequence shards to head shards around attention", choices=METHODS,
+               ask="Context-parallel method", ask_when=lambda said: said.get("cp", 1) > 1)
     fields.add("cp_kernel", str, "auto", "auto: each block of attention by PyTorch's SDPA kernels (flash on CPU; "
                "flash, memory-efficient or cuDNN on CUDA); portable: matmul + softmax in fp32", choices=KERNELS)
 

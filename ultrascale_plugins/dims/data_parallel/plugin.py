@@ -53,13 +53,14 @@ def _precision(value):
 
 @hookimpl
 def ultrascale_add_fields(fields):
-    fields.add("dp_replicate", int, 1, "replicated data-parallel degree (HSDP's replica groups)", minimum=1)
+    fields.add("dp_replicate", int, 1, "replicated data-parallel degree (HSDP's replica groups)", minimum=1,
+               ask="Replicated data-parallel degree, HSDP")
     fields.add("dp_shard", int, -1, "sharded data-parallel degree; -1 = the rest of the world", check=_dp_shard)
     fields.add("zero_stage", int, 3, "3: parameters, gradients and optimizer states sharded (FSDP2); 2: gradients "
                "and optimizer states; 1: optimizer states (DDP + ZeroRedundancyOptimizer; over tensor-parallel parameters "
                "FSDP2, gathered for the step and reduced once); 0: plain DDP (over tensor-parallel parameters one "
                "all-reduce per step)",
-               choices=(0, 1, 2, 3))
+               choices=(0, 1, 2, 3), ask="ZeRO stage of the sharded data-parallel rest")
     for way, default in (("forward", "none: each layer's all-gather is issued when the layer starts"),
                          ("backward", "one layer, implicitly")):
         fields.add(f"fsdp_{way}_prefetch", int, 0, f"FSDP2: how many layers ahead each layer's {way} issues the "
@@ -71,7 +72,7 @@ def ultrascale_add_fields(fields):
                "weights gathered once); auto: step for zero_stage 0 and 1 and inside a pipeline, else micro_batch",
                choices=("auto", "micro_batch", "step"), auto=grad_sync)
     fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
-               choices=("no", "bf16", "fp16"), check=_precision)
+               choices=("no", "bf16", "fp16"), check=_precision, ask="Mixed precision")
     fields.add("param_dtype", str, "fp32", "the dtype the weights, their gradients and the optimizer states are held "
                "in: fp32, or bf16 (everything bfloat16, torchtune's dtype: bf16; half the bytes, pair it with a "
                "stochastic-rounding optimizer so small updates are not lost)", choices=("fp32", "bf16"))

@@ -38,8 +38,10 @@ def _split(value):
 
 @hookimpl
 def ultrascale_add_fields(fields):
-    fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1)
-    fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES)
+    fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1,
+               ask="Pipeline-parallel degree")
+    fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES,
+               ask="Pipeline schedule", ask_when=lambda said: said.get("pp", 1) > 1)
     fields.add("pp_microbatches", int, 0, "micro-batches per step; 0 = as many as pipeline stages", minimum=0)
     fields.add("pp_virtual_stages", int, 1, "stages per rank (looped schedules: 2 or more; V schedules: 2)",
                minimum=1)

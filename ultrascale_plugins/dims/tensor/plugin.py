@@ -41,9 +41,11 @@ from .styles import (
 
 @hookimpl
 def ultrascale_add_fields(fields):
-    fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1)
+    fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1,
+               ask="Tensor-parallel degree")
     fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions (auto: "
-               "on whenever tp > 1)", auto=lambda config: config.tp > 1)
+               "on whenever tp > 1)", auto=lambda config: config.tp > 1,
+               ask="Sequence parallel with tensor parallel", ask_when=lambda said: said.get("tp", 1) > 1)
     fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
 
 
