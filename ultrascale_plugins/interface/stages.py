@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, Callable
 
 from .config import ConfigError
+from .ordering import as_names, order_by_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Stage:
     splits: bool = False
     plugin: str = ""  # filled in by ``collect_stages``: the plugin that declared it
 
+    def __post_init__(self):  # a single name may be given as a plain string
+        object.__setattr__(self, "after", as_names(self.after))
+        object.__setattr__(self, "before", as_names(self.before))
+
 
 def collect_stages(pm, config, model_config) -> list[Stage]:
     """Every plugin's stages for ``config`` and ``model_config``, in pluggy's call order, each tagged with its
@@ -60,50 +65,10 @@ def collect_stages(pm, config, model_config) -> list[Stage]:
 
 
 def order_stages(stages: list[Stage]) -> list[Stage]:
-    """``stages`` in an order that honours every ``after`` and ``before`` (Kahn's algorithm; ties go to the
-    earlier in the list). Raises ``ConfigError`` for a name declared twice, a name nobody declares, or a cycle."""
-    by_name: dict[str, Stage] = {}
-    for stage in stages:
-        if stage.name in by_name:
-            raise ConfigError(f"stage '{stage.name}' is declared by both {by_name[stage.name].plugin} and "
-                              f"{stage.plugin}. Fix: rename one, or unregister one of them (ULTRASCALE_PLUGINS)")
-        by_name[stage.name] = stage
-    edges: dict[str, set[str]] = {s.name: set() for s in stages}  # name -> the names that must run first
-    for stage in stages:
-        for other, first in [(o, True) for o in stage.after] + [(o, False) for o in stage.before]:
-            if other not in by_name:
-                known = ", ".join(sorted(by_name))
-                raise ConfigError(f"stage '{stage.name}' of {stage.plugin} runs {'after' if first else 'before'} "
-                                  f"'{other}', which no plugin declares. Fix: use one of {known}")
-            if first:
-                edges[stage.name].add(other)
-            else:
-                edges[other].add(stage.name)
-    done: list[Stage] = []
-    placed: set[str] = set()
-    waiting = list(stages)
-    while waiting:
-        ready = next((s for s in waiting if edges[s.name] <= placed), None)
-        if ready is None:
-            cycle = _cycle(edges, [s.name for s in waiting])
-            who = ", ".join(f"'{n}' ({by_name[n].plugin})" for n in cycle)
-            raise ConfigError(f"the stages {who} each wait for another: a cycle in their after/before. Fix: drop "
-                              "one of those declarations")
-        done.append(ready)
-        placed.add(ready.name)
-        waiting.remove(ready)
-    return done
-
-
-def _cycle(edges: dict[str, set[str]], names: list[str]) -> list[str]:
-    """One cycle among ``names`` (each waits for one of the others), as a path."""
-    path, seen = [names[0]], {names[0]: 0}
-    while True:
-        nxt = sorted(n for n in edges[path[-1]] if n in names)[0]
-        if nxt in seen:
-            return path[seen[nxt]:] + [nxt]
-        seen[nxt] = len(path)
-        path.append(nxt)
+    """``stages`` in an order that honours every ``after`` and ``before`` (``ordering.order_by_names``: ties go to
+    the earlier in the list). Raises ``ConfigError`` for a name declared twice, a name nobody declares, or a
+    cycle."""
+    return order_by_names(stages, lambda s: s.plugin, "stage", "stages", verb="runs")
 
 
 def describe_stages(stages: list[Stage]) -> str:
