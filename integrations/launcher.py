@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 from ..interface.config import ConfigError
-from ..cli.supervisor import TORCHRUN_DEFAULT_GRACE_S, Supervisor, end_by_signal
+from ..distributed.supervisor import TORCHRUN_DEFAULT_GRACE_S, Supervisor, end_by_signal
 
 
 def run_accelerate_launch(launch_args: list[str], env: dict) -> int:

@@ -82,7 +82,7 @@ def _check_layout(kind, layout, model_config, world_size, gpu, max_length, rows,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..cli.main import check_memory
+    from ..planner.memory_check import check_memory
     from ..core.engine import validate, validate_loop
     from ..interface.config import ParallelConfig
     from ..planner.hardware import PRESETS

@@ -255,11 +255,6 @@ KNOWN_LOOPS = {
     # core/ -> checkpoints/: from_pretrained reads the pretrained files, while checkpoints/ fills and saves through
     # core/ (initialize, plugin_state); core/engine.py is another helper's
     ("core.engine", "checkpoints.pretrained"): "issue 48: from_pretrained read once, top to bottom, removes it",
-    # cli/ <-> integrations/: cli/main.py (another helper's in issue 48) runs the Accelerate launcher and converts
-    # Accelerate files, while integrations/ reads its memory check and the launcher its Supervisor; check_memory
-    # moving below both (planner/) and the launcher into cli/ removes it
-    ("integrations.trl", "cli.main"): "issue 48: check_memory moves out of cli/main.py",
-    ("integrations.launcher", "cli.supervisor"): "issue 48: the Accelerate launcher moves into cli/",
 }
 
 

@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from ultrascale_plugins.cli import main as cli, supervisor
+from ultrascale_plugins.cli import main as cli
+from ultrascale_plugins.distributed import supervisor
 from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.data.recipe import load_recipe
 
@@ -124,7 +125,7 @@ def test_the_signal_settings_are_checked_before_launch(monkeypatch, capsys):
         load_recipe(None, ["train.save_on_signal=true"])
     with pytest.raises(ConfigError, match=r"^train.signal_grace_s=0: must be at least 1 second\. Fix:"):
         load_recipe(None, ["train.signal_grace_s=0"])
-    assert supervisor.shutdown_timeout(45) == ["--shutdown-timeout", "45"]  # torch 2.13's torchrun has the flag
+    assert cli.shutdown_timeout(45) == ["--shutdown-timeout", "45"]  # torch 2.13's torchrun has the flag
 
     class OldParser:  # a torchrun from before --shutdown-timeout
         def parse_args(self, args):
@@ -135,10 +136,10 @@ def test_the_signal_settings_are_checked_before_launch(monkeypatch, capsys):
     import torch.distributed.run
 
     monkeypatch.setattr(torch.distributed.run, "get_args_parser", OldParser)
-    assert supervisor.shutdown_timeout(30) == []
+    assert cli.shutdown_timeout(30) == []
     with pytest.raises(ConfigError, match=r"^train.signal_grace_s=45: .* has no --shutdown-timeout .* Fix: set "
                                           r"train.signal_grace_s: 30"):
-        supervisor.shutdown_timeout(45)
+        cli.shutdown_timeout(45)
     before = {s: signal.getsignal(s) for s in supervisor.STOP_SIGNALS}
     assert cli.main(["train", "--set", "train.stepz=1"]) == 2
     assert {s: signal.getsignal(s) for s in supervisor.STOP_SIGNALS} == before

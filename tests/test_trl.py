@@ -144,7 +144,7 @@ def _reference_estimate_bytes(tokenizer_dir: Path, case: str) -> float:
     from transformers import AutoTokenizer
     from trl_worker import CASES, model_for
 
-    from ultrascale_plugins.cli.main import check_memory
+    from ultrascale_plugins.planner.memory_check import check_memory
     from ultrascale_plugins.core.engine import validate
     from ultrascale_plugins.integrations.trl import reference_weights_gb
     from ultrascale_plugins.interface.config import ParallelConfig

@@ -109,7 +109,7 @@ class StopSignals:
 
     def end(self, stopped: dict | None = None) -> None:
         """Say once how the workers stopped (``supervisor.say_stopped``), then end this process by the signal."""
-        from .supervisor import end_by_signal, say_stopped
+        from ..distributed.supervisor import end_by_signal, say_stopped
 
         name = signal.Signals(self.signum).name
         if stopped:

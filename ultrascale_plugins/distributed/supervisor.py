@@ -16,14 +16,12 @@ import sys
 import threading
 import time
 
-from ..interface.config import ConfigError
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_FILE_ENV = "ULTRASCALE_STOP_FILE"
 TORCHRUN_DEFAULT_GRACE_S = 30  # torchrun's wait between the signal it forwards and its SIGKILL, when not set
 KILL_MARGIN_S = 10  # after the grace: for torchrun's own SIGKILL of the workers and its exit
 # torchrun (torch.distributed.run), ended by the signal it stopped on instead of with its SignalException's traceback
-TORCHRUN = ("import sys; from ultrascale_plugins.cli.supervisor import torchrun_main; "
+TORCHRUN = ("import sys; from ultrascale_plugins.distributed.supervisor import torchrun_main; "
             "sys.exit(torchrun_main(sys.argv[1:]))")
 
 
@@ -44,7 +42,7 @@ def say_stopped(line: str) -> None:
     """A worker's one line on how it stopped: into the file ``ultrascale train`` named (the first of its local
     workers; the command prints it once they are gone, and says so itself when they had to be killed), else by
     global rank 0 on stdout."""
-    from ..distributed.launch import say_once
+    from .launch import say_once
 
     say_once(line, STOP_FILE_ENV, line, sys.stdout)
 
@@ -66,27 +64,6 @@ def torchrun_main(argv: list[str]) -> int:
     except SignalException as exc:
         end_by_signal(exc.sigval)
     return 0
-
-
-def shutdown_timeout(grace: int) -> list[str]:
-    """torchrun's flag for ``train.signal_grace_s``; a torch whose torchrun has no such flag waits 30 s, so any
-    other grace is refused there, before launch."""
-    from torch.distributed.run import get_args_parser
-
-    try:
-        supported = "shutdown_timeout" in vars(get_args_parser().parse_args(["-"]))
-    except SystemExit:  # torchrun's own PET_* variables malformed: it says so itself when it starts
-        supported = False
-    if supported:
-        return ["--shutdown-timeout", str(grace)]
-    if grace != TORCHRUN_DEFAULT_GRACE_S:
-        import torch
-
-        raise ConfigError(f"train.signal_grace_s={grace}: torch {torch.__version__}'s torchrun has no "
-                          f"--shutdown-timeout and kills the workers {TORCHRUN_DEFAULT_GRACE_S} s after a signal. Fix: "
-                          f"set train.signal_grace_s: {TORCHRUN_DEFAULT_GRACE_S}, or use a torch whose torchrun has "
-                          "--shutdown-timeout")
-    return []
 
 
 class Supervisor:
