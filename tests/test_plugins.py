@@ -206,7 +206,7 @@ def test_a_plugin_axis_enters_the_world_size_product():
     class Axis:
         @hookimpl
         def ultrascale_mesh_axes(self, config):
-            return [us.MeshAxis("expert", 2, order=45)]
+            return [us.MeshAxis("expert", 2, after="cp", before="tp")]
 
     us.register(Axis(), name="axis")
     try:
@@ -279,23 +279,39 @@ def test_every_hook_is_in_one_group_and_documented_under_it():
 
 
 def test_the_documented_outside_plugin_is_the_tested_file():
-    """The walkthrough's code (docs/writing-a-plugin.md, "An example outside the package") is the outside test
-    plugin's own: each hook it shows is that file's implementation, line for line, and the file implements a hook
-    of every group (the tests that run it: test_outside_plugin, test_lightning, test_accelerate, test_planner)."""
+    """The walkthrough's code (docs/writing-a-plugin.md, "An example outside the package: a new dimension, end to
+    end") is the outside test plugin's own: each hook it shows is that file's implementation, line for line, each
+    other statement (the imports) is in the file, its entry point is the .dist-info's, it walks the fields, the mesh
+    axis, the batch split, the stages and the estimate, and the file implements a hook of every group (the tests
+    that run it: test_outside_plugin, test_lightning, test_accelerate, test_planner). The plugin is one folder:
+    the module and its .dist-info, nothing else."""
     import ast
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     doc = (root / "docs" / "writing-a-plugin.md").read_text().split("## An example outside the package", 1)[1]
-    shown = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
-    source = (root / "tests" / "outside_plugin" / "acme_replicas.py").read_text()
+    doc = doc.split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    shown = "\n".join(blocks)
+    folder = root / "tests" / "outside_plugin"
+    source = (folder / "acme_replicas.py").read_text()
     defined = {node.name: ast.get_source_segment(source, node)
                for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
     functions = [node for node in ast.parse(shown).body if isinstance(node, ast.FunctionDef)]
     assert len(functions) >= 3
     for node in functions:
         assert ast.get_source_segment(shown, node) == defined.get(node.name), node.name
+    for node in ast.parse(shown).body:
+        if not isinstance(node, ast.FunctionDef):
+            assert ast.get_source_segment(shown, node) in source, ast.get_source_segment(shown, node)
+    assert {n.name for n in functions} >= {"ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_shard_batch",
+                                          "ultrascale_stages", "ultrascale_estimate"}
+    assert 'after="dp_replicate", before="dp_shard"' in defined["ultrascale_mesh_axes"]
+    entry = re.search(r"```ini\n(.*?)```", doc, re.S).group(1)
+    assert entry == (folder / "acme_replicas-0.2.0.dist-info" / "entry_points.txt").read_text()
+    assert sorted(p.name for p in folder.iterdir() if p.name != "__pycache__") == [
+        "acme_replicas-0.2.0.dist-info", "acme_replicas.py"]
     implemented = {name for name in defined if name.startswith("ultrascale_")}
     for group, names in hookspecs.GROUPS.items():
         assert implemented & set(names), f"the outside plugin implements no '{group}' hook"

@@ -79,8 +79,9 @@ def fuse_norms(model, ctx):
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    # between dp_replicate (20) and dp_shard (30): a data-parallel axis, outside tensor parallel
-    return [MeshAxis("acme_dp", config.acme_dp, order=25, reduces_grads=True, counts_tokens=True)]
+    # a data-parallel axis: inside each replica, outside the shards (and so outside tensor parallel)
+    return [MeshAxis("acme_dp", config.acme_dp, after="dp_replicate", before="dp_shard", reduces_grads=True,
+                     counts_tokens=True)]
 
 
 @hookimpl

@@ -7,26 +7,39 @@ import dataclasses
 import math
 
 from .fields import ConfigError
+from .ordering import as_names, order_by_names
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
     """One axis of the device mesh.
 
+    - ``after`` / ``before``: the axes this one lies inside / outside of (a name or a tuple of names; the mesh
+      lists axes outermost first). The mesh's order is decided from these declarations alone
+      (``ordering.order_by_names``), as the model transforms' is: a third party places its axis by name,
+      ``MeshAxis("acme_dp", n, after="dp_replicate", before="dp_shard")``. Built-in order, outermost first:
+      pp, dp_replicate, dp_shard, cp, tp (innermost: consecutive ranks share the fastest links).
     - ``splits_rows``: each rank along it reads different rows of the global batch (the data loader's shard).
     - ``reduces_grads``: gradients are averaged over it after backward, and the local loss is scaled by its degree
       so the average is the gradient of the global mean. The engine does the averaging unless a plugin's wrapper
       claims the axis (``ctx.claim_grad_reduction``: FSDP and DDP do it themselves).
     - ``counts_tokens``: each rank along it holds different tokens, so the loss's valid-token count and the loss
       value are summed over it.
+
+    In a ``MeshView`` the view's tuple gives the order, and ``after`` / ``before`` are left empty.
     """
 
     name: str
     degree: int
-    order: int = 10
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
     splits_rows: bool = False
     reduces_grads: bool = False
     counts_tokens: bool = False
+
+    def __post_init__(self):  # a single name may be given as a plain string
+        object.__setattr__(self, "after", as_names(self.after))
+        object.__setattr__(self, "before", as_names(self.before))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +58,9 @@ class MeshView:
 
 
 def declared(config, pm=None) -> tuple[list[MeshAxis], list[MeshView]]:
-    """Every plugin's axes (outermost first) and views for ``config``, as ``ultrascale_mesh_axes`` declares them;
-    an axis or a view declared twice, or a value of another type, is refused."""
+    """Every plugin's axes (outermost first, as their ``after`` / ``before`` place them) and views for ``config``,
+    as ``ultrascale_mesh_axes`` declares them; an axis or a view declared twice, a value of another type, a name
+    no plugin declares or a cycle is refused, naming the plugins."""
     from .plugins import get_plugin_manager
 
     pm = pm or get_plugin_manager()
@@ -54,18 +68,30 @@ def declared(config, pm=None) -> tuple[list[MeshAxis], list[MeshView]]:
     views: dict[str, MeshView] = {}
     for result in pm.hook.ultrascale_mesh_axes(config=config):
         for axis in result or []:
-            if isinstance(axis, MeshView):
-                if axis.name in views:
-                    raise ConfigError(f"mesh view '{axis.name}' is declared by two plugins. Fix: rename one of them")
-                views[axis.name] = axis
-                continue
-            if not isinstance(axis, MeshAxis):
+            if not isinstance(axis, (MeshAxis, MeshView)):
                 raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
                                   "MeshView values")
-            if axis.name in axes:
-                raise ConfigError(f"mesh axis '{axis.name}' is declared by two plugins. Fix: rename one of them")
-            axes[axis.name] = axis
-    return sorted(axes.values(), key=lambda a: (a.order, a.name)), list(views.values())
+            seen = views if isinstance(axis, MeshView) else axes
+            if axis.name in seen:
+                what = "view" if isinstance(axis, MeshView) else "axis"
+                raise ConfigError(f"mesh {what} '{axis.name}' is declared by both "
+                                  f"{' and '.join(_declarers(pm, config, axis.name))}. Fix: rename one of them")
+            seen[axis.name] = axis
+    ordered = order_by_names(list(axes.values()), lambda a: " and ".join(_declarers(pm, config, a.name)),
+                             "mesh axis", "mesh axes", verb="lies")
+    return ordered, list(views.values())
+
+
+def _declarers(pm, config, name: str) -> list[str]:
+    """The plugins whose ``ultrascale_mesh_axes`` declares an axis or a view called ``name``, in pluggy's call
+    order (for a refusal's message only: each plugin's hook is called alone, through pluggy)."""
+    out = []
+    everyone = pm.get_plugins()
+    for impl in reversed(pm.hook.ultrascale_mesh_axes.get_hookimpls()):  # pluggy calls from the end of this list
+        alone = pm.subset_hook_caller("ultrascale_mesh_axes", [p for p in everyone if p is not impl.plugin])
+        if any(axis.name == name for result in alone(config=config) for axis in result or []):
+            out.append(impl.plugin_name)
+    return out
 
 
 def declared_axes(config, pm=None) -> list[MeshAxis]:

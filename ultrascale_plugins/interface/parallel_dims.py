@@ -1,11 +1,11 @@
 """The derived facts of a layout, in one typed object (torchtitan's ``ParallelDims`` is the model).
 
 Each dimension plugin declares its mesh axes through ``ultrascale_mesh_axes`` as ``MeshAxis`` values: a name, a
-degree (``-1``: whatever the world leaves), a position from the outermost to the innermost axis, and what the axis
-means for the step — whether the batch rows are split over it (data loading), whether gradients are averaged over
-it and whether the loss's valid tokens are counted over it. ``ParallelDims`` derives from them everything the
-engine and the front ends need: the world-size product, the device mesh and its sub-meshes, the data-parallel
-degree and rank, and the loss-scale rule.
+degree (``-1``: whatever the world leaves), its place among the others by name (``after`` / ``before``: the mesh
+lists them outermost first), and what the axis means for the step — whether the batch rows are split over it
+(data loading), whether gradients are averaged over it and whether the loss's valid tokens are counted over it.
+``ParallelDims`` derives from them everything the engine and the front ends need: the world-size product, the
+device mesh and its sub-meshes, the data-parallel degree and rank, and the loss-scale rule.
 
 A plugin may also carve axes out of others (``MeshView``: torchtitan's expert mesh, where ``ep`` and the
 expert-side data-parallel degree ``efsdp`` re-split the ranks of dp_shard x cp x tp). A view counts the same ranks
@@ -19,9 +19,6 @@ from typing import Any
 
 from .fields import ConfigError
 from .mesh_axes import MeshAxis, declared_axes, declared_views
-
-# Positions of the built-in axes (smaller = outer). TP is innermost: consecutive ranks share the fastest links.
-PP_ORDER, DP_REPLICATE_ORDER, DP_SHARD_ORDER, CP_ORDER, TP_ORDER = 0, 20, 30, 40, 50
 
 
 def resolve(config, world_size: int, pm=None, check: bool = True):

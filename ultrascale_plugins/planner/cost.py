@@ -296,7 +296,8 @@ class CostModel:
         """(degree, nodes spanned by one group) of each mesh axis (axes inner in the mesh have consecutive ranks),
         and of each axis of a mesh view: a view re-splits the ranks of its source axes, its innermost axis starting
         where the innermost source axis does (expert parallelism's ep: the innermost ep ranks of dp_shard*cp*tp)."""
-        from ..interface.parallel_dims import declared_axes, declared_views, resolve
+        from ..interface.mesh_axes import declared_axes, declared_views
+        from ..interface.parallel_dims import resolve
 
         config = resolve(lay.config(), lay.world, self.pm, check=False)
         axes = declared_axes(config, self.pm)

@@ -25,7 +25,7 @@ from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...interface.facts import layout_facts
-from ...interface.parallel_dims import CP_ORDER, MeshAxis
+from ...interface.mesh_axes import MeshAxis
 from . import layout as cp_layout
 from .attention import REFUSED_KWARGS, CPState, cp_attention, kv_replication, unsupported_kwargs
 
@@ -47,7 +47,7 @@ def ultrascale_add_fields(fields):
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [MeshAxis("cp", config.cp, CP_ORDER, reduces_grads=True, counts_tokens=True)]
+    return [MeshAxis("cp", config.cp, after="dp_shard", reduces_grads=True, counts_tokens=True)]
 
 
 def _heads(model_config):

@@ -32,7 +32,8 @@ from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.facts import layout_facts
 from ...interface.stages import Stage
-from ...interface.parallel_dims import DP_REPLICATE_ORDER, DP_SHARD_ORDER, MeshAxis, ParallelDims, declared_views
+from ...interface.mesh_axes import MeshAxis, declared_views
+from ...interface.parallel_dims import ParallelDims
 from .costs import grad_sync, layout_facts_of
 
 DTYPES = {"bf16": torch.bfloat16}
@@ -89,9 +90,10 @@ def ultrascale_layout_facts(config, degrees):
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [MeshAxis("dp_replicate", config.dp_replicate, DP_REPLICATE_ORDER, splits_rows=True, reduces_grads=True,
+    # inside the pipeline's stages; dp_shard inside dp_replicate (HSDP: shards within a replica)
+    return [MeshAxis("dp_replicate", config.dp_replicate, after="pp", splits_rows=True, reduces_grads=True,
                      counts_tokens=True),
-            MeshAxis("dp_shard", config.dp_shard, DP_SHARD_ORDER, splits_rows=True, reduces_grads=True,
+            MeshAxis("dp_shard", config.dp_shard, after="dp_replicate", splits_rows=True, reduces_grads=True,
                      counts_tokens=True)]
 
 

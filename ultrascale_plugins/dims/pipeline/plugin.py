@@ -19,7 +19,7 @@ from __future__ import annotations
 from ...interface.config import ConfigError
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
-from ...interface.parallel_dims import PP_ORDER, MeshAxis
+from ...interface.mesh_axes import MeshAxis
 from ...interface.stages import Stage
 from .runtime import Pipeline
 from .split import (
@@ -51,7 +51,7 @@ def ultrascale_add_fields(fields):
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [MeshAxis("pp", config.pp, PP_ORDER)]
+    return [MeshAxis("pp", config.pp)]  # outermost (stages talk least often): the other axes lie after it
 
 
 @hookimpl

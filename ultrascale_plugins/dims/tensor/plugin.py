@@ -29,7 +29,7 @@ from ...interface.hookspecs import hookimpl
 from ...interface.stages import Stage
 from ...models.placeholder import present_modules
 from ...interface.facts import layout_facts
-from ...interface.parallel_dims import TP_ORDER, MeshAxis
+from ...interface.mesh_axes import MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
 from .dry_run import dry_run as tp_dry_run
 from .regions import model_type, rank_local_params, simple_regions
@@ -51,7 +51,7 @@ def ultrascale_add_fields(fields):
 
 @hookimpl
 def ultrascale_mesh_axes(config):
-    return [MeshAxis("tp", config.tp, TP_ORDER)]
+    return [MeshAxis("tp", config.tp, after="cp")]  # innermost: consecutive ranks share the fastest links
 
 
 @hookimpl
