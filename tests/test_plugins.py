@@ -280,11 +280,11 @@ def test_every_hook_is_in_one_group_and_documented_under_it():
 
 def test_the_documented_outside_plugin_is_the_tested_file():
     """The walkthrough's code (docs/writing-a-plugin.md, "An example outside the package: a new dimension, end to
-    end") is the outside test plugin's own: each hook it shows is that file's implementation, line for line, each
-    other statement (the imports) is in the file, its entry point is the .dist-info's, it walks the fields, the mesh
-    axis, the batch split, the stages and the estimate, and the file implements a hook of every group (the tests
-    that run it: test_outside_plugin, test_lightning, test_accelerate, test_planner). The plugin is one folder:
-    the module and its .dist-info, nothing else."""
+    end") is the outside test plugin's own: each hook it shows is that file's implementation with its decorators,
+    line for line, each other statement (the imports) is in the file, its entry point is the .dist-info's, it walks
+    the fields, the mesh axis, the batch split, the stages and the estimate, and the file implements a hook of every
+    group (the tests that run it: test_outside_plugin, test_lightning, test_accelerate, test_planner). The plugin is
+    one folder: the module and its .dist-info, nothing else."""
     import ast
     import re
     from pathlib import Path
@@ -296,12 +296,17 @@ def test_the_documented_outside_plugin_is_the_tested_file():
     shown = "\n".join(blocks)
     folder = root / "tests" / "outside_plugin"
     source = (folder / "acme_replicas.py").read_text()
-    defined = {node.name: ast.get_source_segment(source, node)
+
+    def segment(text, node):  # a top-level function with its decorators (its @hookimpl, its @step place)
+        start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        return "\n".join(text.splitlines()[start - 1:node.end_lineno])
+
+    defined = {node.name: segment(source, node)
                for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
     functions = [node for node in ast.parse(shown).body if isinstance(node, ast.FunctionDef)]
     assert len(functions) >= 3
     for node in functions:
-        assert ast.get_source_segment(shown, node) == defined.get(node.name), node.name
+        assert segment(shown, node) == defined.get(node.name), node.name
     for node in ast.parse(shown).body:
         if not isinstance(node, ast.FunctionDef):
             assert ast.get_source_segment(shown, node) in source, ast.get_source_segment(shown, node)
