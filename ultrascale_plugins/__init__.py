@@ -12,7 +12,7 @@ from .interface.facts import LayoutFacts, layout_facts
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.mesh_axes import MeshAxis, MeshView
 from .interface.plugins import get_plugin_manager, list_plugins, register
-from .interface.stages import Stage
+from .interface.stages import Stage, step
 
 
 def _timing_mark(phase: str) -> None:
@@ -112,7 +112,7 @@ _quiet_torchao_import()
 _timing_mark("package_import")  # the start of every process that imports the package (workers: their first mark)
 
 __all__ = ["ConfigError", "LayoutFacts", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "Stage",
-           "hookimpl", "hookspec", "layout_facts",
+           "hookimpl", "hookspec", "layout_facts", "step",
            "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
            "validate", "estimate", "describe", "__version__"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from ultrascale_plugins import ConfigError, MeshAxis, Stage, hookimpl
+from ultrascale_plugins import ConfigError, MeshAxis, Stage, hookimpl, step
 
 STEPS = {"taken": 0}  # training steps this process has run (saved in checkpoints)
 FUSED = {"norms": 0}  # RMSNorm modules this process computes with the fused kernel
@@ -85,6 +85,7 @@ def ultrascale_mesh_axes(config):
 
 
 @hookimpl
+@step("acme_rows", after="tp", before="cp")  # its rows before context parallel reads the batch's documents
 def ultrascale_shard_batch(batch, ctx):
     mesh = ctx.sub_mesh("acme_dp")
     if mesh is None:
@@ -118,9 +119,8 @@ def ultrascale_load_state_dict(pmodel, state):
     STEPS["taken"] = state.shared.get("acme_steps", 0)
 
 
-@hookimpl(wrapper=True)
+@hookimpl
+@step("acme_grads", after="dp")  # after data parallel: this rank's gradient bytes are known
 def ultrascale_estimate(config, model_config, shape, estimate):
-    result = yield  # after the built-in dimensions: this rank's gradient bytes are known
     if config.acme_dp > 1:  # one all-reduce of the gradients per step
         estimate.add_comm("acme_dp", estimate.memory["grads"], "all_reduce")
-    return result

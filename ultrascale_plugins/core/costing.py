@@ -1,13 +1,15 @@
 """What a resolved layout costs one rank: the ``Estimate`` every plugin contributes to (``ultrascale_estimate``)
 and the ``Shape`` the dimensions leave (the inventory cut to this rank's share, the pipeline's layers). Below the
 engine, so that ``engine.estimate`` (which checks the layout first) and the communication report of a running
-model (``comm_report``, which has a resolved one) share it."""
+model (``comm_report``, which has a resolved one) share it. The plugins' estimates run in the order of the stages'
+names (``chains``): the pipeline's at ``split``, tensor parallel's at ``tp``, data parallel's at ``dp``."""
 from __future__ import annotations
 
 from typing import Any
 
 from ..interface.config import ParallelConfig
 from ..interface.estimates import Estimate, Shape, inventory, meta_model
+from .chains import run_chain
 from .plans import model_plan
 
 
@@ -25,5 +27,7 @@ def resolved_cost(resolved: ParallelConfig, model_config: Any, *, pm, seq_len: i
                   profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=inventory(model, plan),
                   model=model, plan=plan, **constants)
     est = Estimate(micro_batches=micro_batches)
-    pm.hook.ultrascale_estimate(config=resolved, model_config=model_config, shape=shape, estimate=est)
+    run_chain(pm, "ultrascale_estimate", resolved, model_config, config=resolved, model_config=model_config,
+              shape=shape, estimate=est)
+    shape.seq_len = seq_len  # a step may narrow it to a rank's tokens (context parallel's); the shape says what it was for
     return est, shape

@@ -217,16 +217,44 @@ def stages(config: ParallelConfig, model_config: Any, *, world_size: int, pm=Non
     return order_stages(collect_stages(pm, resolved, model_config))
 
 
-def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None, model=None,
-             pm=None) -> str:
-    """The stages ``parallelize`` applies for this layout, in order, one line each: name, mesh axes, what it does
-    to the model and the plugin it comes from. ``world_size``: default, the product of the layout's degrees.
-    ``model``: the model to be parallelized, when it wraps the causal LM (a PEFT model): a first line says what
-    its wrapper (``ultrascale_model_wrapper``) is and how its modules go through the stages."""
+def describe_parts(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None,
+                   pm=None) -> dict[str, str]:
+    """What ``describe`` prints, part by part: ``mesh`` (the axes in order and the views, each with its after /
+    before), ``transforms`` (the active stages in order), ``step hooks`` (the plugins that answer each step hook,
+    in call order) and ``cost chain`` (``ultrascale_estimate``'s steps in order)."""
+    from ..interface.hookspecs import GROUPS
+    from ..interface.stages import placement
+    from .chains import describe_cost_chain, describe_step_hooks
+
+    pm = pm or get_plugin_manager()
     config = as_config(config)
     if world_size is None:
         world_size = math.prod(max(a.degree, 1) for a in ParallelDims(config).axes)
-    text = describe_stages(stages(config, model_config, world_size=world_size, pm=pm))
+    resolved = validate(config, model_config, world_size, pm)
+    dims = ParallelDims(resolved, world_size)
+    mesh = [dims.describe()]
+    for axis in dims.axes:
+        where = placement(axis)
+        mesh.append(f"axis {axis.name}={axis.degree}" + (f"  [{where}]" if where else ""))
+    for name, view in dims.views.items():
+        over = " x ".join(f"{a.name}={a.degree}" for a in view.axes)
+        mesh.append(f"view {name}: {over} over the ranks of {'*'.join(view.source)}")
+    return {"mesh": "\n".join(mesh),
+            "transforms": describe_stages(order_stages(collect_stages(pm, resolved, model_config))),
+            "step hooks": describe_step_hooks(pm, GROUPS, resolved, model_config),
+            "cost chain": describe_cost_chain(pm, resolved, model_config)}
+
+
+def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None, model=None,
+             pm=None) -> str:
+    """The layout as ``parallelize`` runs it, part by part (``describe_parts``; a title line, then the part):
+    the mesh and its views, the model transforms in order (name, mesh axes, what it does to the model, the plugin,
+    its after / before), the plugins answering each step hook in call order, and the cost chain in order.
+    ``world_size``: default, the product of the layout's degrees. ``model``: the model to be parallelized, when it
+    wraps the causal LM (a PEFT model): a first line says what its wrapper (``ultrascale_model_wrapper``) is and
+    how its modules go through the stages."""
+    parts = describe_parts(config, model_config, world_size=world_size, pm=pm)
+    text = "\n\n".join(f"{title}:\n{body}" for title, body in parts.items())
     wrapper = wrapper_of(model, pm) if model is not None else None
     if wrapper is not None and wrapper.wraps:
         text = f" 0. the model: {wrapper.describe()}  ({type(wrapper).__module__})\n" + text

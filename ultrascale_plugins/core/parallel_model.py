@@ -19,6 +19,7 @@ from ..distributed.loss import shifted_targets
 from ..interface.config import ConfigError
 from ..interface.model_wrapper import wrapper_of
 from .batches import to_device
+from .chains import run_chain
 from .comm_report import record_step
 from .gradients import GradientReductions
 from .outputs import TrainerOutputs
@@ -168,7 +169,7 @@ class ParallelModel:
             self.recording.saw_batch(batch)
         out = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         out["targets"] = shifted_targets(batch)
-        self.pm.hook.ultrascale_shard_batch(batch=out, ctx=self.ctx)
+        run_chain(self.pm, "ultrascale_shard_batch", self.ctx.config, batch=out, ctx=self.ctx)  # in stage order
         return {k: v.contiguous() for k, v in out.items()}  # a strided split would reach collectives as a view
 
     def autocast(self):

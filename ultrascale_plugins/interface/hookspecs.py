@@ -249,6 +249,9 @@ def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext)
     """Take this rank's part of the batch in place, every tensor by the same positions, chosen from the
     batch's shape alone (``ParallelModel.outputs.token_places`` runs it on the positions themselves to put a
     row's tokens back together). Called on every step after the data loader's row split, before the forward.
+    The implementations run in the order of the stages' names, each where its ``@step`` (``interface.stages``)
+    places it: tensor parallel's padding at ``"tp"``, context parallel's head-tail split at ``"cp"``; one that
+    declares no step runs last; ``wrapper=True``, ``tryfirst`` and ``trylast`` are refused.
 
     :param batch: This rank's rows, a dict of tensors: ``input_ids``, ``attention_mask``, ``position_ids``,
         ``targets`` (next-token targets, already shifted, -100 where ignored).
@@ -447,11 +450,15 @@ def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, 
     (``estimate.add_comm(axis, nbytes, collective, calls=, per="step" | "micro_batch", overlap=)``) and compute
     factors (``estimate.factors``: ``recompute_flops``, ``bubble``).
 
-    ``shape.inventory`` holds the model's parameters, which the dimensions cut in turn: the pipeline first
-    (``tryfirst``: this rank's stages, ``layers_here``, ``in_flight``, ``holds_head``), tensor parallel next (each
-    record's ``local`` shape), data parallel last (``trylast``: shards what is left and adds parameter, gradient and
-    optimizer bytes). A dimension that changes what the others see (context parallel: the tokens per rank) or needs
-    their totals (a replica axis: the gradient bytes) is a ``wrapper=True`` implementation around them.
+    ``shape.inventory`` holds the model's parameters, which the dimensions cut in turn, in the order of the stages'
+    names: each implementation runs where its ``@step(name, after=, before=)`` (``interface.stages``) places it, at
+    a stage's place or at a name of its own among them. The built-ins: ``cp_tokens`` (before ``split``: context
+    parallel narrows ``shape.seq_len`` to a rank's tokens; the engine restores it after the chain), ``split`` (the
+    pipeline: this rank's stages, ``layers_here``, ``in_flight``, ``holds_head``), ``activations``, ``ep``, ``tp``
+    (each record's ``local`` shape), ``chunked_loss``, ``dp`` (shards what is left and adds parameter, gradient and
+    optimizer bytes), ``cp_exchanges`` (after ``dp``: reads the gradient bytes). An estimate that reads tensor
+    parallel's cut declares ``after="tp"``; one that declares no step runs last; ``wrapper=True``, ``tryfirst`` and
+    ``trylast`` are refused. ``us.describe`` prints the chain in order.
 
     :param config: The resolved layout.
     :param model_config: The model's Hugging Face config.

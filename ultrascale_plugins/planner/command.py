@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--all", action="store_true", help="rank layouts this engine cannot run too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--explain", action="store_true", help="also print the chosen layout's model transforms, in the "
-                   "order parallelize applies them (each stage's mesh axes, what it does, its plugin)")
+    p.add_argument("--explain", action="store_true", help="also print the chosen layout as us.describe says it: the mesh "
+                   "and its views, the model transforms in order, the step hooks' plugins and the cost chain, each "
+                   "with its after/before")
     p.add_argument("--plot", help="write a PNG: memory of the top layouts and the chosen pipeline schedule")
 
 
@@ -180,7 +181,7 @@ def run_plan(args, accelerate_yaml) -> int:
     savers = render.saver_costs(best, cost)
     print(f"Chosen: {best.layout.label()}\n  {room}\n  {render.breakdown(best)}\n" + (f"  {savers}\n" if savers else ""))
     if args.explain:
-        print("Stages, in the order parallelize applies them:\n" + _indent(_stages(best, cost, args.gpus)) + "\n")
+        print(_explain(best, cost, args.gpus) + "\n")
     if adapters is not None:
         print(render.peft_note(adapters, getattr(args, "lora_alpha", None)) + "\n")
     print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
@@ -207,13 +208,21 @@ def _room_elsewhere(args, cost, results):
     return room_elsewhere(cost, args.gpus, results, args.memory_margin)
 
 
-def _stages(result, cost, gpus: int) -> str:
-    from ..core.engine import describe
+TITLES = {"mesh": "Mesh (axes in order, views):", "transforms": "Stages, in the order parallelize applies them:",
+          "step hooks": "Step hooks, each with its plugins in call order:",
+          "cost chain": "Cost chain (ultrascale_estimate), in the order it runs:"}
+
+
+def _explain(result, cost, gpus: int) -> str:
+    """``--explain``: the chosen layout as ``us.describe`` says it (``engine.describe_parts``), each part under
+    its title."""
+    from ..core.engine import describe_parts
 
     try:
-        return describe(result.layout.config(), cost.spec.config, world_size=gpus)
+        parts = describe_parts(result.layout.config(), cost.spec.config, world_size=gpus)
     except ConfigError as exc:  # a layout this engine cannot run (listed with --all)
-        return f"not runnable by this engine: {exc}"
+        return f"{TITLES['transforms']}\n    not runnable by this engine: {exc}"
+    return "\n\n".join(f"{TITLES[name]}\n{_indent(body)}" for name, body in parts.items())
 
 
 def _indent(text: str) -> str:

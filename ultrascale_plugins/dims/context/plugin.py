@@ -23,7 +23,7 @@ from torch import nn
 
 from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 from ...interface.facts import layout_facts
 from ...interface.mesh_axes import MeshAxis
 from . import layout as cp_layout
@@ -110,6 +110,7 @@ def attend_across_ranks(model, ctx):
 
 
 @hookimpl
+@step("cp")
 def ultrascale_shard_batch(batch, ctx):
     state = ctx.plugin_state.get("cp")
     if state is None:
@@ -117,25 +118,29 @@ def ultrascale_shard_batch(batch, ctx):
     state.document_mask = cp_layout.shard_batch(batch, state.size, state.rank)
 
 
-@hookimpl(wrapper=True)
+@hookimpl(specname="ultrascale_estimate")
+@step("cp_tokens", before="split")
+def tokens_per_rank(config, model_config, shape, estimate):
+    """First: every other dimension's per-rank terms are those of ``seq_len / cp`` tokens (the engine gives the
+    shape its ``seq_len`` back after the chain)."""
+    if config.cp > 1:
+        shape.seq_len = -(-shape.seq_len // config.cp)
+
+
+@hookimpl
+@step("cp_exchanges", after="dp")
 def ultrascale_estimate(config, model_config, shape, estimate):
-    """Every other dimension's per-rank terms are those of ``seq_len / cp`` tokens. The attention exchanges (bytes
+    """After data parallel (the gradient bytes it left): the attention exchanges (bytes
     handed to the collectives, sends and receives both counted for the ring's point-to-point transfers): the ring
     (``cp_attention``) passes each layer's keys and values one hop per step, cp - 1 hops in the forward, again in
     the backward (and in a recomputed forward), and their fp32 gradients cp hops home; Ulysses all-to-alls q, k, v
     and the output forward and their gradients backward. The parameters are whole on every cp rank, so the engine
     all-reduces their gradients over cp once per step (what is left of them after data parallel's sharding)."""
     if config.cp == 1:
-        return (yield)
-    full = shape["seq_len"]
-    shape["seq_len"] = -(-full // config.cp)
-    try:
-        result = yield
-    finally:
-        shape["seq_len"] = full
+        return
     heads, kv = _heads(model_config)
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    tokens = -(-full // config.cp) * shape["micro_batch"]  # this rank's tokens of one micro-batch
+    tokens = shape.tokens_per_micro_batch  # this rank's tokens of one micro-batch (``tokens_per_rank``)
     layers = shape["layers_here"] if shape["layers_here"] is not None else model_config.num_hidden_layers
     facts = layout_facts(config)
     width = shape.activation_bytes(config)
@@ -155,7 +160,6 @@ def ultrascale_estimate(config, model_config, shape, estimate):
     grads = estimate.memory.get("grads", 0.0)
     if grads:
         estimate.add_comm("cp", grads, "all_reduce", calls=1, per="step")
-    return result
 
 
 @hookimpl

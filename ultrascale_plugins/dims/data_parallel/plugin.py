@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.facts import layout_facts
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 from ...interface.mesh_axes import MeshAxis, declared_views
 from ...interface.parallel_dims import ParallelDims
 from .costs import grad_sync, layout_facts_of
@@ -470,9 +470,10 @@ def ultrascale_prepare_optimizer(pmodel, optimizer):
     return partitioned(optimizer, group)
 
 
-@hookimpl(trylast=True)
+@hookimpl
+@step("dp")
 def ultrascale_estimate(config, model_config, shape, estimate):
-    """Last: shards what the pipeline and tensor parallel left this rank."""
+    """At "dp", after the other dimensions: shards what the pipeline and tensor parallel left this rank."""
     from .costs import data_parallel_terms
 
     data_parallel_terms(config, shape, estimate)

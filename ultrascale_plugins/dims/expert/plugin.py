@@ -29,7 +29,7 @@ from torch import nn
 from ...interface.config import ConfigError, field_error
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 from ...interface.mesh_axes import MeshAxis, MeshView
 from ...interface.plan_edit import PlanEdit
 from ...interface.moe_config import experts_per_token, routed_experts, text_config
@@ -221,6 +221,7 @@ def shard_experts(model, ctx):
 
 
 @hookimpl
+@step("ep")
 def ultrascale_estimate(config, model_config, shape, estimate):
     """Each rank holds 1/ep of the experts: the expert view's records cut on dim 0 (experts), before data
     parallelism shards them over efsdp. And the tokens travel (``ep_dispatch``): per MoE layer and micro-batch,

@@ -20,7 +20,7 @@ from ...interface.config import ConfigError
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
 from ...interface.mesh_axes import MeshAxis
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 from .runtime import Pipeline
 from .split import (
     LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, _base, build_stage, microbatches, pp_parts, pp_rank_of_stage,
@@ -199,9 +199,10 @@ def _pp_layout(world, per_node, model_config):
     return {"pp": pp, "dp_shard": world // pp, "pp_schedule": "1f1b"}
 
 
-@hookimpl(tryfirst=True)
+@hookimpl
+@step("split")
 def ultrascale_estimate(config, model_config, shape, estimate):
-    """First: the rank's stages decide which parameters and layers the other dimensions cost."""
+    """At the split, before the other dimensions: the rank's stages decide which parameters and layers they cost."""
     from .costs import pipeline_terms
 
     pipeline_terms(config, shape, estimate)

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ...distributed.sequence_padding import pad_sequence
 from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 from ...models.placeholder import present_modules
 from ...interface.facts import layout_facts
 from ...interface.mesh_axes import MeshAxis
@@ -370,6 +370,7 @@ def ultrascale_checkpoint_view(tensor):
 
 
 @hookimpl
+@step("tp")
 def ultrascale_estimate(config, model_config, shape, estimate):
     from .costs import tensor_parallel_terms
 
@@ -400,11 +401,12 @@ def _tp_layout(sequence_parallel: bool):
     return layout
 
 
-@hookimpl(tryfirst=True)
+@hookimpl
+@step("tp")
 def ultrascale_shard_batch(batch, ctx):
     """Sequence parallel splits each row's tokens evenly over tp (and, with context parallel, each cp rank's
     head-tail chunks): a length that does not divide is padded on the right first (``pad_sequence``: hidden from
-    the real tokens by causality, its targets ignored). Before context parallel takes its part (tryfirst)."""
+    the real tokens by causality, its targets ignored). At "tp": before context parallel takes its part."""
     facts = layout_facts(ctx.config)
     tp, cp = facts.degree("tp"), facts.degree("cp")
     if tp > 1 and facts.sequence_sharded:

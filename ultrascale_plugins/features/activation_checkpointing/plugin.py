@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ...interface.hookspecs import hookimpl
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 
 MODES = ("none", "full", "selective")
 
@@ -71,7 +71,10 @@ def wrap_layers(model, ctx):
 
 
 @hookimpl
+@step("activations", after="split", before="ep")
 def ultrascale_estimate(config, model_config, shape, estimate):
+    """The activations of the whole layers the pipeline left this rank, before expert and tensor parallel cut
+    their weights (the recomputation's FLOPs ratio is the whole layer's)."""
     from .costs import activation_terms
 
     activation_terms(config, shape, estimate)

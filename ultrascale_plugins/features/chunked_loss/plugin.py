@@ -27,7 +27,7 @@ from ...distributed.loss import IGNORE_INDEX, TokenOutputs
 from ...interface.config import ConfigError
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
-from ...interface.stages import Stage
+from ...interface.stages import Stage, step
 
 STATE = "chunked_loss"  # ParallelContext.plugin_state key: the targets of the micro-batch being run
 MARK = "_ultrascale_loss_sum"  # set on the tensor the head returns: the step takes it as the loss sum
@@ -282,6 +282,7 @@ def _runs_in_chunks(model_config) -> bool:
 
 
 @hookimpl
+@step("chunked_loss")
 def ultrascale_estimate(config, model_config, shape, estimate):
     """The head's matmul once more per micro-batch (backward recomputes each chunk's logits). Its memory, one
     chunk's logits in place of the micro-batch's, is priced with the other activations (the loss's peak and a
