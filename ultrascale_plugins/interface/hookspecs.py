@@ -65,11 +65,12 @@ def ultrascale_add_fields(fields: Fields) -> None:
 def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
     """Declare the mesh axes this dimension needs. Their degrees multiply to the world size (degree 1
     allowed; one axis in the whole layout may have degree -1, the rest of the world); a ``MeshView`` counts the ranks
-    of existing axes again and adds nothing to the world size.
+    of existing axes again and adds nothing to the world size. An axis is placed by name, ``after`` / ``before``
+    the axes it lies inside / outside of (``ordering.order_by_names``, as the stages are).
 
     :param config: The layout, resolved or not.
-    :return: ``parallel_dims.MeshAxis`` and ``parallel_dims.MeshView`` values, or None for none. A name two plugins
-        declare is refused (``ConfigError``).
+    :return: ``mesh_axes.MeshAxis`` and ``mesh_axes.MeshView`` values, or None for none. A name two plugins
+        declare, a name no plugin declares in ``after`` / ``before``, or a cycle is refused (``ConfigError``).
     """
 
 
