@@ -14,7 +14,6 @@ import torch.distributed as dist
 from ..distributed.loss import token_loss_sum, token_outputs_of
 from ..interface.config import ConfigError
 from .batches import to_device
-from .chains import run_chain
 
 FIELDS = ("log_probs", "entropy", "is_top1", "label_mask", "mean_logits")  # TokenOutputs' per-token figures
 
@@ -96,7 +95,8 @@ class TrainerOutputs:
         probe = to_device({k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")
                            if batch.get(k) is not None}, pmodel.device)
         probe["targets"] = torch.arange(seq, device=pmodel.device).expand(rows, seq).clone()
-        run_chain(pmodel.pm, "ultrascale_shard_batch", pmodel.ctx.config, batch=probe, ctx=pmodel.ctx)
+        for step in pmodel.batch_split:
+            step.run(batch=probe, ctx=pmodel.ctx)
         return probe["targets"]
 
     def whole_rows(self, got, places: torch.Tensor, width: int):

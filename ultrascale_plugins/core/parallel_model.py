@@ -19,7 +19,7 @@ from ..distributed.loss import shifted_targets
 from ..interface.config import ConfigError
 from ..interface.model_wrapper import wrapper_of
 from .batches import to_device
-from .chains import run_chain
+from .chains import ordered_chain
 from .comm_report import record_step
 from .gradients import GradientReductions
 from .outputs import TrainerOutputs
@@ -46,6 +46,9 @@ class ParallelModel:
         self.outputs = TrainerOutputs(self)
         self.gradients = GradientReductions(ctx, list(self.parameters()))
         self.grad_sync = True  # False inside no_sync()
+        # the ultrascale_shard_batch implementations in the order of this layout's stages, ordered once (the layout
+        # and the plugins do not change after parallelize)
+        self.batch_split = ordered_chain(pm, "ultrascale_shard_batch", ctx.config)
         self.recording = None  # the step being recorded (profile_step), which notes the batches
 
     # ---- what users call -------------------------------------------------------------------------
@@ -169,7 +172,8 @@ class ParallelModel:
             self.recording.saw_batch(batch)
         out = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if batch.get(k) is not None}
         out["targets"] = shifted_targets(batch)
-        run_chain(self.pm, "ultrascale_shard_batch", self.ctx.config, batch=out, ctx=self.ctx)  # in stage order
+        for step in self.batch_split:  # each dimension's part, in the order of the stages' names
+            step.run(batch=out, ctx=self.ctx)
         return {k: v.contiguous() for k, v in out.items()}  # a strided split would reach collectives as a view
 
     def autocast(self):
