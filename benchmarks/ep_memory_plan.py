@@ -49,7 +49,7 @@ SOURCE = "https://github.com/huggingface/transformers/blob/main/docs/source/en/e
 
 
 def cost_one(spec, text: str, recompute: str) -> dict:
-    lay = layout_from_string(f"{text},zero=3,mbs=1,ga=1,recompute={recompute}", 8)
+    lay = layout_from_string(f"{text},zero=3,mbs=1,ga=1,recompute={recompute}", 8).replace(mixed_precision="bf16")
     cost = CostModel(spec, PRESETS["h100-sxm-80gb"], Workload(SEQ, lay.dp, "ultrascale", "adamw", "bf16"))
     result = cost.evaluate(lay)
     mem = {k: round(v, 2) for k, v in result.memory_gb.items()}

@@ -288,7 +288,8 @@ def test_a_third_party_dimension_takes_part_in_the_cost():
             " num_attention_heads=4, num_key_value_heads=2);"
             "est = us.estimate(us.ParallelConfig(acme_dp=2, dp_shard=2), mc, world_size=4);"
             "cm = CostModel(ModelSpec.of(mc), PRESETS['h100-sxm-80gb'], Workload(64, 8));"
-            "import dataclasses, json; r = cm.evaluate(Layout(dp_shard=2, micro_batch_size=4, grad_accum=1));"
+            "import dataclasses, json; r = cm.evaluate(Layout(dp_shard=2, zero_stage=0, mixed_precision='bf16',"
+            " micro_batch_size=4, grad_accum=1));"
             "print(json.dumps({'comm': est.comm, 'grads': est.memory['grads']}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=outside_plugin_env())

@@ -66,7 +66,7 @@ def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
     assert best.extra == {"acme_gemm": "fast"} and best.fields()["acme_gemm"] == "fast"
     assert "acme_gemm=fast" in best.label() and results[0].to_json()["acme_gemm"] == "fast"
     # a plugin field at its default is no field at all: the same layout as one that never had it
-    assert Layout(dp_shard=2, extra={"acme_gemm": "slow"}) == Layout(dp_shard=2)
+    assert Layout(dp_shard=2, acme_gemm="slow") == Layout(dp_shard=2)
     # layout: auto takes the planner's value over the user's, as it does for every field the planner picks
     chosen = us.validate(us.ParallelConfig(layout="auto", acme_gemm="slow", auto_seq_len=64, auto_global_batch=8),
                          make_config("llama"), 2)
@@ -103,12 +103,13 @@ def test_expert_parallel_offers_its_degrees_under_zero_2_and_3_only():
     def ep(lay, cost=cost):  # the ep degrees offered (beside the chunked loss's two values)
         return sorted({c.get("ep", 1) for c in cost.plugin_choices(lay, 4)})
 
-    assert ep(Layout(dp_shard=4, zero_stage=3)) == [1, 2, 4]
-    assert ep(Layout(dp_shard=2, tp=2, zero_stage=2)) == [1, 2, 4]
-    assert ep(Layout(dp_shard=4, zero_stage=1)) == [1]  # experts need FSDP2 groups
-    assert "ep" not in cost.plugin_choices(Layout(dp_shard=4, zero_stage=1), 4)[0]
+    assert ep(Layout(dp_shard=4, zero_stage=3, mixed_precision="bf16")) == [1, 2, 4]
+    assert ep(Layout(dp_shard=2, tp=2, zero_stage=2, sequence_parallel=True, mixed_precision="bf16")) == [1, 2, 4]
+    assert ep(Layout(dp_shard=4, zero_stage=1, mixed_precision="bf16")) == [1]  # experts need FSDP2 groups
+    assert "ep" not in cost.plugin_choices(Layout(dp_shard=4, zero_stage=1, mixed_precision="bf16"), 4)[0]
     llama = _cost(make_config("llama"))
-    assert all("ep" not in c for c in llama.plugin_choices(Layout(dp_shard=4, zero_stage=3), 4))  # no experts
+    assert all("ep" not in c for c in llama.plugin_choices(Layout(dp_shard=4, zero_stage=3, mixed_precision="bf16"),
+                                                           4))  # no experts
 
 
 def test_layout_strings_take_plugin_fields():
@@ -126,11 +127,13 @@ def test_a_view_axis_spans_the_innermost_ranks_of_its_source():
     """ep re-splits dp_shard x cp x tp innermost first: ep=8 stays in a node of 8, efsdp crosses nodes; ep=16
     spans two nodes."""
     cost = _cost("qwen3-30b-a3b", 32)
-    nodes = cost.axis_nodes(Layout(dp_shard=32, zero_stage=3, extra={"ep": 8}))
+    nodes = cost.axis_nodes(Layout(dp_shard=32, zero_stage=3, ep=8, mixed_precision="bf16"))
     assert nodes["ep"] == (8, 1) and nodes["efsdp"] == (4, 4) and nodes["dp_shard"] == (32, 4)
-    nodes = cost.axis_nodes(Layout(dp_shard=16, tp=2, zero_stage=3, extra={"ep": 16}))
+    nodes = cost.axis_nodes(Layout(dp_shard=16, tp=2, zero_stage=3, ep=16, sequence_parallel=True,
+                                   mixed_precision="bf16"))
     assert nodes["ep"] == (16, 2) and nodes["efsdp"] == (2, 2)
-    nodes = cost.axis_nodes(Layout(dp_shard=4, tp=2, zero_stage=3, extra={"ep": 2}))
+    nodes = cost.axis_nodes(Layout(dp_shard=4, tp=2, zero_stage=3, ep=2, sequence_parallel=True,
+                                   mixed_precision="bf16"))
     assert nodes["ep"] == (2, 1) and nodes["tp"] == (2, 1)
 
 
@@ -226,7 +229,7 @@ def test_memory_savers_are_searched_only_when_nothing_fits():
     assert results[0].fits and "chunked_loss" not in roomy.searched
     assert not any("chunked_loss" in r.layout.extra for r in results)
     need = min(r.memory_gb["total"] for r in results if r.runnable)
-    chunked = roomy.evaluate(dataclasses.replace(results[0].layout, extra={"chunked_loss": 1024}))
+    chunked = roomy.evaluate(results[0].layout.replace(chunked_loss=1024))
     assert chunked.memory_gb["total"] < need - 0.1
     tight = dataclasses.replace(PRESETS["h100-sxm-80gb"], memory_gb=(need + chunked.memory_gb["total"]) / 2)
     cost = CostModel(ModelSpec.of(mc), tight, Workload(512, 1))

@@ -52,11 +52,11 @@ def record_key(r):
 
 
 LAYOUTS = [  # (layout, profile): ZeRO-3 (FSDP2's dim-0 shards), ZeRO-2 with HSDP, ZeRO-1's partition, DDP
-    (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full"), "ultrascale"),
-    (Layout(dp_replicate=2, dp_shard=2, zero_stage=2), "ultrascale"),
-    (Layout(dp_shard=4, zero_stage=1, activation_checkpointing="selective"), "ultrascale"),
-    (Layout(dp_shard=2, zero_stage=1), "nanotron"),
-    (Layout(dp_shard=2, zero_stage=0), "ultrascale"),
+    (Layout(dp_shard=2, zero_stage=3, activation_checkpointing="full", mixed_precision="bf16"), "ultrascale"),
+    (Layout(dp_replicate=2, dp_shard=2, zero_stage=2, mixed_precision="bf16"), "ultrascale"),
+    (Layout(dp_shard=4, zero_stage=1, activation_checkpointing="selective", mixed_precision="bf16"), "ultrascale"),
+    (Layout(dp_shard=2, zero_stage=1, mixed_precision="bf16"), "nanotron"),
+    (Layout(dp_shard=2, zero_stage=0, mixed_precision="bf16"), "ultrascale"),
 ]
 
 
@@ -90,7 +90,7 @@ def test_the_planners_lora_is_the_real_peft_models(arch, target):
     # the closed form of one whole replica (DDP, the bf16 frozen base, fp32 adapters and their gradients, AdamW's two
     # states and step counter per trained tensor)
     ddp = CostModel(spec, PRESETS["h100-sxm-80gb"], Workload(64, 2, "ultrascale", "adamw", "bf16", adapters))
-    (est,) = ddp.estimates(Layout(dp_shard=2, zero_stage=0))
+    (est,) = ddp.estimates(Layout(dp_shard=2, zero_stage=0, mixed_precision="bf16"))
     n_train = sum(p.numel() for p in trainable)
     assert est.memory["params"] == 2 * sum(p.numel() for p in real.parameters() if not p.requires_grad) + 4 * n_train
     assert est.memory["grads"] == 4 * n_train
@@ -115,7 +115,7 @@ def test_lora_flops_count_weight_gradients_only_for_the_adapters():
     # recomputing the forward costs a larger share of LoRA's cheaper step; exactly 4/3 training everything
     cost = CostModel(spec, PRESETS["h100-sxm-80gb"], Workload(s, 8, adapters=adapters))
     full = CostModel(spec, PRESETS["h100-sxm-80gb"], Workload(s, 8))
-    lay = Layout(dp_shard=8, zero_stage=3, activation_checkpointing="full")
+    lay = Layout(dp_shard=8, zero_stage=3, activation_checkpointing="full", mixed_precision="bf16")
     assert full.estimates(lay)[0].factors["recompute_flops"] == 4 / 3
     forward = 2 * matmul + 2 * lora + attention / 3
     assert cost.estimates(lay)[0].factors["recompute_flops"] == pytest.approx(

@@ -121,18 +121,15 @@ def pretrained_dir(path: Path, tmp_path: Path) -> Path:
 
 def planner_layout(recipe, world: int):
     """The planner's ``Layout`` for a recipe's resolved layout and batch split."""
-    from ultrascale_plugins.planner.cost import Layout
-
-    from ultrascale_plugins.planner.cost import LAYOUT_FIELDS
+    from ultrascale_plugins.planner.cost import SEARCH_SETS, Layout
 
     p = recipe.parallel.resolve(world)
-    own = LAYOUT_FIELDS | {f.name for f in dataclasses.fields(Layout)}
-    extra = {k: v for k, v in recipe.parallel.to_dict().items() if k not in own}  # plugins' fields, as set
-    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, extra=extra,
+    extra = {k: v for k, v in recipe.parallel.to_dict().items() if k not in SEARCH_SETS}  # plugins' fields, as set
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp, **extra,
                   zero_stage=p.zero_stage, micro_batch_size=recipe.train.micro_batch_size,
                   grad_accum=recipe.train.grad_accum, activation_checkpointing=p.activation_checkpointing,
                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages,
-                  sequence_parallel=p.sequence_parallel if p.tp > 1 else None, cp_method=p.cp_method,
+                  sequence_parallel=p.sequence_parallel and p.tp > 1, cp_method=p.cp_method,
                   mixed_precision="bf16" if p.mixed_precision == "bf16" else "no")
 
 
@@ -176,7 +173,7 @@ def test_full_layout_validates_and_fits(path, tmp_path, monkeypatch):
     text = header(path)
     quoted_layout = re.findall(r'--layout "([^"]+)"', text)
     assert len(quoted_layout) == 1, f"{path.name}: the header quotes one `ultrascale plan --layout` command"
-    theirs = layout_from_string(quoted_layout[0], world)
+    theirs = layout_from_string(quoted_layout[0], world).replace(mixed_precision="bf16")  # as `plan --precision bf16`
     assert (theirs.fields(), theirs.micro_batch_size, theirs.grad_accum) == \
         (lay.fields(), lay.micro_batch_size, lay.grad_accum), f"{path.name}: the quoted --layout is not the recipe's"
     assert f"--gpus {world} " in text and f"--seq-len {recipe.data.seq_len} " in text, path.name

@@ -71,11 +71,10 @@ def detect_hardware(world_size: int):
     return Hardware("cpu", ram / max(1, per_node), 0.05, 5.0, 1.0, per_node)
 
 
-# the fields the planner's search decides (cost.Layout); an auto layout resets the ones a layout leaves out, and
-# the plugin fields the search tried (``ultrascale_search_choices``) too
-PLANNED = {"layout", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "activation_checkpointing",
-           "sequence_parallel", "loss_parallel", "pp_schedule", "pp_microbatches", "pp_virtual_stages", "pp_split",
-           "cp_method", "mixed_precision"}
+# the fields an auto layout resets where the chosen layout leaves them out: those the search chooses itself
+# (``cost.SEARCH_SETS``), ``layout``, and the two that follow the degrees it picks (a manual split of the layers or of
+# the logits is for the manual degrees); the plugin fields the search tried (``ultrascale_search_choices``) too
+FOLLOW_THE_DEGREES = {"loss_parallel", "pp_split"}
 
 
 def choose_layout(config, model_config, world_size: int, hardware=None):
@@ -83,7 +82,7 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     planner's ranking, so a layout with room for the memory estimate's error is chosen whenever any has it, and a
     faster one at the edge is named beside it (``headroom``); at the edge, where the room is found."""
     from ..interface.config import ParallelConfig
-    from .cost import CostModel, Workload
+    from .cost import SEARCH_SETS, CostModel, Workload
     from .model_spec import ModelSpec
     from .search import best_layout, search
 
@@ -96,7 +95,8 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     best = best_layout(cost, world_size, ranked)
     # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept; a
     # plugin field it searched (ep) is its choice, at the field's default when the chosen layout leaves it out
-    kept = {k: v for k, v in config.to_dict().items() if k not in PLANNED and k not in cost.searched}
+    reset = SEARCH_SETS | FOLLOW_THE_DEGREES | {"layout"} | cost.searched
+    kept = {k: v for k, v in config.to_dict().items() if k not in reset}
     fields = {**kept, **best.layout.fields(), "auto_seq_len": config.auto_seq_len,
               "auto_global_batch": config.auto_global_batch, "auto_micro_batch_size": best.layout.micro_batch_size}
     assumed = [f"{name}={value}" for name, value, given in (("auto_seq_len", seq, config.auto_seq_len),

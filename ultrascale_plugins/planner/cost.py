@@ -33,42 +33,76 @@ CONSTANTS = {
     "host_step_elements_s": 7e8,
 }
 GB = 1e9
-# the ParallelConfig fields a Layout sets itself (``Layout.fields``); plugins' fields travel in ``Layout.extra``
-LAYOUT_FIELDS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "cp", "mixed_precision",
-                           "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches",
-                           "pp_virtual_stages", "cp_method"})
+# the layout fields the planner's search chooses itself (``search.layouts``: degrees, ZeRO stage, recomputation,
+# schedule, precision) or derives from its batch split (``pp_microbatches``); a plugin offers values only for its
+# other fields (``ultrascale_search_choices`` / ``ultrascale_search_savers``), which the label names one by one
+SEARCH_SETS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "cp", "mixed_precision",
+                         "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches",
+                         "pp_virtual_stages", "cp_method"})
 
 
-@dataclasses.dataclass(frozen=True)
 class Layout:
-    """One candidate: degrees, ZeRO stage, batch split, recomputation and schedule. ``zero_stage`` 0 is plain data
-    parallel; ``grad_accum`` is the micro-batches per step (the pipeline's, with pp > 1). ``extra``: the layout
-    fields of plugins that the search tried (``ultrascale_search_choices``: expert parallelism's ``ep``), those at
-    their default left out, so a layout without them equals one that never had them."""
+    """One candidate: a value for each layout field the installed plugins declare (``ultrascale_add_fields``), at
+    the field's default unless given (``Layout(tp=2, ep=4)``, read as ``layout.tp``), and the batch split, the
+    planner's own: ``micro_batch_size`` rows per micro-batch and ``grad_accum`` micro-batches per step (the
+    pipeline's, with pp > 1). It holds only the values that differ from their field's default (``values``, in
+    declaration order), so a layout equals, and hashes as, one that never named a field at its default."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    activation_checkpointing: str = "none"
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    sequence_parallel: bool | None = None  # None: on whenever tp > 1
-    cp_method: str = "ring"
-    mixed_precision: str = "bf16"
-    extra: dict = dataclasses.field(default_factory=dict, hash=False)
+    def __init__(self, *, micro_batch_size: int = 1, grad_accum: int = 1, **values):
+        from ..interface.fields import suggest
+        from ..interface.plugins import layout_fields
 
-    def __post_init__(self):
-        if self.extra:
-            from ..interface.plugins import layout_fields
+        declared = layout_fields().by_name
+        for name in values:
+            if name not in declared:
+                raise ConfigError(f"Layout: no plugin declares a layout field '{name}'. Fix: "
+                                  f"{suggest(name, declared)}")
+        held = tuple((f.name, tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name])
+                     for f in declared.values() if f.name in values and values[f.name] != f.default)
+        object.__setattr__(self, "values", held)
+        object.__setattr__(self, "micro_batch_size", micro_batch_size)
+        object.__setattr__(self, "grad_accum", grad_accum)
 
-            fields = layout_fields().by_name
-            kept = {k: v for k, v in sorted(self.extra.items()) if k not in fields or fields[k].default != v}
-            object.__setattr__(self, "extra", kept)
+    def __getattr__(self, name: str):
+        """A layout field's value: the one given, else the field's default."""
+        if name.startswith("__") or name in ("values", "micro_batch_size", "grad_accum"):
+            raise AttributeError(name)  # copy and pickle probing, or a copy not yet filled
+        from ..interface.plugins import layout_fields
+
+        for key, value in self.values:
+            if key == name:
+                return value
+        field = layout_fields().by_name.get(name)
+        if field is None:
+            raise AttributeError(f"Layout has no field '{name}': no plugin declares it")
+        return field.default
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Layout is immutable: use layout.replace({name}=...)")
+
+    def _key(self) -> tuple:
+        return self.values, self.micro_batch_size, self.grad_accum
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        given = [f"{k}={v!r}" for k, v in self.values]
+        split = f"micro_batch_size={self.micro_batch_size}, grad_accum={self.grad_accum}"
+        return f"Layout({', '.join([*given, split])})"
+
+    def replace(self, **changes) -> "Layout":
+        """This layout with ``changes`` (field values, ``micro_batch_size``, ``grad_accum``)."""
+        return Layout(**{"micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum,
+                         **dict(self.values), **changes})
+
+    def without(self, *names: str) -> "Layout":
+        """This layout with the fields ``names`` at their defaults."""
+        return Layout(micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
+                      **{k: v for k, v in self.values if k not in names})
 
     @property
     def world(self) -> int:
@@ -78,21 +112,19 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def extra(self) -> dict:
+        """The values of the fields the search does not choose itself (a plugin's: ``ep``, ``chunked_loss``), by
+        name."""
+        return {k: v for k, v in sorted(self.values) if k not in SEARCH_SETS}
+
     def fields(self) -> dict:
-        """The ``ParallelConfig`` fields of this layout (only the ones that differ from a single process)."""
-        out = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero_stage": self.zero_stage,
-               "tp": self.tp, "pp": self.pp, "cp": self.cp, "mixed_precision": self.mixed_precision,
-               "activation_checkpointing": self.activation_checkpointing}
-        if self.tp > 1:
-            out["sequence_parallel"] = self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+        """The ``ParallelConfig`` fields of this layout: those not at their default, and with pp > 1 the
+        micro-batches per step."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.values}
         if self.pp > 1:
-            out.update(pp_schedule=self.pp_schedule, pp_microbatches=self.grad_accum)
-            if self.pp_virtual_stages > 1:
-                out["pp_virtual_stages"] = self.pp_virtual_stages
-        if self.cp > 1:
-            out["cp_method"] = self.cp_method
-        out.update(self.extra)
-        if out.get("param_dtype", "fp32") != "fp32":  # the weights held in bf16 compute in it: no mixed precision
+            out["pp_microbatches"] = self.grad_accum
+        if "param_dtype" in out:  # the weights held in bf16 compute in it: no mixed precision
             out["mixed_precision"] = "no"
         return out
 
@@ -188,9 +220,7 @@ class CostModel:
 
     def runnable(self, lay: Layout) -> tuple[bool, str]:
         """Whether this engine runs the layout (every plugin's checks that need no process group)."""
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.pp_schedule,
-               lay.pp_virtual_stages, lay.grad_accum if lay.pp > 1 else 0, lay.activation_checkpointing, lay.cp_method,
-               tuple(lay.extra.items()))
+        key = (lay.values, lay.grad_accum if lay.pp > 1 else 0)
         if key not in self._runnable:
             from ..core.engine import validate
 
@@ -208,7 +238,7 @@ class CostModel:
 
     def plugin_choices(self, lay: Layout, world: int, savers: int = 0) -> list[dict]:
         """Every combination of the values the plugins offer for ``lay`` (``ultrascale_search_choices``), as
-        ``Layout.extra`` dicts; ``[{}]`` when none offers any. ``savers`` 1: instead, every combination of those
+        dicts of field values; ``[{}]`` when none offers any. ``savers`` 1: instead, every combination of those
         with the memory savers that cost time (``ultrascale_search_savers(lossy=False)``), each also at its
         current value, less the combinations with none of them on (the first pass costed those); 2: every
         combination with those and the ones that change the numbers (``lossy=True``) with at least one of the
@@ -217,7 +247,7 @@ class CostModel:
 
         from ..interface.parallel_dims import resolve
 
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.zero_stage, savers)
+        key = (lay.values, savers)
         if key in self._choices:
             return self._choices[key]
         config = resolve(lay.config(), world, self.pm, check=False)
@@ -245,12 +275,11 @@ class CostModel:
         (not in ``taken`` either), as non-empty lists of valid values."""
         from ..interface.plugins import layout_fields
 
-        own = LAYOUT_FIELDS | {f.name for f in dataclasses.fields(Layout)}
         declared = layout_fields()
         offered: dict = {}
         for answer in answers:
             for name, values in (answer or {}).items():
-                if name in own:
+                if name in SEARCH_SETS:
                     raise ConfigError(f"{hook} offered {name}={values!r}, a field the planner's search sets "
                                       "itself. Fix: offer only your plugin's own layout fields")
                 if name not in declared:
@@ -453,70 +482,66 @@ def peak_memory_gb(ests, constants: dict | None = None) -> dict:
     return max((gb(e) for e in ests), key=lambda m: m["total"])
 
 
+# the short names of a --layout string (the planner's table's), beside every layout field's own name
+SHORT = {"zero": "zero_stage", "recompute": "activation_checkpointing", "schedule": "pp_schedule",
+         "virtual": "pp_virtual_stages", "sp": "sequence_parallel", "precision": "mixed_precision"}
+
+
 def layout_from_string(text: str, world: int | None = None) -> Layout:
-    """``"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none"`` (also dp_replicate=, dp_shard=, schedule=,
-    virtual=, sp=, cp_method=, precision=, and any plugin's layout field, e.g. ep=8) as a Layout. ``dp`` alone is
-    sharded (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it."""
+    """``"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none"`` (``SHORT`` names, or any layout field's own:
+    dp_replicate=, dp_shard=, cp_method=, ep=8, ...) as a Layout; a field left out is at its default, and sequence
+    parallelism is on with tp > 1 unless ``sp=`` says otherwise, as the search costs it. ``dp`` alone is sharded
+    (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it."""
     from ..interface.plugins import layout_fields
 
-    keys = {"dp": int, "dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "cp": int, "zero": int,
-            "mbs": int, "ga": int, "recompute": str, "schedule": str, "virtual": int, "sp": str, "cp_method": str,
-            "precision": str}
-    plugin_fields = {f.name: f for f in layout_fields() if f.name not in LAYOUT_FIELDS and f.name not in keys
-                     and f.name != "layout" and not f.name.startswith("auto_") and f.type in (int, float, str, bool)}
+    declared = {f.name: f for f in layout_fields() if f.name != "layout" and not f.name.startswith("auto_")
+                and f.type in (int, float, str, bool)}
+    split = ("dp", "mbs", "ga")  # the degree of data parallelism, and the planner's batch split
     values: dict = {}
-    extra: dict = {}
+    counts: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or (key not in keys and key not in plugin_fields):
+        if not sep or (key not in split and key not in SHORT and key not in declared):
             import difflib
 
-            close = difflib.get_close_matches(key, [*keys, *plugin_fields], n=1)
+            close = difflib.get_close_matches(key, [*split, *SHORT, *declared], n=1)
             hint = f"did you mean '{close[0]}'? " if sep and close else ""
-            raise ConfigError(f"--layout {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(keys)}, or a "
-                              f"plugin's layout field ({', '.join(plugin_fields)}). Fix: {hint}e.g. --layout "
-                              "\"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none\"")
-        if key in plugin_fields:
-            extra[key] = _plugin_value(plugin_fields[key], value.strip())
-            continue
-        try:
-            values[key] = keys[key](value.strip())
-        except ValueError:
-            raise ConfigError(f"--layout: {key}={value!r} must be {keys[key].__name__}. Fix: e.g. {key}=1") from None
-    dp = values.pop("dp", None)
+            raise ConfigError(f"--layout {text!r}: {part!r} is not KEY=VALUE with KEY one of "
+                              f"{', '.join([*split, *SHORT])}, or a plugin's layout field ({', '.join(declared)}). "
+                              f"Fix: {hint}e.g. --layout \"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none\"")
+        if key in split:
+            try:
+                counts[key] = int(value.strip())
+            except ValueError:
+                raise ConfigError(f"--layout: {key}={value!r} must be int. Fix: e.g. {key}=1") from None
+        else:
+            values[SHORT.get(key, key)] = _field_value(declared[SHORT.get(key, key)], key, value.strip())
+    dp = counts.get("dp")
     rep, shard = values.pop("dp_replicate", None), values.pop("dp_shard", None)
     if dp is not None and (rep or shard) and dp != (rep or 1) * (shard or 1):
         raise ConfigError(f"--layout: dp={dp} but dp_replicate x dp_shard = {(rep or 1) * (shard or 1)}. Fix: give "
                           "dp alone, or make it their product")
     rep = rep or 1
     shard = shard or (dp // rep if dp else 1)
-    sp = values.pop("sp", None)
-    lay = Layout(dp_replicate=rep, dp_shard=shard, tp=values.get("tp", 1), pp=values.get("pp", 1),
-                 cp=values.get("cp", 1), zero_stage=values.get("zero", 0), micro_batch_size=values.get("mbs", 1),
-                 grad_accum=values.get("ga", 1), activation_checkpointing=values.get("recompute", "none"),
-                 pp_schedule=values.get("schedule", "1f1b"), pp_virtual_stages=values.get("virtual", 1),
-                 sequence_parallel=None if sp is None else sp.lower() in ("1", "true", "yes", "on"),
-                 cp_method=values.get("cp_method", "ring"), mixed_precision=values.get("precision", "bf16"),
-                 extra=extra)
-    if lay.activation_checkpointing not in ("none", "full", "selective"):
-        raise ConfigError(f"--layout: recompute={lay.activation_checkpointing!r}. Fix: one of none, full, selective")
-    if lay.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--layout: zero={lay.zero_stage}. Fix: one of 0 (plain data parallel), 1, 2, 3")
+    values.setdefault("sequence_parallel", values.get("tp", 1) > 1)
+    lay = Layout(dp_replicate=rep, dp_shard=shard, micro_batch_size=counts.get("mbs", 1),
+                 grad_accum=counts.get("ga", 1), **values)
     if world is not None and lay.world != world:
         raise ConfigError(f"--layout {text!r}: dp x tp x pp x cp = {lay.world}, but --gpus is {world}. Fix: make "
                           "the degrees multiply to the GPU count")
     return lay
 
 
-def _plugin_value(field, text: str):
-    """``text`` as a value of a plugin's layout ``field`` (checked as the field checks it)."""
+def _field_value(field, key: str, text: str):
+    """``text`` as a value of the layout ``field`` (checked as the field checks it); errors name ``key`` as
+    written."""
     try:
-        if field.type is bool:
-            value = text.lower() in ("1", "true", "yes", "on")
-        else:
-            value = field.type(text)
+        value = text.lower() in ("1", "true", "yes", "on") if field.type is bool else field.type(text)
     except ValueError:
-        raise ConfigError(f"--layout: {field.name}={text!r} must be {field.type.__name__}. Fix: e.g. "
-                          f"{field.name}={field.default}") from None
-    return field.validate(value)
+        raise ConfigError(f"--layout: {key}={text!r} must be {field.type.__name__}. Fix: e.g. "
+                          f"{key}={field.default}") from None
+    try:
+        return field.validate(value)
+    except ConfigError as exc:
+        raise ConfigError(f"--layout: {key}={text}: {exc}") from None

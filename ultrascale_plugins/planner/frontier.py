@@ -41,14 +41,14 @@ def _gpt(layers: int, hidden: int, heads: int, seq_len: int, vocab: int) -> dict
 # name: (model config, sequence length, global batch, layout, published % of peak)
 RUNS = {
     "22B": (_gpt(48, 6144, 48, 2048, 50304), 2048, 640,
-            Layout(dp_replicate=2, tp=1, pp=8, zero_stage=1, micro_batch_size=1, grad_accum=320,
-                   activation_checkpointing="full"), 38.38),
+            Layout(dp_replicate=2, dp_shard=1, tp=1, pp=8, zero_stage=1, micro_batch_size=1, grad_accum=320,
+                   activation_checkpointing="full", mixed_precision="bf16"), 38.38),
     "175B": (_gpt(96, 12288, 96, 4096, 50688), 4096, 640,
-             Layout(dp_replicate=2, tp=4, pp=16, zero_stage=1, micro_batch_size=1, grad_accum=320,
-                    activation_checkpointing="full", sequence_parallel=False), 36.14),
+             Layout(dp_replicate=2, dp_shard=1, tp=4, pp=16, zero_stage=1, micro_batch_size=1, grad_accum=320,
+                    activation_checkpointing="full", sequence_parallel=False, mixed_precision="bf16"), 36.14),
     "1T": (_gpt(128, 25600, 200, 2048, 50688), 2048, 1024,
-           Layout(dp_replicate=2, tp=4, pp=128, zero_stage=1, micro_batch_size=1, grad_accum=512,
-                  activation_checkpointing="full", sequence_parallel=False), 31.96),
+           Layout(dp_replicate=2, dp_shard=1, tp=4, pp=128, zero_stage=1, micro_batch_size=1, grad_accum=512,
+                  activation_checkpointing="full", sequence_parallel=False, mixed_precision="bf16"), 31.96),
 }
 
 

@@ -2,7 +2,6 @@
 strategy call, Accelerate config and ``ultrascale train`` recipe."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -50,7 +49,7 @@ def twin_notes(results: list[Result], top: int) -> dict[int, str]:
     gathered between micro-batches (``dims/data_parallel/plugin.py``), so ZeRO-3 runs as ZeRO-2 does."""
     rows = {}
     for i, r in enumerate(results):
-        key = (dataclasses.replace(r.layout, zero_stage=0).label(), round(r.memory_gb["total"], 6), round(r.step_s, 9))
+        key = (r.layout.replace(zero_stage=0).label(), round(r.memory_gb["total"], 6), round(r.step_s, 9))
         rows.setdefault(key, []).append(i)
     notes = {}
     for twins in rows.values():
@@ -134,14 +133,11 @@ def breakdown(r: Result) -> str:
 def saver_costs(best: Result, cost) -> str:
     """What each memory saver of the chosen layout (``ultrascale_search_savers``: searched because no layout fit
     without them) costs against the same layout without it; "" when it has none."""
-    import dataclasses
-
     parts = []
     for name, value in best.layout.extra.items():
         if name not in cost.savers:
             continue
-        without = cost.evaluate(dataclasses.replace(best.layout, extra={k: v for k, v in best.layout.extra.items()
-                                                                         if k != name}))
+        without = cost.evaluate(best.layout.without(name))
         saved = without.memory_gb["total"] - best.memory_gb["total"]
         host = without.memory_gb.get("host", 0.0) - best.memory_gb.get("host", 0.0)
         host = f", {abs(host):.1f} GB {'less' if host >= 0 else 'more'} host memory" if abs(host) >= 0.05 else ""
@@ -155,10 +151,9 @@ def saver_costs(best: Result, cost) -> str:
 
 
 def parallel_fields(r: Result) -> dict:
-    fields = r.layout.fields()
-    defaults = {"dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1, "activation_checkpointing": "none",
-                "mixed_precision": "no"}
-    return {k: v for k, v in fields.items() if defaults.get(k, object()) != v}
+    """The layout's ``ParallelConfig`` fields as the snippets print them: the data-parallel degree and ZeRO stage
+    the plan chose, and every other field away from its default."""
+    return {"dp_shard": r.layout.dp_shard, "zero_stage": r.layout.zero_stage, **r.layout.fields()}
 
 
 def lightning_call(r: Result, gpus: int, per_node: int) -> str:

@@ -63,20 +63,20 @@ def layouts(world: int, cost: CostModel, savers: int = 0):
             if zero >= 2 and dp > per_node and dp % per_node == 0:
                 replicas.append(dp // per_node)  # HSDP: shard inside a node, replicate across nodes
             for rep in replicas:
+                # the search's own choices: every ZeRO stage, the workload's precision, Megatron's sequence
+                # parallelism whenever tensor parallel
                 base = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp, zero_stage=zero,
-                              mixed_precision=work.precision)
-                for extra in cost.plugin_choices(base, world, savers):
+                              mixed_precision=work.precision, sequence_parallel=tp > 1)
+                for offered in cost.plugin_choices(base, world, savers):
                     for schedule, v in _pp_schedules(pp, layers):
                         group = []
                         rows, mbs = work.global_batch // dp, 1
                         while rows % mbs == 0:
                             ga = rows // mbs
                             if pp == 1 or ga >= pp:
-                                group.append([Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp,
-                                                     zero_stage=zero, micro_batch_size=mbs, grad_accum=ga,
-                                                     activation_checkpointing=ac, pp_schedule=schedule,
-                                                     pp_virtual_stages=v, mixed_precision=work.precision,
-                                                     extra=extra)
+                                group.append([base.replace(micro_batch_size=mbs, grad_accum=ga,
+                                                           activation_checkpointing=ac, pp_schedule=schedule,
+                                                           pp_virtual_stages=v, **offered)
                                               for ac in RECOMPUTE])
                             mbs *= 2
                         yield group

@@ -70,7 +70,8 @@ def load_rows(path: Path = DATA) -> list[dict]:
 
 def row_layout(row: dict) -> Layout:
     return Layout(dp_shard=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]), zero_stage=int(row["zero"]),
-                  micro_batch_size=int(row["mbs"]), grad_accum=int(row["grad_acc"]), pp_schedule="1f1b")
+                  micro_batch_size=int(row["mbs"]), grad_accum=int(row["grad_acc"]), pp_schedule="1f1b",
+                  mixed_precision="bf16", sequence_parallel=int(row["tp"]) > 1)
 
 
 class _Models(dict):
