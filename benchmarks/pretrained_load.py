@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_io import timed  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.core.engine import from_pretrained  # noqa: E402
+from ultrascale_plugins.checkpoints.load import from_pretrained  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -205,7 +205,7 @@ class UltraScaleAccelerator(Accelerator):
         return out[0] if len(out) == 1 else tuple(out)
 
     def _parallelize(self, model, reference: bool = False):
-        from ..core import engine
+        from ..checkpoints import load
         from ..core.engine import causal_lm_of
         from .hf_module import ParallelCausalLM
 
@@ -216,7 +216,7 @@ class UltraScaleAccelerator(Accelerator):
         if reference and not any(p.is_meta for p in model.parameters()):
             init_from = None  # a reference loaded whole keeps its own weights
         n_params = sum(p.numel() for p in model.parameters())  # the whole model's (meta parameters included)
-        pmodel = engine.parallelize(model, self.ultrascale_config, device=self.device, init_from=init_from)
+        pmodel = load.parallelize(model, self.ultrascale_config, device=self.device, init_from=init_from)
         adapter = ParallelCausalLM(pmodel)
         if reference:
             self.ultrascale_references.append(adapter)

@@ -296,7 +296,7 @@ class _UltraScaleStrategyMixin:
         return config
 
     def setup(self, trainer) -> None:
-        from ..core import engine
+        from ..checkpoints import load
         from .hf_module import ParallelCausalLM
 
         self.accelerator.setup(trainer)
@@ -305,7 +305,7 @@ class _UltraScaleStrategyMixin:
         config = self.layout_for(hf.config)
         self._check_loop(config, trainer)
         n_params = sum(p.numel() for p in hf.parameters())  # the whole model's (meta parameters included)
-        self.pmodel = engine.parallelize(hf, config, device=self.root_device, init_from=self.init_from)
+        self.pmodel = load.parallelize(hf, config, device=self.root_device, init_from=self.init_from)
         self._log_layout(hf, n_params)
         self.adapter = ParallelCausalLM(self.pmodel)
         setattr(lm, self._attr, self.adapter)

@@ -111,7 +111,7 @@ PRETRAINED_LAYOUTS = {
 def pretrained(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.core.engine import from_pretrained
+    from ultrascale_plugins.checkpoints.load import from_pretrained
 
     hf_dir = out / "hf"
     if dist.get_rank() == 0:  # several safetensors files, tied head stored once

@@ -251,11 +251,7 @@ def folder_of(name: str) -> str:
 
 # Imports that close a loop today, each with what removes it (every other loop fails the tests below, and an
 # entry whose import is gone fails test_the_known_loops_are_still_there: take it out).
-KNOWN_LOOPS = {
-    # core/ -> checkpoints/: from_pretrained reads the pretrained files, while checkpoints/ fills and saves through
-    # core/ (initialize, plugin_state); core/engine.py is another helper's
-    ("core.engine", "checkpoints.pretrained"): "issue 48: from_pretrained read once, top to bottom, removes it",
-}
+KNOWN_LOOPS: dict[tuple[str, str], str] = {}
 
 
 def import_graph() -> dict[str, dict[str, int]]:

@@ -50,7 +50,7 @@ def reference_state(path: Path) -> dict[str, torch.Tensor]:
 def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
     import ultrascale_plugins as us
     from safetensors import safe_open
-    from ultrascale_plugins.core.engine import from_pretrained
+    from ultrascale_plugins.checkpoints.load import from_pretrained
     from ultrascale_plugins.checkpoints.pretrained import prepare
 
     path = save_moe(model_type, tmp_path / "m")
@@ -113,7 +113,7 @@ def test_two_ranks_read_only_their_experts_and_equal_transformers(tmp_path):
 def worker(out: Path) -> None:
     import ultrascale_plugins as us
     from ultrascale_plugins.checkpoints import pretrained
-    from ultrascale_plugins.core.engine import from_pretrained
+    from ultrascale_plugins.checkpoints.load import from_pretrained
 
     us.init_distributed(timeout=120)
     path = out / "hf"

@@ -11,9 +11,9 @@ def worker(path: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.core import engine
+    from ultrascale_plugins.checkpoints import load
 
-    pmodel = engine.from_pretrained(path, {"tp": 2, "dp_shard": 1})
+    pmodel = load.from_pretrained(path, {"tp": 2, "dp_shard": 1})
     packed = dict(pmodel.module.named_parameters())["transformer.h.0.attn.c_attn.weight"]
     assert "StridedShard" in str(packed.placements), packed.placements  # really held as packed pieces
     full = pmodel.full_state_dict()

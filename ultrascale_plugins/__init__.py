@@ -118,7 +118,11 @@ __all__ = ["ConfigError", "LayoutFacts", "MeshAxis", "MeshView", "ParallelConfig
 
 
 def __getattr__(name):  # the engine and the launch helpers pull in torch; import them on first use
-    if name in ("parallelize", "from_pretrained", "ParallelModel", "validate", "estimate", "describe"):
+    if name in ("parallelize", "from_pretrained"):  # a model and its weights, read once (checkpoints/load.py)
+        from .checkpoints import load
+
+        return getattr(load, name)
+    if name in ("ParallelModel", "validate", "estimate", "describe"):
         from .core import engine
 
         return getattr(engine, name)

@@ -15,7 +15,7 @@ parameters (``mlp.experts.gate_up_proj``) while the hub's checkpoints, and its o
 them per expert (``mlp.experts.<e>.gate_proj.weight``) — so such a parameter is built from exactly the tensors
 its ``WeightConverter`` names, by the converter's own operations (``FusedSource``).
 
-    pmodel = ultrascale_plugins.from_pretrained("my-model/", ParallelConfig(tp=2))   # engine.from_pretrained
+    pmodel = ultrascale_plugins.from_pretrained("my-model/", ParallelConfig(tp=2))   # checkpoints.load
 """
 from __future__ import annotations
 
@@ -120,15 +120,9 @@ class PretrainedWeights:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              set_model_state_dict)
 
-        from ..core.initialize import to_empty_tied
+        from ..core.initialize import give_storage
 
-        for module in ctx.modules:
-            # plain to_empty would untie a tied head from its embedding; the parameters where the layout holds them
-            to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))
-            with torch.no_grad():
-                for name, buf in module.named_buffers():
-                    if name in buffers:
-                        buf.copy_(buffers[name])
+        give_storage(ctx, buffers)  # tied parameters kept tied, where the layout holds them; the computed buffers
         for module in ctx.modules:
             state = get_model_state_dict(module)
             # one read per file key; a second local tensor wanting the same key (a tied weight held by two
@@ -276,13 +270,13 @@ def conversions(model, found: dict, state: dict) -> tuple[dict[str, str], dict[s
     return renamed, groups
 
 
-def plain_entries(model, keys, pm=None) -> tuple[dict[str, str], list[str], object]:
+def plain_entries(model, keys, wrapper=None) -> tuple[dict[str, str], list[str], object]:
     """Where each entry of ``model``'s state dict (``keys``) starts from, asked of the plugins
     (``ModelWrapper.pretrained_name``) for a wrapper around a causal LM (a PEFT model): ({key: its name in the plain
     causal LM, as its pretrained files name it}, [keys a plugin introduced, which no file holds], the causal LM the
     plain names are of). A key no plugin answers for is its name without the wrapper's prefix; for a model that
-    wraps nothing, every key is its own name."""
-    wrapper = wrapper_of(model, pm)
+    wraps nothing, every key is its own name. ``wrapper``: ``model``'s, when the caller asked for it already."""
+    wrapper = wrapper if wrapper is not None else wrapper_of(model)
     plain, introduced = {}, []
     for key in keys:
         name = wrapper.pretrained_name(key)
@@ -293,7 +287,7 @@ def plain_entries(model, keys, pm=None) -> tuple[dict[str, str], list[str], obje
     return plain, introduced, wrapper.inner
 
 
-def match_weights(model, path: str | Path, seed: int | None = None) -> PretrainedWeights:
+def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None) -> PretrainedWeights:
     """Map every entry of ``model``'s state dict to a key of the files: the same name, the name without the
     base-model prefix (a checkpoint of the bare decoder), for a tied head/embedding the other one's name, or what
     transformers' conversion mapping renames or assembles it from (``conversions``). Missing keys and shape
@@ -303,15 +297,17 @@ def match_weights(model, path: str | Path, seed: int | None = None) -> Pretraine
     A wrapper around a causal LM (a PEFT model, possibly on the meta device) is matched through its plain names
     (``plain_entries``); the entries a plugin introduced (the adapters) are drawn at load by a
     ``initialize.ModelInit`` seeded with ``seed`` (default: ``torch.initial_seed()`` now, i.e. the last
-    ``torch.manual_seed``): the same seed gives the same adapters in every layout."""
+    ``torch.manual_seed``): the same seed gives the same adapters in every layout. ``wrapper``: ``model``'s
+    ``ModelWrapper``, when the caller asked the plugins already (asked here otherwise, once)."""
     path = Path(path)
+    wrapper = wrapper if wrapper is not None else wrapper_of(model)
     found = file_tensors(path)
     if any(b.is_meta for b in model.buffers()):  # a meta build's buffers (rotary frequencies): no file holds them
         from ..core.initialize import fill_buffers
 
         fill_buffers(model)
     full_state = model.state_dict()
-    plain, introduced, inner = plain_entries(model, list(full_state))
+    plain, introduced, inner = plain_entries(model, list(full_state), wrapper)
     state = {name: full_state[key] for key, name in plain.items()}  # the plain model's entries (shapes)
     renamed, groups = conversions(inner, found, state)
     prefix = getattr(inner, "base_model_prefix", "") + "."
@@ -346,11 +342,11 @@ def match_weights(model, path: str | Path, seed: int | None = None) -> Pretraine
     if introduced:
         from ..core.initialize import ModelInit
 
-        init = ModelInit(model, seed)
+        init = ModelInit(model, seed, wrapper=wrapper)
     return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
                              unexpected=sorted(k for k in found if k not in read),
                              fused={key: fused[name] for key, name in plain.items() if name in fused},
-                             introduced=introduced, init=init, wrapper=wrapper_of(model))
+                             introduced=introduced, init=init, wrapper=wrapper)
 
 
 def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: set[str],
@@ -401,13 +397,15 @@ def computed_buffers(model_config) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in empty_model(model_config).named_buffers()}
 
 
-def weights_for(model, init_from: str | Path | None, seed: int | None = None):
+def weights_for(model, init_from: str | Path | None, seed: int | None = None, pm=None):
     """What a front end should load into ``model`` once parallelized: the weights of ``init_from`` if given; for a
     model built on the meta device (``empty_init``, ``torch.device("meta")``), those of the directory its config was
     read from (``AutoConfig.from_pretrained(DIR)`` records it), else a ``ModelInit`` that initializes it shard by
     shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
     build left empty are computed first. ``seed`` (default ``torch.initial_seed()``) draws what no file holds: the
-    whole model without weights, a wrapper's introduced entries (a PEFT model's adapters) with them."""
+    whole model without weights, a wrapper's introduced entries (a PEFT model's adapters) with them. The plugins
+    are asked what the model's wrapper is once (``pm``: the plugin manager, default the process's), for the names
+    and the initializer alike."""
     from ..core.initialize import ModelInit, fill_buffers
 
     source = init_from
@@ -420,6 +418,7 @@ def weights_for(model, init_from: str | Path | None, seed: int | None = None):
         return None
     if any(b.is_meta for b in model.buffers()):
         fill_buffers(model)
+    wrapper = wrapper_of(model, pm)
     if source is None:
-        return ModelInit(model, seed)
-    return match_weights(model, source, seed)
+        return ModelInit(model, seed, wrapper=wrapper)
+    return match_weights(model, source, seed, wrapper)

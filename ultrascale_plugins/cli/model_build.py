@@ -8,7 +8,9 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..core.engine import ParallelModel, from_pretrained, parallelize
+from ..checkpoints.load import from_pretrained, parallelize
+from ..checkpoints.pretrained import empty_model, read_config
+from ..core.engine import ParallelModel
 from ..data.recipe import Recipe, recorded_init_from
 from ..interface.estimates import meta_model
 
@@ -43,12 +45,9 @@ def build_model(recipe: Recipe, device: torch.device, init_from: str | None = No
     """This rank's part of the recipe's model, with its weights: pretrained (``init_from``), or drawn per shard from
     the seed already set."""
     base_from = pretrained_source(recipe, init_from, resume)
-    if init_from and not recipe.sections:  # a plain pretrained model: the engine reads it shard by shard
+    if init_from and not recipe.sections:  # a plain pretrained model: read shard by shard
         return BuiltModel(from_pretrained(init_from, recipe.parallel, device=device), None, base_from=base_from)
     if base_from:  # the pretrained model's structure, its buffers computed; its weights are read per shard
-        # checkpoints import DCP, which takes over a second: only for a run that starts from pretrained weights
-        from ..checkpoints.pretrained import empty_model, read_config
-
         model = empty_model(read_config(base_from), **recipe.base_dtype())
     else:
         with torch.device("meta"):  # no rank holds the whole model: parallelize initializes each rank's shards

@@ -1,11 +1,12 @@
-"""The engine: ``parallelize(model, config)`` checks the layout, builds the mesh, composes the dimensions'
-transforms in the order their stages declare and returns a ``ParallelModel`` (``core.parallel_model``), whose step
-every front end drives. Also the checks that need no process group (``validate``), ``describe`` and ``estimate``."""
+"""The engine: ``place(model, config)`` builds the mesh, composes the dimensions' transforms in the order their
+stages declare, has the caller's loader give the shards their values and returns a ``ParallelModel``
+(``core.parallel_model``), whose step every front end drives; ``us.parallelize`` (``checkpoints.load``) checks the
+layout and picks the loader before it. Also the checks that need no process group (``validate``), ``describe`` and
+``estimate``."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -309,25 +310,13 @@ def pin_hub_kernels(model: nn.Module) -> None:
             module.train(training)
 
 
-def parallelize(model: nn.Module, config: ParallelConfig | dict | None = None, *, device=None,
-                init_from: str | None = None, init_weights=None) -> "ParallelModel":
-    """Shard ``model`` (a Hugging Face causal LM) over the current process group according to ``config``.
-
-    ``init_from``: a Hugging Face directory whose weights the model takes, each rank reading only its own shards
-    (what the files do not hold, a PEFT model's adapters, is drawn from the seed; rank 0 warns of keys the model
-    does not use). ``model`` may live on the meta device (built under ``torch.device("meta")``): then every rank
-    gives only its own shards storage and values once the layout is final — from ``init_from``, else from
-    ``init_weights`` (an object with ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``), else from the
-    directory its config was read from, else with the model's own initialization — so no rank ever holds the
-    whole model. The command line, Lightning, Accelerate and the Trainer all build their model here."""
-    pm = get_plugin_manager()
-    config = validate(as_config(config), model.config, launch.world_size(), pm, model=model)  # no group yet
-    if init_weights is None and (init_from is not None or any(p.is_meta for p in model.parameters())):
-        from ..checkpoints.pretrained import weights_for
-
-        init_weights = weights_for(model, init_from)
-        if init_from is not None:
-            warn_unused(init_from, init_weights.unexpected)
+def place(model: nn.Module, config: ParallelConfig, *, device=None, init_weights=None, pm=None) -> ParallelModel:
+    """Place ``model`` (a Hugging Face causal LM) over the current process group in the layout ``config`` (resolved
+    and checked: ``validate``): the process group and the mesh, the model plan, the stages in their resolved order;
+    then ``init_weights.load(ctx, buffers)`` gives a meta-device model's shards storage and values (the engine
+    reads no file: the loader is the caller's, ``checkpoints.load.parallelize``). Without a loader the model keeps
+    the values it holds."""
+    pm = pm or get_plugin_manager()
     if device is None:
         device = launch.init_distributed()
     elif not dist.is_initialized():
@@ -385,25 +374,6 @@ def release_unheld(model: nn.Module, parts: list[nn.Module]) -> None:
                     continue
                 replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
             module._parameters[name] = replaced[id(param)]
-
-
-def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device=None,
-                    trust_remote_code: bool = False) -> "ParallelModel":
-    """Build the model of the Hugging Face directory ``path`` in the layout ``config`` and load its weights, each
-    rank reading only its own shards (``pretrained``: names, tied weights and shapes are checked before any process
-    group exists)."""
-    from ..checkpoints.pretrained import prepare
-
-    weights, model = prepare(path, trust_remote_code=trust_remote_code)
-    warn_unused(path, weights.unexpected)
-    return parallelize(model, config, device=device, init_weights=weights)
-
-
-def warn_unused(path, unexpected: list[str]) -> None:
-    """Rank 0's warning of the keys in a pretrained directory's files that the model does not read."""
-    if unexpected and launch.global_rank() == 0:
-        warnings.warn(f"'{path}': {len(unexpected)} key(s) in the files are not used by the model: "
-                      f"{', '.join(unexpected[:8])}", stacklevel=3)
 
 
 def move_scheduler(scheduler, old, new) -> None:

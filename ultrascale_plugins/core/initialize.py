@@ -146,6 +146,25 @@ def to_empty_tied(module: nn.Module, device, param_device=None) -> None:
             m._parameters[name] = keep
 
 
+@torch.no_grad()
+def give_storage(ctx, buffers: dict[str, torch.Tensor], computed: dict[str, torch.Tensor] | None = None) -> None:
+    """Give this rank's model parts (``ctx.modules``, in their final layout) storage — the parameters where the
+    layout holds them (``ctx.param_device``, when a context has one), tied ones kept tied — and their buffers the
+    values computed at construction: ``buffers`` by name, else ``computed`` by the unparallelized name, else zero
+    (``to_empty`` leaves them uninitialised). The first step of every loader (``ModelInit.load``,
+    ``pretrained.PretrainedWeights.load``), before any value is read or drawn."""
+    for module in ctx.modules:
+        to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))  # a context of the caller's own too
+        for name, buf in module.named_buffers():
+            source = buffers.get(name)
+            if source is None and computed is not None:
+                source = computed.get(unwrapped_name(name))
+            if source is not None and not source.is_meta:
+                buf.copy_(source)
+            else:
+                buf.zero_()
+
+
 def copy_part(param: torch.Tensor, local: torch.Tensor, part: torch.Tensor) -> None:
     """``local.copy_(part)``, where ``local`` is this rank's part of ``param`` (its ``to_local()``, or ``param``)
     and may be a tensor subclass of several inner tensors (torchao's NF4Tensor). The inner tensors a meta-device
@@ -199,11 +218,12 @@ class ModelInit:
     that plugin (``ModelWrapper.init_module``); values computed from others (DoRA's magnitude) are set once every
     shard holds its values (``ModelWrapper.init_dependent``)."""
 
-    def __init__(self, model: nn.Module, seed: int | None = None, pm=None):
+    def __init__(self, model: nn.Module, seed: int | None = None, pm=None, wrapper=None):
         self.seed = torch.initial_seed() if seed is None else int(seed)
-        self.pm = pm or get_plugin_manager()
         self.twin = meta_copy(model)
-        self.wrapper = wrapper_of(self.twin, self.pm)  # the plugin's description of a wrapper (a PEFT model)
+        # the plugin's description of a wrapper (a PEFT model): the caller's, asked of the model once per load
+        # (``pretrained.weights_for``; its answers go by name, the same for the twin), else asked of the twin here
+        self.wrapper = wrapper if wrapper is not None else wrapper_of(self.twin, pm or get_plugin_manager())
         fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
         # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the
@@ -268,17 +288,7 @@ class ModelInit:
         """Give this rank's (sharded) parameters storage and their initial values; restore the buffers computed at
         construction (``to_empty`` leaves them uninitialised); then the values computed from others
         (``ModelWrapper.init_dependent``)."""
-        twin_buffers = dict(self.twin.named_buffers())
-        for module in ctx.modules:
-            to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))  # a context of the caller's own too
-            for name, buf in module.named_buffers():
-                source = buffers.get(name)
-                if source is None:
-                    source = twin_buffers.get(unwrapped_name(name))
-                if source is not None and not source.is_meta:
-                    buf.copy_(source)
-                else:
-                    buf.zero_()
+        give_storage(ctx, buffers, dict(self.twin.named_buffers()))
         self.fill(ctx.modules)
         self.wrapper.init_dependent(list(ctx.modules))
 
