@@ -12,6 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ...interface.estimates import AdapterFactor
 from ...interface.fields import ConfigError
+from ...interface.meta_copy import meta_copy
 from ...interface.hookspecs import hookimpl
 
 
@@ -67,7 +68,7 @@ def priced_factors(model, adapters) -> list[AdapterFactor]:
 
         raise ConfigError(f"LoRA pricing asks peft which layers it adapts, and peft is not installed. "
                           f"Fix: {install_command('peft')}") from None
-    twin = _meta_copy(model)
+    twin = meta_copy(model)  # for peft to wrap: the same tree and names, no storage
     plain = {id(p): n for n, p in twin.named_parameters()}
     target = adapters.target if isinstance(adapters.target, str) else list(adapters.target)
     try:
@@ -90,17 +91,6 @@ def priced_factors(model, adapters) -> list[AdapterFactor]:
     return out
 
 
-def _meta_copy(model):
-    """``model`` again on the meta device (no storage), for peft to wrap: a copy of a meta model, or the model's
-    class built from its config."""
-    import copy
-
-    if all(p.is_meta for p in model.parameters()):
-        return copy.deepcopy(model)
-    with torch.device("meta"):
-        return type(model)(model.config)
-
-
 def _no_match(model, adapters) -> str:
     return (f"LoRA targets {adapters.target!r} match no layer of this {model.config.model_type} model. "
             "Fix: 'all-linear', or names of its linear layers (e.g. q_proj,v_proj)")
@@ -109,10 +99,10 @@ def _no_match(model, adapters) -> str:
 def _refusal(model, adapters, exc) -> str:
     """One line for what peft refused: a named module LoRA does not adapt, a target that matches nothing, or
     peft's own first sentence."""
-    if not isinstance(adapters.target, str):
+    if "not supported" in str(exc) and not isinstance(adapters.target, str):
         for fqn, m in model.named_modules():
             if fqn and any(fqn == k or fqn.endswith("." + k) for k in adapters.target) \
-                    and not isinstance(m, (nn.Linear, Conv1D, nn.Embedding)) and "not supported" in str(exc):
+                    and not isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
                 return (f"LoRA target '{fqn}' is a {type(m).__name__}, which LoRA does not adapt. "
                         "Fix: name linear or embedding layers (e.g. q_proj,v_proj), or 'all-linear'")
     if "not found" in str(exc) or "did not match" in str(exc):
