@@ -27,19 +27,30 @@ A family's own runtime needs are methods of its own objects, not hooks: a pipeli
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-# The annotations below are names only (this module imports nothing of the package, so every module may import
-# it): ParallelConfig (interface.config), Fields (interface.fields), MeshAxis / MeshView (interface.parallel_dims),
-# PlanEdit (interface.plan_edit), Preset (interface.presets), RecipeSection (interface.recipe_section),
-# LayoutFacts (interface.facts), Runtime (interface.runtime), Stage
-# (interface.stages), Estimate / Shape / Adapters / AdapterFactor (interface.estimates), MinimumTerm
-# (interface.comm_minimum), ModelWrapper
-# (interface.model_wrapper), ModelPlan (models.plan), ParallelContext / ParallelModel (core.engine), PluginState
-# (checkpoints.sharded), SavedCheckpoint (checkpoints.export); nn (torch.nn),
-# PretrainedConfig (transformers).
+# The types a hook speaks, imported for type checkers only: importing the hookspecs stays cheap and closes no import
+# loop with the modules that define those types. The engine's objects (the context, the parallel model, plugin
+# state, a saved checkpoint, the model plan) live above this layer: ``protocols`` says what each offers a plugin.
+# tests/test_hookspecs.py resolves every hookspec's annotations against these imports.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from .comm_minimum import MinimumTerm
+    from .config import ParallelConfig
+    from .estimates import AdapterFactor, Adapters, Estimate, Shape
+    from .fields import Fields
+    from .mesh_axes import MeshAxis, MeshView
+    from .model_wrapper import ModelWrapper
+    from .plan_edit import PlanEdit
+    from .presets import Preset
+    from .protocols import ModelPlan, ParallelContext, ParallelModel, PluginState, SavedCheckpoint
+    from .recipe_section import RecipeSection
+    from .stages import Stage
 
 PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -394,7 +405,7 @@ def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
     the checkpoint lacks, and may refuse the checkpoint (raise ``ConfigError``) before anything is read.
 
     :param pmodel: The ``ParallelModel`` saved or loaded.
-    :param state: The ``checkpoints.sharded.PluginState`` to add to (``state.loading`` None on a save).
+    :param state: The ``protocols.PluginState`` to add to (``state.loading`` None on a save).
     :return: Nothing; the entries go into ``state``.
     """
 
@@ -405,7 +416,7 @@ def ultrascale_load_state_dict(pmodel: ParallelModel, state: PluginState) -> Non
     ``ParallelModel.load_state_dict``).
 
     :param pmodel: The ``ParallelModel`` loaded into.
-    :param state: The ``checkpoints.sharded.PluginState`` as saved (``state.rank_local`` empty in another world size).
+    :param state: The ``protocols.PluginState`` as saved (``state.rank_local`` empty in another world size).
     :return: Nothing.
     """
 
@@ -431,7 +442,7 @@ def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base
 
     Stops at the first non-None result.
 
-    :param checkpoint: The ``checkpoints.export.SavedCheckpoint``: ``path``, ``meta``, ``config`` (its transformers
+    :param checkpoint: The ``protocols.SavedCheckpoint``: ``path``, ``meta``, ``config`` (its transformers
         config), ``names`` (the model tensors it holds) and ``read(names)``, those tensors whole on the CPU.
     :param form: ``"adapter"`` (PEFT's own files) or ``"merged"`` (a plain transformers model with the adapters folded
         in).
