@@ -92,24 +92,50 @@ def _weights(directory):
     return out
 
 
-def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
+# the plain Trainer's runs on one process that the launched runs are compared with (tests/trainer_worker.py
+# --reference): every architecture of ACCUMULATION_LAYOUTS, torchao's 8-bit AdamW, a PEFT model
+REFERENCES = {**{f"ref-{arch}": ["--accumulate", "2", "--arch", arch]
+                 for arch in sorted({_arch(layout) for layout in ACCUMULATION_LAYOUTS.values()})},
+              "ref-8bit": ["--optim", "adamw_torch_8bit", "--no-save-model"],
+              "ref-peft": ["--peft", "--accumulate", "2"]}
+# the runs of UltraScaleTrainer the tests below check, in one launch (process start-up dominates on CPU):
+# torchao's 8-bit AdamW under ZeRO-3, a PEFT model under ZeRO-3 and context parallel, and accumulation in every
+# layout (the torch_compile run last, see ACCUMULATION_LAYOUTS)
+LAUNCHED = {"8bit/zero3": ["dp_shard=2", "--optim", "adamw_torch_8bit", "--no-save-model"],
+            **{f"peft/{name}": [*layout, "--peft", "--accumulate", "2"]
+               for name, layout in {"zero3": ["dp_shard=2"], "cp": ["cp=2"]}.items()},
+            **{f"accumulation/{name}": [*layout, "--accumulate", "2"] for name, layout in ACCUMULATION_LAYOUTS.items()}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """{name: (its directory, its OUT.json)} for REFERENCES (one process, one run after the other) and LAUNCHED
+    (one launch)."""
     import subprocess
     import sys
 
+    root = tmp_path_factory.mktemp("trainer")
+    args = []
+    for name, options in REFERENCES.items():
+        (root / name).mkdir()
+        args += [str(root / name / "out.json"), "--reference", *options, "--then"]
+    proc = subprocess.run([sys.executable, str(WORKER), *args[:-1]], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = _launch([[str(root / name / "out.json"), *options] for name, options in LAUNCHED.items()])
+    out = {name: (root / name, json.loads((root / name / "out.json").read_text())) for name in REFERENCES}
+    out.update({name: (root / name, run) for name, run in zip(LAUNCHED, runs)})
+    return out
+
+
+def test_gradient_accumulation_is_trainers_in_every_layout(trained):
     wants, ref_weights = {}, {}
     for arch in {_arch(layout) for layout in ACCUMULATION_LAYOUTS.values()}:  # a plain Trainer of each model
-        ref = tmp_path / f"ref-{arch}" / "out.json"
-        ref.parent.mkdir()
-        proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--accumulate", "2", "--arch",
-                               arch], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        wants[arch] = json.loads(ref.read_text())
+        directory, wants[arch] = trained[f"ref-{arch}"]
         assert all(n > 0.5 for n in wants[arch]["grad_norms"]), wants  # max_grad_norm=0.5 clips at every step
-        ref_weights[arch] = _weights(ref.parent / "hf")
-    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--accumulate", "2"]
-                    for name, layout in ACCUMULATION_LAYOUTS.items()])
-    for name, run in zip(ACCUMULATION_LAYOUTS, runs):
+        ref_weights[arch] = _weights(directory / "hf")
+    for name in ACCUMULATION_LAYOUTS:
+        directory, run = trained[f"accumulation/{name}"]
         want, ref_weight = wants[_arch(ACCUMULATION_LAYOUTS[name])], ref_weights[_arch(ACCUMULATION_LAYOUTS[name])]
         assert run["steps"] == [1, 2, 3, 4], (name, run)
         _reads_disjoint_shards(run, dp=2 if "dp_shard=2" in ACCUMULATION_LAYOUTS[name] else 1, steps=4)
@@ -117,29 +143,18 @@ def test_gradient_accumulation_is_trainers_in_every_layout(tmp_path):
             assert run["compile"] == "regional" and run["compiled_graphs"] > 0, run
         assert _close(run["losses"], want["losses"], ACROSS), (name, run["losses"], want["losses"])
         assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (name, run["grad_norms"], want["grad_norms"])
-        weights = _weights(tmp_path / name / "hf")
+        weights = _weights(directory / "hf")
         assert set(weights) == set(ref_weight), name  # (expert parallel: every expert, gathered whole)
         diff = max((weights[k] - ref_weight[k]).abs().max().item() for k in ref_weight)
         assert diff <= ACROSS, (name, diff)
-    assert runs[list(ACCUMULATION_LAYOUTS).index("ep")]["ep"] == 2  # the layout that ran
+    assert trained["accumulation/ep"][1]["ep"] == 2  # the layout that ran
 
 
-def test_torchaos_8bit_adamw_by_its_trainer_name_matches_a_plain_trainer_under_zero3(tmp_path):
+def test_torchaos_8bit_adamw_by_its_trainer_name_matches_a_plain_trainer_under_zero3(trained):
     """TrainingArguments(optim="adamw_torch_8bit"): the Trainer builds torchao's AdamW8bit on the ZeRO-3 shards
     (DTensor-aware: each shard's states quantized in 256-element blocks, which the shards' rows align with), and the
     run follows a plain Trainer's with the same optimizer on one process (8-bit states: to 1e-3)."""
-    import subprocess
-    import sys
-
-    ref = tmp_path / "ref" / "out.json"
-    ref.parent.mkdir()
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--optim", "adamw_torch_8bit",
-                           "--no-save-model"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (run,) = _launch([[str(tmp_path / "zero3" / "out.json"), "dp_shard=2", "--optim", "adamw_torch_8bit",
-                       "--no-save-model"]])
-    want = json.loads(ref.read_text())
+    run, want = trained["8bit/zero3"][1], trained["ref-8bit"][1]
     assert _close(run["losses"], want["losses"], 1e-3), (run["losses"], want["losses"])
     assert _close(run["grad_norms"], want["grad_norms"], 1e-2), (run["grad_norms"], want["grad_norms"])
 
@@ -147,35 +162,36 @@ def test_torchaos_8bit_adamw_by_its_trainer_name_matches_a_plain_trainer_under_z
 def test_trainer_checkpoints_rotate_and_resume_in_every_layout(tmp_path):
     from transformers.trainer_utils import get_last_checkpoint
 
-    runs = _launch([[str(tmp_path / name / "run.json"), *layout, *RUN, "--keep", "2", str(tmp_path / name / "kept-2")]
-                    for name, layout in LAYOUTS.items()])
-    for (name, _), run in zip(LAYOUTS.items(), runs):
-        assert run["steps"] == [1, 2, 3, 4, 5, 6], (name, run)
-        assert _close(run["losses"], runs[0]["losses"], ACROSS), (name, run["losses"], runs[0]["losses"])
-        out = tmp_path / name / "trainer"
-        # save_total_limit=2: the newest and the best stay (Trainer's rule); nothing half-written is left around
-        best = os.path.basename(run["best"])
-        want = {"checkpoint-6", best} | ({"checkpoint-4"} if best == "checkpoint-6" else set())
-        assert set(os.listdir(out)) == want, (name, os.listdir(out), best)
-        for folder in want:
-            files = set(os.listdir(out / folder))
-            assert {"ultrascale.json", "trainer_state.json", "scheduler.pt", "rng_state_0.pth",
-                    "rng_state_1.pth"} <= files, (name, folder, files)
-            step = json.loads((out / folder / "trainer_state.json").read_text())["global_step"]
-            assert f"checkpoint-{step}" == folder
-            assert json.loads((out / folder / "ultrascale.json").read_text())["optimizer"]["class"] == "AdamW"
-
-    # resume from the step-2 checkpoint (copied aside before rotation deleted it), into the first runs' output
-    # directories: checkpoint-4 / -6 are replaced by the resumed run's. Then, in the same launch, a ZeRO-3 -> PP
-    # resume, and a resume whose save of checkpoint-4 fails after its shards are written.
-    cases = [[str(tmp_path / name / "resumed.json"), *layout, *RUN, "--resume", str(tmp_path / name / "kept-2")]
+    # the first runs, then (in the same launch) resumes from their step-2 checkpoints (copied aside before rotation
+    # deleted them), into the first runs' output directories: checkpoint-4 / -6 are replaced by the resumed run's.
+    # Then a ZeRO-3 -> PP resume, and a resume whose save of checkpoint-4 fails after its shards are written.
+    cases = [[str(tmp_path / name / "run.json"), *layout, *RUN, "--keep", "2", str(tmp_path / name / "kept-2")]
              for name, layout in LAYOUTS.items()]
+    cases += [[str(tmp_path / name / "resumed.json"), *layout, *RUN, "--resume", str(tmp_path / name / "kept-2")]
+              for name, layout in LAYOUTS.items()]
     cases.append([str(tmp_path / "across" / "resumed.json"), *LAYOUTS["pp"], *RUN, "--resume",
                   str(tmp_path / "zero3" / "kept-2"), "--output-dir", str(tmp_path / "across" / "trainer")])
     cases.append([str(tmp_path / "failed" / "resumed.json"), *LAYOUTS["zero3"], *RUN, "--resume",
                   str(tmp_path / "zero3" / "kept-2"), "--output-dir", str(tmp_path / "zero3" / "trainer"),
                   "--fail-at-save", "4"])
-    *resumed, across, failed = _launch(cases)
+    launched = _launch(cases)
+    runs, (*resumed, across, failed) = launched[:len(LAYOUTS)], launched[len(LAYOUTS):]
+    for (name, _), run in zip(LAYOUTS.items(), runs):
+        assert run["steps"] == [1, 2, 3, 4, 5, 6], (name, run)
+        assert _close(run["losses"], runs[0]["losses"], ACROSS), (name, run["losses"], runs[0]["losses"])
+        # the output directory as the run left it (the resumes below then write into it; the worker lists it):
+        # save_total_limit=2: the newest and the best stay (Trainer's rule); nothing half-written is left around
+        left = run["output_dir"]
+        best = os.path.basename(run["best"])
+        want = {"checkpoint-6", best} | ({"checkpoint-4"} if best == "checkpoint-6" else set())
+        assert set(left) == want, (name, sorted(left), best)
+        for folder in want:
+            files = set(left[folder]["files"])
+            assert {"ultrascale.json", "trainer_state.json", "scheduler.pt", "rng_state_0.pth",
+                    "rng_state_1.pth"} <= files, (name, folder, files)
+            assert f"checkpoint-{left[folder]['global_step']}" == folder
+            assert left[folder]["optimizer_class"] == "AdamW"
+
     for (name, _), run, again in zip(LAYOUTS.items(), runs, resumed):
         assert again["steps"] == [3, 4, 5, 6], (name, again)
         assert _close(again["losses"], run["losses"][2:], SAME), (name, again["losses"], run["losses"])
@@ -231,31 +247,20 @@ def test_a_crash_between_the_commits_steps_leaves_a_complete_checkpoint(tmp_path
         assert not [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
 
 
-def test_a_peft_model_trains_as_in_a_plain_trainer(tmp_path):
+def test_a_peft_model_trains_as_in_a_plain_trainer(trained):
     """UltraScaleTrainer with a PEFT (LoRA) model under ZeRO-3 and context parallel: Trainer's accumulation,
     logged losses and gradient norms equal a plain Trainer's with the same PEFT model on one process, and
     save_model writes the adapters in PEFT's format, as Trainer does, equal to the plain Trainer's."""
-    import subprocess
-    import sys
-
-    ref = tmp_path / "ref" / "out.json"
-    ref.parent.mkdir()
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref), "--reference", "--peft", "--accumulate", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    want = json.loads(ref.read_text())
-    layouts = {"zero3": ["dp_shard=2"], "cp": ["cp=2"]}
-    runs = _launch([[str(tmp_path / name / "out.json"), *layout, "--peft", "--accumulate", "2"]
-                    for name, layout in layouts.items()])
     from safetensors.torch import load_file
 
-    ref_adapters = load_file(ref.parent / "hf" / "adapter_model.safetensors")
-    for name, run in zip(layouts, runs):
+    ref, want = trained["ref-peft"]
+    ref_adapters = load_file(ref / "hf" / "adapter_model.safetensors")
+    for name in ("zero3", "cp"):
+        directory, run = trained[f"peft/{name}"]
         assert _close(run["losses"], want["losses"], ACROSS), (run["losses"], want["losses"])
         assert _close(run["grad_norms"], want["grad_norms"], ACROSS), (run["grad_norms"], want["grad_norms"])
-        assert not list((tmp_path / name / "hf").glob("model*.safetensors")), "save_model wrote the whole model"
-        adapters = load_file(tmp_path / name / "hf" / "adapter_model.safetensors")
+        assert not list((directory / "hf").glob("model*.safetensors")), "save_model wrote the whole model"
+        adapters = load_file(directory / "hf" / "adapter_model.safetensors")
         assert set(adapters) == set(ref_adapters) and ref_adapters
         assert max((adapters[k] - ref_adapters[k]).abs().max().item() for k in adapters) <= ACROSS, name
 

@@ -29,8 +29,9 @@ Every run but one with --no-save-model ends with trainer.save_model(OUT.json's d
 OUT.json: {"losses": [...], "grad_norms": [...], "steps": [...] (the step of each logged loss), "eval": [[step, eval_loss], ...],
 "best": the best checkpoint or null, "samples": train_samples_per_second x train_runtime (the samples Trainer
 counted), "ranks": per rank {"rank", "dp_rank", "rows": the training rows it read (indices into ROWS, in order),
-"world_size" and "main" as Trainer sees them, "state_writes": trainer_state.json files it wrote}; with
---fail-at-save also "failed" and "untouched"}.
+"world_size" and "main" as Trainer sees them, "state_writes": trainer_state.json files it wrote}; with --save-steps
+also "output_dir": the output directory as the run left it (a later run of the launch may write there, _listing);
+with --fail-at-save also "failed" and "untouched"}.
 """
 import json
 import os
@@ -184,6 +185,8 @@ def run(argv):
     if rank == 0:
         result.update(losses=losses, grad_norms=norms, steps=steps, eval=evals,
                       best=trainer.state.best_model_checkpoint)
+        if checkpoints and "failed" not in result:
+            result["output_dir"] = _listing(output_dir)
         if hasattr(trainer.accelerator, "ultrascale_config"):
             from torch._dynamo.utils import counters
 
@@ -205,6 +208,21 @@ def _snapshot(directory):
             found.append((os.path.relpath(os.path.join(root, name), directory), st.st_ino, st.st_mtime_ns,
                           st.st_size))
     return sorted(found)
+
+
+def _listing(output_dir) -> dict:
+    """Every entry of a Trainer's output directory: {name: {"files", and for a checkpoint "global_step" (its
+    trainer_state.json) and "optimizer_class" (its ultrascale.json)}}."""
+    listing = {}
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        entry = listing[name] = {"files": sorted(os.listdir(path)) if os.path.isdir(path) else []}
+        if "trainer_state.json" in entry["files"] and "ultrascale.json" in entry["files"]:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                entry["global_step"] = json.load(f)["global_step"]
+            with open(os.path.join(path, "ultrascale.json")) as f:
+                entry["optimizer_class"] = json.load(f)["optimizer"]["class"]
+    return listing
 
 
 def main():
