@@ -2,8 +2,9 @@
 
     accelerate launch --config_file F.yaml accelerate_worker.py OUT.json [--save-at K DIR] [--resume DIR]
         [--save-model DIR] [--accumulate N] [--adamw for_loop|foreach|fused] [--peft]
-    python accelerate_worker.py OUT.json --reference --replicas DP [--accumulate N]
-                                              one process, no Accelerate: the loop the parallel runs must equal
+    python accelerate_worker.py OUT.json --reference CASE [CASE ...]
+        CASE = REPLICAS:ACCUMULATE:ADAMW:ARCH[:peft]; one process, no Accelerate: the loop the parallel runs must
+        equal, for each case (one start-up for all of them); OUT.json: {CASE: {"losses": [...]}}
 
 The loop is what an Accelerate user writes: data prepared under PartialState().main_process_first() before the
 Accelerator exists (Accelerate's own pattern; on a machine without a GPU that PartialState sets Accelerate up for one
@@ -37,9 +38,9 @@ def schedule(step: int) -> float:
     return 1.0 / (1 + 0.1 * step)
 
 
-def build_model(args, seed: int):
+def build_model(args, seed: int, arch: str = ARCH):
     """The test's model; with --peft wrapped by PEFT (LoRA on every linear layer, no dropout)."""
-    model = make_model(ARCH, seed=seed)
+    model = make_model(arch, seed=seed)
     if not args.peft:
         return model
     from peft import LoraConfig, get_peft_model
@@ -48,11 +49,13 @@ def build_model(args, seed: int):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
 
 
-def reference(args) -> dict:
+def reference(case: str) -> dict:
     """One process: global batches of 8 rows in order, the scheduler stepped once per replica per optimizer
     step (Accelerate's convention: the global batch grows with the data-parallel replicas), an optimizer step
     every `accumulate` micro-batches and at the end of each epoch (Accelerate's sync_with_dataloader)."""
-    model = build_model(args, seed=0)
+    replicas, accumulate, adamw, arch, *peft = case.split(":")
+    args = argparse.Namespace(replicas=int(replicas), accumulate=int(accumulate), adamw=adamw, peft=peft == ["peft"])
+    model = build_model(args, seed=0, arch=arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **ADAMW[args.adamw])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     losses = []
@@ -148,8 +151,7 @@ def compiled_graphs() -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--reference", action="store_true")
-    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--reference", nargs="+", metavar="CASE")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--save-at", nargs=2, metavar=("STEP", "DIR"))
     ap.add_argument("--resume")
@@ -159,7 +161,7 @@ def main():
     args = ap.parse_args()
     if args.save_at:
         args.save_at = (int(args.save_at[0]), args.save_at[1])
-    result = reference(args) if args.reference else train(args)
+    result = {case: reference(case) for case in args.reference} if args.reference else train(args)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -31,23 +31,31 @@ def launch(config: str | None, out: Path, *args, through_cli: bool = True, env_e
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+# every one-process run the launches are compared with, as (data-parallel replicas, accumulation, AdamW,
+# architecture, PEFT): all of them are run by one process when the first is asked for (its start-up is most of
+# its time), and a key not listed here by one more
+REFERENCES = [(1, 1, "fused", "llama8_tied", False), (2, 1, "fused", "llama8_tied", False),
+              (2, 1, "for_loop", "llama8_tied", False), (2, 1, "for_loop", "llama8_tied", True),
+              (2, 2, "for_loop", "llama8_tied", False), (1, 1, "foreach", "llama8_tied", False),
+              (2, 1, "for_loop", "qwen3", False), (2, 1, "for_loop", "qwen3_moe", False)]
+
+
 class References(dict):
-    """One process without Accelerate, per (data-parallel replicas, accumulation, AdamW implementation), run
-    when first asked for."""
+    """One process without Accelerate per key (tests/accelerate_worker.py --reference), run when first asked for."""
 
     def __init__(self, tmp):
         super().__init__()
         self.tmp = tmp
 
     def __missing__(self, key):
-        replicas, accumulate, adamw, *peft = key
-        path = self.tmp / f"ref{replicas}_{accumulate}_{adamw}{'_peft' if peft else ''}.json"
-        proc = subprocess.run([sys.executable, str(WORKER), str(path), "--reference", "--replicas", str(replicas),
-                               "--accumulate", str(accumulate), "--adamw", adamw, *(["--peft"] if peft else [])],
-                              capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        keys = [key, *(k for k in REFERENCES if k != key and k not in self)]
+        cases = {k: f"{k[0]}:{k[1]}:{k[2]}:{k[3]}{':peft' if k[4] else ''}" for k in keys}
+        path = self.tmp / f"references{len(self)}.json"
+        proc = subprocess.run([sys.executable, str(WORKER), str(path), "--reference", *cases.values()],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-4000:]
-        self[key] = json.loads(path.read_text())["losses"]
+        result = json.loads(path.read_text())
+        self.update({k: result[case]["losses"] for k, case in cases.items()})
         return self[key]
 
 
@@ -57,12 +65,12 @@ def reference(tmp_path_factory):
 
 
 def check(proc, out: Path, reference, replicas: int, accumulate: int = 1, adamw: str = "for_loop",
-          peft: bool = False):
+          peft: bool = False, arch: str = "llama8_tied"):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     r = json.loads(out.read_text())
     assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["data_parallel_size"] == replicas, r
     assert r["parallelized"] == 1, "the model did not go through the engine"
-    want = reference[(replicas, accumulate, adamw, True) if peft else (replicas, accumulate, adamw)]
+    want = reference[(replicas, accumulate, adamw, arch, peft)]
     assert len(r["losses"]) == len(want) == 6
     assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= TOL, (r["losses"], want)
     return r
@@ -90,24 +98,12 @@ def test_recipe_configs_match_one_process(tmp_path, reference, recipe, replicas,
 
 
 @pytest.mark.slow
-def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path):
+def test_qwen3_under_zero3_by_tensor_parallel_matches_one_process(tmp_path, reference):
     """An architecture outside the Llama family: Qwen3's per-head q_norm/k_norm are replicated over TP and see
     only this rank's heads (their gradients must be summed over TP, also when FSDP shards them over dp)."""
-    env = {"TEST_ARCH": "qwen3"}
-    reference = one_process_losses(tmp_path, env)
     out = tmp_path / "out.json"
-    proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra=env)
-    check(proc, out, {(2, 1, "for_loop"): reference}, replicas=2)
-
-
-def one_process_losses(tmp_path, env) -> list:
-    """The worker's reference run (the same model on one process without Accelerate, two replicas' batches)."""
-    ref_path = tmp_path / "ref.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(ref_path), "--reference", "--replicas", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(ref_path.read_text())["losses"]
+    proc = launch(str(RECIPES / "tp_zero3.yaml"), out, env_extra={"TEST_ARCH": "qwen3"})
+    check(proc, out, reference, replicas=2, arch="qwen3")
 
 
 @pytest.mark.slow
@@ -507,13 +503,11 @@ def test_accelerates_own_sp_size_key_runs_ulysses_context_parallel(tmp_path, ref
 
 
 @pytest.mark.slow
-def test_expert_parallel_from_the_ep_size_key_matches_one_process(tmp_path):
+def test_expert_parallel_from_the_ep_size_key_matches_one_process(tmp_path, reference):
     """recipes/accelerate/ep_zero3.yaml (parallelism_config_ep_size: 2 over dp_shard 2) on a mixture of experts
     (Qwen3-MoE, 8 experts, top-2): each process holds 4 of every layer's experts, tokens go to them and back, and
     every step equals the same model on one process without Accelerate."""
-    env = {"TEST_ARCH": "qwen3_moe"}
-    reference = one_process_losses(tmp_path, env)
     out = tmp_path / "out.json"
-    r = check(launch(str(RECIPES / "ep_zero3.yaml"), out, env_extra=env), out, {(2, 1, "for_loop"): reference},
-              replicas=2)
+    r = check(launch(str(RECIPES / "ep_zero3.yaml"), out, env_extra={"TEST_ARCH": "qwen3_moe"}), out, reference,
+              replicas=2, arch="qwen3_moe")
     assert r["ep"] == 2, r
