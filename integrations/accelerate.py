@@ -44,6 +44,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
 from ..core.accumulation import AccumulationWindow
+from ..core.registry import default_registry
 from ..interface.config import ConfigError, ParallelConfig
 from .layout import ACCELERATE_ENV_PREFIXES, compile_from_dynamo, layout_from_environment, make_config
 
@@ -136,9 +137,9 @@ class UltraScaleAccelerator(Accelerator):
         steps = kwargs.get("gradient_accumulation_steps") or 1
         plugin_steps = getattr(kwargs.get("gradient_accumulation_plugin"), "num_steps", None)
         validate_loop(resolved, plugin_steps or steps, None)  # clipping is a call: clip_grad_norm_ refuses it
-        if causal_lm_of(model) is not None and getattr(resolved, "layout", "manual") != "auto":
+        if causal_lm_of(model, default_registry()) is not None and getattr(resolved, "layout", "manual") != "auto":
             # and against the model: its config and module tree (ep vs its experts, tp vs its heads, ...)
-            validate(resolved, causal_lm_of(model).config, world, model=model)
+            validate(resolved, causal_lm_of(model, default_registry()).config, world, model=model)
         return resolved
 
     # ---- prepare -----------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class UltraScaleAccelerator(Accelerator):
         names: dict[int, list[str]] = {}  # every name of every parameter (a tied weight has two)
         out = list(args)
         for i, obj in enumerate(args):
-            if causal_lm_of(obj) is not None:  # a Hugging Face causal LM, or a PEFT model of one
+            if causal_lm_of(obj, default_registry()) is not None:  # a Hugging Face causal LM, or a PEFT model of one
                 originals.add(i)
                 for n, p in obj.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), []).append(n)
@@ -221,7 +222,7 @@ class UltraScaleAccelerator(Accelerator):
         if reference:
             self.ultrascale_references.append(adapter)
             return adapter
-        self._log_layout(pmodel, causal_lm_of(model).config.model_type, n_params)
+        self._log_layout(pmodel, causal_lm_of(model, default_registry()).config.model_type, n_params)
         # Accelerate's contract: the window's micro-batches weighted evenly (its loss / gradient_accumulation_steps)
         adapter.loss_scale = AccumulationWindow.even(self.gradient_accumulation_steps).take()
         self.ultrascale_models.append(adapter)
@@ -270,7 +271,7 @@ class UltraScaleAccelerator(Accelerator):
         from ..core.engine import causal_lm_of
         from ..distributed.launch import refuse, world_size
 
-        if not evaluation_mode or causal_lm_of(model) is None:
+        if not evaluation_mode or causal_lm_of(model, default_registry()) is None:
             return super().prepare_model(model, device_placement, evaluation_mode)
         model.requires_grad_(False)
         model.eval()

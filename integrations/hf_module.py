@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..interface.config import ConfigError
-from ..interface.model_wrapper import wrapper_of
 from ..core.batches import to_device
 
 
@@ -156,7 +155,7 @@ class ParallelCausalLM(nn.Module):
         plugin writes for its kind of model (a PEFT model: its adapters, ``ModelWrapper.save_pretrained``). Every
         rank must call it: each writes its shards to a temporary sharded checkpoint, which rank 0 then streams
         into safetensors tensor by tensor (memory bounded by one output shard)."""
-        if wrapper_of(self.pmodel.module, self.pmodel.pm).save_pretrained(self.pmodel, str(save_directory)):
+        if self.pmodel.pm.wrapper_of(self.pmodel.module).save_pretrained(self.pmodel, str(save_directory)):
             return
         import shutil
         from pathlib import Path

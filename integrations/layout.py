@@ -28,7 +28,6 @@ from typing import Any, Mapping
 import yaml
 
 from ..interface.config import ConfigError, ParallelConfig, suggest
-from ..interface.parallel_dims import declared_axes
 
 ACCELERATE_ENV_PREFIXES = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP",
                            "FSDP_", "ACCELERATE_MIXED_PRECISION")
@@ -150,10 +149,10 @@ def refuse_unknown_fields(block: Mapping[str, Any], where: str) -> None:
 def accelerate_keys() -> dict[str, tuple[str, dict]]:
     """Accelerate's size keys the installed dimension plugins read (``ultrascale_accelerate_keys``):
     ``{"tp_size": ("tp", {}), ...}``."""
-    from ..interface.plugins import get_plugin_manager
+    from ..core.registry import default_registry
 
     keys: dict[str, tuple[str, dict]] = {}
-    for result in get_plugin_manager().hook.ultrascale_accelerate_keys():
+    for result in default_registry().hook.ultrascale_accelerate_keys():
         keys.update(result or {})
     return keys
 
@@ -235,7 +234,7 @@ def layout_from_environment(env: Mapping[str, str], world: int) -> ParallelConfi
     mixed = str(env.get("ACCELERATE_MIXED_PRECISION", "no"))
     if mixed not in ("no", "None", ""):
         config = config.replace(mixed_precision=mixed)  # the data-parallel plugin checks the value
-    axes = declared_axes(config)
+    axes = config.registry.axes(config)
     product = math.prod(a.degree for a in axes)
     mismatch = (f"asks for {'*'.join(a.name for a in axes)} = {'*'.join(str(a.degree) for a in axes)} = {product} "
                 f"processes but {world} {'was' if world == 1 else 'were'} launched") if all(a.degree != -1 for a in axes) and product != world \

@@ -17,7 +17,7 @@ import torch
 
 from ..core.accumulation import AccumulationWindow
 from ..interface.config import ConfigError, ParallelConfig
-from ..interface.presets import config_for_preset, presets
+from ..core.registry import default_registry
 from ..distributed.launch import refuse
 from .layout import make_config
 
@@ -53,7 +53,7 @@ def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     child)."""
     from ..core.engine import causal_lm_of
 
-    found = [(name, child) for name, child in module.named_children() if causal_lm_of(child) is not None]
+    found = [(name, child) for name, child in module.named_children() if causal_lm_of(child, default_registry()) is not None]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
         raise ConfigError(f"the LightningModule holds {what} Hugging Face causal LM(s) as attributes. Fix: assign "
@@ -117,8 +117,8 @@ class _UltraScaleStrategyMixin:
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         try:
-            if preset is not None and preset not in presets():
-                raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(presets())}")
+            if preset is not None and preset not in default_registry().presets():
+                raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(default_registry().presets())}")
             if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
                 config, preset = os.environ["ULTRASCALE_CONFIG"], None
             self.preset = preset if (config is None and not fields) else None
@@ -235,11 +235,11 @@ class _UltraScaleStrategyMixin:
         module = self.lightning_module
         if module is None or module is self._checked_module:
             return
-        found = [c for _, c in module.named_children() if causal_lm_of(c) is not None]
+        found = [c for _, c in module.named_children() if causal_lm_of(c, default_registry()) is not None]
         if len(found) != 1:
             return  # none yet (configure_model), or several: find_causal_lm says so in setup
         self._checked_module = module
-        model_config = causal_lm_of(found[0]).config
+        model_config = causal_lm_of(found[0], default_registry()).config
         config = self.layout_for(model_config)
         if getattr(config, "layout", "manual") == "auto":
             return
@@ -287,7 +287,7 @@ class _UltraScaleStrategyMixin:
     def layout_for(self, model_config) -> ParallelConfig:
         config = self.config
         if self.preset is not None:
-            config = config_for_preset(self.preset, self.world, self.num_processes, model_config)
+            config = default_registry().preset_config(self.preset, self.world, self.num_processes, model_config)
         mp = PRECISIONS[self.precision_plugin.precision]
         if mp == "bf16":
             config = config.replace(mixed_precision="bf16")
@@ -461,7 +461,7 @@ class _UltraScaleStrategyMixin:
     def register_strategies(cls, registry, connector=None) -> None:
         """The ``ultrascale_<preset>`` names in Lightning's ``registry``; with ``connector`` (the package's
         ``_AcceleratorConnector``) a misspelled one is refused naming the nearest (``refuse_misspelled_names``)."""
-        for name, preset in presets().items():  # the dimension plugins' presets: ultrascale_<name>
+        for name, preset in default_registry().presets().items():  # the dimension plugins' presets: ultrascale_<name>
             key = "ultrascale" if name == "default" else f"ultrascale_{name}"
             registry.register(key, cls, description=preset.description, preset=name)
         if connector is not None:

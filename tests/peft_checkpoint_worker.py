@@ -68,7 +68,7 @@ def checkpoint_bytes(path) -> int:
 
 
 def main() -> None:
-    from ultrascale_plugins.interface.plugins import get_plugin_manager
+    from ultrascale_plugins import get_plugin_manager
     from ultrascale_plugins.features.peft.checkpoints import KEY, fingerprint, fingerprint_rel_difference, frozen_state
 
     out = os.path.abspath(sys.argv[1])

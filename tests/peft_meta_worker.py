@@ -70,12 +70,12 @@ def reference_model(hf_dir: str, fields: dict, scratch: bool):
 
     if scratch:  # the plain model as the engine initializes it for SEED, in one process
         base = meta_base(hf_dir, scratch=True)
-        ModelInit(base, seed=SEED).load(types.SimpleNamespace(modules=[base], device=torch.device("cpu")), {})
+        ModelInit(base, seed=SEED, pm=us.get_plugin_manager()).load(types.SimpleNamespace(modules=[base], device=torch.device("cpu")), {})
     else:
         base = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=torch.float32)
     torch.manual_seed(99)  # get_peft_model draws the adapters from the global generator: init_introduced replaces them
     model = get_peft_model(base, lora_config(fields))
-    introduced = init_introduced(model, SEED)
+    introduced = init_introduced(model, SEED, pm=us.get_plugin_manager())
     return model, introduced
 
 

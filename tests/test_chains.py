@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 import ultrascale_plugins as us
-from ultrascale_plugins.interface import plugins
 
 
 class _AfterTP:
@@ -37,7 +36,7 @@ def registered():
         return plugin
     yield add
     for name in added:
-        plugins.unregister(name=name)
+        us.unregister(name=name)
 
 
 def test_an_estimate_after_tp_sees_the_inventory_tensor_parallel_cut(registered):

@@ -258,9 +258,7 @@ def test_plugins_save_and_restore_their_own_state(tmp_path, one_process):
         load_checkpoint(pmodel, opt, path)
         assert counter.seen.item() == 41.0 and counter.name == "after step 1" and counter.rank.item() == 7.0
     finally:
-        from ultrascale_plugins.interface import plugins
-
-        plugins.unregister(name="counter")
+        us.unregister(name="counter")
 
 
 def test_a_hugging_face_directory_is_not_taken_for_a_broken_checkpoint(tmp_path):

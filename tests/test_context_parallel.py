@@ -13,6 +13,7 @@ from conftest import torchrun
 from cp_attention_worker import unsplit
 from models import make_config, make_model
 
+import ultrascale_plugins as us
 from ultrascale_plugins import ConfigError, ParallelConfig
 from ultrascale_plugins.dims.context import kernels as cp_kernels, layout as cp_layout
 from ultrascale_plugins.dims.context.attention import block_attention, merge, whole_sequence_attention
@@ -220,9 +221,8 @@ def test_a_model_that_goes_through_the_attention_interface_passes_the_probe():
 
 
 def test_presets_and_estimates():
-    from ultrascale_plugins.interface.presets import config_for_preset
 
-    config = config_for_preset("cp", 8, 4, _llama())
+    config = us.get_plugin_manager().preset_config("cp", 8, 4, _llama())
     assert (config.cp, config.dp_shard, config.cp_method) == (4, 2, "ring")
     base = estimate(ParallelConfig(dp_shard=1), _llama(), world_size=1, seq_len=4096)
     split = estimate(ParallelConfig(cp=4, dp_shard=1), _llama(), world_size=4, seq_len=4096)

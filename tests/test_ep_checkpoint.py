@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import torchrun  # noqa: E402
 from models import make_config, make_model, padded_batches, train_steps  # noqa: E402
+import ultrascale_plugins as us  # noqa: E402
 
 ARCH = "qwen3_moe"  # 8 experts, top-2, 2 layers (tests/models.py)
 STEPS, SAVE_AT, SEED = 4, 2, 1234
@@ -182,7 +183,7 @@ def _meta_init() -> dict:
             return AutoModelForCausalLM.from_config(make_config(ARCH), attn_implementation="sdpa")
 
     ref = meta_model()  # what the engine does in one process (tests/test_init.py's init_in_process)
-    ModelInit(ref, seed=SEED).load(types.SimpleNamespace(modules=[ref], device=torch.device("cpu")), {})
+    ModelInit(ref, seed=SEED, pm=us.get_plugin_manager()).load(types.SimpleNamespace(modules=[ref], device=torch.device("cpu")), {})
     ref_state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     result = {}
     for name, layout in PRETRAINED.items():

@@ -172,7 +172,7 @@ def _model(meta: bool):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(make_config("llama"), attn_implementation="sdpa")
-    return model, ModelInit(model, seed=0)
+    return model, ModelInit(model, seed=0, pm=us.get_plugin_manager())
 
 
 def _train(spec: dict, recipe: str, batches) -> tuple[list[float], dict]:

@@ -11,6 +11,7 @@ import torch
 
 from conftest import torchrun
 from models import make_config, make_model
+import ultrascale_plugins as us
 
 TESTS = Path(__file__).parent
 SEED = 1234
@@ -29,7 +30,7 @@ def init_in_process(arch: str, seed: int):
     from ultrascale_plugins.core.initialize import ModelInit
 
     model = meta_model(arch)
-    init = ModelInit(model, seed=seed)
+    init = ModelInit(model, seed=seed, pm=us.get_plugin_manager())
     init.load(types.SimpleNamespace(modules=[model], device=torch.device("cpu")), {})
     return model
 
@@ -104,13 +105,13 @@ def test_seed_picks_the_weights_and_units_are_independent():
         if x.std() > 0:
             assert not torch.equal(x, z), name
     # a unit's values depend on the seed and its name only, not on which units were drawn before
-    init = ModelInit(meta_model("llama"), seed=1)
+    init = ModelInit(meta_model("llama"), seed=1, pm=us.get_plugin_manager())
     late = init.unit_values("model.layers.1.mlp.down_proj")["weight"]
     init.unit_values("model.embed_tokens")
     assert torch.equal(init.unit_values("model.layers.1.mlp.down_proj")["weight"], late)
     assert torch.equal(late, a.model.layers[1].mlp.down_proj.weight)
     torch.manual_seed(77)
-    assert ModelInit(meta_model("llama")).seed == 77  # the seed defaults to torch.initial_seed()
+    assert ModelInit(meta_model("llama"), pm=us.get_plugin_manager()).seed == 77  # the seed defaults to torch.initial_seed()
 
 
 def test_weights_for_picks_the_initializer_only_when_no_weights_exist(tmp_path):

@@ -220,9 +220,10 @@ def test_expert_parallel_is_checked_against_the_model_before_the_process_group(c
 
     from lightning_worker import CausalLM
     from models import make_config
+
+    import ultrascale_plugins as us
     from ultrascale_plugins.interface.config import ConfigError
     from ultrascale_plugins.integrations.lightning import UltraScaleStrategy
-    from ultrascale_plugins.interface.presets import presets
 
     assert re.match(r"zero_stage=1: ep=2 shards the experts.* Fix: use zero_stage: 2 or 3",
                     refused_trainer(capsys, devices=2, strategy=UltraScaleStrategy(ep=2, zero_stage=1)))
@@ -236,7 +237,7 @@ def test_expert_parallel_is_checked_against_the_model_before_the_process_group(c
         with pytest.raises(ConfigError, match=error):
             trainer.strategy.setup_environment()
         assert not torch.distributed.is_initialized()
-    layout = presets()["ep"].layout
+    layout = us.get_plugin_manager().presets()["ep"].layout
     moe = make_config("qwen3_moe")  # 8 experts
     assert layout(4, 4, moe) == {"dp_shard": 4, "ep": 4, "zero_stage": 3}
     assert layout(16, 8, moe)["ep"] == 8 and layout(12, 4, moe)["ep"] == 4 and layout(2, 1, moe)["ep"] == 1

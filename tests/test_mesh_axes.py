@@ -5,17 +5,15 @@ import pytest
 
 import ultrascale_plugins as us
 from ultrascale_plugins import hookimpl
-from ultrascale_plugins.interface import plugins
-from ultrascale_plugins.interface.mesh_axes import declared_axes
 from ultrascale_plugins.interface.parallel_dims import ParallelDims
 
 
 def _axes_with(plugin, config):
     us.register(plugin, name="axis_test")
     try:
-        return [a.name for a in declared_axes(config)]
+        return [a.name for a in config.registry.axes(config)]
     finally:
-        plugins.unregister(name="axis_test")
+        us.unregister(name="axis_test")
 
 
 class _Declares:
@@ -29,7 +27,7 @@ class _Declares:
 
 def test_the_built_in_order_is_pp_dp_replicate_dp_shard_cp_tp():
     config = us.ParallelConfig(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)
-    assert [a.name for a in declared_axes(config)] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    assert [a.name for a in config.registry.axes(config)] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     dims = ParallelDims(config.resolve(32), 32)
     assert [a.name for a in dims.live_axes] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert [dims.coordinate(r, ("tp",)) for r in range(4)] == [0, 1, 0, 1]  # innermost: consecutive ranks

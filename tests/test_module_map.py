@@ -265,7 +265,7 @@ def import_graph() -> dict[str, dict[str, int]]:
 
 
 def test_import_edges_resolve_modules_and_the_package():
-    path = PACKAGE / "interface" / "facts.py"
+    path = PACKAGE / "interface" / "mesh_axes.py"
     assert set(import_edges(path)) >= {"interface.fields"}
     assert import_edges(PACKAGE / "__init__.py").get("interface.config") is not None
     assert "__init__" in import_edges(PACKAGE / "cli" / "loop.py")  # from .. import _timing_mark
@@ -313,3 +313,45 @@ def test_no_function_is_over_80_lines():
              for path in paths + sorted((ROOT / "integrations").glob("*.py"))
              for line, name, lines in long_functions(path.read_text())]
     assert not found, f"functions over {LONGEST_FUNCTION} lines (split them into steps with names): {found}"
+
+
+def test_the_interface_imports_only_itself():
+    """``interface/`` is the contract a third party reads alone: it imports no module of the package outside it."""
+    for path in sorted((PACKAGE / "interface").glob("*.py")):
+        outside = {t for t in own_modules(imported(path), KNOWN) if t and not t.startswith("interface")}
+        assert not outside, f"interface/{path.name} imports {sorted(outside)}"
+
+
+def test_the_interface_runs_no_plugin():
+    """The interface describes the hooks and the values they speak: it holds no plugin manager and calls no hook
+    (the registry, ``core/registry.py``, does)."""
+    for path in sorted((PACKAGE / "interface").glob("*.py")):
+        text = path.read_text()
+        for word in (".hook.", "get_hookimpls", "impl.function", "PluginManager(", "get_plugin_manager"):
+            assert word not in text, f"interface/{path.name} uses {word!r}"
+
+
+# Where the process-wide registry may be reached: the front-end edge, each for the reason given. Below it (the
+# engine, the families, the ground), a registry is passed: the one a config was made under, or the caller's.
+DEFAULT_REGISTRY_EDGE = {
+    "__init__": "the public API: us.get_plugin_manager(), us.register()",
+    "cli.main": "the command line",
+    "integrations.layout": "Accelerate's keys, read from the environment",
+    "integrations.lightning_common": "Lightning's strategy names and presets, the model a LightningModule holds",
+    "integrations.accelerate": "the model handed to accelerator.prepare",
+    "planner.cost": "a Layout or CostModel made without a registry (ultrascale plan)",
+    "planner.model_spec": "a model's inventory for ultrascale plan",
+    "planner.plot": "the plan's pipeline plot",
+    "data.recipe": "the sections of a recipe read from its file",
+    "checkpoints.export": "ultrascale export",
+    "checkpoints.pretrained": "weights read for a script that gives no registry",
+    "interface.config": "ParallelConfig(...) made without a registry (the attribute core.registry sets)",
+}
+
+
+def test_the_default_registry_is_reached_only_at_the_edge():
+    calls = {module_name(p).removesuffix(".__init__") or "__init__" for p in MODULES
+             if re.search(r"\bdefault_registry\(\)", p.read_text()) and p.name != "registry.py"}
+    calls = {"__init__" if c == "" else c for c in calls}
+    assert calls <= set(DEFAULT_REGISTRY_EDGE), f"the default registry reached below the edge: {calls - set(DEFAULT_REGISTRY_EDGE)}"
+    assert set(DEFAULT_REGISTRY_EDGE) <= calls, f"stale entries: {set(DEFAULT_REGISTRY_EDGE) - calls}"

@@ -202,7 +202,6 @@ def _check_strategy_module(module, pl_package: str, fabric_package: str):
     precision = importlib.import_module(f"{pl_package}.plugins.precision")
     rank_zero = importlib.import_module(f"{fabric_package}.utilities.rank_zero")
     distributed = importlib.import_module(f"{fabric_package}.utilities.distributed")
-    from ultrascale_plugins.interface.presets import presets
 
     for cls in (module.UltraScaleStrategy, module.UltraScalePrecision):
         assert cls.__module__ == module.__name__
@@ -215,7 +214,9 @@ def _check_strategy_module(module, pl_package: str, fabric_package: str):
     assert module.UltraScaleStrategy._rank_zero_only is rank_zero.rank_zero_only
     assert module.UltraScaleStrategy._init_dist_connection is distributed._init_dist_connection
     assert module.UltraScaleStrategy._sync_ddp_if_available is distributed._sync_ddp_if_available
-    for name in presets():
+    import ultrascale_plugins as us
+
+    for name in us.get_plugin_manager().presets():
         key = "ultrascale" if name == "default" else f"ultrascale_{name}"
         strategy = strategies.StrategyRegistry.get(key)
         assert type(strategy) is module.UltraScaleStrategy, key

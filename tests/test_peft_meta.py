@@ -12,6 +12,7 @@ import torch
 
 from conftest import torchrun
 from models import make_config, make_model
+import ultrascale_plugins as us
 
 WORKER = Path(__file__).parent / "peft_meta_worker.py"
 TOL = 1e-5  # fp32, as tests/test_peft.py
@@ -92,7 +93,7 @@ def test_adapters_get_peft_scheme_seeded_by_their_names():
 
     def initialized(seed, **fields):
         model = meta_peft(**fields)
-        ModelInit(model, seed=seed).load(types.SimpleNamespace(modules=[model], device=torch.device("cpu")), {})
+        ModelInit(model, seed=seed, pm=us.get_plugin_manager()).load(types.SimpleNamespace(modules=[model], device=torch.device("cpu")), {})
         return model.state_dict()
 
     fields = {"target_modules": ["q_proj", "down_proj", "embed_tokens"], "use_rslora": True}
@@ -107,7 +108,7 @@ def test_adapters_get_peft_scheme_seeded_by_their_names():
     assert not torch.equal(a, other[layer + "mlp.down_proj.lora_A.default.weight"])
     assert not torch.equal(a, one["base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight"])
     plain = make_model("llama")
-    ModelInit(plain, seed=1).fill([plain])
+    ModelInit(plain, seed=1, pm=us.get_plugin_manager()).fill([plain])
     assert torch.equal(one[layer + "mlp.down_proj.base_layer.weight"], plain.model.layers[0].mlp.down_proj.weight)
 
 

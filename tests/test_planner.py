@@ -260,9 +260,8 @@ def test_layout_auto_takes_the_planners_best():
     kept = {"compile": "regional", "float8": "tensorwise", "cp_kernel": "portable"}
     chosen = us.validate(us.ParallelConfig(layout="auto", auto_seq_len=64, auto_global_batch=8, **kept), mc, 2)
     assert {k: getattr(chosen, k) for k in kept} == kept
-    from ultrascale_plugins.interface.presets import presets
 
-    assert presets()["default"].layout(8, 8, mc) == {"layout": "auto"}  # strategy="ultrascale" with no sizes
+    assert us.get_plugin_manager().presets()["default"].layout(8, 8, mc) == {"layout": "auto"}  # strategy="ultrascale" with no sizes
 
 
 def test_layout_auto_in_a_recipe_sets_the_batch_split(tmp_path, capfd):

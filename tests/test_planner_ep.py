@@ -10,7 +10,6 @@ import pytest
 import ultrascale_plugins as us
 from models import make_config
 from ultrascale_plugins import hookimpl
-from ultrascale_plugins.interface import plugins
 from ultrascale_plugins.cli.main import main as cli
 from ultrascale_plugins.planner.cost import CostModel, Layout, Workload, layout_from_string
 from ultrascale_plugins.planner.hardware import PRESETS
@@ -45,11 +44,11 @@ class AcmeKernel:
 
 @pytest.fixture
 def acme():
-    plugins.register(AcmeKernel(), name="acme_kernel")
+    us.register(AcmeKernel(), name="acme_kernel")
     try:
         yield
     finally:
-        plugins.unregister(name="acme_kernel")
+        us.unregister(name="acme_kernel")
 
 
 def _cost(model, world_batch=8, seq=64):
@@ -89,13 +88,13 @@ def test_a_wrong_offer_names_the_field_the_value_and_the_fix(answer, message):
         def ultrascale_search_choices(self, config, model_config, world_size):
             return answer
 
-    plugins.register(Wrong(), name="wrong_offer")
+    us.register(Wrong(), name="wrong_offer")
     try:
         with pytest.raises(us.ConfigError, match=re.escape(message)) as info:
             search(_cost(make_config("llama")), 2)
         assert "Fix" in str(info.value) and next(iter(answer)) in str(info.value)
     finally:
-        plugins.unregister(name="wrong_offer")
+        us.unregister(name="wrong_offer")
 
 
 def test_expert_parallel_offers_its_degrees_under_zero_2_and_3_only():

@@ -10,7 +10,8 @@ import torch
 import ultrascale_plugins as us
 from models import make_config
 from ultrascale_plugins.cli.main import main as cli
-from ultrascale_plugins.interface.estimates import Adapters, inventory, meta_model
+from ultrascale_plugins.core.inventory import inventory
+from ultrascale_plugins.interface.estimates import Adapters, meta_model
 from ultrascale_plugins.planner.cost import CostModel, Layout, Workload
 from ultrascale_plugins.planner.hardware import PRESETS
 from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config
@@ -75,8 +76,8 @@ def test_the_planners_lora_is_the_real_peft_models(arch, target):
     trainable = [p for p in real.parameters() if p.requires_grad]
     spec = ModelSpec.of(mc)
     assert spec.trainable_params(adapters) == sum(p.numel() for p in trainable) > 0
-    assert sorted(map(record_key, inventory(meta_model(mc), None, adapters))) == \
-        sorted(map(record_key, inventory(real)))
+    assert sorted(map(record_key, inventory(meta_model(mc), None, adapters, pm=us.get_plugin_manager()))) == \
+        sorted(map(record_key, inventory(real, pm=us.get_plugin_manager())))
     for lay, profile in LAYOUTS:
         cost = CostModel(spec, PRESETS["h100-sxm-80gb"], Workload(64, lay.dp, profile, "adamw", "bf16", adapters))
         planned = cost.estimates(lay)
@@ -207,7 +208,7 @@ def test_peft_keeps_each_mixture_of_experts_layers_merged_weights():
             model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
         block = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp"))
         kept[name] = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids, use_cache=False), block)
-    records = inventory(meta_model(mc), None, Adapters(r=4))
+    records = inventory(meta_model(mc), None, Adapters(r=4), pm=us.get_plugin_manager())
     merged = {r.adapter_of for r in records if r.merged and r.layer == 0}
     assert merged  # the experts' gate_up_proj and down_proj, the router's weight
     assert kept["lora"] - kept["full"] == 4 * sum(r.numel for r in records if r.name in merged)

@@ -1,4 +1,5 @@
 """The pluggy spine: built-ins are plugins, third parties join through the same hooks or the entry point."""
+import importlib
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import torch.distributed as dist
 import ultrascale_plugins as us
 from models import make_model, padded_batches
 from ultrascale_plugins import hookimpl
-from ultrascale_plugins.interface import hookspecs, plugins
+from ultrascale_plugins.core.registry import BUILTIN_PLUGINS, Registry
+from ultrascale_plugins.interface import hookspecs
 
 OUTSIDE = Path(__file__).parent / "outside_plugin"  # a plugin package outside ultrascale-plugins
 
@@ -26,7 +28,7 @@ def single_process():
 
 def test_builtins_are_registered_as_plugins():
     names = {row["name"]: row for row in us.list_plugins()}
-    for builtin in plugins.DEFAULT_PLUGINS:
+    for builtin in BUILTIN_PLUGINS:
         assert builtin in names
         assert names[builtin]["source"] == "builtin"
     assert "ultrascale_stages" in names["ultrascale_plugins.dims.tensor.plugin"]["hooks"]
@@ -69,7 +71,7 @@ def test_third_party_stages_run_where_they_declare(single_process):
         ref = make_model("llama")(**batch).loss
         assert torch.allclose(pmodel.train_step(batch), ref, atol=1e-6)
     finally:
-        plugins.unregister(name="recorder")
+        us.unregister(name="recorder")
 
 
 def test_every_hookspec_is_typed():
@@ -115,8 +117,8 @@ def test_stage_order_is_declared_not_registration_order(reverse):
         described = described.split("\n\n")[0].splitlines()
         assert [line.split()[1] for line in described] == names and "(zz_between)" in described[3]
     finally:
-        plugins.unregister(name="zz_between")
-        plugins.unregister(name="aa_first")
+        us.unregister(name="zz_between")
+        us.unregister(name="aa_first")
 
 
 def test_a_stages_hook_may_take_only_the_arguments_it_needs():
@@ -133,7 +135,7 @@ def test_a_stages_hook_may_take_only_the_arguments_it_needs():
         found = {s.name: s for s in stages(us.ParallelConfig(tp=2), make_config("llama"), world_size=2)}
         assert found["mine"].active and found["mine"].plugin == "only_config"
     finally:
-        plugins.unregister(name="only_config")
+        us.unregister(name="only_config")
 
 
 @pytest.mark.parametrize("stages, message", [
@@ -152,7 +154,7 @@ def test_a_cycle_an_unknown_or_a_taken_stage_name_is_refused_before_any_process_
             us.validate(us.ParallelConfig(), make_config("llama"), 1)
         assert not dist.is_initialized()
     finally:
-        plugins.unregister(name="bad")
+        us.unregister(name="bad")
 
 
 def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process):
@@ -181,8 +183,8 @@ def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process)
         us.register(CustomStep(), name="custom-step")
         assert pmodel.train_step(batch).item() == 84.0
     finally:
-        plugins.unregister(name="custom-step")
-        plugins.unregister(name="around")
+        us.unregister(name="custom-step")
+        us.unregister(name="around")
 
 
 def test_a_plugin_field_is_a_layout_field_with_its_checks():
@@ -200,7 +202,7 @@ def test_a_plugin_field_is_a_layout_field_with_its_checks():
         with pytest.raises(us.ConfigError, match="expert_parallel=0: must be at least 1"):
             us.ParallelConfig(expert_parallel=0)
     finally:
-        plugins.unregister(name="field")
+        us.unregister(name="field")
 
 
 def test_a_plugin_axis_enters_the_world_size_product():
@@ -220,7 +222,7 @@ def test_a_plugin_axis_enters_the_world_size_product():
         assert [a.name for a in dims.live_axes] == ["dp_shard", "expert", "tp"]
         assert [dims.coordinate(r, ("dp_shard",)) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     finally:
-        plugins.unregister(name="axis")
+        us.unregister(name="axis")
 
 
 def test_unknown_hook_name_fails_fast():
@@ -231,7 +233,7 @@ def test_unknown_hook_name_fails_fast():
 
     with pytest.raises(pluggy.PluginValidationError, match="ultrascale_shard_modle"):
         us.register(Typo(), name="typo")
-    plugins.unregister(name="typo")
+    us.unregister(name="typo")
 
 
 def _plugins_cli(**env):
@@ -344,8 +346,8 @@ def test_describe_says_what_wraps_the_model_before_the_stages():
 
 
 def test_the_documented_layout_facts_hold():
-    """docs/writing-a-plugin.md, "What other plugins decided": its example runs, and each flag's documented owner
-    is the plugin that answers it."""
+    """docs/writing-a-plugin.md, "What other plugins decided": its example runs, and each fact's documented owner
+    is the plugin that declares it and the one that answers it."""
     import re
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md").read_text()
@@ -356,10 +358,10 @@ def test_the_documented_layout_facts_hold():
               "chunked loss": "features.chunked_loss", "optimizer in backward": "features.optimizer_in_backward",
               "activation offload": "features.activation_offload", "compile": "features.compile"}
     documented = {flag: owners[owner] for flag, owner in re.findall(r"^\| `(\w+)` \| ([\w ]+) \|", section, re.M)}
-    from ultrascale_plugins.interface.facts import FLAGS
-
-    assert sorted(documented) == sorted(FLAGS)
-    pm = plugins.get_plugin_manager()
+    pm = us.get_plugin_manager()
+    declared = {name: f.plugin.removeprefix("ultrascale_plugins.").rsplit(".", 1)[0]
+                for name, f in pm.fields.facts.items()}
+    assert declared == documented
     answered = {}
     for impl in pm.hook.ultrascale_layout_facts.get_hookimpls():
         for flag in impl.function(config=us.ParallelConfig(), degrees={}) or {}:
@@ -368,17 +370,25 @@ def test_the_documented_layout_facts_hold():
 
 
 class _Answers:
-    def __init__(self, **flags):
-        self.flags = flags
+    """Answers ``flags``; declares ``own`` ({fact: default}) as its own facts."""
+
+    def __init__(self, own=None, **flags):
+        self.own, self.flags = own or {}, flags
+
+    @hookimpl
+    def ultrascale_add_fields(self, fields):
+        for name, default in self.own.items():
+            fields.fact(name, default, "a third party's fact")
 
     @hookimpl
     def ultrascale_layout_facts(self, config, degrees):
         return self.flags
 
 
-def test_a_fact_has_one_owner_and_is_one_of_the_typed_flags():
-    """A third party's answer becomes a typed flag when no installed plugin owns it; one the data-parallel plugin
-    already answers, or a name LayoutFacts does not have, is refused naming the plugins."""
+def test_a_fact_has_one_owner_the_plugin_that_declares_it():
+    """The facts are open: a third party declares one of its own (``fields.fact``) and answers it; answering a fact
+    the data-parallel plugin owns, or one nobody declares, is refused naming the plugins; a fact no installed plugin
+    declares is no attribute of the facts."""
     from ultrascale_plugins.interface.facts import layout_facts
 
     config = us.ParallelConfig(dp_shard=2, zero_stage=3)
@@ -392,9 +402,17 @@ def test_a_fact_has_one_owner_and_is_one_of_the_typed_flags():
                 layout_facts(config)
             assert all(w in str(err.value) for w in words), str(err.value)
         finally:
-            plugins.unregister(name="acme_sharding")
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(_Answers(fsdp_shards=8, recompute="full"), name="acme_sharding")
-    facts = layout_facts(config, pm)
-    assert (facts.fsdp_shards, facts.recompute, facts.float8, facts.degree("tp")) == (8, "full", "none", 1)
+            us.unregister(name="acme_sharding")
+    us.register(_Answers(own={"params_on_disk": False}, params_on_disk=True), name="acme_sharding")
+    try:
+        facts = layout_facts(config)
+        assert facts.params_on_disk is True and facts.fsdp_shards == 2
+    finally:
+        us.unregister(name="acme_sharding")
+    pm = Registry()  # two plugins alone: nobody decides the sharding
+    for name in ("features.activation_checkpointing.plugin", "features.float8.plugin"):
+        pm.register(importlib.import_module(f"ultrascale_plugins.{name}"), name=name)
+    facts = pm.facts(pm.config())
+    assert (facts.recompute, facts.float8, facts.degree("dp_shard")) == ("none", "none", 1)
+    with pytest.raises(AttributeError, match="no installed plugin declares the layout fact 'fsdp_shards'"):
+        facts.fsdp_shards

@@ -197,9 +197,11 @@ def test_the_planner_prices_the_4bit_base_as_the_model_holds_it(capsys):
     import torch
     from transformers import AutoModelForCausalLM
 
+    import ultrascale_plugins as us
     from ultrascale_plugins.cli.main import main as cli
+    from ultrascale_plugins.core.inventory import adapted_inventory, inventory
     from ultrascale_plugins.features.peft.quantized_base import quantize_base, quantized_weights
-    from ultrascale_plugins.interface.estimates import QUANTIZED_BYTES, Adapters, _adapted_inventory, inventory
+    from ultrascale_plugins.interface.estimates import QUANTIZED_BYTES, Adapters
 
     model = _model()
     quantize_base(model, "nf4")
@@ -210,7 +212,8 @@ def test_the_planner_prices_the_4bit_base_as_the_model_holds_it(capsys):
     assert abs(held / numel - QUANTIZED_BYTES["nf4"]) < 0.01 * QUANTIZED_BYTES["nf4"], held / numel
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(model.get_base_model().config)
-    records = _adapted_inventory(inventory(plain), plain, Adapters(r=4, quantized="nf4"))  # as the estimate prices
+    pm = us.get_plugin_manager()
+    records = adapted_inventory(inventory(plain, pm=pm), plain, Adapters(r=4, quantized="nf4"), pm)  # as the estimate prices
     priced = sum(r.numel * r.held_bytes for r in records if 0 < r.held_bytes < 1)
     assert abs(priced - held) < 0.01 * held, (priced, held)
     base = ["plan", "--model", "llama-3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb", "--peft", "qlora",

@@ -140,10 +140,9 @@ def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
 
     from ultrascale_plugins.cli.loop import micro_batches
     from ultrascale_plugins.core.tokens import TokenAccounting
-    from ultrascale_plugins.interface.plugins import get_plugin_manager
 
     def model_for(recipe):  # what the recipe's ParallelModel answers
-        stand_in = SimpleNamespace(pm=get_plugin_manager(), config=recipe.parallel)
+        stand_in = SimpleNamespace(pm=recipe.parallel.registry, config=recipe.parallel)
         return SimpleNamespace(tokens=SimpleNamespace(
             microbatches_inside=TokenAccounting.microbatches_inside.fget(stand_in)))
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import ultrascale_plugins
+import ultrascale_plugins as us
 from ultrascale_plugins.cli import main as cli
 from ultrascale_plugins.core import engine
-from ultrascale_plugins.interface import plugins
 from ultrascale_plugins.interface.config import ConfigError
 from ultrascale_plugins.interface.hookspecs import hookimpl
 from ultrascale_plugins.data.recipe import load_recipe
@@ -42,11 +42,11 @@ class CountModelChecks:
 @pytest.fixture
 def counter():
     plugin = CountModelChecks()
-    plugins.register(plugin, name="count-model-checks")
+    us.register(plugin, name="count-model-checks")
     try:
         yield plugin
     finally:
-        plugins.unregister(name="count-model-checks")
+        us.unregister(name="count-model-checks")
 
 
 def test_the_workers_fingerprint_is_the_one_the_command_hands_them(monkeypatch):

@@ -11,7 +11,7 @@ from .interface.config import ConfigError, ParallelConfig
 from .interface.facts import LayoutFacts, layout_facts
 from .interface.hookspecs import hookimpl, hookspec
 from .interface.mesh_axes import MeshAxis, MeshView
-from .interface.plugins import get_plugin_manager, list_plugins, register
+from .core.registry import Registry, default_registry, make_registry
 from .interface.stages import Stage, step
 
 
@@ -114,7 +114,29 @@ _timing_mark("package_import")  # the start of every process that imports the pa
 __all__ = ["ConfigError", "LayoutFacts", "MeshAxis", "MeshView", "ParallelConfig", "ParallelModel", "Stage",
            "hookimpl", "hookspec", "layout_facts", "step",
            "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
+           "unregister", "Registry", "make_registry",
            "validate", "estimate", "describe", "__version__"]
+
+
+def get_plugin_manager() -> Registry:
+    """The process-wide registry (a pluggy ``PluginManager``): the one ``parallelize``, the command line and the
+    integrations use unless handed another (``make_registry()`` makes a fresh one)."""
+    return default_registry()
+
+
+def register(plugin, name: str | None = None) -> None:
+    """Register a plugin object or module in the process-wide registry (tests, notebooks, scripts)."""
+    default_registry().register(plugin, name=name)
+
+
+def unregister(plugin=None, name: str | None = None):
+    """Remove a plugin from the process-wide registry (by object or by name); returns it."""
+    return default_registry().unregister(plugin=plugin, name=name)
+
+
+def list_plugins() -> list[dict]:
+    """One entry per registered plugin of the process-wide registry: name, source, version, hooks, fields."""
+    return default_registry().plugins()
 
 
 def __getattr__(name):  # the engine and the launch helpers pull in torch; import them on first use

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+import ultrascale_plugins as us
+
 from .common import (TOL_ADAMW, TOL_BF16_REL, TOL_FP32, TOL_INIT_STD, Recorder, Sizes, device,
                      free_memory, max_abs_diff, max_state_diff, random_batches, small_llama, small_llama_config,
                      train_losses)
@@ -48,7 +50,7 @@ def _reference_init(cfg, seed: int) -> dict:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    init = ModelInit(model, seed=seed)
+    init = ModelInit(model, seed=seed, pm=us.get_plugin_manager())
     state = {}
     for unit, names in init.units.items():
         values = init.unit_values(unit)

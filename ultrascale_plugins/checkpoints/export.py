@@ -109,10 +109,10 @@ def export_form(checkpoint: str | Path, out_dir: str | Path, form: str, *, base:
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
                               "overwritten)")
-    if pm is None:
-        from ..interface.plugins import get_plugin_manager
+    if pm is None:  # the command line's ``ultrascale export``, a front end: the process's registry
+        from ..core.registry import default_registry
 
-        pm = get_plugin_manager()
+        pm = default_registry()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import warnings
 
-from ..core.engine import ParallelModel, as_config, place, validate
+from ..core.engine import ParallelModel, place, registry_of, validate
 from ..distributed import launch
 from ..interface.config import ParallelConfig
-from ..interface.plugins import get_plugin_manager
 from .pretrained import empty_model, read_config, weights_for
 
 
@@ -41,8 +40,8 @@ def parallelize(model, config: ParallelConfig | dict | None = None, *, device=No
     ``init_weights`` (an object with ``load(ctx, buffers)``, e.g. ``pretrained.PretrainedWeights``), else from the
     directory its config was read from, else with the model's own initialization — so no rank ever holds the
     whole model. The command line, Lightning, Accelerate and the Trainer all build their model here."""
-    pm = get_plugin_manager()
-    resolved = validate(as_config(config), model.config, launch.world_size(), pm, model=model)  # no group yet
+    pm, config = registry_of(config)  # the registry the layout was made under (a dict or None: the process's)
+    resolved = validate(config, model.config, launch.world_size(), pm, model=model)  # no group yet
     if init_weights is None:
         init_weights = weights_for(model, init_from, pm=pm)
         if init_from is not None:

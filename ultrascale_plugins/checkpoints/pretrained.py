@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from ..interface.model_wrapper import wrapper_of
 from .errors import CheckpointError
 
 SUFFIX = ".safetensors"
@@ -108,6 +107,7 @@ class PretrainedWeights:
     introduced: list[str] = dataclasses.field(default_factory=list)
     init: object = None
     wrapper: object = None  # the model's ``ModelWrapper``: the values computed from others (DoRA's magnitude)
+    pm: object = None  # the registry: the dimensions' views of the tensors they placed in pieces
 
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their pretrained values; restore the buffers
@@ -148,7 +148,7 @@ class PretrainedWeights:
                 if reads:  # a TP-packed parameter (GPT-2's c_attn) is read as its true pieces, as checkpoints do
                     from .sharded import dcp_view
 
-                    dcp.load({k: dcp_view(v) for k, v in reads.items()},
+                    dcp.load({k: dcp_view(v, self.pm) for k, v in reads.items()},
                              storage_reader=HuggingFaceStorageReader(str(self.path)))
                 with contextlib.ExitStack() as files:  # one parameter at a time, each file opened once
                     opened = {}
@@ -270,13 +270,13 @@ def conversions(model, found: dict, state: dict) -> tuple[dict[str, str], dict[s
     return renamed, groups
 
 
-def plain_entries(model, keys, wrapper=None) -> tuple[dict[str, str], list[str], object]:
+def plain_entries(model, keys, wrapper=None, pm=None) -> tuple[dict[str, str], list[str], object]:
     """Where each entry of ``model``'s state dict (``keys``) starts from, asked of the plugins
     (``ModelWrapper.pretrained_name``) for a wrapper around a causal LM (a PEFT model): ({key: its name in the plain
     causal LM, as its pretrained files name it}, [keys a plugin introduced, which no file holds], the causal LM the
     plain names are of). A key no plugin answers for is its name without the wrapper's prefix; for a model that
     wraps nothing, every key is its own name. ``wrapper``: ``model``'s, when the caller asked for it already."""
-    wrapper = wrapper if wrapper is not None else wrapper_of(model)
+    wrapper = wrapper if wrapper is not None else _registry(pm).wrapper_of(model)
     plain, introduced = {}, []
     for key in keys:
         name = wrapper.pretrained_name(key)
@@ -287,7 +287,7 @@ def plain_entries(model, keys, wrapper=None) -> tuple[dict[str, str], list[str],
     return plain, introduced, wrapper.inner
 
 
-def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None) -> PretrainedWeights:
+def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None, pm=None) -> PretrainedWeights:
     """Map every entry of ``model``'s state dict to a key of the files: the same name, the name without the
     base-model prefix (a checkpoint of the bare decoder), for a tied head/embedding the other one's name, or what
     transformers' conversion mapping renames or assembles it from (``conversions``). Missing keys and shape
@@ -299,15 +299,15 @@ def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None
     ``initialize.ModelInit`` seeded with ``seed`` (default: ``torch.initial_seed()`` now, i.e. the last
     ``torch.manual_seed``): the same seed gives the same adapters in every layout. ``wrapper``: ``model``'s
     ``ModelWrapper``, when the caller asked the plugins already (asked here otherwise, once)."""
-    path = Path(path)
-    wrapper = wrapper if wrapper is not None else wrapper_of(model)
+    path, pm = Path(path), _registry(pm)
+    wrapper = wrapper if wrapper is not None else pm.wrapper_of(model)
     found = file_tensors(path)
     if any(b.is_meta for b in model.buffers()):  # a meta build's buffers (rotary frequencies): no file holds them
         from ..core.initialize import fill_buffers
 
         fill_buffers(model)
     full_state = model.state_dict()
-    plain, introduced, inner = plain_entries(model, list(full_state), wrapper)
+    plain, introduced, inner = plain_entries(model, list(full_state), wrapper, pm)
     state = {name: full_state[key] for key, name in plain.items()}  # the plain model's entries (shapes)
     renamed, groups = conversions(inner, found, state)
     prefix = getattr(inner, "base_model_prefix", "") + "."
@@ -343,7 +343,7 @@ def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None
         from ..core.initialize import ModelInit
 
         init = ModelInit(model, seed, wrapper=wrapper)
-    return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
+    return PretrainedWeights(pm=pm, path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
                              unexpected=sorted(k for k in found if k not in read),
                              fused={key: fused[name] for key, name in plain.items() if name in fused},
                              introduced=introduced, init=init, wrapper=wrapper)
@@ -404,7 +404,7 @@ def weights_for(model, init_from: str | Path | None, seed: int | None = None, pm
     shard with the model's own scheme (seeded by ``torch.initial_seed()``); for a real model, none. Buffers a meta
     build left empty are computed first. ``seed`` (default ``torch.initial_seed()``) draws what no file holds: the
     whole model without weights, a wrapper's introduced entries (a PEFT model's adapters) with them. The plugins
-    are asked what the model's wrapper is once (``pm``: the plugin manager, default the process's), for the names
+    are asked what the model's wrapper is once (``pm``: the registry, default the process's), for the names
     and the initializer alike."""
     from ..core.initialize import ModelInit, fill_buffers
 
@@ -418,7 +418,17 @@ def weights_for(model, init_from: str | Path | None, seed: int | None = None, pm
         return None
     if any(b.is_meta for b in model.buffers()):
         fill_buffers(model)
-    wrapper = wrapper_of(model, pm)
+    pm = _registry(pm)
+    wrapper = pm.wrapper_of(model)
     if source is None:
         return ModelInit(model, seed, wrapper=wrapper)
-    return match_weights(model, source, seed, wrapper)
+    return match_weights(model, source, seed, wrapper, pm)
+
+
+def _registry(pm):
+    """``pm``, or the process's registry for a caller that gives none (a script or front end reading weights)."""
+    if pm is not None:
+        return pm
+    from ..core.registry import default_registry
+
+    return default_registry()

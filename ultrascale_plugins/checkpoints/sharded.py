@@ -100,16 +100,12 @@ def _model_state(pmodel) -> dict[str, torch.Tensor]:
     return state
 
 
-def dcp_view(tensor, pm=None):
+def dcp_view(tensor, pm):
     """``tensor`` as DCP must see it: a dimension that placed it in pieces DCP cannot describe (a packed
     tensor-parallel parameter such as a fused gate|up, and its optimizer states) lists them
     (``ultrascale_checkpoint_view``: views, so a load fills the tensor itself); any other tensor as it is."""
     if not torch.is_tensor(tensor):
         return tensor
-    if pm is None:
-        from ..interface.plugins import get_plugin_manager
-
-        pm = get_plugin_manager()
     view = pm.hook.ultrascale_checkpoint_view(tensor=tensor)
     return tensor if view is None else view
 

@@ -251,9 +251,9 @@ def _check_nodes(args) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from ..interface.plugins import list_plugins
+    from ..core.registry import default_registry
 
-    rows = list_plugins()
+    rows = default_registry().plugins()
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         print(f"{r['name']:<{width}}  {r['source']} {r['version']}")
@@ -297,10 +297,10 @@ def _ask_layout() -> dict:
     """The layout fields the installed plugins ask for (``Field.ask``), in their declaration order, each only
     when the answers so far make it matter (``pp_schedule`` once ``pp`` > 1); each answer checked as a recipe's
     value is."""
-    from ..interface.plugins import layout_fields
+    from ..core.registry import default_registry
 
     answers: dict = {}
-    for field in layout_fields():
+    for field in default_registry().fields:
         if field.asked(answers):
             answers[field.name] = field.validate(_ask(field.prompt(), field.type, field.default))
     return answers

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..interface.config import ConfigError
-from ..interface.stages import STEP_MARK, Step, collect_stages, describe_chain, order_chain, placement
+from ..interface.stages import STEP_MARK, Step, describe_chain, order_chain, placement
 
 CHAINS = ("ultrascale_estimate", "ultrascale_shard_batch")
 
@@ -39,7 +39,7 @@ def _caller(impl):
 
 def ordered_chain(pm, hook: str, config, model_config=None) -> list[Step]:
     """``hook``'s implementations in the order of the stages ``config`` declares (``stages.order_chain``)."""
-    return order_chain(collect_stages(pm, config, model_config), chain_steps(pm, hook))
+    return order_chain(pm.stages(config, model_config), chain_steps(pm, hook))
 
 
 def run_chain(pm, hook: str, layout, model_config=None, /, **kwargs) -> None:
@@ -52,7 +52,7 @@ def run_chain(pm, hook: str, layout, model_config=None, /, **kwargs) -> None:
 def describe_step_hooks(pm, groups: dict, config, model_config=None) -> str:
     """Which plugins answer each hook of the ``step`` group, in the order they are called: the batch split in
     its declared order (each step's place), the others in pluggy's (a wrapper runs around the rest)."""
-    stages = collect_stages(pm, config, model_config)
+    stages = pm.stages(config, model_config)
     lines = []
     for hook in groups["step"]:
         if hook in CHAINS:
@@ -67,5 +67,5 @@ def describe_step_hooks(pm, groups: dict, config, model_config=None) -> str:
 
 def describe_cost_chain(pm, config, model_config=None) -> str:
     """The cost chain (``ultrascale_estimate``) in the order it runs, one line per step with its place."""
-    stages = collect_stages(pm, config, model_config)
+    stages = pm.stages(config, model_config)
     return describe_chain(order_chain(stages, chain_steps(pm, "ultrascale_estimate")), stages)

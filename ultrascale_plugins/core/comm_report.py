@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ..distributed.comm_ledger import (SMALL_BYTES, CommLedger, GroupLabels, flight_recorder_check, last_record_id,
                                        summarise, wire_bytes)
 from ..interface.comm_minimum import MinimumTerm
-from ..interface.parallel_dims import resolve
 from .costing import resolved_cost
 
 P2P = ("send", "recv")  # one row: the estimate and the minimum count a pipeline's transfers at both ends
@@ -89,7 +88,7 @@ def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
     """The estimate's and the minimum's terms for this step, as (axis, op, calls, payload, wire) per step, for the
     most loaded rank (no coordinates). Their wire bytes are the ring's for their payload (``wire_bytes``)."""
     model = pmodel.module
-    resolved = resolve(pmodel.config, dist.get_world_size(), pmodel.pm, check=False)
+    resolved = pmodel.pm.resolve(pmodel.config, dist.get_world_size(), check=False)
     est, shape = resolved_cost(resolved, model.config, pm=pmodel.pm, model=_meta_model(model), **step)
     m = step["micro_batches"]
     size = lambda axis: math.prod(pmodel.dims.degree(a) for a in axis.split("+"))  # noqa: E731

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..interface.config import ParallelConfig
-from ..interface.estimates import Estimate, Shape, inventory, meta_model
+from ..interface.estimates import Estimate, Shape, meta_model
 from .chains import run_chain
+from .inventory import adapted_inventory, inventory
 from .plans import model_plan
 
 
@@ -23,8 +24,11 @@ def resolved_cost(resolved: ParallelConfig, model_config: Any, *, pm, seq_len: i
         model = meta_model(model_config)
     if plan is None:
         plan = model_plan(model, resolved, pm)
+    records = inventory(model, plan, pm=pm)
+    if constants.get("adapters") is not None:  # priced on a model that has none: their factors join the inventory
+        records = adapted_inventory(records, model, constants["adapters"], pm)
     shape = Shape(model_config=model_config, seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
-                  profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=inventory(model, plan),
+                  profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=records,
                   model=model, plan=plan, **constants)
     est = Estimate(micro_batches=micro_batches)
     run_chain(pm, "ultrascale_estimate", resolved, model_config, config=resolved, model_config=model_config,

@@ -15,11 +15,9 @@ from torch import nn
 
 from ..distributed import launch
 from ..interface.config import ParallelConfig
-from ..interface.model_wrapper import wrapper_of
-from ..interface.parallel_dims import ParallelDims, resolve
-from ..interface.plugins import get_plugin_manager
+from ..interface.parallel_dims import ParallelDims
 from ..interface.runtime import Runtime
-from ..interface.stages import collect_stages, describe_stages, order_stages
+from ..interface.stages import describe_stages, order_stages
 from ..models.plan import ModelPlan, layers_present
 from .costing import resolved_cost
 from .parallel_model import ParallelModel
@@ -126,14 +124,14 @@ def to_devices(model: nn.Module, param_device, buffer_device) -> None:
                     module._buffers[key] = buf.to(buffer_device)
 
 
-def causal_lm_of(obj, pm=None):
+def causal_lm_of(obj, pm):
     """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_model_wrapper``: a PEFT model), or
     None: what the front ends hand to ``parallelize``."""
     from transformers import PreTrainedModel
 
     if not isinstance(obj, nn.Module):
         return None
-    inner = wrapper_of(obj, pm).inner
+    inner = pm.wrapper_of(obj).inner
     return inner if isinstance(inner, PreTrainedModel) and hasattr(inner, "lm_head") else None
 
 
@@ -141,6 +139,14 @@ def as_config(config: ParallelConfig | dict | None) -> ParallelConfig:
     if config is None:
         return ParallelConfig()
     return ParallelConfig.from_dict(config) if isinstance(config, dict) else config
+
+
+def registry_of(config: ParallelConfig | dict | None, pm=None):
+    """(registry, config made under it): ``pm`` when given, else the registry ``config`` was made under (a dict or
+    None: the default one, as ``ParallelConfig(...)`` makes it)."""
+    config = as_config(config) if pm is None else (pm.config(**config) if isinstance(config, dict) else
+                                                    as_config(config).under(pm))
+    return config.registry, config
 
 
 def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None, model=None) -> ParallelConfig:
@@ -151,12 +157,11 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     The module-tree checks (meta-device dry runs) are skipped only in a worker that ``ultrascale train`` started
     after running them itself on the same layout, world size, model and plugins (``VALIDATED_ENV`` holds their
     ``validated_fingerprint``); a process started any other way runs them all."""
-    pm = pm or get_plugin_manager()
-    config = as_config(config)
+    pm, config = registry_of(config, pm)
     chosen = pm.hook.ultrascale_resolve_layout(config=config, model_config=model_config, world_size=world_size)
-    resolved = resolve(chosen if chosen is not None else config, world_size, pm)
+    resolved = pm.resolve(chosen if chosen is not None else config, world_size)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
-    order_stages(collect_stages(pm, resolved, model_config))  # a cycle or an unknown stage name, before any group
+    order_stages(pm.stages(resolved, model_config))  # a cycle or an unknown stage name, before any group
     if model is not None and not _validated_by_launcher(resolved, world_size, model, pm):
         plan = model_plan(model, resolved, pm)
         pm.hook.ultrascale_validate_model(model=model, plan=plan, config=resolved)
@@ -166,8 +171,8 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
 def validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None, pm=None) -> None:
     """The checks of the training loop a front end will run with this layout (``ultrascale_validate_loop``):
     ``micro_batches`` per optimizer step, gradients clipped to ``max_grad_norm`` (None or 0: not clipped)."""
-    pm = pm or get_plugin_manager()
-    pm.hook.ultrascale_validate_loop(config=as_config(config), micro_batches=int(micro_batches),
+    pm, config = registry_of(config, pm)
+    pm.hook.ultrascale_validate_loop(config=config, micro_batches=int(micro_batches),
                                      max_grad_norm=max_grad_norm or None)
 
 
@@ -186,7 +191,7 @@ def validated_fingerprint(resolved: ParallelConfig, world_size: int, model, pm=N
 
     from importlib.metadata import version  # the package's own, as installed (its __init__ is above the engine)
 
-    pm = pm or get_plugin_manager()
+    pm = pm or resolved.registry
     dists = {id(plugin): f"{dist.project_name}=={dist.version}" for plugin, dist in pm.list_plugin_distinfo()}
     plugins = sorted(f"{name}:{dists.get(id(plugin), 'builtin')}" for name, plugin in pm.list_name_plugin()
                      if plugin is not None)
@@ -213,9 +218,9 @@ def _validated_by_launcher(resolved: ParallelConfig, world_size: int, model, pm)
 def stages(config: ParallelConfig, model_config: Any, *, world_size: int, pm=None) -> list:
     """The model transforms ``parallelize`` applies for this layout, in their resolved order
     (``interface.stages.Stage``; inactive ones included, marked so)."""
-    pm = pm or get_plugin_manager()
+    pm, config = registry_of(config, pm)
     resolved = validate(config, model_config, world_size, pm)
-    return order_stages(collect_stages(pm, resolved, model_config))
+    return order_stages(pm.stages(resolved, model_config))
 
 
 def describe_parts(config: ParallelConfig | dict, model_config: Any, *, world_size: int | None = None,
@@ -227,8 +232,7 @@ def describe_parts(config: ParallelConfig | dict, model_config: Any, *, world_si
     from ..interface.stages import placement
     from .chains import describe_cost_chain, describe_step_hooks
 
-    pm = pm or get_plugin_manager()
-    config = as_config(config)
+    pm, config = registry_of(config, pm)
     if world_size is None:
         world_size = math.prod(max(a.degree, 1) for a in ParallelDims(config).axes)
     resolved = validate(config, model_config, world_size, pm)
@@ -241,7 +245,7 @@ def describe_parts(config: ParallelConfig | dict, model_config: Any, *, world_si
         over = " x ".join(f"{a.name}={a.degree}" for a in view.axes)
         mesh.append(f"view {name}: {over} over the ranks of {'*'.join(view.source)}")
     return {"mesh": "\n".join(mesh),
-            "transforms": describe_stages(order_stages(collect_stages(pm, resolved, model_config))),
+            "transforms": describe_stages(order_stages(pm.stages(resolved, model_config))),
             "step hooks": describe_step_hooks(pm, GROUPS, resolved, model_config),
             "cost chain": describe_cost_chain(pm, resolved, model_config)}
 
@@ -254,9 +258,10 @@ def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: in
     ``world_size``: default, the product of the layout's degrees. ``model``: the model to be parallelized, when it
     wraps the causal LM (a PEFT model): a first line says what its wrapper (``ultrascale_model_wrapper``) is and
     how its modules go through the stages."""
+    pm, config = registry_of(config, pm)
     parts = describe_parts(config, model_config, world_size=world_size, pm=pm)
     text = "\n\n".join(f"{title}:\n{body}" for title, body in parts.items())
-    wrapper = wrapper_of(model, pm) if model is not None else None
+    wrapper = pm.wrapper_of(model) if model is not None else None
     if wrapper is not None and wrapper.wraps:
         text = f" 0. the model: {wrapper.describe()}  ({type(wrapper).__module__})\n" + text
     return text
@@ -284,9 +289,8 @@ def estimate_with_shape(config: ParallelConfig, model_config: Any, *, world_size
                         **constants):
     """``estimate``, and the ``Shape`` as the dimensions left it (the inventory cut to this rank's share, the
     pipeline's layers): what the layout's communication minimum (``comm_minimum``) is computed from."""
-    pm = pm or get_plugin_manager()
-    resolved = validate(config, model_config, world_size, pm) if check else resolve(as_config(config), world_size,
-                                                                                      pm, check=False)
+    pm, config = registry_of(config, pm)
+    resolved = validate(config, model_config, world_size, pm) if check else pm.resolve(config, world_size, check=False)
     return resolved_cost(resolved, model_config, pm=pm, seq_len=seq_len, micro_batch=micro_batch,
                          micro_batches=micro_batches, coords=coords, model=model, profile=profile,
                          optimizer=optimizer, plan=plan, **constants)
@@ -316,13 +320,13 @@ def place(model: nn.Module, config: ParallelConfig, *, device=None, init_weights
     then ``init_weights.load(ctx, buffers)`` gives a meta-device model's shards storage and values (the engine
     reads no file: the loader is the caller's, ``checkpoints.load.parallelize``). Without a loader the model keeps
     the values it holds."""
-    pm = pm or get_plugin_manager()
+    pm, config = registry_of(config, pm)
     if device is None:
         device = launch.init_distributed()
     elif not dist.is_initialized():
         launch.init_distributed()
-    dims = ParallelDims(config, launch.world_size(), pm)
-    dims.build_mesh(device.type)
+    dims = ParallelDims(config, launch.world_size())
+    dims.build_mesh(device.type, launch.collective_timeout())
     ctx = ParallelContext(dims=dims, plan=model_plan(model, config, pm), device=device,
                           modules=[model])
     if init_weights is not None:  # the weights replace whatever the parameters hold now
@@ -334,7 +338,7 @@ def place(model: nn.Module, config: ParallelConfig, *, device=None, init_weights
     pin_hub_kernels(model)
     # the named stages, in the order their declarations give (interface.stages): split (this rank's pipeline
     # stages and their runtime), float8, ep, tp + sp, cp, ac, compile, dp, and any plugin's among them
-    for stage in order_stages(collect_stages(pm, config, model.config)):
+    for stage in order_stages(pm.stages(config, model.config)):
         if not stage.active:
             continue
         if stage.splits:

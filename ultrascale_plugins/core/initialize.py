@@ -31,8 +31,6 @@ import torch
 from torch import nn
 
 from ..interface.meta_copy import meta_copy
-from ..interface.model_wrapper import wrapper_of
-from ..interface.plugins import get_plugin_manager
 
 # wrapper segments torch inserts into parameter names (checkpoint_wrapper, torch.compile, FSDP1); the engine's own
 # transforms keep the unparallelized names, these only matter for a model wrapped before it was parallelized
@@ -218,12 +216,16 @@ class ModelInit:
     that plugin (``ModelWrapper.init_module``); values computed from others (DoRA's magnitude) are set once every
     shard holds its values (``ModelWrapper.init_dependent``)."""
 
-    def __init__(self, model: nn.Module, seed: int | None = None, pm=None, wrapper=None):
+    def __init__(self, model: nn.Module, seed: int | None = None, *, pm=None, wrapper=None):
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.twin = meta_copy(model)
         # the plugin's description of a wrapper (a PEFT model): the caller's, asked of the model once per load
-        # (``pretrained.weights_for``; its answers go by name, the same for the twin), else asked of the twin here
-        self.wrapper = wrapper if wrapper is not None else wrapper_of(self.twin, pm or get_plugin_manager())
+        # (``pretrained.weights_for``; its answers go by name, the same for the twin), else asked of the twin here,
+        # of the registry ``pm`` (one of the two is given)
+        if wrapper is None and pm is None:
+            raise TypeError("ModelInit(model, seed, pm=registry) or ModelInit(model, seed, wrapper=...): the registry "
+                            "says what the model's wrapper is (us.get_plugin_manager() is the process's)")
+        self.wrapper = wrapper if wrapper is not None else pm.wrapper_of(self.twin)
         fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
         # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the
@@ -328,14 +330,14 @@ def _join(module: str, entry: str) -> str:
     return f"{module}.{entry}" if module else entry
 
 
-def init_introduced(model: nn.Module, seed: int | None = None) -> list[str]:
+def init_introduced(model: nn.Module, seed: int | None = None, *, pm) -> list[str]:
     """Give the parameters a plugin introduced into ``model`` (a PEFT model's adapters) the values the engine gives
     them when the same model is built on the meta device and parallelized with ``seed`` (default
     ``torch.initial_seed()``), then recompute what depends on them and on the base (DoRA's magnitude); returns the
     names set. For a model built in one process from real weights (``get_peft_model`` of a loaded base, whose
     adapters ``get_peft_model`` drew from the global generator): with it, that model starts exactly where
     ``ultrascale train`` (``train.seed``) or ``parallelize`` of the meta-device model start, in any layout."""
-    init = ModelInit(model, seed)
+    init = ModelInit(model, seed, pm=pm)
     init.fill([model], only=init.introduced)
     with torch.no_grad():
         init.wrapper.init_dependent([model])

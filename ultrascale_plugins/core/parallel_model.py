@@ -17,7 +17,6 @@ from torch import nn
 from ..distributed.grad_norm import clip_grad_norm_
 from ..distributed.loss import shifted_targets
 from ..interface.config import ConfigError
-from ..interface.model_wrapper import wrapper_of
 from .batches import to_device
 from .chains import ordered_chain
 from .comm_report import record_step
@@ -156,7 +155,7 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
-        out, wrapper = {}, wrapper_of(self.module, self.pm)  # a wrapper's tensor subclasses gather its own way
+        out, wrapper = {}, self.pm.wrapper_of(self.module)  # a wrapper's tensor subclasses gather its own way
         for module in self.modules:
             for name, tensor in module.state_dict().items():
                 out[name] = wrapper.whole_value(tensor).detach().cpu().clone()

@@ -6,16 +6,14 @@ from __future__ import annotations
 from torch import nn
 
 from ..interface.config import ParallelConfig
-from ..interface.model_wrapper import wrapper_of
-from ..interface.plugins import get_plugin_manager
 from ..models.plan import ModelPlan
 
 
 def model_plan(model: nn.Module, config: ParallelConfig, pm=None) -> ModelPlan | None:
     """The plugins' ``ModelPlan`` for ``model``, found through a wrapper (``ultrascale_model_wrapper``) and named
     from ``model``'s root."""
-    pm = pm or get_plugin_manager()
-    wrapper = wrapper_of(model, pm)
+    pm = pm or config.registry
+    wrapper = pm.wrapper_of(model)
     if wrapper.wraps:
         plan = pm.hook.ultrascale_model_plan(model=wrapper.inner, config=config)
         plan = plan.rerooted(wrapper.prefix) if plan is not None else None

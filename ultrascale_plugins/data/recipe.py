@@ -18,13 +18,16 @@ from .model_section import check_model_section, config_from_fields, config_keys,
 OWN_SECTIONS = ("nproc", "model", "data", "train", "parallel")
 
 
-def recipe_sections() -> dict:
-    """{name: ``RecipeSection``} of the sections the installed plugins declare (``ultrascale_recipe_sections``:
-    PEFT's ``peft``); a name declared twice, or one of the recipe's own, is refused."""
-    from ..interface.plugins import get_plugin_manager
+def recipe_sections(pm=None) -> dict:
+    """{name: ``RecipeSection``} of the sections the plugins of ``pm`` declare (``ultrascale_recipe_sections``:
+    PEFT's ``peft``); a name declared twice, or one of the recipe's own, is refused. Without ``pm``: the process's
+    registry (a recipe read from its file, before any layout is made)."""
+    if pm is None:
+        from ..core.registry import default_registry
 
+        pm = default_registry()
     out: dict = {}
-    for answer in get_plugin_manager().hook.ultrascale_recipe_sections():
+    for answer in pm.hook.ultrascale_recipe_sections():
         for section in answer or ():
             if section.name in OWN_SECTIONS or section.name in out:
                 raise ConfigError(f"recipe section '{section.name}' is declared twice (by {type(section).__name__}). "
@@ -132,34 +135,34 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         out = {"nproc": self.nproc, "model": dict(self.model), "data": dataclasses.asdict(self.data),
                "train": dataclasses.asdict(self.train), "parallel": self.parallel.to_dict()}
-        owners = recipe_sections()
+        owners = recipe_sections(self.parallel.registry)
         out.update({name: owners[name].to_dict(value) for name, value in self.sections.items()})
         return out
 
     def base_dtype(self) -> dict:
         """How the model is built (``from_config``'s keywords): what the sections ask (a PEFT recipe's frozen base
         in ``peft.base_dtype``); otherwise nothing (fp32, transformers' default)."""
-        owners, out = recipe_sections(), {}
+        owners, out = recipe_sections(self.parallel.registry), {}
         for name, value in self.sections.items():
             out.update(owners[name].model_kwargs(value))
         return out
 
     def apply_sections(self, model):
         """``model`` (on the meta device) with every section the recipe sets applied (PEFT's adapters)."""
-        owners = recipe_sections()
+        owners = recipe_sections(self.parallel.registry)
         for name, value in self.sections.items():
             model = owners[name].apply(model, value)
         return model
 
     def describe_sections(self) -> str:
         """The sections the recipe sets, in a few words each ("" for none)."""
-        owners = recipe_sections()
+        owners = recipe_sections(self.parallel.registry)
         return ", ".join(owners[name].describe(value) for name, value in self.sections.items())
 
     def checkpoint_holds_whole_model(self) -> bool:
         """Whether this recipe's checkpoints hold every parameter (False: adapters only, the base read again from
         the run's ``--init-from``)."""
-        owners = recipe_sections()
+        owners = recipe_sections(self.parallel.registry)
         return all(owners[name].checkpoint_holds_whole_model(value) for name, value in self.sections.items())
 
     def model_config(self):
@@ -458,9 +461,7 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
         if ga:
             field = f"train.grad_accum={ga}"
         elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
-            from ..interface.plugins import get_plugin_manager
-
-            ga = get_plugin_manager().hook.ultrascale_microbatches(config=resolved) or 1
+            ga = resolved.registry.hook.ultrascale_microbatches(config=resolved) or 1
             if resolved.pp_microbatches:
                 field, knob = f"pp_microbatches={ga}", "pp_microbatches (or train.grad_accum)"
             else:
@@ -491,10 +492,8 @@ def _auto_layout(parallel, train, data_spec, model_config, world: int):
     """``parallel: {layout: auto}``: the layout chosen for this recipe's model, sequence and batch, through the same
     hook every front end's layout goes through (``ultrascale_resolve_layout``: the planner), and its micro-batch
     size (the chosen layout's ``auto_micro_batch_size``), unless the recipe sets its split."""
-    from ..interface.plugins import get_plugin_manager
-
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
-    chosen = get_plugin_manager().hook.ultrascale_resolve_layout(config=auto, model_config=model_config,
+    chosen = auto.registry.hook.ultrascale_resolve_layout(config=auto, model_config=model_config,
                                                                   world_size=world) or auto
     mbs = getattr(chosen, "auto_micro_batch_size", 0)
     if mbs and not train.micro_batch_size and not train.grad_accum:
@@ -513,7 +512,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     section that disagrees with it in a size is refused."""
     data = default_recipe_dict() if path is None else load_yaml(path)
     data = apply_overrides(data, overrides or [])
-    owners = recipe_sections()
+    owners = recipe_sections()  # a recipe read from its file: the process's registry's sections
     for key in data:
         if key not in OWN_SECTIONS and key not in owners:
             raise ConfigError(f"unknown recipe key '{key}': {suggest(key, section_names())}")

@@ -10,26 +10,54 @@ field, the value and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from .fields import ConfigError, field_error, suggest  # noqa: F401 - re-exported: every module's error type
+from .fields import ConfigError, Fields, field_error, suggest  # noqa: F401 - re-exported: every module's error type
 
-def _fields():
-    from .plugins import layout_fields
+if TYPE_CHECKING:
+    from .facts import LayoutFacts
+    from .mesh_axes import MeshAxis, MeshView
 
-    return layout_fields()
+
+class LayoutRegistry(Protocol):
+    """What a config asks of the registry it was made under (``core.registry.Registry`` is the one the package
+    makes): the plugins' fields, and what they declare for a layout."""
+
+    fields: Fields
+
+    def axes(self, config: "ParallelConfig") -> list["MeshAxis"]:
+        """The plugins' mesh axes for ``config``, outermost first."""
+
+    def views(self, config: "ParallelConfig", axes: list["MeshAxis"] | None = None) -> list["MeshView"]:
+        """The plugins' mesh views for ``config``, resolved against ``axes`` (default: its own)."""
+
+    def facts(self, config: "ParallelConfig") -> "LayoutFacts":
+        """The degrees and the facts the families decided for ``config``."""
+
+    def resolve(self, config: "ParallelConfig", world_size: int, check: bool = True) -> "ParallelConfig":
+        """``config`` with its ``-1`` degree filled in for ``world_size``, checked."""
 
 
 class ParallelConfig:
     """Degrees of every parallel dimension plus the options that go with them, as declared by the plugins.
 
-    The product of the mesh axes' degrees is the world size; ``dp_shard=-1`` takes whatever is left.
+    The product of the mesh axes' degrees is the world size; ``dp_shard=-1`` takes whatever is left. A config is
+    made under one registry (``registry.config(**values)``) and keeps it through ``replace``: code given a config
+    reaches the plugins' declarations through ``config.registry``. ``ParallelConfig(**values)`` is made under
+    ``ParallelConfig.default_registry()``, the process-wide one, set by ``core.registry`` (the front-end edge:
+    the interface holds no plugin manager).
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_registry")
 
-    def __init__(self, **values: Any) -> None:
-        fields = _fields()
+    #: the process-wide registry's maker, for configs made without one (set by ``core.registry``)
+    default_registry: Callable[[], LayoutRegistry] | None = None
+
+    def __init__(self, _registry: LayoutRegistry | None = None, /, **values: Any) -> None:
+        if _registry is None:
+            _registry = ParallelConfig.default_registry()
+        object.__setattr__(self, "_registry", _registry)
+        fields = _registry.fields
         for key in values:
             if key not in fields:
                 raise _unknown(key, values[key], fields)
@@ -51,8 +79,20 @@ class ParallelConfig:
     def __getstate__(self):
         return dict(self._values)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state):  # unpickled (a worker's copy): under that process's default registry
         object.__setattr__(self, "_values", dict(state))
+        object.__setattr__(self, "_registry", None)
+
+    @property
+    def registry(self) -> LayoutRegistry:
+        """The registry this config was made under."""
+        if self._registry is None:
+            object.__setattr__(self, "_registry", ParallelConfig.default_registry())
+        return self._registry
+
+    def under(self, registry: LayoutRegistry) -> "ParallelConfig":
+        """This layout made under ``registry`` (itself when it already is)."""
+        return self if self._registry is registry else ParallelConfig(registry, **self._values)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ParallelConfig) and self._values == other._values
@@ -66,7 +106,8 @@ class ParallelConfig:
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in _fields()]
+        """The default registry's layout fields."""
+        return [f.name for f in ParallelConfig.default_registry().fields]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "ParallelConfig":
@@ -83,14 +124,12 @@ class ParallelConfig:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self._values.items()}
 
     def replace(self, **changes: Any) -> "ParallelConfig":
-        return ParallelConfig(**{**self._values, **changes})
+        return ParallelConfig(self.registry, **{**self._values, **changes})
 
     # ---- the world ------------------------------------------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":
         """A copy with the degree of ``-1`` filled in, after checking the mesh axes multiply to world_size."""
-        from .parallel_dims import resolve
-
-        return resolve(self, world_size)
+        return self.registry.resolve(self, world_size)
 
     @property
     def dp(self) -> int:

@@ -107,12 +107,33 @@ class Field:
         return list(value) if isinstance(value, list) else value
 
 
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """One fact a plugin decides for the others (``LayoutFacts``): its name, the value that holds until the plugin
+    answers otherwise for a layout (``ultrascale_layout_facts``), what it says, and the plugin that owns it."""
+
+    name: str
+    default: Any
+    help: str
+    plugin: str = ""
+
+
 class Fields:
-    """The registry ``ultrascale_add_fields`` fills: one ``Field`` per name, in declaration order."""
+    """What ``ultrascale_add_fields`` declares: one ``Field`` per layout field and one ``Fact`` per fact, each by
+    name, in declaration order."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, Field] = {}
+        self.facts: dict[str, Fact] = {}
         self.plugin = ""  # set by the caller while one plugin's hook runs
+
+    def fact(self, name: str, default: Any, help: str) -> None:
+        """Declare a fact this plugin decides for the others, answered per layout in its ``ultrascale_layout_facts``
+        (``default`` holds when it does not answer); a fact has one owner."""
+        if name in self.facts:
+            raise ConfigError(f"layout fact '{name}' is declared by both '{self.facts[name].plugin}' and "
+                              f"'{self.plugin}'. Fix: rename one of them")
+        self.facts[name] = Fact(name, default, help, self.plugin)
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
             optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None) -> None:
@@ -130,13 +151,3 @@ class Fields:
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
-
-
-def collect(pm) -> Fields:
-    """Every installed plugin's fields, each recorded with the plugin that declared it."""
-    fields = Fields()
-    for impl in pm.hook.ultrascale_add_fields.get_hookimpls():  # registration order
-        fields.plugin = impl.plugin_name
-        impl.function(fields=fields)
-    fields.plugin = ""
-    return fields

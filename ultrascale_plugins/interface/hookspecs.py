@@ -62,13 +62,15 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # front ends offer.
 @hookspec
 def ultrascale_add_fields(fields: Fields) -> None:
-    """Declare this dimension's layout fields. They become valid everywhere a layout is written.
+    """Declare this dimension's layout fields, and the facts it decides for the others. The fields become valid
+    everywhere a layout is written; each fact is answered per layout in ``ultrascale_layout_facts``.
 
-    Called for each plugin in registration order (``fields.collect``); each field is recorded with its plugin.
+    Called for each plugin in registration order (by the registry, ``core.registry``); each field and fact is
+    recorded with its plugin.
 
     :param fields: The ``fields.Fields`` to add to: ``fields.add(name, type, default, help, choices=..., minimum=...,
-        optional=..., check=...)``.
-    :return: Nothing; the fields go into ``fields``.
+        optional=..., check=...)``, ``fields.fact(name, default, help)``.
+    :return: Nothing; the fields and facts go into ``fields``.
     """
 
 
@@ -87,14 +89,14 @@ def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | 
 
 @hookspec
 def ultrascale_layout_facts(config: ParallelConfig, degrees: dict[str, int]) -> dict[str, Any] | None:
-    """Decide the ``facts.LayoutFacts`` flags this plugin owns, from its own fields and the mesh
-    degrees, e.g. data parallel's ``{"fsdp_units": zero_stage >= 2}``. Other families read them from
-    ``facts.layout_facts(config)`` instead of this plugin's fields. Called for each plugin in registration order.
+    """Decide the facts this plugin declared (``fields.fact`` in ``ultrascale_add_fields``) for a layout, from its own
+    fields and the mesh degrees, e.g. data parallel's ``{"fsdp_units": zero_stage >= 2}``. Other families read them
+    from ``facts.layout_facts(config)`` instead of this plugin's fields. Called for each plugin in registration order.
 
     :param config: The layout, resolved or not; read only this plugin's own fields.
     :param degrees: Every declared mesh axis's degree (a view's axes too), by name.
-    :return: ``{flag: value}`` for the flags this plugin owns, or None. Each flag has one owner: a flag
-        ``LayoutFacts`` lacks, or one another plugin answers too, is refused (``ConfigError``).
+    :return: ``{fact: value}`` for facts this plugin declared (a fact it leaves out keeps its declared default), or
+        None. Each fact has one owner: one no plugin declares, or another plugin's, is refused (``ConfigError``).
     """
 
 

@@ -1,13 +1,13 @@
 """The mesh axes and views the dimension plugins declare (``ultrascale_mesh_axes``): the value types
-(``MeshAxis``, ``MeshView``) and the declarations read for a config. Below both ``parallel_dims`` (a layout's
-derived facts) and ``facts`` (what the families decided for each other), which read the same declarations."""
+(``MeshAxis``, ``MeshView``) and the check of a view against the axes it is carved from. The registry
+(``core.registry``) collects and orders the declarations; ``parallel_dims`` derives a layout's rules from them."""
 from __future__ import annotations
 
 import dataclasses
 import math
 
 from .fields import ConfigError
-from .ordering import as_names, order_by_names
+from .ordering import as_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,57 +57,8 @@ class MeshView:
     axes: tuple[MeshAxis, ...]
 
 
-def declared(config, pm=None) -> tuple[list[MeshAxis], list[MeshView]]:
-    """Every plugin's axes (outermost first, as their ``after`` / ``before`` place them) and views for ``config``,
-    as ``ultrascale_mesh_axes`` declares them; an axis or a view declared twice, a value of another type, a name
-    no plugin declares or a cycle is refused, naming the plugins."""
-    from .plugins import get_plugin_manager
-
-    pm = pm or get_plugin_manager()
-    axes: dict[str, MeshAxis] = {}
-    views: dict[str, MeshView] = {}
-    for result in pm.hook.ultrascale_mesh_axes(config=config):
-        for axis in result or []:
-            if not isinstance(axis, (MeshAxis, MeshView)):
-                raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
-                                  "MeshView values")
-            seen = views if isinstance(axis, MeshView) else axes
-            if axis.name in seen:
-                what = "view" if isinstance(axis, MeshView) else "axis"
-                raise ConfigError(f"mesh {what} '{axis.name}' is declared by both "
-                                  f"{' and '.join(_declarers(pm, config, axis.name))}. Fix: rename one of them")
-            seen[axis.name] = axis
-    ordered = order_by_names(list(axes.values()), lambda a: " and ".join(_declarers(pm, config, a.name)),
-                             "mesh axis", "mesh axes", verb="lies")
-    return ordered, list(views.values())
-
-
-def _declarers(pm, config, name: str) -> list[str]:
-    """The plugins whose ``ultrascale_mesh_axes`` declares an axis or a view called ``name``, in pluggy's call
-    order (for a refusal's message only: each plugin's hook is called alone, through pluggy)."""
-    out = []
-    everyone = pm.get_plugins()
-    for impl in reversed(pm.hook.ultrascale_mesh_axes.get_hookimpls()):  # pluggy calls from the end of this list
-        alone = pm.subset_hook_caller("ultrascale_mesh_axes", [p for p in everyone if p is not impl.plugin])
-        if any(axis.name == name for result in alone(config=config) for axis in result or []):
-            out.append(impl.plugin_name)
-    return out
-
-
-def declared_axes(config, pm=None) -> list[MeshAxis]:
-    """Every plugin's axes for ``config``, outermost first."""
-    return declared(config, pm)[0]
-
-
-def declared_views(config, axes: list[MeshAxis] | None = None, pm=None) -> list[MeshView]:
-    """Every plugin's views for ``config`` (resolved: the layout's degrees known), each with its -1 degree filled
-    in and checked against the axes it is carved from."""
-    own_axes, views = declared(config, pm)
-    axes = axes if axes is not None else own_axes
-    return [_resolved_view(view, axes) for view in views]
-
-
-def _resolved_view(view: MeshView, axes: list[MeshAxis]) -> MeshView:
+def resolved_view(view: MeshView, axes: list[MeshAxis]) -> MeshView:
+    """``view`` with its -1 degree filled in, checked against the layout's ``axes`` it is carved from."""
     names = [a.name for a in axes]
     missing = [s for s in view.source if s not in names]
     if missing:

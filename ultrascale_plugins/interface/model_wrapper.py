@@ -71,11 +71,3 @@ class ModelWrapper:
         """Write ``pmodel``'s model to ``directory`` as the wrapper's own library would (a PEFT model: its adapters)
         and return True; False leaves it to the whole-model Hugging Face export. Every rank calls it."""
         return False
-
-
-def wrapper_of(model, pm=None) -> ModelWrapper:
-    """The plugins' description of ``model`` (``ultrascale_model_wrapper``), or a wrapper of nothing."""
-    from .plugins import get_plugin_manager  # the plugin manager imports the hookspecs, which name this module
-
-    wrapper = (pm or get_plugin_manager()).hook.ultrascale_model_wrapper(model=model)
-    return wrapper if wrapper is not None else ModelWrapper(model)

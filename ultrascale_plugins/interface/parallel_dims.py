@@ -17,51 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .fields import ConfigError
-from .mesh_axes import MeshAxis, declared_axes, declared_views
-
-
-def resolve(config, world_size: int, pm=None, check: bool = True):
-    """``config`` with its ``-1`` degree filled in, after checking the axes' product against the world size and
-    running every plugin's field checks that need no model (``ultrascale_validate_config``; ``check=False``
-    skips them: the planner costs layouts this engine cannot run)."""
-    from .plugins import get_plugin_manager
-
-    pm = pm or get_plugin_manager()
-    axes = declared_axes(config, pm)
-    free = [a for a in axes if a.degree == -1]
-    fixed = [a for a in axes if a.degree != -1]
-    product = math.prod(a.degree for a in fixed)
-    formula = "*".join(a.name for a in axes)
-    values = "*".join(str(a.degree) for a in axes)
-    if len(free) > 1:
-        raise ConfigError(f"{' and '.join(a.name for a in free)} are both -1: only one degree can take the rest of "
-                          "the world. Fix: give all but one of them a number")
-    if free:
-        if world_size % product:
-            names = "*".join(a.name for a in fixed)
-            raise ConfigError(f"{names} = {'*'.join(str(a.degree) for a in fixed)} = {product} does not divide the "
-                              f"world size {world_size}. Fix: pick degrees whose product divides {world_size}")
-        config = config.replace(**{free[0].name: world_size // product})
-    elif product != world_size:
-        raise ConfigError(f"{formula} = {values} = {product} but the world size is {world_size}. Fix: make the "
-                          f"product {world_size}, or set dp_shard: -1 to use the rest")
-    config = fill_auto(config)
-    if check:
-        pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
-    declared_views(config, pm=pm)  # a view that cannot re-split its source is refused here too
-    return config
-
-
-def fill_auto(config):
-    """``config`` with every field set to ``"auto"`` replaced by what its plugin derives from the (resolved)
-    degrees, e.g. ``sequence_parallel: auto`` -> on whenever ``tp > 1``."""
-    from .fields import AUTO
-    from .plugins import layout_fields
-
-    derived = {f.name: f.auto(config) for f in layout_fields() if f.auto is not None
-               and getattr(config, f.name, None) == AUTO}
-    return config.replace(**derived) if derived else config
+from .mesh_axes import MeshAxis
 
 
 def changed_fields(config, said: set[str]) -> list[str]:
@@ -70,10 +26,9 @@ def changed_fields(config, said: set[str]) -> list[str]:
     feature needs no line of its own here to be shown. A field left "auto" is compared with what its plugin
     derives (it is no setting of the user's)."""
     from .fields import AUTO
-    from .plugins import layout_fields
 
     out = []
-    for field in layout_fields():
+    for field in config.registry.fields:
         value = getattr(config, field.name)
         default = field.auto(config) if field.auto is not None and field.default == AUTO else field.default
         if field.name not in said and value != default:
@@ -84,12 +39,12 @@ def changed_fields(config, said: set[str]) -> list[str]:
 class ParallelDims:
     """A resolved layout: its axes, the mesh once built, and the rules derived from them."""
 
-    def __init__(self, config, world_size: int | None = None, pm=None):
+    def __init__(self, config, world_size: int | None = None):
         self.config = config  # resolved
         self.world_size = world_size
-        self._pm = pm
-        self.axes = declared_axes(config, pm)
-        self.views = {v.name: v for v in declared_views(config, self.axes, pm)}
+        self.axes = config.registry.axes(config)
+        self.views = {v.name: v for v in config.registry.views(config, self.axes)}
+        self.timeout = None  # the bound on every collective of the mesh's groups, given to ``build_mesh``
         self.mesh = None
         self.view_meshes: dict[str, Any] = {}
 
@@ -139,9 +94,7 @@ class ParallelDims:
     def facts(self):
         """What the families decided for each other (``facts.LayoutFacts``): read a flag there, not another
         family's field."""
-        from .facts import layout_facts
-
-        return layout_facts(self.config, self._pm)
+        return self.config.registry.facts(self.config)
 
     def view_axes(self, view: str) -> list[MeshAxis]:
         """The axes of ``view``'s mesh, outermost first: the layout's live axes with the view's source replaced by
@@ -211,13 +164,15 @@ class ParallelDims:
         return " x ".join(parts) or "single process"
 
     # ---- the mesh -------------------------------------------------------------------------------------
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str, timeout):
+        """The mesh and its views' meshes, every process group bounded by ``timeout`` (a ``timedelta``)."""
         from .mesh import build_mesh
 
-        self.mesh = build_mesh(device_type, self.live_axes, [self.row_axes, self.grad_axes, self.token_axes])
+        self.timeout = timeout
+        self.mesh = build_mesh(device_type, self.live_axes, [self.row_axes, self.grad_axes, self.token_axes], timeout)
         for name in self.views:  # every rank builds every view, in the same order: each creates process groups
             self.view_meshes[name] = build_mesh(device_type, self.view_axes(name), [self.view_grad_axes(name)],
-                                                keep_unit=True)
+                                                timeout, keep_unit=True)
         return self.mesh
 
     def sub_mesh(self, names: str | tuple[str, ...], view: str | None = None) -> Any:
@@ -226,8 +181,8 @@ class ParallelDims:
         from .mesh import sub_mesh
 
         if view is not None:
-            return sub_mesh(self.view_meshes.get(view), names, keep_unit=True)
-        return sub_mesh(self.mesh, names)
+            return sub_mesh(self.view_meshes.get(view), names, self.timeout, keep_unit=True)
+        return sub_mesh(self.mesh, names, self.timeout)
 
     def view_mesh(self, view: str) -> Any:
         """The whole mesh of ``view`` (its axes named as the view declares them; index it by name)."""

@@ -2,14 +2,14 @@
 devices=N)``). The dimension plugins supply them through ``ultrascale_presets`` — each a rule that picks the
 degrees from the world size, the devices per node and the model — so a third party's dimension gets its own
 Lightning strategy name with no change to the front ends. The front ends add one of their own: ``default``
-(the layout in ``$ULTRASCALE_CONFIG`` if set, else ZeRO-3 over every device).
+(the layout in ``$ULTRASCALE_CONFIG`` if set, else ZeRO-3 over every device). The registry
+(``core.registry``) collects them (``Registry.presets``) and makes a preset's layout (``Registry.preset_config``).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
 
-from .config import ConfigError, ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,27 +23,6 @@ class Preset:
 
 DEFAULT = Preset("default", "the planner's best layout for the devices, model and hardware (layout: auto), or "
                  "the layout in $ULTRASCALE_CONFIG", lambda world, per_node, model_config: {"layout": "auto"})
-
-
-def presets(pm=None) -> dict[str, Preset]:
-    """Every preset: ``default`` first, then the plugins' in registration order."""
-    from .plugins import get_plugin_manager
-
-    pm = pm or get_plugin_manager()
-    out = {DEFAULT.name: DEFAULT}
-    for result in reversed(pm.hook.ultrascale_presets()):
-        for preset in result or []:
-            if preset.name in out:
-                raise ConfigError(f"preset '{preset.name}' is declared twice. Fix: rename one of them")
-            out[preset.name] = preset
-    return out
-
-
-def config_for_preset(name: str, world: int, devices_per_node: int, model_config) -> ParallelConfig:
-    table = presets()
-    if name not in table:
-        raise ConfigError(f"preset={name!r}: unknown. Fix: one of {', '.join(table)}")
-    return ParallelConfig(**table[name].layout(world, devices_per_node, model_config))
 
 
 def largest_divisor(n: int, limit: int, ok: Callable[[int], bool] = lambda d: True) -> int:

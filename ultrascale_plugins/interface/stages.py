@@ -48,7 +48,7 @@ class Stage:
     does: str = ""
     active: bool = True
     splits: bool = False
-    plugin: str = ""  # filled in by ``collect_stages``: the plugin that declared it
+    plugin: str = ""  # filled in by the registry (``Registry.stages``): the plugin that declared it
 
     def __post_init__(self):  # a single name may be given as a plain string
         object.__setattr__(self, "after", as_names(self.after))
@@ -90,21 +90,6 @@ def step(name: str, *, after: str | tuple[str, ...] = (), before: str | tuple[st
         setattr(function, STEP_MARK, Step(name, after, before))
         return function
     return mark
-
-
-def collect_stages(pm, config, model_config) -> list[Stage]:
-    """Every plugin's stages for ``config`` and ``model_config``, in pluggy's call order, each tagged with its
-    plugin's name."""
-    out: list[Stage] = []
-    given = {"config": config, "model_config": model_config}
-    for impl in reversed(pm.hook.ultrascale_stages.get_hookimpls()):  # pluggy calls from the end of this list
-        if impl.hookwrapper or impl.wrapper:
-            raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_stages: stages are ordered by their "
-                              "after/before names, not by wrapping. Fix: return Stage objects from a plain hookimpl")
-        # called per plugin to know whose stage is whose; with the arguments it takes, as pluggy would
-        for stage in impl.function(**{k: v for k, v in given.items() if k in impl.argnames}) or ():
-            out.append(dataclasses.replace(stage, plugin=impl.plugin_name))
-    return out
 
 
 def order_stages(stages: list[Stage]) -> list[Stage]:

@@ -90,7 +90,8 @@ def choose_layout(config, model_config, world_size: int, hardware=None):
     seq = config.auto_seq_len or min(getattr(model_config, "max_position_embeddings", 4096) or 4096, 4096)
     batch = config.auto_global_batch or world_size
     precision = "bf16" if config.mixed_precision == "bf16" else "no"
-    cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision))
+    cost = CostModel(ModelSpec.of(model_config), hw, Workload(seq, batch, "ultrascale", "adamw", precision),
+                     pm=config.registry)
     ranked = search(cost, world_size, lossy=False)  # bf16 states change the numbers: the user's choice, not ours
     best = best_layout(cost, world_size, ranked)
     # what the planner does not choose (compile, float8, prefetch, the ring's kernel, ...) is the user's, kept; a

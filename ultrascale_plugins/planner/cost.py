@@ -50,9 +50,8 @@ class Layout:
 
     def __init__(self, *, micro_batch_size: int = 1, grad_accum: int = 1, **values):
         from ..interface.fields import suggest
-        from ..interface.plugins import layout_fields
 
-        declared = layout_fields().by_name
+        declared = _fields().by_name
         for name in values:
             if name not in declared:
                 raise ConfigError(f"Layout: no plugin declares a layout field '{name}'. Fix: "
@@ -67,12 +66,10 @@ class Layout:
         """A layout field's value: the one given, else the field's default."""
         if name.startswith("__") or name in ("values", "micro_batch_size", "grad_accum"):
             raise AttributeError(name)  # copy and pickle probing, or a copy not yet filled
-        from ..interface.plugins import layout_fields
-
         for key, value in self.values:
             if key == name:
                 return value
-        field = layout_fields().by_name.get(name)
+        field = _fields().by_name.get(name)
         if field is None:
             raise AttributeError(f"Layout has no field '{name}': no plugin declares it")
         return field.default
@@ -197,11 +194,9 @@ class CostModel:
     """Costs layouts of one model on one machine for one workload (caches what layouts share)."""
 
     def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
-        from ..interface.plugins import get_plugin_manager
-
         self.spec, self.hw, self.work = spec, hardware, workload
         self.c = {**CONSTANTS, **(constants or {})}
-        self.pm = pm or get_plugin_manager()
+        self.pm = pm if pm is not None else _default()
         self._runnable: dict = {}
         self._plans: dict = {}
         self._choices: dict = {}
@@ -245,12 +240,10 @@ class CostModel:
         latter on. ``[]`` when none is offered."""
         import itertools
 
-        from ..interface.parallel_dims import resolve
-
         key = (lay.values, savers)
         if key in self._choices:
             return self._choices[key]
-        config = resolve(lay.config(), world, self.pm, check=False)
+        config = self.pm.resolve(lay.config(), world, check=False)
         args = dict(config=config, model_config=self.spec.config, world_size=world)
         offered = self._offers("ultrascale_search_choices", self.pm.hook.ultrascale_search_choices(**args), {})
         combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
@@ -273,9 +266,7 @@ class CostModel:
     def _offers(self, hook: str, answers, taken: dict) -> dict:
         """The plugins' answers to ``hook``, checked: only declared plugin fields, each offered by one plugin
         (not in ``taken`` either), as non-empty lists of valid values."""
-        from ..interface.plugins import layout_fields
-
-        declared = layout_fields()
+        declared = self.pm.fields
         offered: dict = {}
         for answer in answers:
             for name, values in (answer or {}).items():
@@ -325,11 +316,8 @@ class CostModel:
         """(degree, nodes spanned by one group) of each mesh axis (axes inner in the mesh have consecutive ranks),
         and of each axis of a mesh view: a view re-splits the ranks of its source axes, its innermost axis starting
         where the innermost source axis does (expert parallelism's ep: the innermost ep ranks of dp_shard*cp*tp)."""
-        from ..interface.mesh_axes import declared_axes, declared_views
-        from ..interface.parallel_dims import resolve
-
-        config = resolve(lay.config(), lay.world, self.pm, check=False)
-        axes = declared_axes(config, self.pm)
+        config = self.pm.resolve(lay.config(), lay.world, check=False)
+        axes = self.pm.axes(config)
         g = self.hw.gpus_per_node
 
         def nodes(degree: int, span: int) -> int:
@@ -341,7 +329,7 @@ class CostModel:
             span = stride * axis.degree
             out[axis.name] = (axis.degree, nodes(axis.degree, span))
             stride = span
-        for view in declared_views(config, axes, self.pm):
+        for view in self.pm.views(config, axes):
             stride = min(strides[name] for name in view.source)
             for axis in reversed(view.axes):
                 span = stride * axis.degree
@@ -452,10 +440,7 @@ def coordinates_to_cost(config, pm=None) -> list[dict]:
     ``ultrascale_cost_coordinates`` (a pipeline's first, second and last stages); ``[{}]`` when all cost alike."""
     import itertools
 
-    if pm is None:
-        from ..interface.plugins import get_plugin_manager
-
-        pm = get_plugin_manager()
+    pm = pm if pm is not None else config.registry
     axes: dict[str, list[int]] = {}
     for answer in pm.hook.ultrascale_cost_coordinates(config=config):
         axes.update(answer or {})
@@ -492,9 +477,7 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
     dp_replicate=, dp_shard=, cp_method=, ep=8, ...) as a Layout; a field left out is at its default, and sequence
     parallelism is on with tp > 1 unless ``sp=`` says otherwise, as the search costs it. ``dp`` alone is sharded
     (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it."""
-    from ..interface.plugins import layout_fields
-
-    declared = {f.name: f for f in layout_fields() if f.name != "layout" and not f.name.startswith("auto_")
+    declared = {f.name: f for f in _fields() if f.name != "layout" and not f.name.startswith("auto_")
                 and f.type in (int, float, str, bool)}
     split = ("dp", "mbs", "ga")  # the degree of data parallelism, and the planner's batch split
     values: dict = {}
@@ -545,3 +528,15 @@ def _field_value(field, key: str, text: str):
         return field.validate(value)
     except ConfigError as exc:
         raise ConfigError(f"--layout: {key}={text}: {exc}") from None
+
+
+def _default():
+    """The process's registry: the planner is a front end's (``ultrascale plan``, ``layout: auto`` through the
+    config's own registry), and a ``Layout`` or ``CostModel`` made without one is made under it."""
+    from ..core.registry import default_registry
+
+    return default_registry()
+
+
+def _fields():
+    return _default().fields

@@ -90,12 +90,12 @@ class ModelSpec:
     name: str = ""
 
     @classmethod
-    def of(cls, model_config, name: str = "") -> "ModelSpec":
-        from ..interface.estimates import inventory
+    def of(cls, model_config, name: str = "", pm=None) -> "ModelSpec":
+        from ..core.inventory import inventory
 
         model_config = without_storage_dtype(model_config)
         model = meta_model(model_config)
-        records = inventory(model)
+        records = inventory(model, pm=_registry(pm))
         total = sum(r.numel for r in records)
         active = sum(r.numel * r.active for r in records)
         embed = model.get_input_embeddings()
@@ -103,12 +103,12 @@ class ModelSpec:
         lookup = 0 if embed is None or (head is not None and head.weight is embed.weight) else embed.weight.numel()
         return cls(model_config, total, int(active), lookup, name or model_config.model_type)
 
-    def records(self, adapters=None) -> list:
-        """The model's parameter inventory (``interface.estimates.inventory``), with ``adapters`` as PEFT would add
+    def records(self, adapters=None, pm=None) -> list:
+        """The model's parameter inventory (``core.inventory.inventory``), with ``adapters`` as PEFT would add
         them: the frozen base and the trainable factors."""
-        from ..interface.estimates import inventory
+        from ..core.inventory import inventory
 
-        return inventory(meta_model(self.config), None, adapters)
+        return inventory(meta_model(self.config), None, adapters, pm=_registry(pm))
 
     def trainable_params(self, adapters=None) -> int:
         """Parameters that get gradients and optimizer states: all of them, or the adapters' factors."""
@@ -130,3 +130,12 @@ class ModelSpec:
         heads = mc.num_attention_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
         return 6 * (self.active_params - self.embedding_params) + 12 * mc.num_hidden_layers * heads * head_dim * seq_len
+
+
+def _registry(pm):
+    """``pm``, or the process's registry (the planner is a front end's: ``ultrascale plan``)."""
+    if pm is not None:
+        return pm
+    from ..core.registry import default_registry
+
+    return default_registry()

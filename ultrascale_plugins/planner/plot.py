@@ -18,14 +18,16 @@ KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 MAX_DRAWN_MICROBATCHES = 16
 
 
-def schedule_timeline(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
+def schedule_timeline(schedule: str, p: int, m: int, v: int = 1, pm=None) -> list[list[tuple]]:
     """Per pipeline rank, its actions as (start, end, kind, micro-batch, chunk), kind in F / B / W, in time units
     of one forward of one micro-batch on one stage: the pipeline plugin's simulation of ``schedule`` with ``p``
     ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_schedule_timeline``).
     """
-    from ..interface.plugins import get_plugin_manager
+    if pm is None:  # the plan command's plot, a front end: the process's registry
+        from ..core.registry import default_registry
 
-    timeline = get_plugin_manager().hook.ultrascale_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
+        pm = default_registry()
+    timeline = pm.hook.ultrascale_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
                                                                        virtual_stages=v)
     if timeline is None:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: no installed plugin draws it")

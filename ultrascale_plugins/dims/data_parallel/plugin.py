@@ -32,7 +32,7 @@ from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.facts import layout_facts
 from ...interface.stages import Stage, step
-from ...interface.mesh_axes import MeshAxis, declared_views
+from ...interface.mesh_axes import MeshAxis
 from ...interface.parallel_dims import ParallelDims
 from .costs import grad_sync, layout_facts_of
 
@@ -81,6 +81,20 @@ def ultrascale_add_fields(fields):
                "states in host memory (FSDP2's CPUOffloadPolicy): each group's weights are copied to the device for "
                "its forward and backward, its gradients back after their reduce-scatter, and the optimizer steps "
                "on the CPU")
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("fsdp_units", False, "each block is an FSDP2 unit of its own (ZeRO-2/3), so modules in a mesh view "
+                                     "get FSDP2 groups over the view's axes")
+    fields.fact("fsdp_shards", 1, "how many row shards FSDP2 cuts a block's parameters into (1: held whole)")
+    fields.fact("states_sharded", False, "FSDP2 holds the gradients or optimizer states sharded (ZeRO-2/3 over more "
+                                         "than one rank, or ZeRO-1 over tensor-parallel parameters)")
+    fields.fact("grad_reduce", "step", "when gradients are reduced: step (once, after a step's last backward) or "
+                                       "micro_batch (after every backward, so each backward's gradients must be "
+                                       "complete when it ends)")
+    fields.fact("compute_bytes", 4, "bytes of an activation element (2 under bf16 compute)")
+    fields.fact("param_bytes", 4, "bytes of a weight element as held, and of its gradient and optimizer states (2: "
+                                  "bf16)")
+    fields.fact("params_on_host", False, "the parameters' shards live in host memory, the device holds only what a "
+                                         "step gathers; a meta-device build gives them host storage")
 
 
 @hookimpl
@@ -205,7 +219,7 @@ def fsdp_mesh(ctx):
     if not dims.enabled("dp_shard"):  # cpu_offload on one data-parallel rank: FSDP2 groups that shard nothing
         from ...interface.mesh import unit_mesh
 
-        return unit_mesh(ctx.device.type, "dp_shard")
+        return unit_mesh(ctx.device.type, "dp_shard", ctx.dims.timeout)
     return ctx.mesh[("dp_replicate", "dp_shard")] if dims.enabled("dp_replicate") else ctx.mesh["dp_shard"]
 
 
@@ -340,7 +354,7 @@ def ultrascale_validate_config(config, model_config, world_size):
                           "use zero_stage: 2 or 3 to reduce (reduce-scatter) every micro-batch, or grad_sync: step")
     if config.zero_stage >= 2:
         return
-    for view in declared_views(config):  # a view's modules are sharded by FSDP2 over the view's own axes
+    for view in config.registry.views(config):  # a view's modules are sharded by FSDP2 over the view's own axes
         own = [a for a in view.axes if not a.reduces_grads and a.degree != 1]
         raise field_error("zero_stage", config.zero_stage, f"{', '.join(f'{a.name}={a.degree}' for a in own)} shards "
                           f"the {view.name} in FSDP2 groups of their own, which zero_stage 0 and 1 (DDP, ZeRO-1) do "

@@ -47,6 +47,10 @@ def ultrascale_add_fields(fields):
                "on whenever tp > 1)", auto=lambda config: config.tp > 1,
                ask="Sequence parallel with tensor parallel", ask_when=lambda said: said.get("tp", 1) > 1)
     fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("sequence_sharded", False, "the activations between blocks are split over the sequence on the tp "
+                                           "ranks (sequence parallel)")
+    fields.fact("vocab_sharded_loss", False, "the head's logits stay split over the vocabulary into the loss")
 
 
 @hookimpl

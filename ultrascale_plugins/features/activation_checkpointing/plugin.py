@@ -49,6 +49,8 @@ def _wrap(module: torch.nn.Module, selective: bool) -> None:
 def ultrascale_add_fields(fields):
     fields.add("activation_checkpointing", str, "none", "recompute each decoder layer in backward: full, or "
                "selective (keep matmul and attention outputs)", choices=MODES)
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("recompute", "none", "what the backward recomputes of the forward: none, selective or full")
 
 
 @hookimpl

@@ -25,6 +25,9 @@ def ultrascale_add_fields(fields):
     fields.add("activation_offload", bool, False, "hold what each decoder layer saves for its backward in host "
                "memory between its forward and its backward (copied out on a side stream on a GPU); with "
                "activation_checkpointing: full, the layers' inputs")
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("activations_offloaded", False, "what the decoder layers save for their backward is held in host "
+                                                "memory")
 
 
 @hookimpl

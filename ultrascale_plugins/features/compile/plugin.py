@@ -35,6 +35,8 @@ def ultrascale_layout_facts(config, degrees):
 def ultrascale_add_fields(fields):
     fields.add("compile", str, "none", "regional: torch.compile each decoder layer (inductor), composed with every "
                "layout", choices=MODES)
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("compiled", "none", "how the decoder layers are compiled: regional (each by torch.compile) or none")
 
 
 @hookimpl

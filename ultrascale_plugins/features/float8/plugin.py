@@ -36,6 +36,8 @@ def ultrascale_add_fields(fields):
                "(the float8 extra: torchao): tensorwise (one scale per tensor) or rowwise (one "
                "per row: more accurate); weights and optimizer states keep their precision; needs a GPU "
                "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES)
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("float8", "none", "the float8 recipe the linear layers run (none: they do not)")
 
 
 @hookimpl

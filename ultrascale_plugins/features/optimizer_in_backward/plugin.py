@@ -32,6 +32,9 @@ def ultrascale_add_fields(fields):
     fields.add("optimizer_in_backward", bool, False, "step the optimizer inside the backward, each parameter as "
                "soon as its gradient is reduced, and free that gradient: a rank holds one FSDP2 group's gradients "
                "at a time. ZeRO-2/3 only, one micro-batch per step, no pipeline, no global-norm clipping")
+    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    fields.fact("grads_freed_in_backward", False, "the optimizer steps each parameter inside the backward and frees "
+                                                  "its gradient there, so no rank holds the step's gradients at once")
 
 
 @hookimpl

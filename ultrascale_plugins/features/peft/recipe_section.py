@@ -189,9 +189,9 @@ def peft_model(model, spec: PeftSpec):
         raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
                           f"says: {said}. Fix: {fix}") from None
     if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
-        from ...interface.model_wrapper import wrapper_of
+        from .wrapper import ultrascale_model_wrapper  # this family's own wrapper of the PEFT model just made
 
-        wrapper_of(model).quantize_base(spec.quantize_base)
+        ultrascale_model_wrapper(model).quantize_base(spec.quantize_base)
     return model
 
 
