@@ -15,6 +15,7 @@ from torch import nn
 
 from ..distributed import launch
 from ..interface.config import ParallelConfig
+from ..interface.loss_head import LossHead
 from ..interface.parallel_dims import ParallelDims
 from ..interface.runtime import Runtime
 from ..interface.stages import describe_stages, order_stages
@@ -47,6 +48,9 @@ class ParallelContext:
     # what wrappers free after a forward that no backward follows (FSDP2's gathered parameters): each is called
     # with the modules that ran, by ``release_gathered``
     releases: list = dataclasses.field(default_factory=list)
+    # how the loss comes out of the forward: the engine's own (from the whole logits) unless a stage installs a head
+    # that computes it inside the forward (the chunked loss)
+    loss_head: LossHead = dataclasses.field(default_factory=LossHead)
 
     _materializer: Any = None
 

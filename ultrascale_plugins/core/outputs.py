@@ -26,22 +26,15 @@ class TrainerOutputs:
         self.pmodel = pmodel
         self.objective = None
 
-    @contextlib.contextmanager
     def forward_targets(self, targets: torch.Tensor, per_token: bool = False):
-        """Where one micro-batch's forward runs: every plugin's ``ultrascale_forward_targets`` entered with its
-        targets (a loss computed inside the forward reads them; ``per_token``: each token's figures wanted)."""
-        pmodel = self.pmodel
-        with contextlib.ExitStack() as stack:
-            for context in pmodel.pm.hook.ultrascale_forward_targets(pmodel=pmodel, targets=targets,
-                                                                     per_token=per_token):
-                if context is not None:
-                    stack.enter_context(context)
-            yield
+        """Where one micro-batch's forward runs: the model's loss head given its targets (a loss computed inside the
+        forward reads them, ``interface.loss_head``; ``per_token``: each token's figures wanted)."""
+        return self.pmodel.ctx.loss_head.targets(targets, per_token)
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's token-loss sum of one micro-batch: a plugin's, when the forward computed it
-        (``ultrascale_loss_sum``), else the cross-entropy of ``logits`` against ``targets``."""
-        computed = self.pmodel.pm.hook.ultrascale_loss_sum(pmodel=self.pmodel, logits=logits, targets=targets)
+        """This rank's token-loss sum of one micro-batch: the loss head's, when the forward computed it, else the
+        cross-entropy of ``logits`` against ``targets``."""
+        computed = self.pmodel.ctx.loss_head.loss_sum(logits, targets)
         return computed if computed is not None else token_loss_sum(logits, targets)
 
     def loss_terms(self, output, batch) -> list:
@@ -77,7 +70,7 @@ class TrainerOutputs:
         with pmodel.autocast(), self.forward_targets(targets, per_token=True):
             output = pmodel.forward_module(**batch, use_cache=False, **model_kwargs)
         with pmodel.loss_context():
-            got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=output.logits, targets=targets)
+            got = pmodel.ctx.loss_head.token_outputs(output.logits, targets)
             if got is None:
                 got = token_outputs_of(output.logits, targets)
         output.logits = None

@@ -299,51 +299,6 @@ def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | N
 
 
 @hookspec
-def ultrascale_forward_targets(pmodel: ParallelModel, targets: torch.Tensor,
-                               per_token: bool) -> AbstractContextManager | None:
-    """Give a context manager that one micro-batch's forward runs inside, given its targets: a head
-    that computes the loss inside the model's forward reads them there (the chunked loss). Every runtime enters every
-    plugin's around each micro-batch's forward (``ParallelModel.outputs.forward_targets``; a pipeline: around its last
-    stage's).
-
-    :param pmodel: The ``ParallelModel`` whose forward runs.
-    :param targets: That micro-batch's next-token targets: this rank's part, shifted, -100 where ignored.
-    :param per_token: True when the caller wants each token's figures (``ultrascale_token_outputs``: a trainer
-        computing its own loss), False for the loss's sum.
-    :return: A context manager, or None.
-    """
-
-
-@hookspec(firstresult=True)
-def ultrascale_token_outputs(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> Any:
-    """Give each token's log-probability, entropy and top-1 hit when the model's forward computed them
-    (run with ``per_token``). Asked by ``ParallelModel.outputs.token_outputs`` and by a pipeline's last stage.
-
-    Stops at the first non-None result.
-
-    :param pmodel: The ``ParallelModel`` whose forward ran.
-    :param logits: What the model's output holds at ``logits`` (a head's own figures, when it computed them).
-    :param targets: This rank's next-token targets, shifted, -100 where ignored.
-    :return: A ``distributed.loss.TokenOutputs``, or None: the engine computes them from the whole logits.
-    """
-
-
-@hookspec(firstresult=True)
-def ultrascale_loss_sum(pmodel: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-    """Give this rank's token-loss sum of one micro-batch when the model's forward computed it (the
-    chunked loss). Asked by ``ParallelModel.outputs.token_loss_sum``: the built-in step and a pipeline's last stage.
-
-    Stops at the first non-None result.
-
-    :param pmodel: The ``ParallelModel`` whose forward ran.
-    :param logits: What the model's output holds at ``logits`` (the loss sum, when a head computed it).
-    :param targets: This rank's next-token targets, shifted, -100 where ignored.
-    :return: The token-loss sum (a tensor), or None for the built-in cross-entropy of ``logits`` against
-        ``targets``.
-    """
-
-
-@hookspec
 def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
     """Give terms to add to the step's objective for this forward, besides the token loss: a mixture of
     experts' router auxiliary loss. Each term has the same value on every rank that holds tokens of the global batch
@@ -593,7 +548,6 @@ GROUPS = {
                  "ultrascale_validate_loop"),
     "transform": ("ultrascale_stages",),
     "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
-             "ultrascale_forward_targets", "ultrascale_token_outputs", "ultrascale_loss_sum",
              "ultrascale_loss_terms", "ultrascale_no_sync",
              "ultrascale_after_backward", "ultrascale_train_step"),
     "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",

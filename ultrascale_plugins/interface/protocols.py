@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from .config import ParallelConfig
+    from .loss_head import LossHead
     from .parallel_dims import ParallelDims
     from .runtime import Runtime
 
@@ -73,6 +74,7 @@ class ParallelContext(Protocol):
     autocast_dtype: torch.dtype | None  # mixed precision outside FSDP: a wrapper that wants it sets the dtype
     plugin_state: dict[str, Any]  # what a plugin keeps for this model between its hooks, under a name it picks
     stand_in: bool  # True while a runtime runs the model on stand-in inputs (a pipeline's shape inference)
+    loss_head: LossHead  # how the loss comes out of the forward: a stage that computes it there sets its own
 
     @property
     def config(self) -> ParallelConfig:
@@ -128,15 +130,15 @@ class TokenAccounting(Protocol):
 
 class TrainerOutputs(Protocol):
     """What ``ParallelModel.outputs`` (``core.outputs.TrainerOutputs``) offers a plugin's runtime: the forward's
-    targets, the loss sum and the extra terms, through the plugins' hooks."""
+    targets, the loss sum and the extra terms, through the model's loss head and the plugins' hooks."""
 
     objective: Callable[..., torch.Tensor] | None  # a trainer's own loss, run where the loss runs; None: the default
 
     def forward_targets(self, targets: torch.Tensor, per_token: bool = False) -> AbstractContextManager:
-        """Where one micro-batch's forward runs: every ``ultrascale_forward_targets`` entered."""
+        """Where one micro-batch's forward runs: the loss head given its targets (``LossHead.targets``)."""
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's token-loss sum of one micro-batch (``ultrascale_loss_sum``'s, else the cross-entropy)."""
+        """This rank's token-loss sum of one micro-batch (the loss head's, else the cross-entropy)."""
 
     def loss_terms(self, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The plugins' extra terms of this micro-batch's loss (``ultrascale_loss_terms``)."""

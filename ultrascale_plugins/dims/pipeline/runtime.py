@@ -65,7 +65,7 @@ class Pipeline(Runtime):
             layers = tuple(routed.split(targets.numel())) if routed.numel() else ()
             seen = SimpleNamespace(logits=logits, router_logits=layers)
             terms = pmodel.outputs.loss_terms(seen, {"attention_mask": mask if self._has_mask else None})
-        got = pmodel.pm.hook.ultrascale_token_outputs(pmodel=pmodel, logits=logits, targets=targets)
+        got = pmodel.ctx.loss_head.token_outputs(logits, targets)
         if got is None:
             got = token_outputs_of(logits, targets)
         # the global count (a collective) only where the loss terms need it: an objective normalizes its own way

@@ -3,10 +3,11 @@ model's forward (``head_loss``), so the logits of a micro-batch never exist whol
 memory is one chunk's, whatever the vocabulary.
 
 The head's ``forward`` is replaced in place (parameter names unchanged, so checkpoints load across settings) after
-tensor parallel has placed it and before data parallel wraps it. It reads the micro-batch's targets from the step
-(``ultrascale_forward_targets``: the built-in step and a pipeline's last stage give them) and returns the token-loss
-sum, which the step takes as the loss (``ultrascale_loss_sum``). Called without targets (generation, a front end's
-own forward) it returns the whole logits as before.
+tensor parallel has placed it and before data parallel wraps it, and the model's loss head becomes this family's
+(``ChunkedHead``, an ``interface.loss_head.LossHead`` set on the context): it hands the head the micro-batch's
+targets (the built-in step and a pipeline's last stage give them) and the step takes the token-loss sum the head
+returns as the loss. Called without targets (generation, a front end's own forward) the head returns the whole
+logits as before.
 
 Under tensor parallel the head's weight is a vocabulary-sharded DTensor: the loss reduces its per-token statistics
 over the ranks holding the other rows, and the hidden states' gradient is left partial for the reduction tensor
@@ -27,16 +28,42 @@ from ...distributed.loss import IGNORE_INDEX, TokenOutputs
 from ...interface.config import ConfigError
 from ...interface.facts import layout_facts
 from ...interface.hookspecs import hookimpl
+from ...interface.loss_head import LossHead
 from ...interface.stages import Stage, step
 
-STATE = "chunked_loss"  # ParallelContext.plugin_state key: the targets of the micro-batch being run
 MARK = "_ultrascale_loss_sum"  # set on the tensor the head returns: the step takes it as the loss sum
 
 
-class _Targets:
+class ChunkedHead(LossHead):
+    """The model's loss head while its head computes the loss in chunks: the micro-batch's targets for the head's
+    forward (``value``, ``per_token``), and what the forward left where the logits would be."""
+
     value: torch.Tensor | None = None
     per_token: bool = False  # each token's figures wanted (pmodel.outputs.token_outputs), not the loss's sum
-    stats: tuple | None = None  # (entropy, top-1) of the last per-token forward
+    stats: tuple | None = None  # (entropy, top-1, mean logits) of the last per-token forward
+
+    @contextlib.contextmanager
+    def targets(self, targets, per_token: bool = False):
+        self.value, self.per_token, self.stats = targets, per_token, None
+        try:
+            yield
+        finally:
+            self.value, self.per_token = None, False
+
+    def loss_sum(self, logits, targets):
+        if not getattr(logits, MARK, False):
+            raise RuntimeError("chunked_loss: the model's output is not the loss its head computed in chunks (the "
+                               "model changed it after the head). Set chunked_loss: 0 for this model")
+        return logits
+
+    def token_outputs(self, logits, targets):
+        if not getattr(logits, MARK, False) or self.stats is None:
+            raise RuntimeError("chunked_loss: the model's output is not the per-token loss its head computed in "
+                               "chunks (the model changed it after the head). Set chunked_loss: 0 for this model")
+        losses = logits.to_local() if isinstance(logits, DTensor) else logits
+        entropy, top1, mean_logits = self.stats
+        self.stats = None
+        return TokenOutputs(-losses, entropy, top1, targets != IGNORE_INDEX, mean_logits=mean_logits)
 
 
 @hookimpl
@@ -139,7 +166,9 @@ def run_head_in_chunks(model, ctx):
         return
     if not isinstance(head, nn.Linear):  # a pipeline stage without the head holds a stand-in
         return
-    slot = ctx.plugin_state.setdefault(STATE, _Targets())
+    if not isinstance(ctx.loss_head, ChunkedHead):  # one per model: a rank's pipeline stages share it
+        ctx.loss_head = ChunkedHead()
+    slot = ctx.loss_head
     chunk = ctx.config.chunked_loss
 
     def forward(hidden):
@@ -167,7 +196,7 @@ def run_head_in_chunks(model, ctx):
     head.register_forward_hook(lambda module, args, out: _mark(out, slot))
 
 
-def _mark(out, slot: _Targets):
+def _mark(out, slot: ChunkedHead):
     if isinstance(out, torch.Tensor) and (out.dim() == 0 or slot.per_token):
         setattr(out, MARK, True)
     return out
@@ -209,47 +238,6 @@ def _whole_logits(hidden, weight, bias, head, wrap: bool):
     placements = [Shard(logits.dim() - 1) if isinstance(p, Shard) else Replicate() for p in head.weight.placements]
     full = DTensor.from_local(logits, mesh, placements, run_check=False)
     return full if wrap else full.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
-
-
-@hookimpl
-def ultrascale_forward_targets(pmodel, targets, per_token):
-    slot = pmodel.ctx.plugin_state.get(STATE)
-    if slot is None:
-        return None
-    return _given(slot, targets, per_token)
-
-
-@contextlib.contextmanager
-def _given(slot, targets, per_token: bool = False):
-    slot.value, slot.per_token, slot.stats = targets, per_token, None
-    try:
-        yield
-    finally:
-        slot.value, slot.per_token = None, False
-
-
-@hookimpl
-def ultrascale_token_outputs(pmodel, logits, targets):
-    slot = pmodel.ctx.plugin_state.get(STATE)
-    if not pmodel.config.chunked_loss or slot is None:
-        return None
-    if not getattr(logits, MARK, False) or slot.stats is None:
-        raise RuntimeError("chunked_loss: the model's output is not the per-token loss its head computed in chunks "
-                           "(the model changed it after the head). Set chunked_loss: 0 for this model")
-    losses = logits.to_local() if isinstance(logits, DTensor) else logits
-    entropy, top1, mean_logits = slot.stats
-    slot.stats = None
-    return TokenOutputs(-losses, entropy, top1, targets != IGNORE_INDEX, mean_logits=mean_logits)
-
-
-@hookimpl
-def ultrascale_loss_sum(pmodel, logits, targets):
-    if not pmodel.config.chunked_loss:
-        return None
-    if not getattr(logits, MARK, False):
-        raise RuntimeError("chunked_loss: the model's output is not the loss its head computed in chunks (the model "
-                           "changed it after the head). Set chunked_loss: 0 for this model")
-    return logits
 
 
 # tokens per chunk the planner tries: one chunk of a 128k vocabulary's fp32 logits is 0.5 GB
