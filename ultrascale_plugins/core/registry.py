@@ -68,8 +68,8 @@ BUILTIN_PLUGINS = (
 
 
 class Registry(pluggy.PluginManager):
-    """The plugins of one process (or one test), with what they declare. Derived answers are cached per set of
-    registered plugins, so registering or unregistering one (through this object or pluggy's API) renews them."""
+    """The plugins of one process (or one test), with what they declare. Derived answers are cached until a plugin
+    is registered or unregistered (pluggy's ``load_setuptools_entrypoints`` registers through ``register`` too)."""
 
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT)
@@ -78,13 +78,12 @@ class Registry(pluggy.PluginManager):
 
     # ---- what the plugins declare, cached per set of plugins -----------------------------------------------
     def _cached(self, what, key, make):
-        signature = frozenset(map(id, self.get_plugins()))
-        if self._cache.get("signature") != signature:
-            self._cache = {"signature": signature}
         table = self._cache.setdefault(what, {})
-        if key not in table:
-            table[key] = make()
-        return table[key]
+        try:
+            return table[key]
+        except KeyError:
+            table[key] = value = make()
+            return value
 
     @property
     def fields(self) -> Fields:
@@ -107,7 +106,15 @@ class Registry(pluggy.PluginManager):
     def declared(self, config) -> tuple[list[MeshAxis], list[MeshView]]:
         """Every plugin's axes (outermost first, as their ``after`` / ``before`` place them) and views for
         ``config`` (``ultrascale_mesh_axes``); an axis or view declared twice, a value of another type, a name
-        no plugin declares or a cycle is refused, naming the plugins."""
+        no plugin declares or a cycle is refused, naming the plugins. Cached per config (the planner asks for
+        thousands)."""
+        try:
+            axes, views = self._cached("declared", config, lambda: self._declared(config))
+        except TypeError:  # an unhashable stand-in for a config
+            axes, views = self._declared(config)
+        return list(axes), list(views)
+
+    def _declared(self, config) -> tuple[list[MeshAxis], list[MeshView]]:
         from ..interface.ordering import order_by_names
 
         axes: dict[str, MeshAxis] = {}
@@ -189,10 +196,9 @@ class Registry(pluggy.PluginManager):
         ``ultrascale_layout_facts``, each fact at its owner's default unless the owner answers it; a fact no plugin declares,
         or answered by a plugin other than its owner, is refused naming the plugins."""
         try:
-            hash(config)
+            return self._cached("facts", config, lambda: self._facts(config))
         except TypeError:  # an unhashable stand-in for a config: not cached
             return self._facts(config)
-        return self._cached("facts", config, lambda: self._facts(config))
 
     def _facts(self, config) -> LayoutFacts:
         axes, views = self.declared(config)
@@ -275,9 +281,15 @@ class Registry(pluggy.PluginManager):
     def register(self, plugin, name: str | None = None):
         """Register ``plugin`` (an object or module implementing ``ultrascale_*`` hooks); an implementation that
         matches no hookspec fails here, not silently later."""
+        self._cache = {}
         registered = super().register(plugin, name=name)
         self.check_pending()
         return registered
+
+    def unregister(self, plugin=None, name: str | None = None):
+        """Remove a plugin (by object or by name); returns it."""
+        self._cache = {}
+        return super().unregister(plugin=plugin, name=name)
 
 
 def _allowed_entry_points() -> set[str] | None:

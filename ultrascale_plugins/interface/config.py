@@ -48,7 +48,7 @@ class ParallelConfig:
     the interface holds no plugin manager).
     """
 
-    __slots__ = ("_values", "_registry")
+    __slots__ = ("_values", "_registry", "_hash")
 
     #: the process-wide registry's maker, for configs made without one (set by ``core.registry``)
     default_registry: Callable[[], LayoutRegistry] | None = None
@@ -98,7 +98,11 @@ class ParallelConfig:
         return isinstance(other, ParallelConfig) and self._values == other._values
 
     def __hash__(self):
-        return hash(tuple(sorted((k, str(v)) for k, v in self._values.items())))
+        try:
+            return self._hash
+        except AttributeError:  # computed once: a config is immutable
+            object.__setattr__(self, "_hash", hash(tuple(sorted((k, str(v)) for k, v in self._values.items()))))
+            return self._hash
 
     def __repr__(self) -> str:
         return "ParallelConfig(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"

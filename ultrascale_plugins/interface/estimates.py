@@ -361,7 +361,7 @@ class Shape:
         tp = layout_facts(config).degree("tp")
         if tp == 1 or self.plan is None or self.model is None or not self.plan.lm_head:
             return 1
-        return tp if self.plan.lm_head in self.plan.matches(self.model) else 1
+        return tp if self.plan.styles_module(self.model, self.plan.lm_head) else 1
 
     def activation_bytes(self, config) -> int:
         """Bytes of an activation element: the compute width the layout decides, 2 under nanotron's bf16 and

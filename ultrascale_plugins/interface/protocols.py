@@ -58,6 +58,9 @@ class ModelPlan(Protocol):
     def matches(self, model: nn.Module) -> dict[str, str]:
         """``tp_plan`` expanded against ``model``'s modules: {module FQN: style}."""
 
+    def styles_module(self, model: nn.Module, fqn: str) -> bool:
+        """Whether ``model`` has the module ``fqn`` and ``tp_plan`` gives it a style."""
+
     def param_matches(self, model: nn.Module) -> dict[str, str]:
         """``tp_plan``'s entries that name parameters of ``model``: {parameter FQN: style}."""
 

@@ -116,6 +116,15 @@ class ModelPlan:
         """Expand the wildcard plan against the model's modules: {module FQN: style name}."""
         return _expand(self.tp_plan, (fqn for fqn, _ in model.named_modules()))
 
+    def styles_module(self, model: nn.Module, fqn: str) -> bool:
+        """Whether ``model`` has the module ``fqn`` and the plan gives it a style (``matches`` for one name, without
+        walking the model)."""
+        try:
+            model.get_submodule(fqn)
+        except AttributeError:
+            return False
+        return bool(_expand(self.tp_plan, (fqn,)))
+
     def param_matches(self, model: nn.Module) -> dict[str, str]:
         """The plan entries that name parameters: {parameter FQN: style name}."""
         return _expand(self.tp_plan, (fqn for fqn, _ in model.named_parameters(remove_duplicate=False)))
