@@ -2,12 +2,14 @@
 
     save_and_reshard OUT_DIR   (4 ranks) train layout dp_shard=4, save at step 3, continue to step 6; resume in the
                                same layout (must be bit-exact), in tp2 x dp2 + SP; save from pp2 x tp2 and resume
-                               in dp_shard=4. Writes OUT_DIR/result.json.
+                               in dp_shard=4. Writes OUT_DIR/save_and_reshard.json.
                                ZeRO-1 (partitioned optimizer state) saves and resumes too. Checksums: which files
                                each rank hashes at save and verifies at load; a flipped shard refused on every rank.
+                               Pretrained weights (its "pretrained" entry, the same launch: a 4-rank start-up is
+                               most of a short run's time): a sharded save_pretrained directory loaded into several
+                               layouts from the meta device; weights, logits and loss compared with transformers'
+                               own load.
     reshard_world OUT_DIR      (2 ranks) resume the 4-rank dp_shard=4 checkpoint with tp=2.
-    pretrained OUT_DIR         (4 ranks) load a sharded save_pretrained directory into several layouts from the
-                               meta device; compare weights, logits and loss with transformers' own load.
 """
 import json
 import logging
@@ -173,8 +175,7 @@ def main():
         ckpt_z1tp = save_checkpoint(pmodel, opt, out / "zero1tp2", step=SAVE_AT, extra={"data_position": SAVE_AT})
         result["zero1_tp2_to_dp4"] = resumed(a, ckpt_z1tp)
         result.update(checksum_shares(out / "checksums"))
-    elif mode == "pretrained":
-        result = pretrained(out)
+        result["pretrained"] = pretrained(out)
     else:
         result["tp2_from_4_ranks"] = resumed({"tp": 2, "dp_shard": 1}, out / "dp4" / f"step-{SAVE_AT:08d}")
     if dist.get_rank() == 0:
