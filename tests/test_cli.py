@@ -66,7 +66,7 @@ def test_plugins_lists_builtins_with_hooks():
     out = ultrascale("plugins")
     assert out.returncode == 0
     assert "ultrascale_plugins.dims.data_parallel.plugin" in out.stdout
-    assert "ultrascale_stages" in out.stdout and "field zero_stage: int = 3" in out.stdout
+    assert "ultrascale_transform_stages" in out.stdout and "field zero_stage: int = 3" in out.stdout
 
 
 @pytest.mark.slow
@@ -197,25 +197,37 @@ def test_resume_from_a_bad_path_is_one_line(tmp_path):
     assert_clean_error(ultrascale("train", "--resume", str(tmp_path)), "no complete checkpoint")
 
 
+COMMON_2 = ["--nproc", "2", "--set", "pp=1", "--set", "sequence_parallel=false", "--set", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Three steps of plain data parallel on 2 processes, saved at step 3: the run exported below, and the
+    checkpoint the forgery test tampers with (a copy), from one launch."""
+    tmp_path = tmp_path_factory.mktemp("ddp_run")
+    proc = ultrascale("train", *COMMON_2, "--set", "tp=1", "--set", "dp_shard=2", "--set", "zero_stage=0",
+                      "--set", "train.steps=3", "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--metrics",
+                      str(tmp_path / "first.json"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, tmp_path
+
+
 @pytest.mark.slow
-def test_init_from_an_exported_checkpoint_in_another_layout(tmp_path):
+def test_init_from_an_exported_checkpoint_in_another_layout(ddp_run, tmp_path):
     """train (plain data parallel) -> export to an HF directory -> --init-from it under TP: with lr=0 the model is unchanged,
     so the validation loss equals the first run's."""
-    common = ["--nproc", "2", "--set", "pp=1", "--set", "sequence_parallel=false", "--set", "train.log_every=1"]
-    first = tmp_path / "first.json"
-    proc = ultrascale("train", *common, "--set", "tp=1", "--set", "dp_shard=2", "--set", "zero_stage=0",
-                      "--set", "train.steps=3", "--set", f"train.save_dir={tmp_path / 'ckpt'}", "--metrics", str(first))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, run = ddp_run
+    first = run / "first.json"
     # ZeRO-0 is said as what it is
     assert "dp_shard=2 (plain data parallel: DDP, a whole copy per rank)" in proc.stdout, proc.stdout
     assert "(a whole copy on every rank)" in proc.stdout and "sharded" not in proc.stdout
     # the command line's optimizer is torch's fused AdamW (it then runs under TP without FSDP, below)
-    saved = json.loads((tmp_path / "ckpt" / "step-00000003" / "ultrascale.json").read_text())
+    saved = json.loads((run / "ckpt" / "step-00000003" / "ultrascale.json").read_text())
     assert all(group["fused"] is True for group in saved["optimizer"]["param_groups"]), saved["optimizer"]
-    proc = ultrascale("export", str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))
+    proc = ultrascale("export", str(run / "ckpt" / "step-00000003"), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     second = tmp_path / "second.json"
-    proc = ultrascale("train", *common, "--set", "tp=2", "--set", "dp_shard=1", "--set", "train.steps=1",
+    proc = ultrascale("train", *COMMON_2, "--set", "tp=2", "--set", "dp_shard=1", "--set", "train.steps=1",
                       "--set", "train.lr=0", "--set", "train.warmup_steps=0", "--init-from", str(tmp_path / "hf"),
                       "--metrics", str(second))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -289,18 +301,17 @@ class _Payload:
 
 
 @pytest.mark.slow
-def test_a_forged_checkpoint_runs_no_code(tmp_path):
+def test_a_forged_checkpoint_runs_no_code(ddp_run, tmp_path):
     """A checkpoint whose DCP .metadata is replaced by a malicious pickle (its size and checksum in ultrascale.json
     edited to match) is refused with one line by export and by --resume (the path every front end's load takes),
-    and the payload never runs."""
+    and the payload never runs. (The checkpoint: a copy of the data-parallel run's, saved by the command line.)"""
     import pickle
+    import shutil
     import zlib
 
     one = ["--nproc", "1", "--set", "pp=1", "--set", "tp=1", "--set", "dp_shard=1", "--set", "sequence_parallel=false",
            "--set", "train.steps=1", "--set", f"train.save_dir={tmp_path / 'ckpt'}"]
-    proc = ultrascale("train", *one)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ckpt = tmp_path / "ckpt" / "step-00000001"
+    ckpt = shutil.copytree(ddp_run[1] / "ckpt" / "step-00000003", tmp_path / "ckpt" / "step-00000003")
     marker = tmp_path / "payload-ran"
     forged = pickle.dumps(_Payload(str(marker)), protocol=4)
     (ckpt / ".metadata").write_bytes(forged)
