@@ -3,7 +3,7 @@ or Accelerate's own configuration.
 
 Accelerate's YAML (what ``accelerate config`` writes and ``accelerate launch --config_file`` reads) has keys for
 ``mixed_precision``, ``num_processes``, ``fsdp_config`` and ``parallelism_config`` sizes (dp_replicate, dp_shard,
-tp, cp, sp: each read by the dimension plugin that declares it through ``ultrascale_accelerate_keys``, so
+tp, cp, sp: each read by the dimension plugin that declares it through ``ultrascale_declare_accelerate_keys``, so
 ``cp_size`` is ring context parallel and ``sp_size`` Ulysses); its launcher exports them to the workers as ``ACCELERATE_MIXED_PRECISION``, ``FSDP_*`` and
 ``PARALLELISM_CONFIG_*`` and they mean here what they mean in Accelerate. It has no key for the rest (pipeline,
 schedule, micro-batches, sequence parallel, ZeRO stage, activation checkpointing): those live in an
@@ -147,12 +147,12 @@ def refuse_unknown_fields(block: Mapping[str, Any], where: str) -> None:
 
 
 def accelerate_keys() -> dict[str, tuple[str, dict]]:
-    """Accelerate's size keys the installed dimension plugins read (``ultrascale_accelerate_keys``):
+    """Accelerate's size keys the installed dimension plugins read (``ultrascale_declare_accelerate_keys``):
     ``{"tp_size": ("tp", {}), ...}``."""
     from ..core.registry import default_registry
 
     keys: dict[str, tuple[str, dict]] = {}
-    for result in default_registry().hook.ultrascale_accelerate_keys():
+    for result in default_registry().hook.ultrascale_declare_accelerate_keys():
         keys.update(result or {})
     return keys
 

@@ -281,7 +281,7 @@ def holdings(pmodel, opt) -> dict:
 
 
 def predicted_holdings(pmodel, global_rows: int) -> dict:
-    """The planner's per-rank prediction (``ultrascale_estimate``) for this rank's mesh coordinates."""
+    """The planner's per-rank prediction (``ultrascale_cost_estimate``) for this rank's mesh coordinates."""
     from ultrascale_plugins.interface.estimates import meta_model
 
     mesh = pmodel.dims.mesh

@@ -1,4 +1,4 @@
-"""The cost chain (``ultrascale_estimate``) and the batch split (``ultrascale_shard_batch``) run in the order of the
+"""The cost chain (``ultrascale_cost_estimate``) and the batch split (``ultrascale_step_shard_batch``) run in the order of the
 stages' names (``interface.stages.step``, ``core/chains.py``), not pluggy's markers: a third party's estimate placed
 after "tp" sees the inventory tensor parallel cut, and ``us.describe`` prints the chain in order."""
 from __future__ import annotations
@@ -16,13 +16,13 @@ class _AfterTP:
 
     @us.hookimpl
     @us.step("acme_after_tp", after="tp", before="dp")
-    def ultrascale_estimate(self, config, model_config, shape, estimate):
+    def ultrascale_cost_estimate(self, config, model_config, shape, estimate):
         self.seen = [(r.name, tuple(r.shape), tuple(r.local)) for r in shape.inventory]
 
 
 class _Wrapper:
     @us.hookimpl(wrapper=True)
-    def ultrascale_estimate(self, config, model_config, shape, estimate):
+    def ultrascale_cost_estimate(self, config, model_config, shape, estimate):
         return (yield)
 
 
@@ -59,7 +59,7 @@ def test_describe_prints_the_cost_chain_and_the_batch_split_in_order(registered)
                                                    "acme_after_tp", "dp", "cp_exchanges"], chain
     assert "(step: after tp; before dp)  (acme_after_tp)" in chain[6]
     hooks = text.split("step hooks:\n")[1].split("\n\n")[0].splitlines()
-    split = next(line for line in hooks if line.startswith("ultrascale_shard_batch:"))
+    split = next(line for line in hooks if line.startswith("ultrascale_step_shard_batch:"))
     assert split.index("tensor.plugin [at tp") < split.index("context.plugin [at cp")
     assert "view experts" not in text.split("mesh:\n")[1].split("\n\n")[0]  # no ep: no experts view
 
@@ -68,7 +68,7 @@ def test_a_wrapper_of_a_chain_hook_is_refused_with_a_fix(registered):
     from models import make_config
 
     registered(_Wrapper(), "bad_wrapper")
-    with pytest.raises(us.ConfigError, match="bad_wrapper's ultrascale_estimate is marked wrapper.*@step"):
+    with pytest.raises(us.ConfigError, match="bad_wrapper's ultrascale_cost_estimate is marked wrapper.*@step"):
         us.estimate(us.ParallelConfig(tp=2, dp_shard=2), make_config("llama"), world_size=4)
 
 

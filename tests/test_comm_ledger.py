@@ -1,5 +1,5 @@
 """The communication ledger (``comm_ledger``, ``comm_report``, ``ParallelModel.profile_step``): payload and wire
-bytes of each collective, the layout's minimum (``ultrascale_comm_minimum``), and one launch of the ledger benchmark
+bytes of each collective, the layout's minimum (``ultrascale_cost_comm_minimum``), and one launch of the ledger benchmark
 (benchmarks/comm_ledger.py) whose counts are facts of the layout, checked against torch's flight recorder."""
 import json
 from pathlib import Path

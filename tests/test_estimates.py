@@ -1,4 +1,4 @@
-"""Each dimension contributes its memory and communication terms through ``ultrascale_estimate``; parameter,
+"""Each dimension contributes its memory and communication terms through ``ultrascale_cost_estimate``; parameter,
 gradient and optimizer bytes come from the model's own parameters, cut by each dimension in turn."""
 import math
 

@@ -177,3 +177,12 @@ def test_the_engines_objects_offer_every_member_their_protocol_lists():
                 if said != has:
                     problems.append(f"{name}.{member}{tuple(said)}: the engine's takes {tuple(has)}")
     assert not problems, "\n".join(problems)
+
+
+def test_every_hook_is_named_after_its_group():
+    """One naming pattern, pytest's: ``ultrascale_<group>_<what>``, the group being the one GROUPS files it under."""
+    from ultrascale_plugins.interface import hookspecs
+
+    for group, names in hookspecs.GROUPS.items():
+        for name in names:
+            assert name.startswith(f"ultrascale_{group}_"), f"{name} is in the {group} group"

@@ -21,7 +21,7 @@ class _Declares:
         self.axes = axes
 
     @hookimpl
-    def ultrascale_mesh_axes(self, config):
+    def ultrascale_declare_mesh_axes(self, config):
         return list(self.axes)
 
 

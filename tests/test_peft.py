@@ -127,7 +127,7 @@ def test_a_module_holding_trainable_parameters_of_two_dtypes_is_refused_under_fs
 
 
 def test_adapters_take_their_base_layers_plan_entries_and_regions_stay_the_blocks():
-    """The plan hook (ultrascale_extend_plan) moves q_proj's style onto its base layer and shards B like it; the
+    """The plan hook (ultrascale_declare_plan_edit) moves q_proj's style onto its base layer and shards B like it; the
     sequence-parallel regions are still the attention and MLP blocks, not the LoRA wrappers."""
     import ultrascale_plugins as us
     from peft_worker import peft_model

@@ -1,4 +1,4 @@
-"""The planner searches the layout fields plugins declare (``ultrascale_search_choices``), with expert parallelism
+"""The planner searches the layout fields plugins declare (``ultrascale_cost_search_choices``), with expert parallelism
 as the built-in case: its degrees are tried for every candidate, its all-to-all is priced on the links an ep group
 spans, and ``ultrascale plan`` offers EP layouts for Qwen3-30B-A3B and DeepSeek-V3."""
 import json
@@ -29,15 +29,15 @@ class AcmeKernel:
     """A third-party field the planner knows nothing of: 'slow' costs a terabyte on its own link."""
 
     @hookimpl
-    def ultrascale_add_fields(self, fields):
+    def ultrascale_declare_fields(self, fields):
         fields.add("acme_gemm", str, "slow", "test plugin: a kernel choice", choices=("slow", "fast"))
 
     @hookimpl
-    def ultrascale_search_choices(self, config, model_config, world_size):
+    def ultrascale_cost_search_choices(self, config, model_config, world_size):
         return {"acme_gemm": ["slow", "fast"]}
 
     @hookimpl
-    def ultrascale_estimate(self, config, model_config, shape, estimate):
+    def ultrascale_cost_estimate(self, config, model_config, shape, estimate):
         if config.acme_gemm == "slow":
             estimate.add_comm("acme", 1e12, "p2p")
 
@@ -85,7 +85,7 @@ def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
 def test_a_wrong_offer_names_the_field_the_value_and_the_fix(answer, message):
     class Wrong:
         @hookimpl
-        def ultrascale_search_choices(self, config, model_config, world_size):
+        def ultrascale_cost_search_choices(self, config, model_config, world_size):
             return answer
 
     us.register(Wrong(), name="wrong_offer")
@@ -217,7 +217,7 @@ def test_a_plan_of_exact_names_expands_as_the_wildcards_did():
 
 def test_memory_savers_are_searched_only_when_nothing_fits():
     """The chunked loss saves memory at the price of one more head matmul, offload at the host link's, bf16 states
-    at a price in precision: the planner tries the first two (a second pass, ``ultrascale_search_savers``) only
+    at a price in precision: the planner tries the first two (a second pass, ``ultrascale_cost_search_savers``) only
     when no layout fits without them, the third only when none fits with the first two either."""
     import dataclasses
 

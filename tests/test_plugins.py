@@ -31,7 +31,7 @@ def test_builtins_are_registered_as_plugins():
     for builtin in BUILTIN_PLUGINS:
         assert builtin in names
         assert names[builtin]["source"] == "builtin"
-    assert "ultrascale_stages" in names["ultrascale_plugins.dims.tensor.plugin"]["hooks"]
+    assert "ultrascale_transform_stages" in names["ultrascale_plugins.dims.tensor.plugin"]["hooks"]
     assert [f.name for f in names["ultrascale_plugins.dims.tensor.plugin"]["fields"]] == ["tp", "sequence_parallel",
                                                                                   "loss_parallel"]
 
@@ -50,7 +50,7 @@ def test_third_party_stages_run_where_they_declare(single_process):
 
     class Recorder:
         @hookimpl
-        def ultrascale_stages(self, config, model_config):
+        def ultrascale_transform_stages(self, config, model_config):
             def record(name, result=None):
                 return lambda model, ctx: calls.append(name) or result
 
@@ -60,7 +60,7 @@ def test_third_party_stages_run_where_they_declare(single_process):
                     us.Stage("rec_off", record("off"), active=False)]
 
         @hookimpl
-        def ultrascale_mesh_axes(self, config):
+        def ultrascale_declare_mesh_axes(self, config):
             return [us.MeshAxis("expert", 1)]
 
     us.register(Recorder(), name="recorder")
@@ -90,7 +90,7 @@ class _Staged:
         self.stages = stages
 
     @hookimpl
-    def ultrascale_stages(self, config, model_config):
+    def ultrascale_transform_stages(self, config, model_config):
         return list(self.stages)
 
 
@@ -127,7 +127,7 @@ def test_a_stages_hook_may_take_only_the_arguments_it_needs():
 
     class OnlyConfig:
         @hookimpl
-        def ultrascale_stages(self, config):
+        def ultrascale_transform_stages(self, config):
             return [us.Stage("mine", _noop, after=("split",), active=config.tp > 1)]
 
     us.register(OnlyConfig(), name="only_config")
@@ -162,12 +162,12 @@ def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process)
 
     class CustomStep:
         @hookimpl(tryfirst=True)
-        def ultrascale_train_step(self, pmodel, batch):
+        def ultrascale_step_run(self, pmodel, batch):
             return torch.tensor(42.0)
 
     class Around:
         @hookimpl(wrapper=True)
-        def ultrascale_train_step(self, pmodel, batch, loss_scale):
+        def ultrascale_step_run(self, pmodel, batch, loss_scale):
             seen.append("before")
             loss = yield
             seen.append(float(loss))
@@ -190,7 +190,7 @@ def test_first_train_step_result_wins_and_wrappers_run_around_it(single_process)
 def test_a_plugin_field_is_a_layout_field_with_its_checks():
     class Field:
         @hookimpl
-        def ultrascale_add_fields(self, fields):
+        def ultrascale_declare_fields(self, fields):
             fields.add("expert_parallel", int, 1, "experts per group", minimum=1)
 
     with pytest.raises(us.ConfigError, match="unknown parallel key 'expert_parallel'"):
@@ -208,7 +208,7 @@ def test_a_plugin_field_is_a_layout_field_with_its_checks():
 def test_a_plugin_axis_enters_the_world_size_product():
     class Axis:
         @hookimpl
-        def ultrascale_mesh_axes(self, config):
+        def ultrascale_declare_mesh_axes(self, config):
             return [us.MeshAxis("expert", 2, after="cp", before="tp")]
 
     us.register(Axis(), name="axis")
@@ -247,7 +247,7 @@ def test_entry_point_plugin_appears_in_cli_with_its_fields():
     assert out.returncode == 0, out.stderr
     assert "acme" in out.stdout and "acme-replicas 0.2.0" in out.stdout
     mine = out.stdout.split("acme-replicas", 1)[1]
-    assert "ultrascale_shard_batch" in mine and "field acme_dp: int = 1" in mine
+    assert "ultrascale_step_shard_batch" in mine and "field acme_dp: int = 1" in mine
     assert "ultrascale_plugins.dims.tensor.plugin" in out.stdout and "field tp: int = 1" in out.stdout
 
 
@@ -313,9 +313,9 @@ def test_the_documented_outside_plugin_is_the_tested_file():
     for node in ast.parse(shown).body:
         if not isinstance(node, ast.FunctionDef):
             assert ast.get_source_segment(shown, node) in source, ast.get_source_segment(shown, node)
-    assert {n.name for n in functions} >= {"ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_shard_batch",
-                                          "ultrascale_stages", "ultrascale_estimate"}
-    assert 'after="dp_replicate", before="dp_shard"' in defined["ultrascale_mesh_axes"]
+    assert {n.name for n in functions} >= {"ultrascale_declare_fields", "ultrascale_declare_mesh_axes", "ultrascale_step_shard_batch",
+                                          "ultrascale_transform_stages", "ultrascale_cost_estimate"}
+    assert 'after="dp_replicate", before="dp_shard"' in defined["ultrascale_declare_mesh_axes"]
     entry = re.search(r"```ini\n(.*?)```", doc, re.S).group(1)
     assert entry == (folder / "acme_replicas-0.2.0.dist-info" / "entry_points.txt").read_text()
     assert sorted(p.name for p in folder.iterdir() if p.name != "__pycache__") == [
@@ -363,7 +363,7 @@ def test_the_documented_layout_facts_hold():
                 for name, f in pm.fields.facts.items()}
     assert declared == documented
     answered = {}
-    for impl in pm.hook.ultrascale_layout_facts.get_hookimpls():
+    for impl in pm.hook.ultrascale_declare_facts.get_hookimpls():
         for flag in impl.function(config=us.ParallelConfig(), degrees={}) or {}:
             answered[flag] = impl.plugin_name.removeprefix("ultrascale_plugins.").rsplit(".", 1)[0]
     assert answered == documented
@@ -376,12 +376,12 @@ class _Answers:
         self.own, self.flags = own or {}, flags
 
     @hookimpl
-    def ultrascale_add_fields(self, fields):
+    def ultrascale_declare_fields(self, fields):
         for name, default in self.own.items():
             fields.fact(name, default, "a third party's fact")
 
     @hookimpl
-    def ultrascale_layout_facts(self, config, degrees):
+    def ultrascale_declare_facts(self, config, degrees):
         return self.flags
 
 

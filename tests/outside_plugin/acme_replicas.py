@@ -21,7 +21,7 @@ FUSED = {"norms": 0}  # RMSNorm modules this process computes with the fused ker
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("acme_dp", int, 1, "acme's second data-parallel degree: its ranks split each replica's rows",
                minimum=1, ask="Acme's second data-parallel degree")
     fields.add("acme_fused_norm", bool, False, "compute every RMSNorm with torch's fused rms_norm")
@@ -39,7 +39,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     # the fused norms before tensor parallel, so that sequence parallel wraps the new forward; the audit between
     # tensor parallel and data parallel (it sees the TP shards, not yet FSDP's)
     return [Stage("acme_fused_norm", fuse_norms, after=("split",), before=("tp",), active=config.acme_fused_norm,
@@ -78,7 +78,7 @@ def fuse_norms(model, ctx):
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     # a data-parallel axis: inside each replica, outside the shards (and so outside tensor parallel)
     return [MeshAxis("acme_dp", config.acme_dp, after="dp_replicate", before="dp_shard", reduces_grads=True,
                      counts_tokens=True)]
@@ -86,7 +86,7 @@ def ultrascale_mesh_axes(config):
 
 @hookimpl
 @step("acme_rows", after="tp", before="cp")  # its rows before context parallel reads the batch's documents
-def ultrascale_shard_batch(batch, ctx):
+def ultrascale_step_shard_batch(batch, ctx):
     mesh = ctx.sub_mesh("acme_dp")
     if mesh is None:
         return
@@ -99,14 +99,14 @@ def ultrascale_shard_batch(batch, ctx):
 
 
 @hookimpl(wrapper=True)
-def ultrascale_train_step(pmodel, batch, loss_scale):
+def ultrascale_step_run(pmodel, batch, loss_scale):
     loss = yield
     STEPS["taken"] += 1
     return loss
 
 
 @hookimpl
-def ultrascale_state_dict(pmodel, state):
+def ultrascale_state_save(pmodel, state):
     state.shared["acme_steps"] = STEPS["taken"]
     state.shared["acme_fused_norms"] = FUSED["norms"]
     seen = pmodel.ctx.plugin_state.get("acme_audit", {})
@@ -115,12 +115,12 @@ def ultrascale_state_dict(pmodel, state):
 
 
 @hookimpl
-def ultrascale_load_state_dict(pmodel, state):
+def ultrascale_state_load(pmodel, state):
     STEPS["taken"] = state.shared.get("acme_steps", 0)
 
 
 @hookimpl
 @step("acme_grads", after="dp")  # after data parallel: this rank's gradient bytes are known
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     if config.acme_dp > 1:  # one all-reduce of the gradients per step
         estimate.add_comm("acme_dp", estimate.memory["grads"], "all_reduce")

@@ -103,10 +103,10 @@ def _model_state(pmodel) -> dict[str, torch.Tensor]:
 def dcp_view(tensor, pm):
     """``tensor`` as DCP must see it: a dimension that placed it in pieces DCP cannot describe (a packed
     tensor-parallel parameter such as a fused gate|up, and its optimizer states) lists them
-    (``ultrascale_checkpoint_view``: views, so a load fills the tensor itself); any other tensor as it is."""
+    (``ultrascale_state_checkpoint_view``: views, so a load fills the tensor itself); any other tensor as it is."""
     if not torch.is_tensor(tensor):
         return tensor
-    view = pm.hook.ultrascale_checkpoint_view(tensor=tensor)
+    view = pm.hook.ultrascale_state_checkpoint_view(tensor=tensor)
     return tensor if view is None else view
 
 
@@ -178,13 +178,13 @@ def _plugin_state(pmodel, loading: dict | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], set[str]]:
     """(shared tensors, shared JSON values, rank-local state, model entries left out) of every plugin."""
     state = PluginState(loading=loading)
-    pmodel.pm.hook.ultrascale_state_dict(pmodel=pmodel, state=state)
+    pmodel.pm.hook.ultrascale_state_save(pmodel=pmodel, state=state)
     tensors = {k: v for k, v in state.shared.items() if isinstance(v, torch.Tensor)}
     values = {k: v for k, v in state.shared.items() if not isinstance(v, torch.Tensor)}
     try:
         json.dumps(values)
     except TypeError as exc:
-        raise ConfigError(f"a plugin's ultrascale_state_dict returned a value that is neither a tensor nor JSON "
+        raise ConfigError(f"a plugin's ultrascale_state_save returned a value that is neither a tensor nor JSON "
                           f"({exc}). Fix: return tensors, numbers, strings, lists or dicts") from None
     return tensors, values, state.rank_local, set(state.left_out)
 
@@ -533,5 +533,5 @@ def load_checkpoint(pmodel, optimizer, path: str | Path | None = None, *, direct
     if meta["world_size"] == dist.get_world_size() and rank_file.is_file():
         rank_local = read_file(path, str(rank_file.relative_to(path)))
     state = PluginState({**plugin_tensors, **meta.get("plugins", {})}, rank_local)
-    pmodel.pm.hook.ultrascale_load_state_dict(pmodel=pmodel, state=state)
+    pmodel.pm.hook.ultrascale_state_load(pmodel=pmodel, state=state)
     return meta

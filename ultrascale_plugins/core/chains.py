@@ -1,6 +1,6 @@
 """The two hooks whose implementations hand one object along, run in the order of the stages' names: the cost
-chain (``ultrascale_estimate``: the dimensions cut ``shape.inventory`` in turn) and the batch split
-(``ultrascale_shard_batch``: each dimension takes its part of the batch). Each implementation declares its place
+chain (``ultrascale_cost_estimate``: the dimensions cut ``shape.inventory`` in turn) and the batch split
+(``ultrascale_step_shard_batch``: each dimension takes its part of the batch). Each implementation declares its place
 with ``interface.stages.step`` (``Step``); ``stages.order_chain`` puts them in order, and this module calls them
 one by one with the hook's arguments, as pluggy would, instead of in pluggy's own order (markers and registration).
 An implementation that wraps (``wrapper=True``) or asks for ``tryfirst`` / ``trylast`` is refused: its place is a
@@ -12,7 +12,7 @@ import dataclasses
 from ..interface.config import ConfigError
 from ..interface.stages import STEP_MARK, Step, describe_chain, order_chain, placement
 
-CHAINS = ("ultrascale_estimate", "ultrascale_shard_batch")
+CHAINS = ("ultrascale_cost_estimate", "ultrascale_step_shard_batch")
 
 
 def chain_steps(pm, hook: str) -> list[Step]:
@@ -66,6 +66,6 @@ def describe_step_hooks(pm, groups: dict, config, model_config=None) -> str:
 
 
 def describe_cost_chain(pm, config, model_config=None) -> str:
-    """The cost chain (``ultrascale_estimate``) in the order it runs, one line per step with its place."""
+    """The cost chain (``ultrascale_cost_estimate``) in the order it runs, one line per step with its place."""
     stages = pm.stages(config, model_config)
-    return describe_chain(order_chain(stages, chain_steps(pm, "ultrascale_estimate")), stages)
+    return describe_chain(order_chain(stages, chain_steps(pm, "ultrascale_cost_estimate")), stages)

@@ -1,6 +1,6 @@
 """One optimizer step's communication, every rank's ledger (``comm_ledger``) set out per mesh axis and collective
 beside what the package's estimate says the same step sends (``costing``'s communication terms) and what the
-layout needs at least (``minimum_terms``: every plugin's ``ultrascale_comm_minimum``). ``ParallelModel.profile_step``
+layout needs at least (``minimum_terms``: every plugin's ``ultrascale_cost_comm_minimum``). ``ParallelModel.profile_step``
 fills a ``StepProfile``.
 
 The rows are the most loaded rank's: for each axis and collective, the rank that sent the most payload (a pipeline's
@@ -100,9 +100,9 @@ def expected(pmodel, step: dict) -> tuple[list[tuple], list[tuple]]:
 
 def minimum_terms(config, shape, pm) -> list[MinimumTerm]:
     """The least communication the layout needs for one step on the rank ``shape`` describes, once every
-    dimension's ``ultrascale_estimate`` has cut its inventory: every plugin's ``ultrascale_comm_minimum`` terms
+    dimension's ``ultrascale_cost_estimate`` has cut its inventory: every plugin's ``ultrascale_cost_comm_minimum`` terms
     (an axis no plugin answers for has none), those with calls, in one order whatever the plugins' order."""
-    terms = [t for answer in pm.hook.ultrascale_comm_minimum(config=config, shape=shape) for t in answer or ()]
+    terms = [t for answer in pm.hook.ultrascale_cost_comm_minimum(config=config, shape=shape) for t in answer or ()]
     return sorted((t for t in terms if t.calls > 0), key=lambda t: (t.axis, t.op))
 
 

@@ -1,4 +1,4 @@
-"""What a resolved layout costs one rank: the ``Estimate`` every plugin contributes to (``ultrascale_estimate``)
+"""What a resolved layout costs one rank: the ``Estimate`` every plugin contributes to (``ultrascale_cost_estimate``)
 and the ``Shape`` the dimensions leave (the inventory cut to this rank's share, the pipeline's layers). Below the
 engine, so that ``engine.estimate`` (which checks the layout first) and the communication report of a running
 model (``comm_report``, which has a resolved one) share it. The plugins' estimates run in the order of the stages'
@@ -31,7 +31,7 @@ def resolved_cost(resolved: ParallelConfig, model_config: Any, *, pm, seq_len: i
                   profile=profile, optimizer=optimizer, coords=dict(coords or {}), inventory=records,
                   model=model, plan=plan, **constants)
     est = Estimate(micro_batches=micro_batches)
-    run_chain(pm, "ultrascale_estimate", resolved, model_config, config=resolved, model_config=model_config,
+    run_chain(pm, "ultrascale_cost_estimate", resolved, model_config, config=resolved, model_config=model_config,
               shape=shape, estimate=est)
     shape.seq_len = seq_len  # a step may narrow it to a rank's tokens (context parallel's); the shape says what it was for
     return est, shape

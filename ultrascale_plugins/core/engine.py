@@ -129,7 +129,7 @@ def to_devices(model: nn.Module, param_device, buffer_device) -> None:
 
 
 def causal_lm_of(obj, pm):
-    """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_model_wrapper``: a PEFT model), or
+    """The Hugging Face causal LM ``obj`` is, or wraps (a plugin's ``ultrascale_declare_model_wrapper``: a PEFT model), or
     None: what the front ends hand to ``parallelize``."""
     from transformers import PreTrainedModel
 
@@ -162,7 +162,7 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     after running them itself on the same layout, world size, model and plugins (``VALIDATED_ENV`` holds their
     ``validated_fingerprint``); a process started any other way runs them all."""
     pm, config = registry_of(config, pm)
-    chosen = pm.hook.ultrascale_resolve_layout(config=config, model_config=model_config, world_size=world_size)
+    chosen = pm.hook.ultrascale_validate_choose_layout(config=config, model_config=model_config, world_size=world_size)
     resolved = pm.resolve(chosen if chosen is not None else config, world_size)
     pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
     order_stages(pm.stages(resolved, model_config))  # a cycle or an unknown stage name, before any group
@@ -231,7 +231,7 @@ def describe_parts(config: ParallelConfig | dict, model_config: Any, *, world_si
                    pm=None) -> dict[str, str]:
     """What ``describe`` prints, part by part: ``mesh`` (the axes in order and the views, each with its after /
     before), ``transforms`` (the active stages in order), ``step hooks`` (the plugins that answer each step hook,
-    in call order) and ``cost chain`` (``ultrascale_estimate``'s steps in order)."""
+    in call order) and ``cost chain`` (``ultrascale_cost_estimate``'s steps in order)."""
     from ..interface.hookspecs import GROUPS
     from ..interface.stages import placement
     from .chains import describe_cost_chain, describe_step_hooks
@@ -260,7 +260,7 @@ def describe(config: ParallelConfig | dict, model_config: Any, *, world_size: in
     the mesh and its views, the model transforms in order (name, mesh axes, what it does to the model, the plugin,
     its after / before), the plugins answering each step hook in call order, and the cost chain in order.
     ``world_size``: default, the product of the layout's degrees. ``model``: the model to be parallelized, when it
-    wraps the causal LM (a PEFT model): a first line says what its wrapper (``ultrascale_model_wrapper``) is and
+    wraps the causal LM (a PEFT model): a first line says what its wrapper (``ultrascale_declare_model_wrapper``) is and
     how its modules go through the stages."""
     pm, config = registry_of(config, pm)
     parts = describe_parts(config, model_config, world_size=world_size, pm=pm)
@@ -276,7 +276,7 @@ def estimate(config: ParallelConfig, model_config: Any, *, world_size: int, seq_
              profile: str = "ultrascale", optimizer: str = "adamw", check: bool = True, pm=None, plan=None,
              **constants):
     """Per-rank memory by category, communication terms per mesh axis and compute factors (an
-    ``estimates.Estimate``), each contributed by its dimension's plugin through ``ultrascale_estimate``.
+    ``estimates.Estimate``), each contributed by its dimension's plugin through ``ultrascale_cost_estimate``.
 
     ``coords`` picks the rank ({axis: index}; an axis left out: the most loaded rank along it). ``model`` (real or
     on the meta device) gives the exact parameter inventory; without it the model is built from ``model_config``

@@ -38,9 +38,9 @@ class TrainerOutputs:
         return computed if computed is not None else token_loss_sum(logits, targets)
 
     def loss_terms(self, output, batch) -> list:
-        """The plugins' extra terms of this micro-batch's loss (``ultrascale_loss_terms``: a router's auxiliary
+        """The plugins' extra terms of this micro-batch's loss (``ultrascale_step_loss_terms``: a router's auxiliary
         loss), to fold in with ``pmodel.tokens.add_terms``."""
-        return [t for terms in self.pmodel.pm.hook.ultrascale_loss_terms(pmodel=self.pmodel, output=output,
+        return [t for terms in self.pmodel.pm.hook.ultrascale_step_loss_terms(pmodel=self.pmodel, output=output,
                                                                          batch=batch)
                 if terms for t in terms]
 
@@ -81,7 +81,7 @@ class TrainerOutputs:
 
     def token_places(self, batch: dict) -> torch.Tensor:
         """Where in its row each token this rank will hold sits (-100: padding a dimension adds): every plugin's
-        ``ultrascale_shard_batch`` run on the batch with each target replaced by its own position. The plugins
+        ``ultrascale_step_shard_batch`` run on the batch with each target replaced by its own position. The plugins
         split by position alone, so the real batch's tokens land where these positions do."""
         pmodel = self.pmodel
         rows, seq = batch["input_ids"].shape

@@ -45,9 +45,9 @@ class ParallelModel:
         self.outputs = TrainerOutputs(self)
         self.gradients = GradientReductions(ctx, list(self.parameters()))
         self.grad_sync = True  # False inside no_sync()
-        # the ultrascale_shard_batch implementations in the order of this layout's stages, ordered once (the layout
+        # the ultrascale_step_shard_batch implementations in the order of this layout's stages, ordered once (the layout
         # and the plugins do not change after parallelize)
-        self.batch_split = ordered_chain(pm, "ultrascale_shard_batch", ctx.config)
+        self.batch_split = ordered_chain(pm, "ultrascale_step_shard_batch", ctx.config)
         self.recording = None  # the step being recorded (profile_step), which notes the batches
 
     # ---- what users call -------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class ParallelModel:
         """The optimizer to train with, for an optimizer over this model's (sharded) parameters: the layout's
         plugins may replace it (ZeRO-1 partitions its states over data parallel). Every front end's optimizer
         comes through here."""
-        replaced = self.pm.hook.ultrascale_prepare_optimizer(pmodel=self, optimizer=optimizer)
+        replaced = self.pm.hook.ultrascale_step_optimizer(pmodel=self, optimizer=optimizer)
         return replaced if replaced is not None else optimizer
 
     def build_optimizer(self, optimizer_cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
@@ -85,7 +85,7 @@ class ParallelModel:
         Gradients are those of ``loss_scale`` x that loss, added to any already there."""
         for module in self.modules:
             module.train()
-        return self.pm.hook.ultrascale_train_step(pmodel=self, batch=batch, loss_scale=loss_scale)
+        return self.pm.hook.ultrascale_step_run(pmodel=self, batch=batch, loss_scale=loss_scale)
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> torch.Tensor:
@@ -96,11 +96,11 @@ class ParallelModel:
     def no_sync(self):
         """Accumulate gradients locally (no data-parallel reduction, no tied-weight sums); the first backward
         after the block synchronises everything accumulated. For gradient accumulation. Each dimension's
-        wrappers stop reducing through ``ultrascale_no_sync``."""
+        wrappers stop reducing through ``ultrascale_step_no_sync``."""
         self.grad_sync = False
         try:
             with contextlib.ExitStack() as stack:
-                for context in self.pm.hook.ultrascale_no_sync(pmodel=self):
+                for context in self.pm.hook.ultrascale_step_no_sync(pmodel=self):
                     if context is not None:
                         stack.enter_context(context)
                 yield
@@ -132,12 +132,12 @@ class ParallelModel:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the training state: ``{"model": ...}`` (DTensors where sharded, the unparallelized
-        model's parameter names), the layout, and what each dimension adds through ``ultrascale_state_dict``."""
+        model's parameter names), the layout, and what each dimension adds through ``ultrascale_state_save``."""
         model_state: dict[str, Any] = {}
         for module in self.modules:
             model_state.update(module.state_dict())
         plugins = PluginState()
-        self.pm.hook.ultrascale_state_dict(pmodel=self, state=plugins)
+        self.pm.hook.ultrascale_state_save(pmodel=self, state=plugins)
         return {"model": model_state, "config": self.config.to_dict(), "plugins": plugins}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -151,7 +151,7 @@ class ParallelModel:
             own = module.state_dict().keys()
             module.load_state_dict({k: v for k, v in state["model"].items() if k in own})
         if state.get("plugins") is not None:
-            self.pm.hook.ultrascale_load_state_dict(pmodel=self, state=state["plugins"])
+            self.pm.hook.ultrascale_state_load(pmodel=self, state=state["plugins"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered to full CPU tensors on every rank (for checks and export)."""
@@ -164,7 +164,7 @@ class ParallelModel:
     # ---- the step's pieces: the built-in step, the pipeline runtime and the front ends use these --------
     def prepare_batch(self, batch: dict) -> dict:
         """This rank's inputs and next-token ``targets`` on the device: the data loader's rows, then each
-        dimension's part of them (``ultrascale_shard_batch``). Targets are shifted before any plugin splits the
+        dimension's part of them (``ultrascale_step_shard_batch``). Targets are shifted before any plugin splits the
         sequence, so the token after a split point stays the target of the one before it."""
         batch = to_device(batch, self.device)
         if self.recording is not None:
@@ -184,9 +184,9 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def loss_context(self):
-        """Where the loss and its backward run: every plugin's ``ultrascale_loss_context`` entered."""
+        """Where the loss and its backward run: every plugin's ``ultrascale_step_loss_context`` entered."""
         with contextlib.ExitStack() as stack:
-            for context in self.pm.hook.ultrascale_loss_context(pmodel=self):
+            for context in self.pm.hook.ultrascale_step_loss_context(pmodel=self):
                 if context is not None:
                     stack.enter_context(context)
             yield
@@ -221,4 +221,4 @@ class ParallelModel:
             return
         self.gradients.average()
         self.runtime.after_backward(self)
-        self.pm.hook.ultrascale_after_backward(pmodel=self)
+        self.pm.hook.ultrascale_step_after_backward(pmodel=self)

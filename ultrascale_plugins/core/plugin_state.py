@@ -1,4 +1,4 @@
-"""What the plugins save beside the model (``ultrascale_state_dict``) and read back (``ultrascale_load_state_dict``):
+"""What the plugins save beside the model (``ultrascale_state_save``) and read back (``ultrascale_state_load``):
 filled by ``ParallelModel.state_dict`` and by the sharded checkpoints (``checkpoints.sharded``), which build on the
 engine and so take it from here."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 
 class PluginState:
-    """What the plugins save through ``ultrascale_state_dict``: ``shared`` holds what every rank holds alike
+    """What the plugins save through ``ultrascale_state_save``: ``shared`` holds what every rank holds alike
     (tensors go into the sharded files, other values, which must be JSON, into ``ultrascale.json``);
     ``rank_local`` what differs per rank (tensors and containers of them, one file per rank, restored only when
     the world size is unchanged). ``left_out``: model entries (the unparallelized model's names) a plugin keeps

@@ -87,12 +87,12 @@ class Registry(pluggy.PluginManager):
 
     @property
     def fields(self) -> Fields:
-        """Every layout field the plugins declare (``ultrascale_add_fields``), each with its plugin's name."""
+        """Every layout field the plugins declare (``ultrascale_declare_fields``), each with its plugin's name."""
         return self._cached("fields", None, self._collect_fields)
 
     def _collect_fields(self) -> Fields:
         fields = Fields()
-        for impl in self.hook.ultrascale_add_fields.get_hookimpls():  # registration order, each plugin's own
+        for impl in self.hook.ultrascale_declare_fields.get_hookimpls():  # registration order, each plugin's own
             fields.plugin = impl.plugin_name
             impl.function(fields=fields)
         fields.plugin = ""
@@ -105,7 +105,7 @@ class Registry(pluggy.PluginManager):
     # ---- the mesh ----------------------------------------------------------------------------------------
     def declared(self, config) -> tuple[list[MeshAxis], list[MeshView]]:
         """Every plugin's axes (outermost first, as their ``after`` / ``before`` place them) and views for
-        ``config`` (``ultrascale_mesh_axes``); an axis or view declared twice, a value of another type, a name
+        ``config`` (``ultrascale_declare_mesh_axes``); an axis or view declared twice, a value of another type, a name
         no plugin declares or a cycle is refused, naming the plugins. Cached per config (the planner asks for
         thousands)."""
         try:
@@ -119,10 +119,10 @@ class Registry(pluggy.PluginManager):
 
         axes: dict[str, MeshAxis] = {}
         views: dict[str, MeshView] = {}
-        for result in self.hook.ultrascale_mesh_axes(config=config):
+        for result in self.hook.ultrascale_declare_mesh_axes(config=config):
             for axis in result or []:
                 if not isinstance(axis, (MeshAxis, MeshView)):
-                    raise ConfigError(f"a plugin's ultrascale_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
+                    raise ConfigError(f"a plugin's ultrascale_declare_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
                                       "MeshView values")
                 seen = views if isinstance(axis, MeshView) else axes
                 if axis.name in seen:
@@ -135,12 +135,12 @@ class Registry(pluggy.PluginManager):
         return ordered, list(views.values())
 
     def _declarers(self, config, name: str) -> list[str]:
-        """The plugins whose ``ultrascale_mesh_axes`` declares ``name``, in pluggy's call order (for a refusal's
+        """The plugins whose ``ultrascale_declare_mesh_axes`` declares ``name``, in pluggy's call order (for a refusal's
         message only: each plugin's hook is called alone, through pluggy)."""
         out = []
         everyone = self.get_plugins()
-        for impl in reversed(self.hook.ultrascale_mesh_axes.get_hookimpls()):  # pluggy calls from the list's end
-            alone = self.subset_hook_caller("ultrascale_mesh_axes", [p for p in everyone if p is not impl.plugin])
+        for impl in reversed(self.hook.ultrascale_declare_mesh_axes.get_hookimpls()):  # pluggy calls from the list's end
+            alone = self.subset_hook_caller("ultrascale_declare_mesh_axes", [p for p in everyone if p is not impl.plugin])
             if any(axis.name == name for result in alone(config=config) for axis in result or []):
                 out.append(impl.plugin_name)
         return out
@@ -193,7 +193,7 @@ class Registry(pluggy.PluginManager):
 
     def facts(self, config) -> LayoutFacts:
         """The facts of ``config`` (resolved or not): its axes' degrees and every plugin's answers to
-        ``ultrascale_layout_facts``, each fact at its owner's default unless the owner answers it; a fact no plugin declares,
+        ``ultrascale_declare_facts``, each fact at its owner's default unless the owner answers it; a fact no plugin declares,
         or answered by a plugin other than its owner, is refused naming the plugins."""
         try:
             return self._cached("facts", config, lambda: self._facts(config))
@@ -207,12 +207,12 @@ class Registry(pluggy.PluginManager):
             degrees.update({a.name: a.degree for a in view.axes})
         declared = self.fields.facts
         values = {name: fact.default for name, fact in declared.items()}
-        for impl in self.hook.ultrascale_layout_facts.get_hookimpls():  # registration order: each plugin's own
+        for impl in self.hook.ultrascale_declare_facts.get_hookimpls():  # registration order: each plugin's own
             answer = impl.function(config=config, degrees=degrees) or {}
             for name, value in answer.items():
                 if name not in declared:
                     raise ConfigError(f"plugin '{impl.plugin_name}' answers the layout fact '{name}', which no plugin "
-                                      f"declares. Fix: declare it in its ultrascale_add_fields (fields.fact('{name}', "
+                                      f"declares. Fix: declare it in its ultrascale_declare_fields (fields.fact('{name}', "
                                       f"default, help)), or answer one of {', '.join(declared)}")
                 if declared[name].plugin != impl.plugin_name:
                     raise ConfigError(f"the layout fact '{name}' is declared by '{declared[name].plugin}' and answered "
@@ -227,9 +227,9 @@ class Registry(pluggy.PluginManager):
         its plugin's name (``interface.stages.order_stages`` puts them in order)."""
         out: list[Stage] = []
         given = {"config": config, "model_config": model_config}
-        for impl in reversed(self.hook.ultrascale_stages.get_hookimpls()):  # pluggy calls from the list's end
+        for impl in reversed(self.hook.ultrascale_transform_stages.get_hookimpls()):  # pluggy calls from the list's end
             if impl.hookwrapper or impl.wrapper:
-                raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_stages: stages are ordered by their "
+                raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_transform_stages: stages are ordered by their "
                                   "after/before names, not by wrapping. Fix: return Stage objects from a plain "
                                   "hookimpl")
             # called per plugin to know whose stage is whose; with the arguments it takes, as pluggy would
@@ -238,15 +238,15 @@ class Registry(pluggy.PluginManager):
         return out
 
     def wrapper_of(self, model) -> ModelWrapper:
-        """The plugins' description of ``model`` (``ultrascale_model_wrapper``), or a wrapper of nothing."""
-        wrapper = self.hook.ultrascale_model_wrapper(model=model)
+        """The plugins' description of ``model`` (``ultrascale_declare_model_wrapper``), or a wrapper of nothing."""
+        wrapper = self.hook.ultrascale_declare_model_wrapper(model=model)
         return wrapper if wrapper is not None else ModelWrapper(model)
 
     # ---- the front ends' names -------------------------------------------------------------------------------
     def presets(self) -> dict[str, Preset]:
         """Every preset: ``default`` first, then the plugins' in registration order."""
         out = {DEFAULT.name: DEFAULT}
-        for result in reversed(self.hook.ultrascale_presets()):
+        for result in reversed(self.hook.ultrascale_declare_presets()):
             for preset in result or []:
                 if preset.name in out:
                     raise ConfigError(f"preset '{preset.name}' is declared twice. Fix: rename one of them")

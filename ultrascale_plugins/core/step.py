@@ -1,6 +1,6 @@
 """Built-in plugin: the training step. It runs the model's runtime (``runtime.Runtime``: forward, the loss share,
 backward, gradient averaging; a pipeline's schedule). Registered as the last answer, so a plugin's
-``ultrascale_train_step`` replaces it, and a plugin's ``@hookimpl(wrapper=True)`` runs around it."""
+``ultrascale_step_run`` replaces it, and a plugin's ``@hookimpl(wrapper=True)`` runs around it."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ from ..interface.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)
-def ultrascale_train_step(pmodel, batch, loss_scale):
+def ultrascale_step_run(pmodel, batch, loss_scale):
     return pmodel.runtime.train_step(pmodel, batch, loss_scale)
 
 
@@ -42,7 +42,7 @@ def check_loss_convention(model) -> None:
 
 
 @hookimpl
-def ultrascale_state_dict(pmodel, state):
+def ultrascale_state_save(pmodel, state):
     """The random state of this rank (dropout), so a resumed run continues bit for bit."""
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -51,7 +51,7 @@ def ultrascale_state_dict(pmodel, state):
 
 
 @hookimpl
-def ultrascale_load_state_dict(pmodel, state):
+def ultrascale_state_load(pmodel, state):
     rng = state.rank_local.get("rng")
     if rng is None:  # another world size: each rank keeps its own stream
         return

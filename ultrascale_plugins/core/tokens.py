@@ -51,8 +51,8 @@ class TokenAccounting:
     @property
     def microbatches_inside(self) -> int:
         """How many micro-batches one ``train_step`` call runs inside the model (a pipeline schedule's, from the
-        ``ultrascale_microbatches`` hook); 1 when each call is one micro-batch."""
-        return self.pm.hook.ultrascale_microbatches(config=self.config) or 1
+        ``ultrascale_cost_microbatches`` hook); 1 when each call is one micro-batch."""
+        return self.pm.hook.ultrascale_cost_microbatches(config=self.config) or 1
 
     def shares(self, chunks: list[dict]) -> list[float]:
         """Each micro-batch's share of the valid target tokens of a whole optimizer step on all data-parallel
@@ -93,7 +93,7 @@ class TokenAccounting:
         return (share + (mean - share).detach()).float()
 
     def add_terms(self, loss_sum, terms, count: torch.Tensor):
-        """``loss_sum`` (this rank's token-loss sum) with the plugins' extra terms (``ultrascale_loss_terms``)
+        """``loss_sum`` (this rank's token-loss sum) with the plugins' extra terms (``ultrascale_step_loss_terms``)
         folded in, so that the loss share's gradient and the reduced loss's value each include every term once:
         the gradient part (term x count) gives the term's gradient after the loss scale and the gradient
         averaging; the value part (term x count / grad_scale) sums to the term over the token-counting ranks."""

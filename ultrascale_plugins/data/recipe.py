@@ -19,7 +19,7 @@ OWN_SECTIONS = ("nproc", "model", "data", "train", "parallel")
 
 
 def recipe_sections(pm=None) -> dict:
-    """{name: ``RecipeSection``} of the sections the plugins of ``pm`` declare (``ultrascale_recipe_sections``:
+    """{name: ``RecipeSection``} of the sections the plugins of ``pm`` declare (``ultrascale_declare_recipe_sections``:
     PEFT's ``peft``); a name declared twice, or one of the recipe's own, is refused. Without ``pm``: the process's
     registry (a recipe read from its file, before any layout is made)."""
     if pm is None:
@@ -27,7 +27,7 @@ def recipe_sections(pm=None) -> dict:
 
         pm = default_registry()
     out: dict = {}
-    for answer in pm.hook.ultrascale_recipe_sections():
+    for answer in pm.hook.ultrascale_declare_recipe_sections():
         for section in answer or ():
             if section.name in OWN_SECTIONS or section.name in out:
                 raise ConfigError(f"recipe section '{section.name}' is declared twice (by {type(section).__name__}). "
@@ -461,7 +461,7 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
         if ga:
             field = f"train.grad_accum={ga}"
         elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
-            ga = resolved.registry.hook.ultrascale_microbatches(config=resolved) or 1
+            ga = resolved.registry.hook.ultrascale_cost_microbatches(config=resolved) or 1
             if resolved.pp_microbatches:
                 field, knob = f"pp_microbatches={ga}", "pp_microbatches (or train.grad_accum)"
             else:
@@ -490,10 +490,10 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
 
 def _auto_layout(parallel, train, data_spec, model_config, world: int):
     """``parallel: {layout: auto}``: the layout chosen for this recipe's model, sequence and batch, through the same
-    hook every front end's layout goes through (``ultrascale_resolve_layout``: the planner), and its micro-batch
+    hook every front end's layout goes through (``ultrascale_validate_choose_layout``: the planner), and its micro-batch
     size (the chosen layout's ``auto_micro_batch_size``), unless the recipe sets its split."""
     auto = parallel.replace(auto_seq_len=data_spec.seq_len, auto_global_batch=train.global_batch)
-    chosen = auto.registry.hook.ultrascale_resolve_layout(config=auto, model_config=model_config,
+    chosen = auto.registry.hook.ultrascale_validate_choose_layout(config=auto, model_config=model_config,
                                                                   world_size=world) or auto
     mbs = getattr(chosen, "auto_micro_batch_size", 0)
     if mbs and not train.micro_batch_size and not train.grad_accum:

@@ -1,5 +1,5 @@
 """The least communication a layout needs for one optimizer step on one rank, as each dimension states it for its
-own mesh axes (``ultrascale_comm_minimum``): the term type and the notation the families' formulas share. The
+own mesh axes (``ultrascale_cost_comm_minimum``): the term type and the notation the families' formulas share. The
 built-in families give the Ultra-Scale Playbook's formulas (with Megatron-LM's count at the ends of a
 tensor-parallel model), each in its folder (``dims/<family>/minimum.py``); docs/performance.md explains them and
 their sources. An axis no plugin states a minimum for has none (the communication report's rows say so).
@@ -12,7 +12,7 @@ micro-batch; ZeRO-3 keeps parameters sharded between uses, so it gathers them fo
 Notation: b rows per micro-batch, s the sequence (s/cp per rank), h the hidden size, m micro-batches per step, A =
 b·s·h bytes of one activation in the compute dtype, Ψg the bytes of this rank's trainable parameters in fp32 (its
 tensor- and pipeline-parallel share) and Ψw the bytes of its weights in the compute dtype. The helpers below read
-the ``estimates.Shape`` the dimensions' ``ultrascale_estimate`` left (the inventory cut to this rank's share,
+the ``estimates.Shape`` the dimensions' ``ultrascale_cost_estimate`` left (the inventory cut to this rank's share,
 ``layers_here`` set) and the layout's facts, never another family's fields.
 """
 from __future__ import annotations

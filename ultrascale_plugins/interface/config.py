@@ -1,6 +1,6 @@
 """ParallelConfig: the one layout description shared by every front end.
 
-Its fields are whatever the installed dimension plugins declare through ``ultrascale_add_fields`` (see
+Its fields are whatever the installed dimension plugins declare through ``ultrascale_declare_fields`` (see
 ``fields.py``): the built-ins declare ``dp_replicate``, ``dp_shard``, ``zero_stage``, ``mixed_precision`` (data
 parallel), ``tp``, ``sequence_parallel``, ``loss_parallel`` (tensor parallel), ``pp`` and its schedule fields
 (pipeline), ``activation_checkpointing``, ``cp`` and ``cp_method`` (context parallel); a third-party plugin's fields join them. Values are checked when the

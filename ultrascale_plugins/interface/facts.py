@@ -2,8 +2,8 @@
 
 A family reads another's decisions here, never through that family's layout fields: the degree of a mesh axis
 by the axis's name, and the facts the plugins declare. Each fact has one owner, the plugin that declares it
-(``fields.fact`` in ``ultrascale_add_fields``, with the value that holds by default) and answers it from its own
-fields in ``ultrascale_layout_facts``. torchtitan passes the same couplings as explicit arguments
+(``fields.fact`` in ``ultrascale_declare_fields``, with the value that holds by default) and answers it from its own
+fields in ``ultrascale_declare_facts``. torchtitan passes the same couplings as explicit arguments
 (``enable_float8_tensorwise_tp``, ``cp_enabled``); here they travel in one object, so a third-party dimension
 publishes its own the same way.
 """
@@ -18,8 +18,8 @@ from typing import Any, Mapping
 class LayoutFacts:
     """The layout's mesh degrees and the facts the plugins decided (``layout_facts(config)`` makes it), read as
     attributes: ``facts.degree("tp")``, ``facts.fsdp_shards``. The facts are open: each is declared by the plugin that
-    owns it (``fields.fact(name, default, help)`` in ``ultrascale_add_fields``) and answered by that plugin alone
-    (``ultrascale_layout_facts``), so this type lists none; ``us.list_plugins()`` and docs/writing-a-plugin.md list
+    owns it (``fields.fact(name, default, help)`` in ``ultrascale_declare_fields``) and answered by that plugin alone
+    (``ultrascale_declare_facts``), so this type lists none; ``us.list_plugins()`` and docs/writing-a-plugin.md list
     the built-in ones. ``values``: every declared fact's value for this layout."""
 
     degrees: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -42,5 +42,5 @@ class LayoutFacts:
 
 def layout_facts(config) -> LayoutFacts:
     """The facts of ``config`` (resolved or not), as the registry it was made under derives them from the plugins'
-    ``ultrascale_layout_facts`` answers (``config.registry.facts``)."""
+    ``ultrascale_declare_facts`` answers (``config.registry.facts``)."""
     return config.registry.facts(config)

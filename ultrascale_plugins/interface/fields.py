@@ -1,9 +1,9 @@
 """Configuration fields contributed by plugins (pytest's ``addoption`` is the model).
 
-Every dimension declares its own layout fields in ``ultrascale_add_fields(fields)``::
+Every dimension declares its own layout fields in ``ultrascale_declare_fields(fields)``::
 
     @hookimpl
-    def ultrascale_add_fields(fields):
+    def ultrascale_declare_fields(fields):
         fields.add("tp", int, 1, "tensor-parallel degree", minimum=1)
 
 A field is typed, has a default and may restrict its values; ``ParallelConfig`` accepts exactly the fields the
@@ -110,7 +110,7 @@ class Field:
 @dataclasses.dataclass(frozen=True)
 class Fact:
     """One fact a plugin decides for the others (``LayoutFacts``): its name, the value that holds until the plugin
-    answers otherwise for a layout (``ultrascale_layout_facts``), what it says, and the plugin that owns it."""
+    answers otherwise for a layout (``ultrascale_declare_facts``), what it says, and the plugin that owns it."""
 
     name: str
     default: Any
@@ -119,7 +119,7 @@ class Fact:
 
 
 class Fields:
-    """What ``ultrascale_add_fields`` declares: one ``Field`` per layout field and one ``Fact`` per fact, each by
+    """What ``ultrascale_declare_fields`` declares: one ``Field`` per layout field and one ``Fact`` per fact, each by
     name, in declaration order."""
 
     def __init__(self) -> None:
@@ -128,7 +128,7 @@ class Fields:
         self.plugin = ""  # set by the caller while one plugin's hook runs
 
     def fact(self, name: str, default: Any, help: str) -> None:
-        """Declare a fact this plugin decides for the others, answered per layout in its ``ultrascale_layout_facts``
+        """Declare a fact this plugin decides for the others, answered per layout in its ``ultrascale_declare_facts``
         (``default`` holds when it does not answer); a fact has one owner."""
         if name in self.facts:
             raise ConfigError(f"layout fact '{name}' is declared by both '{self.facts[name].plugin}' and "

@@ -3,8 +3,8 @@
 Every built-in dimension and feature (data parallel / ZeRO, tensor and sequence parallel, pipeline, context and
 expert parallel, PEFT, routers, float8, compile, activation checkpointing, the training step, the model plans)
 implements these hooks exactly as a third-party plugin registered under the ``ultrascale_plugins`` entry point
-would. Hook names start with ``ultrascale_``; an implementation whose name matches no specification is rejected
-when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
+would. Hook names are ``ultrascale_<group>_<what>`` (pytest's pattern: the group first); an implementation whose
+name matches no specification is rejected when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
 
 - **declare**: the plugin's layout fields and mesh axes, the facts it decides for other families to read, the
   model plans it knows (and its additions to other plugins' plans), a model wrapper it owns (a PEFT model:
@@ -61,9 +61,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # What the plugin adds: its layout fields and mesh axes, the model plans it knows, a wrapper it owns, the names
 # front ends offer.
 @hookspec
-def ultrascale_add_fields(fields: Fields) -> None:
+def ultrascale_declare_fields(fields: Fields) -> None:
     """Declare this dimension's layout fields, and the facts it decides for the others. The fields become valid
-    everywhere a layout is written; each fact is answered per layout in ``ultrascale_layout_facts``.
+    everywhere a layout is written; each fact is answered per layout in ``ultrascale_declare_facts``.
 
     Called for each plugin in registration order (by the registry, ``core.registry``); each field and fact is
     recorded with its plugin.
@@ -75,7 +75,7 @@ def ultrascale_add_fields(fields: Fields) -> None:
 
 
 @hookspec
-def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
+def ultrascale_declare_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | None:
     """Declare the mesh axes this dimension needs. Their degrees multiply to the world size (degree 1
     allowed; one axis in the whole layout may have degree -1, the rest of the world); a ``MeshView`` counts the ranks
     of existing axes again and adds nothing to the world size. An axis is placed by name, ``after`` / ``before``
@@ -88,8 +88,8 @@ def ultrascale_mesh_axes(config: ParallelConfig) -> list[MeshAxis | MeshView] | 
 
 
 @hookspec
-def ultrascale_layout_facts(config: ParallelConfig, degrees: dict[str, int]) -> dict[str, Any] | None:
-    """Decide the facts this plugin declared (``fields.fact`` in ``ultrascale_add_fields``) for a layout, from its own
+def ultrascale_declare_facts(config: ParallelConfig, degrees: dict[str, int]) -> dict[str, Any] | None:
+    """Decide the facts this plugin declared (``fields.fact`` in ``ultrascale_declare_fields``) for a layout, from its own
     fields and the mesh degrees, e.g. data parallel's ``{"fsdp_units": zero_stage >= 2}``. Other families read them
     from ``facts.layout_facts(config)`` instead of this plugin's fields. Called for each plugin in registration order.
 
@@ -101,7 +101,7 @@ def ultrascale_layout_facts(config: ParallelConfig, degrees: dict[str, int]) -> 
 
 
 @hookspec(firstresult=True)
-def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
+def ultrascale_declare_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan | None:
     """Give the ``ModelPlan`` of a Hugging Face causal LM whose architecture this plugin knows.
     ``engine.model_plan`` asks, wherever the engine needs the plan.
 
@@ -115,7 +115,7 @@ def ultrascale_model_plan(model: nn.Module, config: ParallelConfig) -> ModelPlan
 
 
 @hookspec(firstresult=True)
-def ultrascale_model_wrapper(model: nn.Module) -> ModelWrapper | None:
+def ultrascale_declare_model_wrapper(model: nn.Module) -> ModelWrapper | None:
     """Describe ``model`` when it wraps the causal LM the plans are for (a PEFT model holds it at
     ``base_model.model``): the causal LM and its path, where each entry's pretrained value comes from, the initial
     values of what the wrapper introduced and of values computed from others, its own saved form. The engine asks the
@@ -131,11 +131,11 @@ def ultrascale_model_wrapper(model: nn.Module) -> ModelWrapper | None:
 
 
 @hookspec
-def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
+def ultrascale_declare_plan_edit(model: nn.Module, plan: ModelPlan, config: ParallelConfig) -> PlanEdit | None:
     """Edit the plan for modules this plugin introduces into ``model`` (adapters around a planned
     layer) or claims from the plan (experts for another dimension).
 
-    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_model_plan`` (and the
+    Called wherever the engine makes the plan (``engine.model_plan``), right after ``ultrascale_declare_model_plan`` (and the
     wrapper's renaming) and before ``ultrascale_validate_model``. Every plugin's edit applies to that same plan, in
     pluggy's call order; two plugins that give one name different styles are refused (``ConfigError``). The plan's
     regions (what sequence parallel gathers) are then recomputed from the edited entries, so every dimension, the
@@ -149,7 +149,7 @@ def ultrascale_extend_plan(model: nn.Module, plan: ModelPlan, config: ParallelCo
 
 
 @hookspec
-def ultrascale_presets() -> list[Preset] | None:
+def ultrascale_declare_presets() -> list[Preset] | None:
     """Name layouts that front ends offer by name (Lightning registers each as the strategy
     ``ultrascale_<name>``: ``Trainer(strategy="ultrascale_cp", devices=8)``). Asked of every plugin; a name declared
     twice is refused (``ConfigError``).
@@ -159,7 +159,7 @@ def ultrascale_presets() -> list[Preset] | None:
 
 
 @hookspec
-def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
+def ultrascale_declare_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
     """Name the Accelerate ``parallelism_config`` size keys this dimension reads: the YAML key
     ``parallelism_config_<key>`` and the launcher's ``PARALLELISM_CONFIG_<KEY>``. Asked of every plugin wherever a
     front end reads Accelerate's configuration (``integrations/layout.py``).
@@ -170,7 +170,7 @@ def ultrascale_accelerate_keys() -> dict[str, tuple[str, dict]] | None:
 
 
 @hookspec
-def ultrascale_recipe_sections() -> list[RecipeSection] | None:
+def ultrascale_declare_recipe_sections() -> list[RecipeSection] | None:
     """Declare the sections of the command line's recipe this plugin reads: a feature configured from the recipe
     (PEFT's ``peft:`` adapters) without the recipe knowing it. The recipe reads, checks, saves, applies and
     compares each through its ``recipe_section.RecipeSection``. Asked of every plugin; a name declared twice, or
@@ -183,7 +183,7 @@ def ultrascale_recipe_sections() -> list[RecipeSection] | None:
 # ---- validate --------------------------------------------------------------------------------------------------------
 # Before any process group: the layout chosen when asked, then checked against the world and the model.
 @hookspec(firstresult=True)
-def ultrascale_resolve_layout(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> ParallelConfig | None:
+def ultrascale_validate_choose_layout(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> ParallelConfig | None:
     """Choose the concrete layout for one that asks to be chosen (the planner's ``layout: auto``).
     Asked first, before any check and any process group (``engine.validate``, a recipe's ``layout: auto``).
 
@@ -238,7 +238,7 @@ def ultrascale_validate_loop(config: ParallelConfig, micro_batches: int, max_gra
 # ---- transform -------------------------------------------------------------------------------------------------------
 # What it does to the model, as named stages the engine orders by their declarations.
 @hookspec
-def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) -> list[Stage]:
+def ultrascale_transform_stages(config: ParallelConfig, model_config: PretrainedConfig) -> list[Stage]:
     """Declare this plugin's model transforms as named stages: an ``interface.stages.Stage`` holds a name,
     the names it runs ``after`` and ``before``, its mesh ``axes``, what it ``does``, whether this layout uses it
     (``active``) and ``run(model, ctx)``. Declare every stage the plugin has, active or not, so that others can name
@@ -259,7 +259,7 @@ def ultrascale_stages(config: ParallelConfig, model_config: PretrainedConfig) ->
 # Its part of every training step: the batch, the optimizer, the loss, accumulation, after the backward, the step
 # itself.
 @hookspec
-def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
+def ultrascale_step_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext) -> None:
     """Take this rank's part of the batch in place, every tensor by the same positions, chosen from the
     batch's shape alone (``ParallelModel.outputs.token_places`` runs it on the positions themselves to put a
     row's tokens back together). Called on every step after the data loader's row split, before the forward.
@@ -275,7 +275,7 @@ def ultrascale_shard_batch(batch: dict[str, torch.Tensor], ctx: ParallelContext)
 
 
 @hookspec(firstresult=True)
-def ultrascale_prepare_optimizer(pmodel: ParallelModel, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+def ultrascale_step_optimizer(pmodel: ParallelModel, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """Replace the optimizer a front end trains with (ZeRO-1 partitions its states). Every front end's
     optimizer passes through here (``ParallelModel.prepare_optimizer``).
 
@@ -288,7 +288,7 @@ def ultrascale_prepare_optimizer(pmodel: ParallelModel, optimizer: torch.optim.O
 
 
 @hookspec
-def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | None:
+def ultrascale_step_loss_context(pmodel: ParallelModel) -> AbstractContextManager | None:
     """Give a context manager that the loss and its backward run inside (tensor parallel's
     vocabulary-parallel cross-entropy: torch's ``loss_parallel``). Every step enters every plugin's
     (``ParallelModel.loss_context``): the built-in one and a pipeline's schedule alike.
@@ -299,7 +299,7 @@ def ultrascale_loss_context(pmodel: ParallelModel) -> AbstractContextManager | N
 
 
 @hookspec
-def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+def ultrascale_step_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
     """Give terms to add to the step's objective for this forward, besides the token loss: a mixture of
     experts' router auxiliary loss. Each term has the same value on every rank that holds tokens of the global batch
     (the token-counting axes), and on each rank the gradient of that rank's share, the shares' gradients summing over
@@ -314,7 +314,7 @@ def ultrascale_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, t
 
 
 @hookspec
-def ultrascale_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
+def ultrascale_step_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
     """Give a context manager under which this dimension's wrappers keep gradients local (gradient
     accumulation: FSDP2's and DDP's reductions off). ``ParallelModel.no_sync`` enters every plugin's; the engine holds
     back its own reduction of the axes nobody claims too.
@@ -325,7 +325,7 @@ def ultrascale_no_sync(pmodel: ParallelModel) -> AbstractContextManager | None:
 
 
 @hookspec
-def ultrascale_after_backward(pmodel: ParallelModel) -> None:
+def ultrascale_step_after_backward(pmodel: ParallelModel) -> None:
     """Do the work that depends on the whole step (a router's load-balancing bias from the step's token
     counts). Called on every rank once the gradients of an optimizer step are complete and reduced (after the last
     micro-batch's backward, never inside ``no_sync``), before the optimizer steps.
@@ -336,7 +336,7 @@ def ultrascale_after_backward(pmodel: ParallelModel) -> None:
 
 
 @hookspec(firstresult=True)
-def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
+def ultrascale_step_run(pmodel: ParallelModel, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
     """Run forward and backward on this rank's batch (``ParallelModel.train_step``). The built-in step
     (``core/step.py``, ``trylast``) runs the model's runtime; a plugin may replace it or wrap it
     (``@hookimpl(wrapper=True)``: ``loss = yield``).
@@ -344,7 +344,7 @@ def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor],
     Stops at the first non-None result.
 
     :param pmodel: The ``ParallelModel`` to train.
-    :param batch: This rank's rows, as the data loader gives them (``ultrascale_shard_batch`` runs inside the step).
+    :param batch: This rank's rows, as the data loader gives them (``ultrascale_step_shard_batch`` runs inside the step).
     :param loss_scale: The gradients are those of ``loss_scale`` times the loss, added to any already there.
     :return: The global-mean loss: a 0-d tensor, the same on every rank.
     """
@@ -353,7 +353,7 @@ def ultrascale_train_step(pmodel: ParallelModel, batch: dict[str, torch.Tensor],
 # ---- state -----------------------------------------------------------------------------------------------------------
 # What it keeps in checkpoints and how a checkpoint of its model is exported.
 @hookspec
-def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
+def ultrascale_state_save(pmodel: ParallelModel, state: PluginState) -> None:
     """Add this dimension's entries to a checkpoint's state: ``state.shared[key]`` for what every rank
     holds alike (tensors go into the sharded files, other values into JSON) and ``state.rank_local[key]`` for what
     differs per rank (restored only in the same world size); ``state.left_out``: the model's entries (unparallelized
@@ -368,7 +368,7 @@ def ultrascale_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
 
 
 @hookspec
-def ultrascale_load_state_dict(pmodel: ParallelModel, state: PluginState) -> None:
+def ultrascale_state_load(pmodel: ParallelModel, state: PluginState) -> None:
     """Restore this dimension's entries once a checkpoint's model state is loaded (a sharded load,
     ``ParallelModel.load_state_dict``).
 
@@ -379,7 +379,7 @@ def ultrascale_load_state_dict(pmodel: ParallelModel, state: PluginState) -> Non
 
 
 @hookspec(firstresult=True)
-def ultrascale_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
+def ultrascale_state_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """Show a tensor as a distributed checkpoint (DCP) must see it when this dimension placed it in
     pieces DCP cannot describe (TP-packed parameters: a rank's pieces of q|k|v are not adjacent in the whole tensor).
     Every sharded save and load, and pretrained loading, ask it per tensor.
@@ -393,7 +393,7 @@ def ultrascale_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 @hookspec(firstresult=True)
-def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
+def ultrascale_state_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
     """Write a sharded checkpoint in a form its model's library defines, when this plugin's model saved it
     (a PEFT model's): ``ultrascale export --adapter`` / ``--merged``, in one process.
 
@@ -413,7 +413,7 @@ def ultrascale_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base
 # ---- cost ------------------------------------------------------------------------------------------------------------
 # What a layout costs one rank, for the estimate and the planner.
 @hookspec
-def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, shape: Shape, estimate: Estimate) -> None:
+def ultrascale_cost_estimate(config: ParallelConfig, model_config: PretrainedConfig, shape: Shape, estimate: Estimate) -> None:
     """Add this dimension's per-rank costs to the estimate: memory in bytes per category
     (``estimate.add_memory("params" | "grads" | "optimizer" | "activations" | "other", n)``), communication
     (``estimate.add_comm(axis, nbytes, collective, calls=, per="step" | "micro_batch", overlap=)``) and compute
@@ -439,14 +439,14 @@ def ultrascale_estimate(config: ParallelConfig, model_config: PretrainedConfig, 
 
 
 @hookspec
-def ultrascale_comm_minimum(config: ParallelConfig, shape: Shape) -> list[MinimumTerm] | None:
+def ultrascale_cost_comm_minimum(config: ParallelConfig, shape: Shape) -> list[MinimumTerm] | None:
     """State the least communication this dimension's mesh axes need for one optimizer step on one rank (the
     Ultra-Scale Playbook's formulas for the built-in families, each in its folder). A plugin's own mesh axis gets a
     minimum the communication report (``ParallelModel.profile_step``) compares its ledger with; an axis no plugin
     answers for has none, and the report's rows say so. Asked of every plugin; the answers are concatenated.
 
     :param config: The resolved layout.
-    :param shape: The ``estimates.Shape`` as ``ultrascale_estimate`` left it: the inventory cut to this rank's share
+    :param shape: The ``estimates.Shape`` as ``ultrascale_cost_estimate`` left it: the inventory cut to this rank's share
         (tensor and pipeline parallel's, expert parallel's experts), ``layers_here``, ``holds_head``, ``coords``.
     :return: ``comm_minimum.MinimumTerm`` values (axis, collective, calls and payload per step in the ledger's units,
         the formula in words), or None for axes it does not own.
@@ -454,7 +454,7 @@ def ultrascale_comm_minimum(config: ParallelConfig, shape: Shape) -> list[Minimu
 
 
 @hookspec
-def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
+def ultrascale_cost_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
     """Price this plugin's adapters: the factors they put on ``model``, so the estimates count them.
 
     :param model: The model to price.
@@ -467,7 +467,7 @@ def ultrascale_adapter_factors(model: nn.Module, adapters: Adapters | None) -> l
 
 
 @hookspec(firstresult=True)
-def ultrascale_microbatches(config: ParallelConfig) -> int | None:
+def ultrascale_cost_microbatches(config: ParallelConfig) -> int | None:
     """Say how many micro-batches one training step runs inside this dimension (a pipeline schedule's).
     Recipes derive their batch split from it; ``ParallelModel.tokens.microbatches_inside`` reports it.
 
@@ -490,12 +490,12 @@ def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] 
 
 
 @hookspec
-def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
+def ultrascale_cost_search_choices(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
     """Offer values of this plugin's layout fields worth costing with a candidate of the planner's search
     (``ultrascale plan``, ``layout: auto``). List the default too when the candidate without this plugin's feature is
     worth costing (expert parallelism: ``{"ep": [1, 2, 4, 8]}``, the degrees that divide the experts and
     dp_shard*cp*tp). The search costs every combination of every plugin's values with the candidate, each checked
-    (``ultrascale_validate_config``) and costed (``ultrascale_estimate``) like any layout; the chosen layout carries
+    (``ultrascale_validate_config``) and costed (``ultrascale_cost_estimate``) like any layout; the chosen layout carries
     them into the printed snippets and into ``layout: auto``. Values must keep the world size: a field that is an axis
     of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh.
 
@@ -508,14 +508,14 @@ def ultrascale_search_choices(config: ParallelConfig, model_config: PretrainedCo
 
 
 @hookspec
-def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int,
+def ultrascale_cost_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int,
                              lossy: bool) -> dict[str, list] | None:
     """Offer values of this plugin's layout fields that save memory at a price, worth costing with a
-    candidate (as ``ultrascale_search_choices``) only when nothing fits without them. The planner searches the first
+    candidate (as ``ultrascale_cost_search_choices``) only when nothing fits without them. The planner searches the first
     kind once no layout fits without them, the second once none fits with the first kind alone, each in every
     combination with the field's current value, and says what each costs against the same layout without it.
 
-    :param config: The candidate, as for ``ultrascale_search_choices``.
+    :param config: The candidate, as for ``ultrascale_cost_search_choices``.
     :param model_config: The model's Hugging Face config.
     :param world_size: The number of GPUs the search is for.
     :param lossy: False: values that cost time (a loss computed in chunks, states held on the host); True: values
@@ -525,7 +525,7 @@ def ultrascale_search_savers(config: ParallelConfig, model_config: PretrainedCon
 
 
 @hookspec(firstresult=True)
-def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
+def ultrascale_cost_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
     """Simulate a schedule this dimension runs (a pipeline's), for the planner's plot.
 
     Stops at the first non-None result.
@@ -541,18 +541,18 @@ def ultrascale_schedule_timeline(schedule: str, stages: int, microbatches: int, 
 
 # The hooks by what they are for (docs/writing-a-plugin.md walks through them in this order).
 GROUPS = {
-    "declare": ("ultrascale_add_fields", "ultrascale_mesh_axes", "ultrascale_layout_facts", "ultrascale_model_plan",
-                "ultrascale_model_wrapper", "ultrascale_extend_plan", "ultrascale_presets",
-                "ultrascale_accelerate_keys", "ultrascale_recipe_sections"),
-    "validate": ("ultrascale_resolve_layout", "ultrascale_validate_config", "ultrascale_validate_model",
+    "declare": ("ultrascale_declare_fields", "ultrascale_declare_mesh_axes", "ultrascale_declare_facts", "ultrascale_declare_model_plan",
+                "ultrascale_declare_model_wrapper", "ultrascale_declare_plan_edit", "ultrascale_declare_presets",
+                "ultrascale_declare_accelerate_keys", "ultrascale_declare_recipe_sections"),
+    "validate": ("ultrascale_validate_choose_layout", "ultrascale_validate_config", "ultrascale_validate_model",
                  "ultrascale_validate_loop"),
-    "transform": ("ultrascale_stages",),
-    "step": ("ultrascale_shard_batch", "ultrascale_prepare_optimizer", "ultrascale_loss_context",
-             "ultrascale_loss_terms", "ultrascale_no_sync",
-             "ultrascale_after_backward", "ultrascale_train_step"),
-    "state": ("ultrascale_state_dict", "ultrascale_load_state_dict", "ultrascale_checkpoint_view",
-              "ultrascale_export"),
-    "cost": ("ultrascale_estimate", "ultrascale_comm_minimum", "ultrascale_adapter_factors",
-             "ultrascale_microbatches", "ultrascale_cost_coordinates", "ultrascale_search_choices",
-             "ultrascale_search_savers", "ultrascale_schedule_timeline"),
+    "transform": ("ultrascale_transform_stages",),
+    "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss_context",
+             "ultrascale_step_loss_terms", "ultrascale_step_no_sync",
+             "ultrascale_step_after_backward", "ultrascale_step_run"),
+    "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view",
+              "ultrascale_state_export"),
+    "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum", "ultrascale_cost_adapter_factors",
+             "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search_choices",
+             "ultrascale_cost_search_savers", "ultrascale_cost_schedule_timeline"),
 }

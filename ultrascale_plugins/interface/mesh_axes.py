@@ -1,4 +1,4 @@
-"""The mesh axes and views the dimension plugins declare (``ultrascale_mesh_axes``): the value types
+"""The mesh axes and views the dimension plugins declare (``ultrascale_declare_mesh_axes``): the value types
 (``MeshAxis``, ``MeshView``) and the check of a view against the axes it is carved from. The registry
 (``core.registry``) collects and orders the declarations; ``parallel_dims`` derives a layout's rules from them."""
 from __future__ import annotations

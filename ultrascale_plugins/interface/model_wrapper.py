@@ -1,5 +1,5 @@
 """A model that wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``), described by
-the plugin that owns that kind of wrapper (``ultrascale_model_wrapper``). The engine asks this object, and nothing
+the plugin that owns that kind of wrapper (``ultrascale_declare_model_wrapper``). The engine asks this object, and nothing
 else, what depends on the wrapper: where the causal LM sits, where each entry's pretrained value comes from, the
 initial values of what the wrapper introduced and of what depends on other values, and its own saved form."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from .config import ConfigError
 
 class ModelWrapper:
     """``model`` wraps ``inner`` (a transformers causal LM) at the submodule path ``prefix`` ("" for a model that
-    wraps nothing: ``ModelWrapper(model)``). A plugin returns a subclass from ``ultrascale_model_wrapper``,
+    wraps nothing: ``ModelWrapper(model)``). A plugin returns a subclass from ``ultrascale_declare_model_wrapper``,
     overriding what its wrapper changes; the defaults are those of a wrapper that only nests the model."""
 
     def __init__(self, model, inner=None, prefix: str = ""):

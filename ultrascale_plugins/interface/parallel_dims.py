@@ -1,6 +1,6 @@
 """The derived facts of a layout, in one typed object (torchtitan's ``ParallelDims`` is the model).
 
-Each dimension plugin declares its mesh axes through ``ultrascale_mesh_axes`` as ``MeshAxis`` values: a name, a
+Each dimension plugin declares its mesh axes through ``ultrascale_declare_mesh_axes`` as ``MeshAxis`` values: a name, a
 degree (``-1``: whatever the world leaves), its place among the others by name (``after`` / ``before``: the mesh
 lists them outermost first), and what the axis means for the step — whether the batch rows are split over it
 (data loading), whether gradients are averaged over it and whether the loss's valid tokens are counted over it.

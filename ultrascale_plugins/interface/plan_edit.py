@@ -1,4 +1,4 @@
-"""What a plugin adds to, or takes from, a model's plan (``ultrascale_extend_plan``)."""
+"""What a plugin adds to, or takes from, a model's plan (``ultrascale_declare_plan_edit``)."""
 from __future__ import annotations
 
 import dataclasses

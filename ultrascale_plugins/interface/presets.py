@@ -1,5 +1,5 @@
 """Named layouts for front ends whose users give only a name and a device count (``Trainer(strategy=NAME,
-devices=N)``). The dimension plugins supply them through ``ultrascale_presets`` — each a rule that picks the
+devices=N)``). The dimension plugins supply them through ``ultrascale_declare_presets`` — each a rule that picks the
 degrees from the world size, the devices per node and the model — so a third party's dimension gets its own
 Lightning strategy name with no change to the front ends. The front ends add one of their own: ``default``
 (the layout in ``$ULTRASCALE_CONFIG`` if set, else ZeRO-3 over every device). The registry

@@ -67,7 +67,7 @@ class ModelPlan(Protocol):
 
 class ParallelContext(Protocol):
     """What the engine's context (``core.engine.ParallelContext``) offers a plugin while the model is transformed
-    (a stage's ``run(model, ctx)``) and on every step (``ultrascale_shard_batch``)."""
+    (a stage's ``run(model, ctx)``) and on every step (``ultrascale_step_shard_batch``)."""
 
     dims: ParallelDims  # the resolved layout: degrees, process groups, meshes, ``dims.facts``
     plan: ModelPlan | None  # the model's plan, edited by every plugin; None when no plugin plans it
@@ -128,7 +128,7 @@ class TokenAccounting(Protocol):
         """The global-mean loss, the same on every rank, from this rank's token-loss sum."""
 
     def add_terms(self, loss_sum: torch.Tensor, terms: list[torch.Tensor], count: torch.Tensor) -> torch.Tensor:
-        """``loss_sum`` with the ``ultrascale_loss_terms`` folded in, each counted once in value and gradient."""
+        """``loss_sum`` with the ``ultrascale_step_loss_terms`` folded in, each counted once in value and gradient."""
 
 
 class TrainerOutputs(Protocol):
@@ -144,7 +144,7 @@ class TrainerOutputs(Protocol):
         """This rank's token-loss sum of one micro-batch (the loss head's, else the cross-entropy)."""
 
     def loss_terms(self, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The plugins' extra terms of this micro-batch's loss (``ultrascale_loss_terms``)."""
+        """The plugins' extra terms of this micro-batch's loss (``ultrascale_step_loss_terms``)."""
 
 
 class GradientReductions(Protocol):
@@ -178,13 +178,13 @@ class ParallelModel(Protocol):
         """This rank's model parts: its pipeline stages, or the whole (sharded) model."""
 
     def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's inputs and shifted ``targets`` on the device, every ``ultrascale_shard_batch`` applied."""
+        """This rank's inputs and shifted ``targets`` on the device, every ``ultrascale_step_shard_batch`` applied."""
 
     def autocast(self) -> AbstractContextManager:
         """Mixed precision outside FSDP (``ctx.autocast_dtype``), or nothing."""
 
     def loss_context(self) -> AbstractContextManager:
-        """Where the loss and its backward run: every ``ultrascale_loss_context`` entered."""
+        """Where the loss and its backward run: every ``ultrascale_step_loss_context`` entered."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> Any:
         """The model's output on this rank's batch, with ``loss`` (global-mean value, this rank's gradient)."""
@@ -198,7 +198,7 @@ class ParallelModel(Protocol):
 
 class PluginState(Protocol):
     """What the engine's plugin state (``core.plugin_state.PluginState``, filled by ``ParallelModel.state_dict``
-    and the sharded checkpoints) offers a plugin's ``ultrascale_state_dict`` / ``ultrascale_load_state_dict``."""
+    and the sharded checkpoints) offers a plugin's ``ultrascale_state_save`` / ``ultrascale_state_load``."""
 
     shared: dict[str, Any]  # what every rank holds alike: tensors into the sharded files, the rest into JSON
     rank_local: dict[str, Any]  # what differs per rank: restored only in the same world size
@@ -207,7 +207,7 @@ class PluginState(Protocol):
 
 
 class SavedCheckpoint(Protocol):
-    """What a sharded checkpoint (``checkpoints.export.SavedCheckpoint``) offers a plugin's ``ultrascale_export``."""
+    """What a sharded checkpoint (``checkpoints.export.SavedCheckpoint``) offers a plugin's ``ultrascale_state_export``."""
 
     path: Path  # the checkpoint's directory
     meta: dict[str, Any]  # its metadata (``ultrascale.json``)

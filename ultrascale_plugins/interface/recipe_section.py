@@ -1,4 +1,4 @@
-"""A section of the command line's recipe that a plugin owns (``ultrascale_recipe_sections``): the recipe's own
+"""A section of the command line's recipe that a plugin owns (``ultrascale_declare_recipe_sections``): the recipe's own
 sections are ``nproc``, ``model``, ``data``, ``train`` and ``parallel``; a feature configured from the recipe
 (PEFT's ``peft:``) declares its section here, so the recipe reads, checks, saves, applies and compares it without
 knowing the feature.

@@ -1,7 +1,7 @@
 """The model transform as named stages, and the one place their order is decided.
 
 Every plugin that changes the model (splits it into pipeline stages, shards it, wraps its layers or the whole)
-returns ``Stage`` descriptors from ``ultrascale_stages``: a name, the names it runs after and before, and the
+returns ``Stage`` descriptors from ``ultrascale_transform_stages``: a name, the names it runs after and before, and the
 function. ``order_stages`` sorts them by those declarations alone (a topological order); among stages free to run
 at a point, the one whose plugin pluggy calls first (the last registered: a third party before the built-ins, the
 built-ins in ``DEFAULT_PLUGINS``' reverse order) goes first, so the order is the same on every rank and every
@@ -16,7 +16,7 @@ The built-in order (see ``docs/writing-a-plugin.md``)::
     split (pp) -> float8 -> router_bias, gpt2_heads -> ep -> tp (+ sp) -> cp -> ac -> compile -> dp
 
 The same names order the two chains that hand one object from plugin to plugin: the cost chain
-(``ultrascale_estimate``, which cuts ``shape.inventory`` in turn) and the batch split (``ultrascale_shard_batch``).
+(``ultrascale_cost_estimate``, which cuts ``shape.inventory`` in turn) and the batch split (``ultrascale_step_shard_batch``).
 An implementation says where it runs with ``@step(name, after=, before=)`` (a ``Step``): at a stage's name alone,
 where that stage runs; at a name of its own, placed by its after/before among the stages like one. ``order_chain``
 gives the order; the engine (``core/chains.py``) collects the implementations and runs them in it.
@@ -57,7 +57,7 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """Where one implementation of a chain hook (``ultrascale_estimate``, ``ultrascale_shard_batch``) runs.
+    """Where one implementation of a chain hook (``ultrascale_cost_estimate``, ``ultrascale_step_shard_batch``) runs.
 
     ``name`` alone, a stage's name: at that stage's place (``Step("tp")``: where tensor parallel shards the
     model). A name of its own: placed by ``after`` / ``before`` (stage or step names) like a stage. ``plugin`` and
@@ -80,11 +80,11 @@ STEP_MARK = "ultrascale_step"  # the attribute ``step`` sets on the function it 
 
 
 def step(name: str, *, after: str | tuple[str, ...] = (), before: str | tuple[str, ...] = ()):
-    """Mark an implementation of ``ultrascale_estimate`` or ``ultrascale_shard_batch`` with its place::
+    """Mark an implementation of ``ultrascale_cost_estimate`` or ``ultrascale_step_shard_batch`` with its place::
 
         @hookimpl
         @step("acme_grads", after="tp")
-        def ultrascale_estimate(config, model_config, shape, estimate): ...
+        def ultrascale_cost_estimate(config, model_config, shape, estimate): ...
     """
     def mark(function):
         setattr(function, STEP_MARK, Step(name, after, before))

@@ -139,7 +139,7 @@ def _is_gpt2(model) -> bool:
 
 
 @hookimpl
-def ultrascale_model_plan(model, config):
+def ultrascale_declare_model_plan(model, config):
     if not _is_gpt2(model):
         return None
     plan = hf_plan_from_model(model, dict(TP_PLAN))
@@ -148,7 +148,7 @@ def ultrascale_model_plan(model, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     gpt2 = getattr(model_config, "model_type", None) == "gpt2"
     return [Stage("gpt2_heads", split_this_ranks_heads, after=("float8",), before=("tp",), axes=("tp",),
                   active=config.tp > 1 and gpt2, does="GPT-2's attention splits its fused q|k|v by this rank's heads")]

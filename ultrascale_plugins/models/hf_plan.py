@@ -28,7 +28,7 @@ def full_tp_plan(model) -> dict[str, str]:
 
 
 @hookimpl(trylast=True)
-def ultrascale_model_plan(model, config):
+def ultrascale_declare_model_plan(model, config):
     plan = full_tp_plan(model)
     if not plan:
         return None

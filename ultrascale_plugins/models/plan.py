@@ -46,7 +46,7 @@ class ModelPlan:
                                    views={name(k): v for k, v in self.views.items()})
 
     def edited(self, model: nn.Module, edits) -> "ModelPlan":
-        """This plan with the plugins' ``PlanEdit``s (``ultrascale_extend_plan``) applied to ``model``: the
+        """This plan with the plugins' ``PlanEdit``s (``ultrascale_declare_plan_edit``) applied to ``model``: the
         entries become exact names (a wildcard entry cannot leave out one module it matches), each edit's
         entries replace or remove them, and the regions are recomputed."""
         from ..interface.fields import ConfigError
@@ -71,7 +71,7 @@ class ModelPlan:
                 for fqn in [pattern] if pattern in names else _expand({pattern: "x"}, names):
                     if fqn in wanted and wanted[fqn] != style and owner[fqn] != i:
                         raise ConfigError(f"two plugins give '{fqn}' different tensor-parallel styles "
-                                          f"({wanted[fqn]!r} and {style!r}) in their ultrascale_extend_plan. Fix: "
+                                          f"({wanted[fqn]!r} and {style!r}) in their ultrascale_declare_plan_edit. Fix: "
                                           "unregister one of them (ULTRASCALE_PLUGINS)")
                     wanted[fqn], owner[fqn] = style, i
         before = self.matches(model)

@@ -2,7 +2,7 @@
 
 A built-in plugin: it declares the ``layout`` field (``manual`` | ``auto``) and the two workload figures the
 planner needs that a layout does not otherwise hold (``auto_seq_len``, ``auto_global_batch``; recipes fill them
-from their ``data``/``train`` sections), and answers ``ultrascale_resolve_layout``, which ``engine.validate`` — the
+from their ``data``/``train`` sections), and answers ``ultrascale_validate_choose_layout``, which ``engine.validate`` — the
 path of every front end before any process group — asks first: an ``auto`` layout becomes the chosen one, and
 the reason is logged (rank 0).
 """
@@ -18,7 +18,7 @@ _ENV = "ULTRASCALE_AUTO_LAYOUT"
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("layout", str, "manual", "auto: the planner picks every degree, ZeRO stage, recomputation and "
                "schedule for the world size, model and hardware, and the plugin fields it searches (ep for a "
                "mixture of experts); the layout fields it picks are ignored, mixed_precision excepted, the others "
@@ -32,7 +32,7 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_resolve_layout(config, model_config, world_size):
+def ultrascale_validate_choose_layout(config, model_config, world_size):
     if getattr(config, "layout", "manual") != "auto":
         return None
     if model_config is None:
@@ -73,7 +73,7 @@ def detect_hardware(world_size: int):
 
 # the fields an auto layout resets where the chosen layout leaves them out: those the search chooses itself
 # (``cost.SEARCH_SETS``), ``layout``, and the two that follow the degrees it picks (a manual split of the layers or of
-# the logits is for the manual degrees); the plugin fields the search tried (``ultrascale_search_choices``) too
+# the logits is for the manual degrees); the plugin fields the search tried (``ultrascale_cost_search_choices``) too
 FOLLOW_THE_DEGREES = {"loss_parallel", "pp_split"}
 
 

@@ -210,7 +210,7 @@ def _room_elsewhere(args, cost, results):
 
 TITLES = {"mesh": "Mesh (axes in order, views):", "transforms": "Stages, in the order parallelize applies them:",
           "step hooks": "Step hooks, each with its plugins in call order:",
-          "cost chain": "Cost chain (ultrascale_estimate), in the order it runs:"}
+          "cost chain": "Cost chain (ultrascale_cost_estimate), in the order it runs:"}
 
 
 def _explain(result, cost, gpus: int) -> str:

@@ -1,13 +1,13 @@
 """Cost of one layout: per-GPU memory, step time, tokens/s/GPU and MFU, from the dimensions' estimate hooks.
 
-The plugins say what each rank holds and moves (``ultrascale_estimate``); this module turns that into time with the
+The plugins say what each rank holds and moves (``ultrascale_cost_estimate``); this module turns that into time with the
 hardware's figures and a few global constants (``CONSTANTS``, stated in docs/planner.md with how they were chosen):
 
     micro-batch time = compute / (peak x efficiency) + exposed per-micro-batch communication
     step time        = micro-batch time x micro-batches x (1 + pipeline bubble) + exposed per-step communication
 
 A collective costs its traffic over the bus bandwidth of the links it spans (inside a node or across how many
-nodes, from the mesh axis's position: ``ultrascale_mesh_axes``; an axis of a ``MeshView`` re-splits the ranks of its
+nodes, from the mesh axis's position: ``ultrascale_declare_mesh_axes``; an axis of a ``MeshView`` re-splits the ranks of its
 source axes, innermost first) plus a latency per ring hop and call.
 """
 from __future__ import annotations
@@ -35,14 +35,14 @@ CONSTANTS = {
 GB = 1e9
 # the layout fields the planner's search chooses itself (``search.layouts``: degrees, ZeRO stage, recomputation,
 # schedule, precision) or derives from its batch split (``pp_microbatches``); a plugin offers values only for its
-# other fields (``ultrascale_search_choices`` / ``ultrascale_search_savers``), which the label names one by one
+# other fields (``ultrascale_cost_search_choices`` / ``ultrascale_cost_search_savers``), which the label names one by one
 SEARCH_SETS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "cp", "mixed_precision",
                          "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches",
                          "pp_virtual_stages", "cp_method"})
 
 
 class Layout:
-    """One candidate: a value for each layout field the installed plugins declare (``ultrascale_add_fields``), at
+    """One candidate: a value for each layout field the installed plugins declare (``ultrascale_declare_fields``), at
     the field's default unless given (``Layout(tp=2, ep=4)``, read as ``layout.tp``), and the batch split, the
     planner's own: ``micro_batch_size`` rows per micro-batch and ``grad_accum`` micro-batches per step (the
     pipeline's, with pp > 1). It holds only the values that differ from their field's default (``values``, in
@@ -201,7 +201,7 @@ class CostModel:
         self._plans: dict = {}
         self._choices: dict = {}
         self.searched: set = set()  # the plugin fields the search has tried (``plugin_choices``)
-        self.savers: set = set()  # those of them offered as memory savers (``ultrascale_search_savers``)
+        self.savers: set = set()  # those of them offered as memory savers (``ultrascale_cost_search_savers``)
         self._flops_token = None  # model FLOPs per token of the workload (the MFU's numerator per token)
         self._experts = None  # a mixture of experts' routed experts: ``expert_figures``
 
@@ -232,9 +232,9 @@ class CostModel:
         return self._runnable[key]
 
     def plugin_choices(self, lay: Layout, world: int, savers: int = 0) -> list[dict]:
-        """Every combination of the values the plugins offer for ``lay`` (``ultrascale_search_choices``), as
+        """Every combination of the values the plugins offer for ``lay`` (``ultrascale_cost_search_choices``), as
         dicts of field values; ``[{}]`` when none offers any. ``savers`` 1: instead, every combination of those
-        with the memory savers that cost time (``ultrascale_search_savers(lossy=False)``), each also at its
+        with the memory savers that cost time (``ultrascale_cost_search_savers(lossy=False)``), each also at its
         current value, less the combinations with none of them on (the first pass costed those); 2: every
         combination with those and the ones that change the numbers (``lossy=True``) with at least one of the
         latter on. ``[]`` when none is offered."""
@@ -245,13 +245,13 @@ class CostModel:
             return self._choices[key]
         config = self.pm.resolve(lay.config(), world, check=False)
         args = dict(config=config, model_config=self.spec.config, world_size=world)
-        offered = self._offers("ultrascale_search_choices", self.pm.hook.ultrascale_search_choices(**args), {})
+        offered = self._offers("ultrascale_cost_search_choices", self.pm.hook.ultrascale_cost_search_choices(**args), {})
         combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
         if savers:
-            saving = self._offers("ultrascale_search_savers",
-                                  self.pm.hook.ultrascale_search_savers(**args, lossy=False), offered)
-            lossy = {} if savers < 2 else self._offers("ultrascale_search_savers",
-                                                       self.pm.hook.ultrascale_search_savers(**args, lossy=True),
+            saving = self._offers("ultrascale_cost_search_savers",
+                                  self.pm.hook.ultrascale_cost_search_savers(**args, lossy=False), offered)
+            lossy = {} if savers < 2 else self._offers("ultrascale_cost_search_savers",
+                                                       self.pm.hook.ultrascale_cost_search_savers(**args, lossy=True),
                                                        {**offered, **saving})
             self.savers.update(saving, lossy)
             every = {name: list(dict.fromkeys([getattr(config, name)] + values))
@@ -275,7 +275,7 @@ class CostModel:
                                       "itself. Fix: offer only your plugin's own layout fields")
                 if name not in declared:
                     raise ConfigError(f"{hook} offered {name}={values!r}, but no plugin declares a layout field "
-                                      f"'{name}'. Fix: declare it (ultrascale_add_fields) or offer a declared field")
+                                      f"'{name}'. Fix: declare it (ultrascale_declare_fields) or offer a declared field")
                 if name in offered or name in taken:
                     raise ConfigError(f"{hook}: two plugins offer values of '{name}' ({ {**taken, **offered}[name]!r} "
                                       f"and {values!r}). Fix: offer only your plugin's own layout fields")

@@ -3,7 +3,7 @@ pipeline schedule as a timeline (ranks x time, forward / backward / idle), drawn
 draws them.
 
 The timeline comes from the pipeline plugin's simulator (``dims/pipeline/timeline.py``, through
-``ultrascale_schedule_timeline``): each schedule is an order of actions per pipeline rank, scheduled as soon as
+``ultrascale_cost_schedule_timeline``): each schedule is an order of actions per pipeline rank, scheduled as soon as
 its rank is free and what it waits for has finished.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ MAX_DRAWN_MICROBATCHES = 16
 def schedule_timeline(schedule: str, p: int, m: int, v: int = 1, pm=None) -> list[list[tuple]]:
     """Per pipeline rank, its actions as (start, end, kind, micro-batch, chunk), kind in F / B / W, in time units
     of one forward of one micro-batch on one stage: the pipeline plugin's simulation of ``schedule`` with ``p``
-    ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_schedule_timeline``).
+    ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_cost_schedule_timeline``).
     """
     if pm is None:  # the plan command's plot, a front end: the process's registry
         from ..core.registry import default_registry
 
         pm = default_registry()
-    timeline = pm.hook.ultrascale_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
+    timeline = pm.hook.ultrascale_cost_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
                                                                        virtual_stages=v)
     if timeline is None:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: no installed plugin draws it")

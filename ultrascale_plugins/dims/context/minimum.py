@@ -1,4 +1,4 @@
-"""Context parallel's least communication for one optimizer step on one rank (``ultrascale_comm_minimum``), in the
+"""Context parallel's least communication for one optimizer step on one rank (``ultrascale_cost_comm_minimum``), in the
 notation of ``interface.comm_minimum``: the ring passes keys and values cp-1 times forward and keys, values and
 their gradients backward; Ulysses exchanges q, k, v and the output forward and their gradients backward."""
 from __future__ import annotations

@@ -2,16 +2,16 @@
 
 Built only on the public hooks, as a third-party dimension would be:
 
-- fields ``cp`` and ``cp_method`` (``ultrascale_add_fields``); a mesh axis ``cp`` whose ranks hold different tokens
-  of the same rows, so gradients are averaged and valid tokens counted over it (``ultrascale_mesh_axes``);
+- fields ``cp`` and ``cp_method`` (``ultrascale_declare_fields``); a mesh axis ``cp`` whose ranks hold different tokens
+  of the same rows, so gradients are averaged and valid tokens counted over it (``ultrascale_declare_mesh_axes``);
 - checks before any process group (``ultrascale_validate_config`` / ``ultrascale_validate_model``): a meta-device
   run of the model with a probe in place of attention shows that every decoder layer's attention goes through
   transformers' ``AttentionInterface``, with what arguments, and that nothing else would see a split sequence;
 - the transform (stage ``cp``, after tensor parallel): the model's config selects this rank's
   ring / Ulysses attention function, registered in ``AttentionInterface``;
-- every step (``ultrascale_shard_batch``): the head-tail split of token ids, targets, global positions and the
+- every step (``ultrascale_step_shard_batch``): the head-tail split of token ids, targets, global positions and the
   padding mask (``cp_layout``);
-- costs (``ultrascale_estimate``): the other dimensions' per-rank terms for ``seq_len / cp`` tokens, plus the
+- costs (``ultrascale_cost_estimate``): the other dimensions' per-rank terms for ``seq_len / cp`` tokens, plus the
   key/value traffic of the ring or the all-to-alls.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ _names = itertools.count(1)
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("cp", int, 1, "context-parallel degree: the sequence of every row is split over cp ranks", minimum=1,
                ask="Context-parallel degree, splitting each sequence")
     fields.add("cp_method", str, "ring", "ring: keys/values travel round the cp ranks (any head count); ulysses: "
@@ -46,7 +46,7 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     return [MeshAxis("cp", config.cp, after="dp_shard", reduces_grads=True, counts_tokens=True)]
 
 
@@ -86,7 +86,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     # after tensor parallel: attention then runs on this rank's heads
     return [Stage("cp", attend_across_ranks, after=("tp",), axes=("cp",), active=config.cp > 1,
                   does=f"the sequence split over {config.cp} ranks, attention {config.cp_method} across them")]
@@ -111,14 +111,14 @@ def attend_across_ranks(model, ctx):
 
 @hookimpl
 @step("cp")
-def ultrascale_shard_batch(batch, ctx):
+def ultrascale_step_shard_batch(batch, ctx):
     state = ctx.plugin_state.get("cp")
     if state is None:
         return
     state.document_mask = cp_layout.shard_batch(batch, state.size, state.rank)
 
 
-@hookimpl(specname="ultrascale_estimate")
+@hookimpl(specname="ultrascale_cost_estimate")
 @step("cp_tokens", before="split")
 def tokens_per_rank(config, model_config, shape, estimate):
     """First: every other dimension's per-rank terms are those of ``seq_len / cp`` tokens (the engine gives the
@@ -129,7 +129,7 @@ def tokens_per_rank(config, model_config, shape, estimate):
 
 @hookimpl
 @step("cp_exchanges", after="dp")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """After data parallel (the gradient bytes it left): the attention exchanges (bytes
     handed to the collectives, sends and receives both counted for the ring's point-to-point transfers): the ring
     (``cp_attention``) passes each layer's keys and values one hop per step, cp - 1 hops in the forward, again in
@@ -163,7 +163,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookimpl
-def ultrascale_comm_minimum(config, shape):
+def ultrascale_cost_comm_minimum(config, shape):
     """The least communication context parallel's ``cp`` axis needs for a step (``minimum``)."""
     from .minimum import context_minimum
 
@@ -178,14 +178,14 @@ def _cp_layout(world, per_node, model_config):
 
 
 @hookimpl
-def ultrascale_presets():
+def ultrascale_declare_presets():
     from ...interface.presets import Preset
 
     return [Preset("cp", "context parallel (ring attention) within a node, ZeRO-3 across", _cp_layout)]
 
 
 @hookimpl
-def ultrascale_accelerate_keys():
+def ultrascale_declare_accelerate_keys():
     # Accelerate's cp_size is its ring (torch) context parallel; sp_size its Ulysses sequence parallel
     return {"cp_size": ("cp", {}), "sp_size": ("cp", {"cp_method": "ulysses"})}
 

@@ -1,4 +1,4 @@
-"""Data parallel's least communication for one optimizer step on one rank (``ultrascale_comm_minimum``), in the
+"""Data parallel's least communication for one optimizer step on one rank (``ultrascale_cost_comm_minimum``), in the
 notation of ``interface.comm_minimum``: the gradients reduced once per step (Ψg) and the updated weights gathered
 once; ZeRO-2 keeps gradients sharded across accumulation, so it reduce-scatters every micro-batch, and ZeRO-3
 gathers every weight for each forward and each backward (with ``grad_sync: step``, both once per step). Each mesh

@@ -53,7 +53,7 @@ def _precision(value):
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("dp_replicate", int, 1, "replicated data-parallel degree (HSDP's replica groups)", minimum=1,
                ask="Replicated data-parallel degree, HSDP")
     fields.add("dp_shard", int, -1, "sharded data-parallel degree; -1 = the rest of the world", check=_dp_shard)
@@ -81,7 +81,7 @@ def ultrascale_add_fields(fields):
                "states in host memory (FSDP2's CPUOffloadPolicy): each group's weights are copied to the device for "
                "its forward and backward, its gradients back after their reduce-scatter, and the optimizer steps "
                "on the CPU")
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("fsdp_units", False, "each block is an FSDP2 unit of its own (ZeRO-2/3), so modules in a mesh view "
                                      "get FSDP2 groups over the view's axes")
     fields.fact("fsdp_shards", 1, "how many row shards FSDP2 cuts a block's parameters into (1: held whole)")
@@ -98,12 +98,12 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return layout_facts_of(config, degrees)
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     # inside the pipeline's stages; dp_shard inside dp_replicate (HSDP: shards within a replica)
     return [MeshAxis("dp_replicate", config.dp_replicate, after="pp", splits_rows=True, reduces_grads=True,
                      counts_tokens=True),
@@ -112,7 +112,7 @@ def ultrascale_mesh_axes(config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     axes = tuple(a for a in ("dp_replicate", "dp_shard") if getattr(config, a) != 1)
     return [Stage("param_dtype", cast_parameters, before=("split",), active=config.param_dtype != "fp32",
                   does=f"every weight held in {config.param_dtype} (gradients and optimizer states follow)"),
@@ -247,7 +247,7 @@ def _ignored(*args, **kwargs) -> None:
 
 
 @hookimpl
-def ultrascale_no_sync(pmodel):
+def ultrascale_step_no_sync(pmodel):
     """Gradient accumulation, before a step's last micro-batch. DDP's all-reduce and HSDP's all-reduce over the
     replicas wait for the last backward. FSDP2: with ``grad_sync: micro_batch`` its reduce-scatters still run after
     every micro-batch's backward, so gradients accumulate sharded; with ``step`` they wait too (every whole fp32
@@ -477,7 +477,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_prepare_optimizer(pmodel, optimizer):
+def ultrascale_step_optimizer(pmodel, optimizer):
     group = pmodel.dims.group(("dp_replicate", "dp_shard"))
     if pmodel.config.zero_stage != 1 or group is None or pmodel.dims.facts.states_sharded:  # ZeRO-1 on FSDP2: sharded already
         return None
@@ -486,7 +486,7 @@ def ultrascale_prepare_optimizer(pmodel, optimizer):
 
 @hookimpl
 @step("dp")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """At "dp", after the other dimensions: shards what the pipeline and tensor parallel left this rank."""
     from .costs import data_parallel_terms
 
@@ -494,7 +494,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookimpl
-def ultrascale_comm_minimum(config, shape):
+def ultrascale_cost_comm_minimum(config, shape):
     """The least communication of a step's gradients and weights over the axes that reduce gradients
     (``dp_replicate``, ``dp_shard``, ``cp``; a view's ``efsdp``) (``minimum``)."""
     from .minimum import data_parallel_minimum
@@ -521,7 +521,7 @@ def partitioned(optimizer, group):
 
 
 @hookimpl
-def ultrascale_search_savers(config, model_config, world_size, lossy):
+def ultrascale_cost_search_savers(config, model_config, world_size, lossy):
     """Only when nothing fits without them: offload (the same numbers; host memory, the host link's time, the
     optimizer on the CPU), for the candidates that run it; then bf16 weights, gradients and optimizer states
     (half the bytes; other numbers: pair them with stochastic rounding) where the compute is bf16 already."""
@@ -533,7 +533,7 @@ def ultrascale_search_savers(config, model_config, world_size, lossy):
 
 
 @hookimpl
-def ultrascale_presets():
+def ultrascale_declare_presets():
     from ...interface.presets import Preset
 
     return [Preset("zero3", "ZeRO-3 (FSDP2) over every device",
@@ -543,5 +543,5 @@ def ultrascale_presets():
 
 
 @hookimpl
-def ultrascale_accelerate_keys():
+def ultrascale_declare_accelerate_keys():
     return {"dp_replicate_size": ("dp_replicate", {}), "dp_shard_size": ("dp_shard", {})}

@@ -1,4 +1,4 @@
-"""Expert parallel's least communication for one optimizer step on one rank (``ultrascale_comm_minimum``), in the
+"""Expert parallel's least communication for one optimizer step on one rank (``ultrascale_cost_comm_minimum``), in the
 notation of ``interface.comm_minimum``: per MoE layer, each token's top-k copies dispatched and combined, forward
 and backward."""
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Built only on the public hooks, as a third-party dimension would be:
 
-- the field ``ep`` (``ultrascale_add_fields``) and a mesh view ``experts`` (``ultrascale_mesh_axes``): the ranks of
+- the field ``ep`` (``ultrascale_declare_fields``) and a mesh view ``experts`` (``ultrascale_declare_mesh_axes``): the ranks of
   dp_shard x cp x tp counted again as efsdp x ep (torchtitan's "dp2ep": ep borrows its ranks from data, context
   and tensor parallelism, so it adds nothing to the world size); ``efsdp`` = dp_shard*cp*tp / ep is the experts'
   own data-parallel degree;
-- the plan (``ultrascale_extend_plan``): the experts modules that transformers' expert-parallel plan names
+- the plan (``ultrascale_declare_plan_edit``): the experts modules that transformers' expert-parallel plan names
   (``base_model_ep_plan``'s ``ep_dispatch_experts`` entries, which the modeling files put on every experts module
   that goes through ``use_experts_implementation``) are taken out of the tensor-parallel plan (experts are not
   also split by TP: fine-grained experts are too thin, and every TP rank would repeat the exchange, as torchtitan
@@ -41,7 +41,7 @@ LAYOUT_FLAGS = ("has_gate", "is_transposed", "is_concatenated", "has_bias", "has
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("ep", int, 1, "expert-parallel degree: each rank holds 1/ep of every MoE layer's experts; the ep ranks "
                "are borrowed from dp_shard*cp*tp (which ep must divide), and the experts are sharded by ZeRO over the "
                "rest, efsdp = dp_shard*cp*tp/ep", minimum=1,
@@ -49,7 +49,7 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     if config.ep == 1:
         return []
     return [MeshView(VIEW, SOURCE, (MeshAxis("efsdp", -1, reduces_grads=True), MeshAxis("ep", config.ep)))]
@@ -107,7 +107,7 @@ def expert_parameters(model: nn.Module, plan) -> set[str]:
 
 
 @hookimpl
-def ultrascale_extend_plan(model, plan, config):
+def ultrascale_declare_plan_edit(model, plan, config):
     if config.ep == 1:
         return None
     found = experts_modules(model, plan)
@@ -185,7 +185,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("ep", shard_experts, after=("float8",), before=("tp",), axes=("ep",), active=config.ep > 1,
                   does=f"the experts split over {config.ep} ranks, tokens dispatched to them and back (all-to-all)")]
 
@@ -222,7 +222,7 @@ def shard_experts(model, ctx):
 
 @hookimpl
 @step("ep")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """Each rank holds 1/ep of the experts: the expert view's records cut on dim 0 (experts), before data
     parallelism shards them over efsdp. And the tokens travel (``ep_dispatch``): per MoE layer and micro-batch,
     the forward's dispatch and combine all-to-alls and their gradients' in the backward (and the forward's again
@@ -266,7 +266,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookimpl
-def ultrascale_comm_minimum(config, shape):
+def ultrascale_cost_comm_minimum(config, shape):
     """The least communication expert parallel's ``ep`` axis needs for a step (``minimum``)."""
     from .minimum import expert_minimum
 
@@ -274,7 +274,7 @@ def ultrascale_comm_minimum(config, shape):
 
 
 @hookimpl
-def ultrascale_presets():
+def ultrascale_declare_presets():
     from ...interface.presets import Preset
 
     def layout(world, per_node, model_config):
@@ -288,12 +288,12 @@ def ultrascale_presets():
 
 
 @hookimpl
-def ultrascale_accelerate_keys():
+def ultrascale_declare_accelerate_keys():
     return {"ep_size": ("ep", {})}
 
 
 @hookimpl
-def ultrascale_search_choices(config, model_config, world_size):
+def ultrascale_cost_search_choices(config, model_config, world_size):
     """The planner's expert-parallel degrees for a candidate layout: each ep (1 included) that divides both the
     experts per MoE layer and the ranks ep borrows (dp_shard*cp*tp). Only under ZeRO-2/3: the experts get FSDP2
     groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which the

@@ -1,4 +1,4 @@
-"""The pipeline's least communication for one optimizer step on one rank (``ultrascale_comm_minimum``), in the
+"""The pipeline's least communication for one optimizer step on one rank (``ultrascale_cost_comm_minimum``), in the
 notation of ``interface.comm_minimum``: each micro-batch's activation forward and its gradient back at every stage
 boundary this rank holds, the stages placed as the schedule places them (``split``)."""
 from __future__ import annotations

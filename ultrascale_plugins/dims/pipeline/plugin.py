@@ -37,7 +37,7 @@ def _split(value):
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1,
                ask="Pipeline-parallel degree")
     fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES,
@@ -50,7 +50,7 @@ def ultrascale_add_fields(fields):
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     return [MeshAxis("pp", config.pp)]  # outermost (stages talk least often): the other axes lie after it
 
 
@@ -141,7 +141,7 @@ def _layer_state(lm) -> str | None:
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("split", split_model, axes=("pp",), active=config.pp > 1, splits=True,
                   does=f"the layers cut into {config.pp * config.pp_virtual_stages} pipeline stages, "
                        f"{config.pp_virtual_stages} per rank, run by the {config.pp_schedule} schedule")]
@@ -201,7 +201,7 @@ def _pp_layout(world, per_node, model_config):
 
 @hookimpl
 @step("split")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """At the split, before the other dimensions: the rank's stages decide which parameters and layers they cost."""
     from .costs import pipeline_terms
 
@@ -209,7 +209,7 @@ def ultrascale_estimate(config, model_config, shape, estimate):
 
 
 @hookimpl
-def ultrascale_comm_minimum(config, shape):
+def ultrascale_cost_comm_minimum(config, shape):
     """The least communication the pipeline's ``pp`` axis needs for a step (``minimum``)."""
     from .minimum import pipeline_minimum
 
@@ -217,7 +217,7 @@ def ultrascale_comm_minimum(config, shape):
 
 
 @hookimpl
-def ultrascale_microbatches(config):
+def ultrascale_cost_microbatches(config):
     return microbatches(config) if config.pp > 1 else None
 
 
@@ -233,7 +233,7 @@ def ultrascale_cost_coordinates(config):
 
 
 @hookimpl
-def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages):
+def ultrascale_cost_schedule_timeline(schedule, stages, microbatches, virtual_stages):
     if schedule not in SCHEDULES:
         return None
     from .timeline import schedule_timeline
@@ -242,7 +242,7 @@ def ultrascale_schedule_timeline(schedule, stages, microbatches, virtual_stages)
 
 
 @hookimpl
-def ultrascale_presets():
+def ultrascale_declare_presets():
     from ...interface.presets import Preset
 
     return [Preset("pp", "pipeline parallel across nodes (2 stages on one node), 1F1B, ZeRO-3 over the rest",

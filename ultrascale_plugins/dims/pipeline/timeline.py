@@ -1,4 +1,4 @@
-"""A pipeline schedule as a timeline, for the planner's plot (``ultrascale_schedule_timeline``).
+"""A pipeline schedule as a timeline, for the planner's plot (``ultrascale_cost_schedule_timeline``).
 
 Each schedule is an order of actions per pipeline rank, and the start
 of every action is found by list scheduling, i.e. as soon as its rank is free and the action it waits for

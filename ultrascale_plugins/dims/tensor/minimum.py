@@ -1,4 +1,4 @@
-"""Tensor parallel's least communication for one optimizer step on one rank (``ultrascale_comm_minimum``):
+"""Tensor parallel's least communication for one optimizer step on one rank (``ultrascale_cost_comm_minimum``):
 Megatron-LM's count per block and at the ends of the model, in the notation of ``interface.comm_minimum``. Per
 layer and micro-batch two all-reduces of A forward and two backward (sequence parallel: an all-gather and a
 reduce-scatter in their place), one at each end the plan shards, and what the loss needs of the logits."""

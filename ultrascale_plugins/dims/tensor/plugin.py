@@ -40,26 +40,26 @@ from .styles import (
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("tp", int, 1, "tensor-parallel degree (within a node: the innermost mesh axis)", minimum=1,
                ask="Tensor-parallel degree")
     fields.add("sequence_parallel", bool, False, "Megatron-style sequence parallel between the TP regions (auto: "
                "on whenever tp > 1)", auto=lambda config: config.tp > 1,
                ask="Sequence parallel with tensor parallel", ask_when=lambda said: said.get("tp", 1) > 1)
     fields.add("loss_parallel", bool, False, "vocab-parallel cross entropy (the logits stay sharded over tp)")
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("sequence_sharded", False, "the activations between blocks are split over the sequence on the tp "
                                            "ranks (sequence parallel)")
     fields.fact("vocab_sharded_loss", False, "the head's logits stay split over the vocabulary into the loss")
 
 
 @hookimpl
-def ultrascale_mesh_axes(config):
+def ultrascale_declare_mesh_axes(config):
     return [MeshAxis("tp", config.tp, after="cp")]  # innermost: consecutive ranks share the fastest links
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     sharded = degrees.get("tp", 1) > 1
     return {"sequence_sharded": sharded and config.sequence_parallel in (True, "auto"),
             "vocab_sharded_loss": sharded and bool(config.loss_parallel)}
@@ -100,7 +100,7 @@ def ultrascale_validate_model(model, plan, config):
     if plan is None:
         raise ConfigError(
             f"tp={config.tp}: model type '{arch}' has no tensor-parallel plan. Fix: use tp: 1, or register a "
-            "plugin whose ultrascale_model_plan returns one")
+            "plugin whose ultrascale_declare_model_plan returns one")
     unknown = sorted({s for s in plan.tp_plan.values() if s not in KNOWN_STYLES and s not in plan.styles})
     if unknown:
         raise ConfigError(f"tp={config.tp}: model type '{arch}' uses tensor-parallel style(s) {unknown}, which this "
@@ -170,7 +170,7 @@ def _placement(style: str, fqn: str, ndim: int):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     sp = " + sequence parallel between them" if config.sequence_parallel else ""
     return [Stage("tp", shard_model, after=("float8", "ep"), axes=("tp",), active=config.tp > 1,
                   does=f"attention heads and MLP features split over {config.tp} ranks{sp}, the plan's styles")]
@@ -368,21 +368,21 @@ def _shard_named_params(model, plan, mesh, present) -> None:
 
 
 @hookimpl
-def ultrascale_checkpoint_view(tensor):
+def ultrascale_state_checkpoint_view(tensor):
     view = checkpoint_view(tensor)
     return None if view is tensor else view
 
 
 @hookimpl
 @step("tp")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     from .costs import tensor_parallel_terms
 
     tensor_parallel_terms(config, shape, estimate)
 
 
 @hookimpl
-def ultrascale_comm_minimum(config, shape):
+def ultrascale_cost_comm_minimum(config, shape):
     """The least communication tensor parallel's ``tp`` axis needs for a step (``minimum``)."""
     from .minimum import tensor_minimum
 
@@ -407,7 +407,7 @@ def _tp_layout(sequence_parallel: bool):
 
 @hookimpl
 @step("tp")
-def ultrascale_shard_batch(batch, ctx):
+def ultrascale_step_shard_batch(batch, ctx):
     """Sequence parallel splits each row's tokens evenly over tp (and, with context parallel, each cp rank's
     head-tail chunks): a length that does not divide is padded on the right first (``pad_sequence``: hidden from
     the real tokens by causality, its targets ignored). At "tp": before context parallel takes its part."""
@@ -418,7 +418,7 @@ def ultrascale_shard_batch(batch, ctx):
 
 
 @hookimpl
-def ultrascale_loss_context(pmodel):
+def ultrascale_step_loss_context(pmodel):
     """The vocabulary-parallel cross-entropy (``loss_parallel``): the head's logits stay sharded over TP."""
     if pmodel.config.loss_parallel and pmodel.dims.enabled("tp"):
         from torch.distributed.tensor.parallel import loss_parallel
@@ -428,7 +428,7 @@ def ultrascale_loss_context(pmodel):
 
 
 @hookimpl
-def ultrascale_presets():
+def ultrascale_declare_presets():
     from ...interface.presets import Preset
 
     return [Preset("tp", "tensor parallel within a node, ZeRO-3 across", _tp_layout(False)),
@@ -436,5 +436,5 @@ def ultrascale_presets():
 
 
 @hookimpl
-def ultrascale_accelerate_keys():
+def ultrascale_declare_accelerate_keys():
     return {"tp_size": ("tp", {})}

@@ -394,7 +394,7 @@ def make_style(name: str, *, sequence_parallel: bool, loss_parallel: bool, is_he
         return LocalParams(replicate_plain=True)
     usable = sorted(KNOWN_STYLES - PARAM_ONLY_STYLES)
     raise ConfigError(f"tp plan style '{name}' is not supported on a module. Fix: use one of {', '.join(usable)}, "
-                      "or register a plugin whose ultrascale_model_plan supplies a style of that name")
+                      "or register a plugin whose ultrascale_declare_model_plan supplies a style of that name")
 
 
 PARAM_ONLY_STYLES = {"packed_rowwise"}  # placements of parameters the plan names (param_placement), no module style

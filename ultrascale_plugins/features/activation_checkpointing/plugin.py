@@ -46,20 +46,20 @@ def _wrap(module: torch.nn.Module, selective: bool) -> None:
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("activation_checkpointing", str, "none", "recompute each decoder layer in backward: full, or "
                "selective (keep matmul and attention outputs)", choices=MODES)
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("recompute", "none", "what the backward recomputes of the forward: none, selective or full")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"recompute": config.activation_checkpointing}
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("ac", wrap_layers, after=("cp",), active=config.activation_checkpointing != "none",
                   does=f"each decoder layer recomputes its activations in backward ({config.activation_checkpointing})")]
 
@@ -74,7 +74,7 @@ def wrap_layers(model, ctx):
 
 @hookimpl
 @step("activations", after="split", before="ep")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """The activations of the whole layers the pipeline left this rank, before expert and tensor parallel cut
     their weights (the recomputation's FLOPs ratio is the whole layer's)."""
     from .costs import activation_terms

@@ -21,17 +21,17 @@ from .offloader import HostOffload, parameter_storages
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("activation_offload", bool, False, "hold what each decoder layer saves for its backward in host "
                "memory between its forward and its backward (copied out on a side stream on a GPU); with "
                "activation_checkpointing: full, the layers' inputs")
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("activations_offloaded", False, "what the decoder layers save for their backward is held in host "
                                                 "memory")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"activations_offloaded": bool(config.activation_offload)}
 
 
@@ -45,7 +45,7 @@ def ultrascale_validate_config(config, model_config, world_size):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("activation_offload", offload_layers, after=("ac",), before=("compile", "dp"),
                   active=bool(config.activation_offload),
                   does="what each decoder layer saves for its backward is held in host memory")]

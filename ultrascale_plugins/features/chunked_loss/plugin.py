@@ -67,15 +67,15 @@ class ChunkedHead(LossHead):
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("chunked_loss", int, 0, "compute the head and the loss this many tokens at a time, so no rank holds a "
                "micro-batch's logits (0: the whole micro-batch at once)", minimum=0)
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("loss_chunk", 0, "the head and the loss run this many tokens at a time (0: the whole logits at once)")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"loss_chunk": config.chunked_loss}
 
 
@@ -150,7 +150,7 @@ def _model_type(model) -> str:
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("chunked_loss", run_head_in_chunks, after=("split", "tp"), before=("dp",),
                   active=config.chunked_loss > 0,
                   does=f"the head and the loss run {config.chunked_loss} tokens at a time (no whole logits)")]
@@ -245,7 +245,7 @@ SEARCHED_CHUNK = 1024
 
 
 @hookimpl
-def ultrascale_search_savers(config, model_config, world_size, lossy):
+def ultrascale_cost_search_savers(config, model_config, world_size, lossy):
     """A memory saver (one more head matmul a step, the same numbers): the planner tries it only when nothing
     fits without it. Not offered for a model whose head it cannot run (a meta-device forward says, once per
     model)."""
@@ -273,7 +273,7 @@ def _runs_in_chunks(model_config) -> bool:
 
 @hookimpl
 @step("chunked_loss")
-def ultrascale_estimate(config, model_config, shape, estimate):
+def ultrascale_cost_estimate(config, model_config, shape, estimate):
     """The head's matmul once more per micro-batch (backward recomputes each chunk's logits). Its memory, one
     chunk's logits in place of the micro-batch's, is priced with the other activations (the loss's peak and a
     recomputed layer's are never alive together)."""

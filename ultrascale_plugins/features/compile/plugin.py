@@ -27,15 +27,15 @@ MODES = ("none", "regional")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"compiled": config.compile}
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("compile", str, "none", "regional: torch.compile each decoder layer (inductor), composed with every "
                "layout", choices=MODES)
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("compiled", "none", "how the decoder layers are compiled: regional (each by torch.compile) or none")
 
 
@@ -51,7 +51,7 @@ def ultrascale_validate_config(config, model_config, world_size):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("compile", compile_layers, after=("ac",), active=config.compile != "none",
                   does="each decoder layer compiled (torch.compile), with what the stages before put inside it")]
 

@@ -31,17 +31,17 @@ MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: the first GPUs with float8 te
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("float8", str, "none", "float8 matmuls in the decoder layers' Linear modules through torchao "
                "(the float8 extra: torchao): tensorwise (one scale per tensor) or rowwise (one "
                "per row: more accurate); weights and optimizer states keep their precision; needs a GPU "
                "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES)
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("float8", "none", "the float8 recipe the linear layers run (none: they do not)")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"float8": config.float8}
 
 
@@ -143,7 +143,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("float8", convert_layers, after=("split",), active=config.float8 != "none",
                   does=f"every convertible Linear of the decoder layers to float8 training ({config.float8})")]
 

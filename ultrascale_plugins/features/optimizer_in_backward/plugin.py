@@ -28,17 +28,17 @@ WHY = ("optimizer_in_backward=true steps each parameter inside the backward, as 
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("optimizer_in_backward", bool, False, "step the optimizer inside the backward, each parameter as "
                "soon as its gradient is reduced, and free that gradient: a rank holds one FSDP2 group's gradients "
                "at a time. ZeRO-2/3 only, one micro-batch per step, no pipeline, no global-norm clipping")
-    # the facts this plugin decides for the others (answered in ultrascale_layout_facts), with their defaults
+    # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("grads_freed_in_backward", False, "the optimizer steps each parameter inside the backward and frees "
                                                   "its gradient there, so no rank holds the step's gradients at once")
 
 
 @hookimpl
-def ultrascale_layout_facts(config, degrees):
+def ultrascale_declare_facts(config, degrees):
     return {"grads_freed_in_backward": bool(config.optimizer_in_backward)}
 
 
@@ -73,7 +73,7 @@ def ultrascale_validate_loop(config, micro_batches, max_grad_norm):
 
 
 @hookimpl
-def ultrascale_prepare_optimizer(pmodel, optimizer):
+def ultrascale_step_optimizer(pmodel, optimizer):
     if not pmodel.config.optimizer_in_backward:
         return None
     unclaimed = pmodel.gradients.unclaimed_axes
@@ -86,7 +86,7 @@ def ultrascale_prepare_optimizer(pmodel, optimizer):
 
 
 @hookimpl
-def ultrascale_no_sync(pmodel):
+def ultrascale_step_no_sync(pmodel):
     if not pmodel.config.optimizer_in_backward:
         return None
     raise ConfigError("optimizer_in_backward=true: gradient accumulation (no_sync before a step's last micro-batch) "

@@ -1,11 +1,11 @@
 """PEFT models (``peft.get_peft_model``: LoRA, DoRA, ...) handed to ``parallelize``.
 
 A PEFT model wraps the causal LM (``base_model.model``), so this plugin tells the engine where it is
-(``ultrascale_model_wrapper``, ``wrapper.PeftWrapper``): the plans of the wrapped model then apply through the wrapper, and ZeRO-3 shards
+(``ultrascale_declare_model_wrapper``, ``wrapper.PeftWrapper``): the plans of the wrapped model then apply through the wrapper, and ZeRO-3 shards
 each decoder layer on its own, adapters included, instead of gathering the whole model as one group. The frozen
 base has no gradients and no optimizer state: data parallel averages, and ZeRO shards, only what trains.
 
-Under tensor parallel each adapter follows its base layer's style (``ultrascale_extend_plan``); what it cannot
+Under tensor parallel each adapter follows its base layer's style (``ultrascale_declare_plan_edit``); what it cannot
 follow is refused before any process group (``ultrascale_validate_model``).
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _adapted(model, plan):
 
 
 @hookimpl
-def ultrascale_extend_plan(model, plan, config):
+def ultrascale_declare_plan_edit(model, plan, config):
     """Move each planned module PEFT wrapped onto its base layer (the style would otherwise shard the wrapper,
     adapters included), and shard the adapters to follow it (``_FOLLOWS``). A layer whose style adapters cannot
     follow keeps its entry; ``ultrascale_validate_model`` refuses it under tp > 1."""
@@ -154,7 +154,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 def _check_tensor_parallel(model, plan, facts) -> None:
-    """Under tp > 1 every adapter follows its base layer's style (``ultrascale_extend_plan`` moved those it could
+    """Under tp > 1 every adapter follows its base layer's style (``ultrascale_declare_plan_edit`` moved those it could
     onto their base layers, so a PEFT layer still in the plan is one it could not)."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
 

@@ -18,7 +18,7 @@ sum agrees within ``1e-9`` relative to ``sum |x| * w`` (resp. ``sum x**2``): sum
 about 1e-16, while a base that differs anywhere (another checkpoint, a cast to another dtype, a single weight moved
 by 1e-4) moves them by orders of magnitude more (the weights also make a permuted or transposed tensor differ).
 
-**Exports** (``ultrascale export --adapter`` / ``--merged``, through ``ultrascale_export``): the checkpoint also
+**Exports** (``ultrascale export --adapter`` / ``--merged``, through ``ultrascale_state_export``): the checkpoint also
 records each adapter's ``PeftConfig``, so PEFT's own files (``adapter_config.json``, ``adapter_model.safetensors``)
 are written from the checkpoint alone; a merged model takes the frozen base from a directory (``--base``, by
 default the command line's ``--init-from`` or the ``base_model_name_or_path`` PEFT recorded), checks it against
@@ -244,7 +244,7 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
 
 
 @hookimpl
-def ultrascale_state_dict(pmodel, state):
+def ultrascale_state_save(pmodel, state):
     model = pmodel.module
     if not is_peft_model(model):
         return
@@ -369,7 +369,7 @@ def _write_merged(checkpoint, saved: dict, out_dir: str, base: str | None, max_s
 
 
 @hookimpl
-def ultrascale_export(checkpoint, form, out_dir, base, max_shard_bytes):
+def ultrascale_state_export(checkpoint, form, out_dir, base, max_shard_bytes):
     saved = _saved(checkpoint)
     if saved is None:
         return None

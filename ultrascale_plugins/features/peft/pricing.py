@@ -1,7 +1,7 @@
 """What LoRA adds to a model, for the estimates: the factors of a PEFT model's LoRA layers, read from the model, and
 the factors ``peft.get_peft_model(model, LoraConfig(r=r, target_modules=target))`` would add to a model that has
 none (the planner's ``--peft lora``), with their shapes, as the installed peft builds them. Both through
-``ultrascale_adapter_factors``; the estimates build the parameter records from them (``interface.estimates``)."""
+``ultrascale_cost_adapter_factors``; the estimates build the parameter records from them (``interface.estimates``)."""
 from __future__ import annotations
 
 import warnings
@@ -17,7 +17,7 @@ from ...interface.hookspecs import hookimpl
 
 
 @hookimpl
-def ultrascale_adapter_factors(model, adapters):
+def ultrascale_cost_adapter_factors(model, adapters):
     if adapters is None:
         return held_factors(model) or None
     if adapters.method != "lora":

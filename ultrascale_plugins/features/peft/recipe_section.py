@@ -1,5 +1,5 @@
 """The recipe's ``peft:`` section (``ultrascale train``): LoRA adapters on the model, its base frozen, declared to
-the recipe through ``ultrascale_recipe_sections`` (``interface.recipe_section``). Read and checked before any worker
+the recipe through ``ultrascale_declare_recipe_sections`` (``interface.recipe_section``). Read and checked before any worker
 starts (every bad value one line naming ``peft.<field>``); the worker wraps the model it built on the meta device
 with ``peft.get_peft_model`` (``peft_model``) before ``parallelize``; a resume is refused when the checkpoint's
 adapters differ from the section's."""
@@ -189,9 +189,9 @@ def peft_model(model, spec: PeftSpec):
         raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
                           f"says: {said}. Fix: {fix}") from None
     if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
-        from .wrapper import ultrascale_model_wrapper  # this family's own wrapper of the PEFT model just made
+        from .wrapper import ultrascale_declare_model_wrapper  # this family's own wrapper of the PEFT model just made
 
-        ultrascale_model_wrapper(model).quantize_base(spec.quantize_base)
+        ultrascale_declare_model_wrapper(model).quantize_base(spec.quantize_base)
     return model
 
 
@@ -264,5 +264,5 @@ class PeftSection(RecipeSection):
 
 
 @hookimpl
-def ultrascale_recipe_sections():
+def ultrascale_declare_recipe_sections():
     return [PeftSection()]

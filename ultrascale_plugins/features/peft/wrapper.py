@@ -1,4 +1,4 @@
-"""A PEFT model as the engine sees it (``ultrascale_model_wrapper``): the causal LM at ``base_model.model``, the
+"""A PEFT model as the engine sees it (``ultrascale_declare_model_wrapper``): the causal LM at ``base_model.model``, the
 pretrained name of each entry and PEFT's initialization of its adapters (``meta``), its adapters saved in PEFT's own
 format (``adapters.save_adapters``)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ class PeftWrapper(ModelWrapper):
         configs = ", ".join(f"{getattr(c.peft_type, 'value', c.peft_type)} r={getattr(c, 'r', '?')}"
                             for c in self.model.peft_config.values())
         return (f"a PEFT model ({configs}) around the {type(self.inner).__name__}: the base frozen, each adapter "
-                "sharded as its base layer by every stage (ultrascale_extend_plan), data parallel reducing and "
+                "sharded as its base layer by every stage (ultrascale_declare_plan_edit), data parallel reducing and "
                 "sharding only what trains")
 
     def pretrained_name(self, name: str) -> str:
@@ -42,7 +42,7 @@ class PeftWrapper(ModelWrapper):
 
 
 @hookimpl
-def ultrascale_model_wrapper(model):
+def ultrascale_declare_model_wrapper(model):
     if not is_peft_model(model):
         return None
     inner = model.get_base_model()

@@ -1,7 +1,7 @@
 """Built-in plugin: a mixture of experts' router auxiliary (load-balancing) loss, as transformers adds it when the
 model's config has ``output_router_logits`` on, over the global batch (``global_loss``: the router statistics of
 every rank that holds other tokens gathered, the gradient kept on this rank's own). It reaches the step through
-``ultrascale_loss_terms``; a model whose causal-LM head computes the loss another way is refused before launch."""
+``ultrascale_step_loss_terms``; a model whose causal-LM head computes the loss another way is refused before launch."""
 from __future__ import annotations
 
 from ...interface.hookspecs import hookimpl
@@ -16,7 +16,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_loss_terms(pmodel, output, batch):
+def ultrascale_step_loss_terms(pmodel, output, batch):
     logits = getattr(output, "router_logits", None)
     if not logits:  # output_router_logits off, or no mixture of experts
         return None

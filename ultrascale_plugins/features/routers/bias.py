@@ -23,7 +23,7 @@ STATE = "router_bias"
 
 
 @hookimpl
-def ultrascale_add_fields(fields):
+def ultrascale_declare_fields(fields):
     fields.add("router_bias_update", float, 0.0, "auxiliary-loss-free load balancing (DeepSeek-V3): after each "
                "optimizer step, every router's e_score_correction_bias moves by this much towards equal expert "
                "loads, from the step's token counts over every rank; 0 = off (the bias stays as loaded)", minimum=0.0)
@@ -42,7 +42,7 @@ def ultrascale_validate_model(model, plan, config):
 
 
 @hookimpl
-def ultrascale_stages(config, model_config):
+def ultrascale_transform_stages(config, model_config):
     return [Stage("router_bias", count_routed_tokens, after=("float8",), before=("tp",),
                   active=bool(config.router_bias_update),
                   does="count each expert's routed tokens for the auxiliary-loss-free bias update")]
@@ -91,7 +91,7 @@ def _counter(counts, seen, ctx):
 
 
 @hookimpl
-def ultrascale_after_backward(pmodel):
+def ultrascale_step_after_backward(pmodel):
     counts = pmodel.ctx.plugin_state.get(STATE)
     if not counts:
         return
