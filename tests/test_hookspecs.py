@@ -186,3 +186,25 @@ def test_every_hook_is_named_after_its_group():
     for group, names in hookspecs.GROUPS.items():
         for name in names:
             assert name.startswith(f"ultrascale_{group}_"), f"{name} is in the {group} group"
+
+
+def test_a_hook_with_one_builtin_implementation_says_why_it_is_a_hook():
+    """A hook exists because a third party needs it: one the package implements once says that need in its
+    docstring ("Why a hook: ..."); a family's own needs are its objects' methods (a pipeline's ``Runtime``, PEFT's
+    ``ModelWrapper``, the chunked loss's ``LossHead``)."""
+    import ast
+    from pathlib import Path
+
+    from ultrascale_plugins.interface import hookspecs
+
+    root = Path(hookspecs.__file__).resolve().parents[1]
+    defined: dict = {}
+    for path in [*root.rglob("*.py"), *(root.parent / "integrations").glob("*.py")]:
+        if path.name == "hookspecs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("ultrascale_"):
+                defined[node.name] = defined.get(node.name, 0) + 1
+    for name in (n for names in hookspecs.GROUPS.values() for n in names):
+        if defined.get(name, 0) == 1:
+            assert "Why a hook: " in (getattr(hookspecs, name).__doc__ or ""), name

@@ -124,6 +124,9 @@ def ultrascale_declare_model_wrapper(model: nn.Module) -> ModelWrapper | None:
 
     Stops at the first non-None result.
 
+    Why a hook: a library that wraps the causal LM (an adapter library other than PEFT, a quantizing wrapper)
+    describes its own wrapper, so the plans, the weights and the saved form follow it.
+
     :param model: A model the engine or a front end holds: a wrapper (a PEFT model) or a causal LM itself.
     :return: A ``model_wrapper.ModelWrapper``, or None when ``model`` is not this plugin's (the engine then treats
         ``model`` as the causal LM itself).
@@ -176,6 +179,9 @@ def ultrascale_declare_recipe_sections() -> list[RecipeSection] | None:
     compares each through its ``recipe_section.RecipeSection``. Asked of every plugin; a name declared twice, or
     one of the recipe's own sections, is refused (``ConfigError``).
 
+    Why a hook: a plugin whose runs need settings of their own in the ``ultrascale train`` recipe (an adapter
+    method, a data mixture) owns a section, as PEFT owns ``peft:``.
+
     :return: ``recipe_section.RecipeSection`` objects, or None for none.
     """
 
@@ -188,6 +194,8 @@ def ultrascale_validate_choose_layout(config: ParallelConfig, model_config: Pret
     Asked first, before any check and any process group (``engine.validate``, a recipe's ``layout: auto``).
 
     Stops at the first non-None result.
+
+    Why a hook: a placement policy of one's own (a site's scheduler, another planner) answers ``layout: auto``.
 
     :param config: The layout as written.
     :param model_config: The model's Hugging Face config, or None when only the world is known.
@@ -226,6 +234,9 @@ def ultrascale_validate_loop(config: ParallelConfig, micro_batches: int, max_gra
     """Check the training loop a front end will run with this layout. Each front end asks before its
     first step, with its own settings (the recipe's ``train``, the Trainer's arguments, Lightning's ``Trainer``,
     Accelerate's accumulation).
+
+    Why a hook: a dimension that cannot run some training loops (accumulation, clipping) refuses them before the
+    first step, in every front end.
 
     :param config: The layout.
     :param micro_batches: Forwards and backwards per optimizer step (gradient accumulation).
@@ -293,6 +304,9 @@ def ultrascale_step_loss_context(pmodel: ParallelModel) -> AbstractContextManage
     vocabulary-parallel cross-entropy: torch's ``loss_parallel``). Every step enters every plugin's
     (``ParallelModel.loss_context``): the built-in one and a pipeline's schedule alike.
 
+    Why a hook: a loss that must run inside a context of its own (a vocabulary-parallel loss, a fused kernel's)
+    wraps the built-in step's and a pipeline's loss alike.
+
     :param pmodel: The ``ParallelModel`` whose loss runs.
     :return: A context manager, or None.
     """
@@ -305,6 +319,9 @@ def ultrascale_step_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[s
     (the token-counting axes), and on each rank the gradient of that rank's share, the shares' gradients summing over
     those ranks to the term's gradient (e.g. statistics gathered from every rank, the gradient kept on this rank's
     own). The engine folds each into the loss so that the step's value and gradient include it once.
+
+    Why a hook: an auxiliary loss of one's own (a router's load balance, a regularizer) joins the loss in every
+    front end, with the loss-scale rule applied to it.
 
     :param pmodel: The ``ParallelModel`` whose forward ran.
     :param output: The model's output (a pipeline's last stage: one holding ``logits`` and ``router_logits``).
@@ -330,6 +347,9 @@ def ultrascale_step_after_backward(pmodel: ParallelModel) -> None:
     counts). Called on every rank once the gradients of an optimizer step are complete and reduced (after the last
     micro-batch's backward, never inside ``no_sync``), before the optimizer steps.
 
+    Why a hook: work that needs the step's complete gradients or counts (a router's bias update, gradient
+    statistics) runs once per step, after every wrapper has reduced them.
+
     :param pmodel: The ``ParallelModel`` whose backward finished.
     :return: Nothing.
     """
@@ -342,6 +362,9 @@ def ultrascale_step_run(pmodel: ParallelModel, batch: dict[str, torch.Tensor], l
     (``@hookimpl(wrapper=True)``: ``loss = yield``).
 
     Stops at the first non-None result.
+
+    Why a hook: a step of one's own (another schedule, instrumentation) replaces or wraps the built-in one in every
+    front end.
 
     :param pmodel: The ``ParallelModel`` to train.
     :param batch: This rank's rows, as the data loader gives them (``ultrascale_step_shard_batch`` runs inside the step).
@@ -372,6 +395,8 @@ def ultrascale_state_load(pmodel: ParallelModel, state: PluginState) -> None:
     """Restore this dimension's entries once a checkpoint's model state is loaded (a sharded load,
     ``ParallelModel.load_state_dict``).
 
+    Why a hook: a plugin that saves state with ``ultrascale_state_save`` reads it back on resume, in any layout.
+
     :param pmodel: The ``ParallelModel`` loaded into.
     :param state: The ``protocols.PluginState`` as saved (``state.rank_local`` empty in another world size).
     :return: Nothing.
@@ -386,6 +411,9 @@ def ultrascale_state_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | Non
 
     Stops at the first non-None result.
 
+    Why a hook: a dimension that places tensors in pieces DCP cannot describe (a packed fused projection) lists
+    them, so checkpoints save and reshard them.
+
     :param tensor: A tensor of the model's or the optimizer's state.
     :return: The view DCP saves and loads (views of ``tensor``, so a load fills it), or None to save and load
         ``tensor`` as it is.
@@ -398,6 +426,8 @@ def ultrascale_state_export(checkpoint: SavedCheckpoint, form: str, out_dir: str
     (a PEFT model's): ``ultrascale export --adapter`` / ``--merged``, in one process.
 
     Stops at the first non-None result.
+
+    Why a hook: a model wrapper's own saved form (its library's files) is written by ``ultrascale export``.
 
     :param checkpoint: The ``protocols.SavedCheckpoint``: ``path``, ``meta``, ``config`` (its transformers
         config), ``names`` (the model tensors it holds) and ``read(names)``, those tensors whole on the CPU.
@@ -457,6 +487,8 @@ def ultrascale_cost_comm_minimum(config: ParallelConfig, shape: Shape) -> list[M
 def ultrascale_cost_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
     """Price this plugin's adapters: the factors they put on ``model``, so the estimates count them.
 
+    Why a hook: an adapter method of one's own is priced by the estimate and the planner as it will be held.
+
     :param model: The model to price.
     :param adapters: None for the factors ``model`` holds (a PEFT model's LoRA layers); an ``estimates.Adapters``
         whose ``method`` this plugin owns for those it would add to a model that has none, with their shapes (the
@@ -473,6 +505,9 @@ def ultrascale_cost_microbatches(config: ParallelConfig) -> int | None:
 
     Stops at the first non-None result.
 
+    Why a hook: a dimension that runs several micro-batches inside one step (a pipeline schedule) tells the recipe
+    and the estimate how many.
+
     :param config: The resolved layout.
     :return: The number of micro-batches, or None when this dimension does not decide it (no answer: 1).
     """
@@ -482,6 +517,9 @@ def ultrascale_cost_microbatches(config: ParallelConfig) -> int | None:
 def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] | None:
     """Name the ranks worth costing along this dimension's mesh axes. The planner estimates the ranks of
     every combination of every plugin's positions and takes the most loaded.
+
+    Why a hook: a dimension whose ranks carry different loads (a pipeline's first and last stages) names the ranks
+    worth costing.
 
     :param config: The layout being costed.
     :return: ``{axis: [index, ...]}``, the positions whose ranks can differ in cost (a pipeline's first, second and
@@ -498,6 +536,8 @@ def ultrascale_cost_search_choices(config: ParallelConfig, model_config: Pretrai
     (``ultrascale_validate_config``) and costed (``ultrascale_cost_estimate``) like any layout; the chosen layout carries
     them into the printed snippets and into ``layout: auto``. Values must keep the world size: a field that is an axis
     of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh.
+
+    Why a hook: a dimension's own fields are searched by the planner.
 
     :param config: The candidate: the built-in degrees, ZeRO stage and schedule, resolved for ``world_size``, with
         every plugin field at its default.
@@ -529,6 +569,8 @@ def ultrascale_cost_schedule_timeline(schedule: str, stages: int, microbatches: 
     """Simulate a schedule this dimension runs (a pipeline's), for the planner's plot.
 
     Stops at the first non-None result.
+
+    Why a hook: a pipeline schedule of one's own is drawn in the plan's plot.
 
     :param schedule: The schedule's name (``pp_schedule``).
     :param stages: The pipeline ranks.
