@@ -53,7 +53,8 @@ def find_causal_lm(module: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     child)."""
     from ..core.engine import causal_lm_of
 
-    found = [(name, child) for name, child in module.named_children() if causal_lm_of(child, default_registry()) is not None]
+    registry = default_registry()
+    found = [(name, child) for name, child in module.named_children() if causal_lm_of(child, registry) is not None]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
         raise ConfigError(f"the LightningModule holds {what} Hugging Face causal LM(s) as attributes. Fix: assign "
@@ -117,8 +118,9 @@ class _UltraScaleStrategyMixin:
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         try:
-            if preset is not None and preset not in default_registry().presets():
-                raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(default_registry().presets())}")
+            known = default_registry().presets()
+            if preset is not None and preset not in known:
+                raise ConfigError(f"preset={preset!r}: unknown. Fix: one of {', '.join(known)}")
             if preset == "default" and config is None and not fields and os.environ.get("ULTRASCALE_CONFIG"):
                 config, preset = os.environ["ULTRASCALE_CONFIG"], None
             self.preset = preset if (config is None and not fields) else None

@@ -331,7 +331,8 @@ def test_the_interface_runs_no_plugin():
             assert word not in text, f"interface/{path.name} uses {word!r}"
 
 
-# Where the process-wide registry may be reached: the front-end edge, each for the reason given. Below it (the
+# Where the process-wide registry may be reached (``default_registry()``, or ``given_or_default(pm)`` for a caller
+# that may give none): the front-end edge, each for the reason given. Below it (the
 # engine, the families, the ground), a registry is passed: the one a config was made under, or the caller's.
 DEFAULT_REGISTRY_EDGE = {
     "__init__": "the public API: us.get_plugin_manager(), us.register()",
@@ -351,7 +352,7 @@ DEFAULT_REGISTRY_EDGE = {
 
 def test_the_default_registry_is_reached_only_at_the_edge():
     calls = {module_name(p).removesuffix(".__init__") or "__init__" for p in MODULES
-             if re.search(r"\bdefault_registry\(\)", p.read_text()) and p.name != "registry.py"}
+             if re.search(r"\b(default_registry\(\)|given_or_default\()", p.read_text()) and p.name != "registry.py"}
     calls = {"__init__" if c == "" else c for c in calls}
     assert calls <= set(DEFAULT_REGISTRY_EDGE), f"the default registry reached below the edge: {calls - set(DEFAULT_REGISTRY_EDGE)}"
     assert set(DEFAULT_REGISTRY_EDGE) <= calls, f"stale entries: {set(DEFAULT_REGISTRY_EDGE) - calls}"

@@ -109,10 +109,9 @@ def export_form(checkpoint: str | Path, out_dir: str | Path, form: str, *, base:
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export target '{out}' is not empty. Fix: pass a new directory (nothing is "
                               "overwritten)")
-    if pm is None:  # the command line's ``ultrascale export``, a front end: the process's registry
-        from ..core.registry import default_registry
+    from ..core.registry import given_or_default  # the command line's ``ultrascale export``, a front end
 
-        pm = default_registry()
+    pm = given_or_default(pm)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.registry import given_or_default
 from .errors import CheckpointError
 
 SUFFIX = ".safetensors"
@@ -276,7 +277,7 @@ def plain_entries(model, keys, wrapper=None, pm=None) -> tuple[dict[str, str], l
     causal LM, as its pretrained files name it}, [keys a plugin introduced, which no file holds], the causal LM the
     plain names are of). A key no plugin answers for is its name without the wrapper's prefix; for a model that
     wraps nothing, every key is its own name. ``wrapper``: ``model``'s, when the caller asked for it already."""
-    wrapper = wrapper if wrapper is not None else _registry(pm).wrapper_of(model)
+    wrapper = wrapper if wrapper is not None else given_or_default(pm).wrapper_of(model)
     plain, introduced = {}, []
     for key in keys:
         name = wrapper.pretrained_name(key)
@@ -299,7 +300,7 @@ def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None
     ``initialize.ModelInit`` seeded with ``seed`` (default: ``torch.initial_seed()`` now, i.e. the last
     ``torch.manual_seed``): the same seed gives the same adapters in every layout. ``wrapper``: ``model``'s
     ``ModelWrapper``, when the caller asked the plugins already (asked here otherwise, once)."""
-    path, pm = Path(path), _registry(pm)
+    path, pm = Path(path), given_or_default(pm)
     wrapper = wrapper if wrapper is not None else pm.wrapper_of(model)
     found = file_tensors(path)
     if any(b.is_meta for b in model.buffers()):  # a meta build's buffers (rotary frequencies): no file holds them
@@ -343,10 +344,10 @@ def match_weights(model, path: str | Path, seed: int | None = None, wrapper=None
         from ..core.initialize import ModelInit
 
         init = ModelInit(model, seed, wrapper=wrapper)
-    return PretrainedWeights(pm=pm, path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
+    return PretrainedWeights(path=path, sources={key: sources[name] for key, name in plain.items() if name in sources},
                              unexpected=sorted(k for k in found if k not in read),
                              fused={key: fused[name] for key, name in plain.items() if name in fused},
-                             introduced=introduced, init=init, wrapper=wrapper)
+                             introduced=introduced, init=init, wrapper=wrapper, pm=pm)
 
 
 def assembled(groups: dict[str, FusedSource], found: dict, state: dict, wanted: set[str],
@@ -418,17 +419,9 @@ def weights_for(model, init_from: str | Path | None, seed: int | None = None, pm
         return None
     if any(b.is_meta for b in model.buffers()):
         fill_buffers(model)
-    pm = _registry(pm)
+    pm = given_or_default(pm)
     wrapper = pm.wrapper_of(model)
     if source is None:
         return ModelInit(model, seed, wrapper=wrapper)
     return match_weights(model, source, seed, wrapper, pm)
 
-
-def _registry(pm):
-    """``pm``, or the process's registry for a caller that gives none (a script or front end reading weights)."""
-    if pm is not None:
-        return pm
-    from ..core.registry import default_registry
-
-    return default_registry()

@@ -122,8 +122,8 @@ class Registry(pluggy.PluginManager):
         for result in self.hook.ultrascale_declare_mesh_axes(config=config):
             for axis in result or []:
                 if not isinstance(axis, (MeshAxis, MeshView)):
-                    raise ConfigError(f"a plugin's ultrascale_declare_mesh_axes returned {axis!r}. Fix: return MeshAxis or "
-                                      "MeshView values")
+                    raise ConfigError(f"a plugin's ultrascale_declare_mesh_axes returned {axis!r}. Fix: return "
+                                      "MeshAxis or MeshView values")
                 seen = views if isinstance(axis, MeshView) else axes
                 if axis.name in seen:
                     what = "view" if isinstance(axis, MeshView) else "axis"
@@ -139,8 +139,9 @@ class Registry(pluggy.PluginManager):
         message only: each plugin's hook is called alone, through pluggy)."""
         out = []
         everyone = self.get_plugins()
-        for impl in reversed(self.hook.ultrascale_declare_mesh_axes.get_hookimpls()):  # pluggy calls from the list's end
-            alone = self.subset_hook_caller("ultrascale_declare_mesh_axes", [p for p in everyone if p is not impl.plugin])
+        hook = "ultrascale_declare_mesh_axes"
+        for impl in reversed(getattr(self.hook, hook).get_hookimpls()):  # pluggy calls from the list's end
+            alone = self.subset_hook_caller(hook, [p for p in everyone if p is not impl.plugin])
             if any(axis.name == name for result in alone(config=config) for axis in result or []):
                 out.append(impl.plugin_name)
         return out
@@ -193,8 +194,8 @@ class Registry(pluggy.PluginManager):
 
     def facts(self, config) -> LayoutFacts:
         """The facts of ``config`` (resolved or not): its axes' degrees and every plugin's answers to
-        ``ultrascale_declare_facts``, each fact at its owner's default unless the owner answers it; a fact no plugin declares,
-        or answered by a plugin other than its owner, is refused naming the plugins."""
+        ``ultrascale_declare_facts``, each fact at its owner's default unless the owner answers it; a fact no plugin
+        declares, or one answered by a plugin other than its owner, is refused naming the plugins."""
         try:
             return self._cached("facts", config, lambda: self._facts(config))
         except TypeError:  # an unhashable stand-in for a config: not cached
@@ -211,9 +212,9 @@ class Registry(pluggy.PluginManager):
             answer = impl.function(config=config, degrees=degrees) or {}
             for name, value in answer.items():
                 if name not in declared:
-                    raise ConfigError(f"plugin '{impl.plugin_name}' answers the layout fact '{name}', which no plugin "
-                                      f"declares. Fix: declare it in its ultrascale_declare_fields (fields.fact('{name}', "
-                                      f"default, help)), or answer one of {', '.join(declared)}")
+                    raise ConfigError(f"plugin '{impl.plugin_name}' answers the layout fact '{name}', which no "
+                                      "plugin declares. Fix: declare it in its ultrascale_declare_fields "
+                                      f"(fields.fact('{name}', default, help)), or answer one of {', '.join(declared)}")
                 if declared[name].plugin != impl.plugin_name:
                     raise ConfigError(f"the layout fact '{name}' is declared by '{declared[name].plugin}' and answered "
                                       f"by '{impl.plugin_name}'. Fix: leave it to its owner, or declare a fact of "
@@ -229,9 +230,9 @@ class Registry(pluggy.PluginManager):
         given = {"config": config, "model_config": model_config}
         for impl in reversed(self.hook.ultrascale_transform_stages.get_hookimpls()):  # pluggy calls from the list's end
             if impl.hookwrapper or impl.wrapper:
-                raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_transform_stages: stages are ordered by their "
-                                  "after/before names, not by wrapping. Fix: return Stage objects from a plain "
-                                  "hookimpl")
+                raise ConfigError(f"plugin {impl.plugin_name} wraps ultrascale_transform_stages: stages are ordered "
+                                  "by their after/before names, not by wrapping. Fix: return Stage objects from a "
+                                  "plain hookimpl")
             # called per plugin to know whose stage is whose; with the arguments it takes, as pluggy would
             for stage in impl.function(**{k: v for k, v in given.items() if k in impl.argnames}) or ():
                 out.append(dataclasses.replace(stage, plugin=impl.plugin_name))
@@ -326,6 +327,12 @@ def default_registry() -> Registry:
     if _default is None:
         _default = make_registry()
     return _default
+
+
+def given_or_default(pm: Registry | None) -> Registry:
+    """``pm``, or the process-wide registry for a caller at the front-end edge that gives none (a script reading
+    weights, ``ultrascale plan`` / ``export``, a recipe read from its file)."""
+    return pm if pm is not None else default_registry()
 
 
 ParallelConfig.default_registry = staticmethod(default_registry)  # what a config made without one is made under

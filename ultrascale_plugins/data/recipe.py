@@ -22,12 +22,10 @@ def recipe_sections(pm=None) -> dict:
     """{name: ``RecipeSection``} of the sections the plugins of ``pm`` declare (``ultrascale_declare_recipe_sections``:
     PEFT's ``peft``); a name declared twice, or one of the recipe's own, is refused. Without ``pm``: the process's
     registry (a recipe read from its file, before any layout is made)."""
-    if pm is None:
-        from ..core.registry import default_registry
+    from ..core.registry import given_or_default
 
-        pm = default_registry()
     out: dict = {}
-    for answer in pm.hook.ultrascale_declare_recipe_sections():
+    for answer in given_or_default(pm).hook.ultrascale_declare_recipe_sections():
         for section in answer or ():
             if section.name in OWN_SECTIONS or section.name in out:
                 raise ConfigError(f"recipe section '{section.name}' is declared twice (by {type(section).__name__}). "

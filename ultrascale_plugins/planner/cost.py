@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..core.registry import given_or_default
 from ..interface.config import ConfigError, ParallelConfig
 
 # Global constants (not per row, not per model): see docs/planner.md.
@@ -196,7 +197,7 @@ class CostModel:
     def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
         self.spec, self.hw, self.work = spec, hardware, workload
         self.c = {**CONSTANTS, **(constants or {})}
-        self.pm = pm if pm is not None else _default()
+        self.pm = given_or_default(pm)
         self._runnable: dict = {}
         self._plans: dict = {}
         self._choices: dict = {}
@@ -530,13 +531,10 @@ def _field_value(field, key: str, text: str):
         raise ConfigError(f"--layout: {key}={text}: {exc}") from None
 
 
-def _default():
-    """The process's registry: the planner is a front end's (``ultrascale plan``, ``layout: auto`` through the
-    config's own registry), and a ``Layout`` or ``CostModel`` made without one is made under it."""
-    from ..core.registry import default_registry
-
-    return default_registry()
-
 
 def _fields():
-    return _default().fields
+    """The layout fields a ``Layout`` made without a registry is checked against: the process's (``ultrascale plan``
+    is a front end's; ``layout: auto`` costs through the config's own registry)."""
+    from ..core.registry import default_registry
+
+    return default_registry().fields

@@ -92,10 +92,11 @@ class ModelSpec:
     @classmethod
     def of(cls, model_config, name: str = "", pm=None) -> "ModelSpec":
         from ..core.inventory import inventory
+        from ..core.registry import given_or_default
 
         model_config = without_storage_dtype(model_config)
         model = meta_model(model_config)
-        records = inventory(model, pm=_registry(pm))
+        records = inventory(model, pm=given_or_default(pm))
         total = sum(r.numel for r in records)
         active = sum(r.numel * r.active for r in records)
         embed = model.get_input_embeddings()
@@ -107,8 +108,9 @@ class ModelSpec:
         """The model's parameter inventory (``core.inventory.inventory``), with ``adapters`` as PEFT would add
         them: the frozen base and the trainable factors."""
         from ..core.inventory import inventory
+        from ..core.registry import given_or_default
 
-        return inventory(meta_model(self.config), None, adapters, pm=_registry(pm))
+        return inventory(meta_model(self.config), None, adapters, pm=given_or_default(pm))
 
     def trainable_params(self, adapters=None) -> int:
         """Parameters that get gradients and optimizer states: all of them, or the adapters' factors."""
@@ -130,12 +132,3 @@ class ModelSpec:
         heads = mc.num_attention_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
         return 6 * (self.active_params - self.embedding_params) + 12 * mc.num_hidden_layers * heads * head_dim * seq_len
-
-
-def _registry(pm):
-    """``pm``, or the process's registry (the planner is a front end's: ``ultrascale plan``)."""
-    if pm is not None:
-        return pm
-    from ..core.registry import default_registry
-
-    return default_registry()

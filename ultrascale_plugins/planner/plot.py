@@ -23,12 +23,10 @@ def schedule_timeline(schedule: str, p: int, m: int, v: int = 1, pm=None) -> lis
     of one forward of one micro-batch on one stage: the pipeline plugin's simulation of ``schedule`` with ``p``
     ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_cost_schedule_timeline``).
     """
-    if pm is None:  # the plan command's plot, a front end: the process's registry
-        from ..core.registry import default_registry
+    from ..core.registry import given_or_default  # the plan command's plot, a front end
 
-        pm = default_registry()
-    timeline = pm.hook.ultrascale_cost_schedule_timeline(schedule=schedule, stages=p, microbatches=m,
-                                                                       virtual_stages=v)
+    timeline = given_or_default(pm).hook.ultrascale_cost_schedule_timeline(schedule=schedule, stages=p,
+                                                                           microbatches=m, virtual_stages=v)
     if timeline is None:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: no installed plugin draws it")
     return timeline
