@@ -292,3 +292,42 @@ def test_the_layout_line_says_every_field_a_run_sets_away_from_its_default():
     assert line(2, tp=2, sequence_parallel="auto", mixed_precision="bf16") == "tp=2 + sequence parallel x bf16"
     assert line(4, pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, activation_checkpointing="full") == \
         "pp=2 (interleaved_1f1b, 2 stages/rank) x dp_shard=2 (ZeRO-3) x activation checkpointing=full"
+
+
+def test_the_layout_line_is_worded_by_the_plugins_that_declare_axes_and_fields():
+    """Each part of the layout line comes from a declaration: an axis words itself after ``name=degree``
+    (``MeshAxis.words``; the fields it says, ``says``, are not said again), in mesh order, and a field worded by
+    its plugin (``fields.add(..., words=)``) is said so when set away from its default. The line's module names
+    no family's field: the built-in ones word themselves the same way."""
+    import inspect
+
+    from ultrascale_plugins.core.registry import make_registry
+    from ultrascale_plugins.interface import parallel_dims
+    from ultrascale_plugins.interface.parallel_dims import ParallelDims
+
+    class Acme:
+        @us.hookimpl
+        def ultrascale_declare_fields(self, fields):
+            fields.add("acme_dp", int, 1, "acme replica groups", minimum=1)
+            fields.add("acme_mode", str, "fast", "how acme replicas talk", choices=("fast", "slow"))
+            fields.add("acme_dtype", str, "fp32", "acme's dtype", choices=("fp32", "fp8"), words=lambda v: f"acme {v}")
+
+        @us.hookimpl
+        def ultrascale_declare_mesh_axes(self, config):
+            return [us.MeshAxis("acme_dp", config.acme_dp, after="dp_replicate", before="dp_shard", reduces_grads=True,
+                                words=f"({config.acme_mode} replicas)", says="acme_mode")]
+
+    registry = make_registry(load_entry_points=False)
+    registry.register(Acme(), name="acme")
+
+    def line(world, **fields):
+        return ParallelDims(registry.config(**fields).resolve(world), world).describe()
+
+    assert line(16, acme_dp=2, acme_mode="slow", acme_dtype="fp8", tp=2, cp=2, zero_stage=2) == \
+        "acme_dp=2 (slow replicas) x dp_shard=2 (ZeRO-2) x cp=2 (ring) x tp=2 x acme fp8"
+    # an axis of degree 1 is no part of the line, so the fields its words would say are said by name
+    assert line(2, acme_mode="slow") == "dp_shard=2 (ZeRO-3) x acme_mode=slow"
+    source = inspect.getsource(parallel_dims)
+    for name in ("zero_stage", "sequence_parallel", "pp_schedule", "activation_checkpointing", "mixed_precision",
+                 "_method", "ZeRO", "dp_shard\"", "\"tp\""):
+        assert name not in source, name

@@ -52,7 +52,9 @@ class Field:
     also take the value ``"auto"``, which ``ParallelConfig.resolve`` replaces by ``auto(resolved_config)``.
     ``ask``: the question ``ultrascale accelerate-config --interactive`` asks for the field ("": it is left at its
     default), asked when ``ask_when(answers so far)`` is true, or always without one (``pp_schedule`` is asked
-    once ``pp`` > 1)."""
+    once ``pp`` > 1). ``words``: how the layout line (``ParallelDims.describe``) says a value set away from the
+    default (a function of the value, e.g. ``"activation checkpointing=full"``); without it, a flag switched on is
+    said by its name and any other value as ``name=value``."""
 
     name: str
     type: type
@@ -66,6 +68,13 @@ class Field:
     auto: Callable[[Any], Any] | None = None
     ask: str = ""
     ask_when: Callable[[dict], bool] | None = None
+    words: Callable[[Any], str] | None = None
+
+    def said(self, value: Any) -> str:
+        """``value`` (away from the default) as the layout line says it."""
+        if self.words is not None:
+            return self.words(value)
+        return self.name if value is True else f"{self.name}={value}"
 
     def asked(self, answers: dict) -> bool:
         """Whether the interactive configuration asks for this field, given the ``answers`` so far."""
@@ -136,12 +145,12 @@ class Fields:
         self.facts[name] = Fact(name, default, help, self.plugin)
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
-            optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None) -> None:
+            optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None, words=None) -> None:
         if name in self.by_name:
             raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
                               f"'{self.plugin}'. Fix: rename one of them")
         field = Field(name, type, default, help, self.plugin, tuple(choices) if choices is not None else None,
-                      minimum, optional, check, auto, ask, ask_when)
+                      minimum, optional, check, auto, ask, ask_when, words)
         if default is not None or not optional:
             field.validate(default)  # a plugin's own default must be valid
         self.by_name[name] = field

@@ -25,6 +25,10 @@ class MeshAxis:
       claims the axis (``ctx.claim_grad_reduction``: FSDP and DDP do it themselves).
     - ``counts_tokens``: each rank along it holds different tokens, so the loss's valid-token count and the loss
       value are summed over it.
+    - ``words``: what the layout line (``ParallelDims.describe``) says after ``name=degree`` when the axis is live,
+      e.g. ``"(ZeRO-3)"`` or ``"+ sequence parallel"``: the axis's plugin words its own settings, so the line
+      needs no knowledge of any family. ``says``: the fields those words say already (a name or a tuple of
+      names), which the line's list of changed fields then leaves out.
 
     In a ``MeshView`` the view's tuple gives the order, and ``after`` / ``before`` are left empty.
     """
@@ -36,10 +40,16 @@ class MeshAxis:
     splits_rows: bool = False
     reduces_grads: bool = False
     counts_tokens: bool = False
+    words: str = dataclasses.field(default="", compare=False)  # how the layout line is said: no part of the mesh
+    says: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):  # a single name may be given as a plain string
-        object.__setattr__(self, "after", as_names(self.after))
-        object.__setattr__(self, "before", as_names(self.before))
+        for names in ("after", "before", "says"):
+            object.__setattr__(self, names, as_names(getattr(self, names)))
+
+    def describe(self) -> str:
+        """This axis's part of the layout line: ``name=degree``, then its plugin's ``words``."""
+        return f"{self.name}={self.degree}" + (f" {self.words}" if self.words else "")
 
 
 @dataclasses.dataclass(frozen=True)

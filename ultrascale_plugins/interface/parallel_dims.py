@@ -22,17 +22,19 @@ from .mesh_axes import MeshAxis
 
 def changed_fields(config, said: set[str]) -> list[str]:
     """The fields of ``config`` set away from their plugins' defaults, other than ``said``, as the layout line says
-    them (a flag switched on by its name, the rest as name=value): read from the fields the plugins declare, so a
-    feature needs no line of its own here to be shown. A field left "auto" is compared with what its plugin
-    derives (it is no setting of the user's)."""
+    them (``Field.said``: the field's own ``words``, else a flag switched on by its name and the rest as name=value):
+    read from the fields the plugins declare, so a feature needs no line of its own here to be shown. The fields
+    their plugins word come first (the features a run turned on, said as a reader knows them), each group in
+    declaration order. A field left "auto" is compared with what its plugin derives (it is no setting of the
+    user's)."""
     from .fields import AUTO
 
     out = []
-    for field in config.registry.fields:
+    for field in sorted(config.registry.fields, key=lambda f: f.words is None):  # stable: declaration order kept
         value = getattr(config, field.name)
         default = field.auto(config) if field.auto is not None and field.default == AUTO else field.default
         if field.name not in said and value != default:
-            out.append(field.name if value is True else f"{field.name}={value}")
+            out.append(field.said(value))
     return out
 
 
@@ -129,38 +131,18 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The layout in one line, as every front end logs the one it applied (``ultrascale: N processes, layout
-        ...``): the built-in axes with their settings, then any other plugin's axes and views, then every other
-        field the layout sets away from its default (``changed_fields``: the memory features a run turned on)."""
-        cfg, parts = self.config, []
-        # the fields the parts below say; the degrees of every axis (a degree of 1 says nothing)
-        said = {a.name for a in self.axes} | {a.name for v in self.views.values() for a in v.axes} | {
-            "activation_checkpointing", "mixed_precision"}
-        if cfg.pp > 1:
-            v = f", {cfg.pp_virtual_stages} stages/rank" if cfg.pp_virtual_stages > 1 else ""
-            parts.append(f"pp={cfg.pp} ({cfg.pp_schedule}{v})")
-            said |= {"pp_schedule", "pp_virtual_stages"}
-        if cfg.dp_replicate > 1:
-            parts.append(f"dp_replicate={cfg.dp_replicate}")
-        if cfg.dp_shard > 1:
-            parts.append(f"dp_shard={cfg.dp_shard} " + ("(plain data parallel: DDP, a whole copy per rank)"
-                                                         if cfg.zero_stage == 0 else f"(ZeRO-{cfg.zero_stage})"))
-            said.add("zero_stage")
-        if cfg.tp > 1:
-            parts.append(f"tp={cfg.tp}" + (" + sequence parallel" if cfg.sequence_parallel else ""))
-            said.add("sequence_parallel")
-        for axis in self.live_axes:  # the other plugins' axes (context parallel, third parties')
-            if axis.name not in ("pp", "dp_replicate", "dp_shard", "tp"):
-                method = getattr(cfg, f"{axis.name}_method", None)
-                parts.append(f"{axis.name}={axis.degree}" + (f" ({method})" if method else ""))
-                said.add(f"{axis.name}_method")
-        for view in self.views.values():  # axes carved from the layout's ranks (expert parallel: efsdp x ep)
+        ...``): each live axis in mesh order as its plugin words it (``MeshAxis.describe``), then the views, then
+        every other field the layout sets away from its default (``changed_fields``: the memory features a run
+        turned on). Every word comes from a plugin's declaration, so a third party's axis or field is said as a
+        built-in one is."""
+        parts = [axis.describe() for axis in self.live_axes]
+        for view in self.views.values():  # axes carved from the layout's ranks
             parts.append(f"{view.name} over {', '.join(f'{a.name}={a.degree}' for a in view.axes)} "
                          f"(the ranks of {'*'.join(view.source)})")
-        if cfg.activation_checkpointing != "none":
-            parts.append(f"activation checkpointing={cfg.activation_checkpointing}")
-        if cfg.mixed_precision != "no":
-            parts.append(cfg.mixed_precision)
-        parts += changed_fields(cfg, said)
+        # the fields the parts above say: the degrees of every axis (a degree of 1 says nothing), the live axes' words
+        said = {a.name for a in self.axes} | {a.name for v in self.views.values() for a in v.axes}
+        said.update(name for axis in self.live_axes for name in axis.says)
+        parts += changed_fields(self.config, said)
         return " x ".join(parts) or "single process"
 
     # ---- the mesh -------------------------------------------------------------------------------------

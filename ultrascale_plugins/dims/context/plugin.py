@@ -47,7 +47,8 @@ def ultrascale_declare_fields(fields):
 
 @hookimpl
 def ultrascale_declare_mesh_axes(config):
-    return [MeshAxis("cp", config.cp, after="dp_shard", reduces_grads=True, counts_tokens=True)]
+    return [MeshAxis("cp", config.cp, after="dp_shard", reduces_grads=True, counts_tokens=True,
+                     words=f"({config.cp_method})", says="cp_method")]
 
 
 def _heads(model_config):

@@ -73,7 +73,7 @@ def ultrascale_declare_fields(fields):
                "weights gathered once); auto: step for zero_stage 0 and 1 and inside a pipeline, else micro_batch",
                choices=("auto", "micro_batch", "step"), auto=grad_sync)
     fields.add("mixed_precision", str, "no", "bf16: compute in bfloat16, reduce and keep weights in fp32",
-               choices=("no", "bf16", "fp16"), check=_precision, ask="Mixed precision")
+               choices=("no", "bf16", "fp16"), check=_precision, ask="Mixed precision", words=str)
     fields.add("param_dtype", str, "fp32", "the dtype the weights, their gradients and the optimizer states are held "
                "in: fp32, or bf16 (everything bfloat16, torchtune's dtype: bf16; half the bytes, pair it with a "
                "stochastic-rounding optimizer so small updates are not lost)", choices=("fp32", "bf16"))
@@ -105,10 +105,12 @@ def ultrascale_declare_facts(config, degrees):
 @hookimpl
 def ultrascale_declare_mesh_axes(config):
     # inside the pipeline's stages; dp_shard inside dp_replicate (HSDP: shards within a replica)
+    stage = config.zero_stage
     return [MeshAxis("dp_replicate", config.dp_replicate, after="pp", splits_rows=True, reduces_grads=True,
                      counts_tokens=True),
             MeshAxis("dp_shard", config.dp_shard, after="dp_replicate", splits_rows=True, reduces_grads=True,
-                     counts_tokens=True)]
+                     counts_tokens=True, says="zero_stage",
+                     words="(plain data parallel: DDP, a whole copy per rank)" if stage == 0 else f"(ZeRO-{stage})")]
 
 
 @hookimpl

@@ -51,7 +51,10 @@ def ultrascale_declare_fields(fields):
 
 @hookimpl
 def ultrascale_declare_mesh_axes(config):
-    return [MeshAxis("pp", config.pp)]  # outermost (stages talk least often): the other axes lie after it
+    stages = f", {config.pp_virtual_stages} stages/rank" if config.pp_virtual_stages > 1 else ""
+    # outermost (stages talk least often): the other axes lie after it
+    return [MeshAxis("pp", config.pp, words=f"({config.pp_schedule}{stages})",
+                     says=("pp_schedule", "pp_virtual_stages"))]
 
 
 @hookimpl

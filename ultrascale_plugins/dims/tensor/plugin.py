@@ -55,7 +55,9 @@ def ultrascale_declare_fields(fields):
 
 @hookimpl
 def ultrascale_declare_mesh_axes(config):
-    return [MeshAxis("tp", config.tp, after="cp")]  # innermost: consecutive ranks share the fastest links
+    # innermost: consecutive ranks share the fastest links
+    return [MeshAxis("tp", config.tp, after="cp", words="+ sequence parallel" if config.sequence_parallel else "",
+                     says="sequence_parallel")]
 
 
 @hookimpl

@@ -48,7 +48,8 @@ def _wrap(module: torch.nn.Module, selective: bool) -> None:
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("activation_checkpointing", str, "none", "recompute each decoder layer in backward: full, or "
-               "selective (keep matmul and attention outputs)", choices=MODES)
+               "selective (keep matmul and attention outputs)", choices=MODES,
+               words=lambda mode: f"activation checkpointing={mode}")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("recompute", "none", "what the backward recomputes of the forward: none, selective or full")
 
