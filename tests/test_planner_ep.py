@@ -1,4 +1,4 @@
-"""The planner searches the layout fields plugins declare (``ultrascale_cost_search_choices``), with expert parallelism
+"""The planner searches the layout fields plugins declare (``ultrascale_cost_search``), with expert parallelism
 as the built-in case: its degrees are tried for every candidate, its all-to-all is priced on the links an ep group
 spans, and ``ultrascale plan`` offers EP layouts for Qwen3-30B-A3B and DeepSeek-V3."""
 import json
@@ -11,6 +11,7 @@ import ultrascale_plugins as us
 from models import make_config
 from ultrascale_plugins import hookimpl
 from ultrascale_plugins.cli.main import main as cli
+from ultrascale_plugins.interface.search_offer import SearchOffer
 from ultrascale_plugins.planner.cost import CostModel, Layout, Workload, layout_from_string
 from ultrascale_plugins.planner.hardware import PRESETS
 from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config
@@ -33,8 +34,8 @@ class AcmeKernel:
         fields.add("acme_gemm", str, "slow", "test plugin: a kernel choice", choices=("slow", "fast"))
 
     @hookimpl
-    def ultrascale_cost_search_choices(self, config, model_config, world_size):
-        return {"acme_gemm": ["slow", "fast"]}
+    def ultrascale_cost_search(self, config, model_config, world_size):
+        return SearchOffer(choices={"acme_gemm": ["slow", "fast"]})
 
     @hookimpl
     def ultrascale_cost_estimate(self, config, model_config, shape, estimate):
@@ -85,8 +86,8 @@ def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
 def test_a_wrong_offer_names_the_field_the_value_and_the_fix(answer, message):
     class Wrong:
         @hookimpl
-        def ultrascale_cost_search_choices(self, config, model_config, world_size):
-            return answer
+        def ultrascale_cost_search(self, config, model_config, world_size):
+            return SearchOffer(choices=answer)
 
     us.register(Wrong(), name="wrong_offer")
     try:
@@ -95,6 +96,20 @@ def test_a_wrong_offer_names_the_field_the_value_and_the_fix(answer, message):
         assert "Fix" in str(info.value) and next(iter(answer)) in str(info.value)
     finally:
         us.unregister(name="wrong_offer")
+
+
+def test_an_answer_that_is_no_search_offer_names_the_fix():
+    class Bare:
+        @hookimpl
+        def ultrascale_cost_search(self, config, model_config, world_size):
+            return {"ep": [1, 2]}
+
+    us.register(Bare(), name="bare_offer")
+    try:
+        with pytest.raises(us.ConfigError, match="not a SearchOffer. Fix: return SearchOffer"):
+            search(_cost(make_config("llama")), 2)
+    finally:
+        us.unregister(name="bare_offer")
 
 
 def test_expert_parallel_offers_its_degrees_under_zero_2_and_3_only():
@@ -217,7 +232,7 @@ def test_a_plan_of_exact_names_expands_as_the_wildcards_did():
 
 def test_memory_savers_are_searched_only_when_nothing_fits():
     """The chunked loss saves memory at the price of one more head matmul, offload at the host link's, bf16 states
-    at a price in precision: the planner tries the first two (a second pass, ``ultrascale_cost_search_savers``) only
+    at a price in precision: the planner tries the first two (a second pass, ``ultrascale_cost_search``'s savers) only
     when no layout fits without them, the third only when none fits with the first two either."""
     import dataclasses
 

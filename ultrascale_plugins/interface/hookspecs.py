@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .presets import Preset
     from .protocols import ModelPlan, ParallelContext, ParallelModel, PluginState, SavedCheckpoint
     from .recipe_section import RecipeSection
+    from .search_offer import SearchOffer
     from .stages import Stage
 
 PROJECT = "ultrascale_plugins"
@@ -528,39 +529,25 @@ def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] 
 
 
 @hookspec
-def ultrascale_cost_search_choices(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> dict[str, list] | None:
+def ultrascale_cost_search(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> SearchOffer | None:
     """Offer values of this plugin's layout fields worth costing with a candidate of the planner's search
-    (``ultrascale plan``, ``layout: auto``). List the default too when the candidate without this plugin's feature is
-    worth costing (expert parallelism: ``{"ep": [1, 2, 4, 8]}``, the degrees that divide the experts and
-    dp_shard*cp*tp). The search costs every combination of every plugin's values with the candidate, each checked
+    (``ultrascale plan``, ``layout: auto``), as a ``search_offer.SearchOffer``: ``choices`` tried with every candidate
+    (expert parallelism: ``{"ep": [1, 2, 4, 8]}``, the degrees that divide the experts and dp_shard*cp*tp; list the
+    default too when the candidate without the feature is worth costing), ``savers`` that save memory at a price in
+    time, tried once no layout fits without them (the chunked loss: ``{"chunked_loss": [1024]}``; data parallel:
+    ``{"cpu_offload": [True]}``), then ``lossy`` ones that change the numbers, tried once none fits with the savers
+    alone (``{"param_dtype": ["bf16"]}``). The search costs every combination of every plugin's values with the
+    candidate (savers and lossy values with the field's current value too), each checked
     (``ultrascale_validate_config``) and costed (``ultrascale_cost_estimate``) like any layout; the chosen layout carries
-    them into the printed snippets and into ``layout: auto``. Values must keep the world size: a field that is an axis
-    of a ``MeshView`` or no mesh axis at all, not a degree that multiplies the layout's mesh.
-
-    Why a hook: a dimension's own fields are searched by the planner.
+    them into the printed snippets and into ``layout: auto``, with what each saver costs against the same layout
+    without it. Values must keep the world size: a field that is an axis of a ``MeshView`` or no mesh axis at all,
+    not a degree that multiplies the layout's mesh.
 
     :param config: The candidate: the built-in degrees, ZeRO stage and schedule, resolved for ``world_size``, with
         every plugin field at its default.
     :param model_config: The model's Hugging Face config.
     :param world_size: The number of GPUs the search is for.
-    :return: ``{field: [value, ...]}``, or None (or ``{}``) when this plugin has nothing to try with it.
-    """
-
-
-@hookspec
-def ultrascale_cost_search_savers(config: ParallelConfig, model_config: PretrainedConfig, world_size: int,
-                             lossy: bool) -> dict[str, list] | None:
-    """Offer values of this plugin's layout fields that save memory at a price, worth costing with a
-    candidate (as ``ultrascale_cost_search_choices``) only when nothing fits without them. The planner searches the first
-    kind once no layout fits without them, the second once none fits with the first kind alone, each in every
-    combination with the field's current value, and says what each costs against the same layout without it.
-
-    :param config: The candidate, as for ``ultrascale_cost_search_choices``.
-    :param model_config: The model's Hugging Face config.
-    :param world_size: The number of GPUs the search is for.
-    :param lossy: False: values that cost time (a loss computed in chunks, states held on the host); True: values
-        that change the numbers (states held in bf16).
-    :return: ``{field: [value, ...]}``, or None (or ``{}``) for none.
+    :return: A ``SearchOffer`` of ``{field: [value, ...]}`` dicts, or None when this plugin has nothing to try with it.
     """
 
 
@@ -595,6 +582,6 @@ GROUPS = {
     "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view",
               "ultrascale_state_export"),
     "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum", "ultrascale_cost_adapter_factors",
-             "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search_choices",
-             "ultrascale_cost_search_savers", "ultrascale_cost_schedule_timeline"),
+             "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search",
+             "ultrascale_cost_schedule_timeline"),
 }

@@ -73,7 +73,7 @@ def detect_hardware(world_size: int):
 
 # the fields an auto layout resets where the chosen layout leaves them out: those the search chooses itself
 # (``cost.SEARCH_SETS``), ``layout``, and the two that follow the degrees it picks (a manual split of the layers or of
-# the logits is for the manual degrees); the plugin fields the search tried (``ultrascale_cost_search_choices``) too
+# the logits is for the manual degrees); the plugin fields the search tried (``ultrascale_cost_search``) too
 FOLLOW_THE_DEGREES = {"loss_parallel", "pp_split"}
 
 

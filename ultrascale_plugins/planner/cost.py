@@ -36,7 +36,7 @@ CONSTANTS = {
 GB = 1e9
 # the layout fields the planner's search chooses itself (``search.layouts``: degrees, ZeRO stage, recomputation,
 # schedule, precision) or derives from its batch split (``pp_microbatches``); a plugin offers values only for its
-# other fields (``ultrascale_cost_search_choices`` / ``ultrascale_cost_search_savers``), which the label names one by one
+# other fields (``ultrascale_cost_search``), which the label names one by one
 SEARCH_SETS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "cp", "mixed_precision",
                          "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches",
                          "pp_virtual_stages", "cp_method"})
@@ -200,9 +200,10 @@ class CostModel:
         self.pm = given_or_default(pm)
         self._runnable: dict = {}
         self._plans: dict = {}
+        self._offered: dict = {}  # per candidate: its resolved config and the plugins' ``SearchOffer``s
         self._choices: dict = {}
         self.searched: set = set()  # the plugin fields the search has tried (``plugin_choices``)
-        self.savers: set = set()  # those of them offered as memory savers (``ultrascale_cost_search_savers``)
+        self.savers: set = set()  # those of them offered as memory savers (a ``SearchOffer``'s savers and lossy)
         self._flops_token = None  # model FLOPs per token of the workload (the MFU's numerator per token)
         self._experts = None  # a mixture of experts' routed experts: ``expert_figures``
 
@@ -233,27 +234,23 @@ class CostModel:
         return self._runnable[key]
 
     def plugin_choices(self, lay: Layout, world: int, savers: int = 0) -> list[dict]:
-        """Every combination of the values the plugins offer for ``lay`` (``ultrascale_cost_search_choices``), as
-        dicts of field values; ``[{}]`` when none offers any. ``savers`` 1: instead, every combination of those
-        with the memory savers that cost time (``ultrascale_cost_search_savers(lossy=False)``), each also at its
-        current value, less the combinations with none of them on (the first pass costed those); 2: every
-        combination with those and the ones that change the numbers (``lossy=True``) with at least one of the
-        latter on. ``[]`` when none is offered."""
+        """Every combination of the values the plugins offer for ``lay`` (``ultrascale_cost_search``: their
+        ``choices``), as dicts of field values; ``[{}]`` when none offers any. ``savers`` 1: instead, every
+        combination of those with the memory savers that cost time (their ``savers``), each also at its current
+        value, less the combinations with none of them on (the first pass costed those); 2: every combination with
+        those and the ones that change the numbers (their ``lossy``) with at least one of the latter on. ``[]`` when
+        none is offered."""
         import itertools
 
         key = (lay.values, savers)
         if key in self._choices:
             return self._choices[key]
-        config = self.pm.resolve(lay.config(), world, check=False)
-        args = dict(config=config, model_config=self.spec.config, world_size=world)
-        offered = self._offers("ultrascale_cost_search_choices", self.pm.hook.ultrascale_cost_search_choices(**args), {})
+        config, answers = self._search_offers(lay, world)
+        offered = self._offers("choices", [a.choices for a in answers], {})
         combos = [dict(zip(offered, values)) for values in itertools.product(*offered.values())] or [{}]
         if savers:
-            saving = self._offers("ultrascale_cost_search_savers",
-                                  self.pm.hook.ultrascale_cost_search_savers(**args, lossy=False), offered)
-            lossy = {} if savers < 2 else self._offers("ultrascale_cost_search_savers",
-                                                       self.pm.hook.ultrascale_cost_search_savers(**args, lossy=True),
-                                                       {**offered, **saving})
+            saving = self._offers("savers", [a.savers for a in answers], offered)
+            lossy = {} if savers < 2 else self._offers("lossy", [a.lossy for a in answers], {**offered, **saving})
             self.savers.update(saving, lossy)
             every = {name: list(dict.fromkeys([getattr(config, name)] + values))
                      for name, values in {**saving, **lossy}.items()}
@@ -264,9 +261,26 @@ class CostModel:
         self._choices[key] = combos
         return combos
 
-    def _offers(self, hook: str, answers, taken: dict) -> dict:
-        """The plugins' answers to ``hook``, checked: only declared plugin fields, each offered by one plugin
-        (not in ``taken`` either), as non-empty lists of valid values."""
+    def _search_offers(self, lay: Layout, world: int) -> tuple:
+        """(``lay``'s config resolved for ``world``, the plugins' ``SearchOffer``s for it): the hook is asked once
+        per candidate, whichever of its parts a pass takes."""
+        from ..interface.search_offer import SearchOffer
+
+        if lay.values not in self._offered:
+            config = self.pm.resolve(lay.config(), world, check=False)
+            answers = self.pm.hook.ultrascale_cost_search(config=config, model_config=self.spec.config,
+                                                          world_size=world)
+            for answer in answers:
+                if not isinstance(answer, SearchOffer):
+                    raise ConfigError(f"ultrascale_cost_search answered {answer!r}, not a SearchOffer. Fix: return "
+                                      "SearchOffer(choices={field: [value, ...]}) (interface.search_offer) or None")
+            self._offered[lay.values] = (config, answers)
+        return self._offered[lay.values]
+
+    def _offers(self, part: str, answers, taken: dict) -> dict:
+        """The plugins' ``part`` of their ``SearchOffer``s, checked: only declared plugin fields, each offered by
+        one plugin (not in ``taken`` either), as non-empty lists of valid values."""
+        hook = f"ultrascale_cost_search ({part})"
         declared = self.pm.fields
         offered: dict = {}
         for answer in answers:

@@ -131,7 +131,7 @@ def breakdown(r: Result) -> str:
 
 
 def saver_costs(best: Result, cost) -> str:
-    """What each memory saver of the chosen layout (``ultrascale_cost_search_savers``: searched because no layout fit
+    """What each memory saver of the chosen layout (``ultrascale_cost_search``: searched because no layout fit
     without them) costs against the same layout without it; "" when it has none."""
     parts = []
     for name, value in best.layout.extra.items():

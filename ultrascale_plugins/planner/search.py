@@ -3,9 +3,9 @@
 Degrees are divisors of the GPU count (TP inside a node, PP at most one stage per layer, CP only where each rank
 keeps at least 4k tokens), every ZeRO stage, micro-batches that split the global batch, and for pipelines the
 1F1B, interleaved and zero-bubble V schedules; with each, every combination of the values the plugins offer for
-their own layout fields (``ultrascale_cost_search_choices``: expert parallelism's degrees). Recomputation is tried only
-when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
-time otherwise. What saves memory at a price (``ultrascale_cost_search_savers``) is searched only when no layout fits
+their own layout fields (``ultrascale_cost_search``'s choices: expert parallelism's degrees). Recomputation is tried
+only when a layout does not fit without it, and larger micro-batches only while the smaller ones fit: both only add
+time otherwise. What saves memory at a price (the offers' savers, then lossy) is searched only when no layout fits
 without it: first what costs time (the chunked loss, states on the host), then what changes the numbers (states in
 bf16). Among the layouts that fit, those with room for the memory estimate's error rank first (``headroom``);
 when none has that room, ``room_elsewhere`` looks for it on more GPUs and with the memory savers.
@@ -185,7 +185,7 @@ def room_elsewhere(cost: CostModel, world: int, ranked: list[Result], margin: fl
     """When no layout of ``world`` GPUs leaves ``margin`` free (``ranked``: the search's results, best first): the
     smallest count of more GPUs (doublings, up to ``MORE_GPUS_FACTOR`` times) whose search has a layout that does,
     and the fastest layout with the degrees of the ``SAVER_DEGREES`` best ones and memory savers on
-    (``ultrascale_cost_search_savers``: those that cost time, then, with ``lossy``, those that change the numbers) that
+    (``ultrascale_cost_search``'s savers, then, with ``lossy``, its lossy ones, which change the numbers) that
     does. Each is the planner's own search, nothing extrapolated."""
     limit = cost.hw.memory_gb
     found = RoomElsewhere()

@@ -523,15 +523,17 @@ def partitioned(optimizer, group):
 
 
 @hookimpl
-def ultrascale_cost_search_savers(config, model_config, world_size, lossy):
-    """Only when nothing fits without them: offload (the same numbers; host memory, the host link's time, the
-    optimizer on the CPU), for the candidates that run it; then bf16 weights, gradients and optimizer states
-    (half the bytes; other numbers: pair them with stochastic rounding) where the compute is bf16 already."""
-    if lossy:
-        return {"param_dtype": ["bf16"]} if config.param_dtype == "fp32" and config.mixed_precision == "bf16" else None
-    if config.cpu_offload or offload_refusal(config) is not None:
-        return None
-    return {"cpu_offload": [True]}
+def ultrascale_cost_search(config, model_config, world_size):
+    """Memory savers, tried only when nothing fits without them: offload (the same numbers; host memory, the host
+    link's time, the optimizer on the CPU), for the candidates that run it; then, lossy, bf16 weights, gradients and
+    optimizer states (half the bytes; other numbers: pair them with stochastic rounding) where the compute is bf16
+    already."""
+    from ...interface.search_offer import SearchOffer
+
+    offloads = not config.cpu_offload and offload_refusal(config) is None
+    halves = config.param_dtype == "fp32" and config.mixed_precision == "bf16"
+    return SearchOffer(savers={"cpu_offload": [True]} if offloads else {},
+                       lossy={"param_dtype": ["bf16"]} if halves else {})
 
 
 @hookimpl

@@ -293,13 +293,15 @@ def ultrascale_declare_accelerate_keys():
 
 
 @hookimpl
-def ultrascale_cost_search_choices(config, model_config, world_size):
-    """The planner's expert-parallel degrees for a candidate layout: each ep (1 included) that divides both the
-    experts per MoE layer and the ranks ep borrows (dp_shard*cp*tp). Only under ZeRO-2/3: the experts get FSDP2
-    groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which the
-    search does not run)."""
+def ultrascale_cost_search(config, model_config, world_size):
+    """The planner's expert-parallel degrees for a candidate layout (its choices): each ep (1 included) that divides
+    both the experts per MoE layer and the ranks ep borrows (dp_shard*cp*tp). Only under ZeRO-2/3: the experts get
+    FSDP2 groups of their own over efsdp, which data parallelism refuses under ZeRO-0/1 (a check on the model, which
+    the search does not run)."""
+    from ...interface.search_offer import SearchOffer
+
     count = routed_experts(model_config) if model_config is not None else None
     if count is None or not layout_facts(config).fsdp_units:
         return None
     borrowed = _borrowed(config)[1]
-    return {"ep": [d for d in range(1, borrowed + 1) if borrowed % d == 0 and count % d == 0]}
+    return SearchOffer(choices={"ep": [d for d in range(1, borrowed + 1) if borrowed % d == 0 and count % d == 0]})

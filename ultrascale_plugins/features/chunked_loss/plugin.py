@@ -245,13 +245,15 @@ SEARCHED_CHUNK = 1024
 
 
 @hookimpl
-def ultrascale_cost_search_savers(config, model_config, world_size, lossy):
+def ultrascale_cost_search(config, model_config, world_size):
     """A memory saver (one more head matmul a step, the same numbers): the planner tries it only when nothing
     fits without it. Not offered for a model whose head it cannot run (a meta-device forward says, once per
     model)."""
-    if lossy or model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
+    from ...interface.search_offer import SearchOffer
+
+    if model_config is None or config.chunked_loss or not _runs_in_chunks(model_config):
         return None
-    return {"chunked_loss": [SEARCHED_CHUNK]}
+    return SearchOffer(savers={"chunked_loss": [SEARCHED_CHUNK]})
 
 
 _RUNS: dict = {}
