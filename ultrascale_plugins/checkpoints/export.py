@@ -7,8 +7,8 @@ named as transformers' own ``save_pretrained`` names them (a MoE model's fused e
     ultrascale export runs/ckpt/step-00000040 out/adapter --adapter          # a PEFT model's: PEFT's own files
     ultrascale export runs/ckpt/step-00000040 out/merged --merged [--base DIR]  # adapters folded into the base
 
-The forms a model's own library defines (``--adapter``, ``--merged``) are written by the plugin that owns that kind
-of model (``ultrascale_state_export``; PEFT's: ``features/peft/checkpoints.py``), from the tensors read here.
+The forms a model's own library defines (``--adapter``, ``--merged``) are written by that library, as its plugin
+declares it (``WrapperLibrary.export``; PEFT's: ``features/peft/checkpoints.py``), from the tensors read here.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def verify_contents(checkpoint: Path, meta: dict) -> None:
 
 
 class SavedCheckpoint:
-    """A sharded checkpoint as a plugin's ``ultrascale_state_export`` sees it: ``path``, ``meta`` (its
+    """A sharded checkpoint as a wrapper library's ``export`` sees it: ``path``, ``meta`` (its
     ``ultrascale.json``), ``config`` (the transformers config it was saved with), ``names`` (the model tensors it
     holds, sorted) and ``read(names)``: those tensors, whole, on the CPU (every rank's shards gathered by DCP, in
     this one process)."""
@@ -101,7 +101,8 @@ def export_form(checkpoint: str | Path, out_dir: str | Path, form: str, *, base:
     """Write ``out_dir`` in a form the checkpoint's model defines (``"adapter"``: a PEFT model's adapters in PEFT's
     files, for ``PeftModel.from_pretrained(base, out_dir)``; ``"merged"``: a plain transformers model with the
     adapters merged into the frozen base, read from ``base`` or the base the checkpoint records). Runs in one
-    process; the plugin owning the model writes it (``ultrascale_state_export``). Nothing is left behind on failure."""
+    process; the first library whose ``WrapperLibrary.export`` answers writes it. Nothing is left behind on
+    failure."""
     if form not in FORMS:
         raise CheckpointError(f"export form '{form}' is not one of {', '.join(FORMS)}")
     checkpoint, out = Path(checkpoint), Path(out_dir)
@@ -115,8 +116,9 @@ def export_form(checkpoint: str | Path, out_dir: str | Path, form: str, *, base:
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        done = pm.hook.ultrascale_state_export(checkpoint=saved, form=form, out_dir=out,
-                                         base=None if base is None else str(base), max_shard_bytes=max_shard_bytes)
+        base_dir = None if base is None else str(base)
+        done = next((a for a in (library.export(saved, form, out, base_dir, max_shard_bytes)
+                                 for library in pm.wrapper_libraries()) if a is not None), None)
         if not done:
             raise CheckpointError(f"checkpoint '{checkpoint}' has no --{form} form: it was not saved from a model "
                                   "that defines one (a PEFT model). Fix: export it without --adapter / --merged")

@@ -1,8 +1,8 @@
 """The parameter inventory an estimate starts from: every parameter of a model (real or on the meta device) as a
 ``ParamRecord`` (where it sits, its share of a mixture of experts' tokens, the bytes it is held in), and the
-adapter factors a PEFT method adds, shaped by the plugin that owns the method (``ultrascale_cost_adapter_factors``,
-asked of the registry ``pm``). The dimensions cut copies of it as the cost chain runs (``interface.estimates``
-holds the value types)."""
+adapter factors a PEFT method adds, shaped by the library that owns the method (``WrapperLibrary.adapter_factors``,
+asked of the registry ``pm``'s libraries). The dimensions cut copies of it as the cost chain runs
+(``interface.estimates`` holds the value types)."""
 from __future__ import annotations
 
 import re
@@ -88,19 +88,21 @@ def _place(name: str, layers: str | None, before: list[str]) -> tuple[str, int |
 
 def _adapter_tags(model, pm) -> dict:
     """{parameter name: ParamRecord fields} of the adapter factors ``model`` holds (a PEFT model's LoRA factors), as
-    the plugin that owns them reads them (``ultrascale_cost_adapter_factors`` with no adapters asked)."""
+    the library that owns them reads them (``WrapperLibrary.adapter_factors`` with no adapters asked)."""
     return {f.name: dict(adapter=f.adapter, adapter_of=f.adapter_of, rank=f.rank, merged=f.merged)
             for f in _adapter_factors(model, None, pm)}
 
 
 def _adapter_factors(model, adapters, pm) -> list:
-    answers = pm.hook.ultrascale_cost_adapter_factors(model=model, adapters=adapters)
-    if adapters is None:  # every plugin's factors the model holds
+    """Every library's factors ``model`` holds (``adapters`` None), or the first library's that prices
+    ``adapters``' method (none: refused)."""
+    answers = (library.adapter_factors(model, adapters) for library in pm.wrapper_libraries())
+    answers = [answer for answer in answers if answer is not None]
+    if adapters is None:  # every library's factors the model holds
         return [f for answer in answers for f in answer]
     if not answers:
-
         raise ConfigError(f"adapters {adapters.method!r}: no installed plugin prices them. Fix: use lora")
-    return answers[0]  # the first plugin that prices the method
+    return answers[0]  # the first library that prices the method
 
 
 def _layer_list(model, plan) -> tuple[str | None, list[str]]:
@@ -130,7 +132,7 @@ def _layer_list(model, plan) -> tuple[str | None, list[str]]:
 # ---- adapters on a model that has none ------------------------------------------------------------------
 def with_adapters(records: list[ParamRecord], model, adapters: Adapters, pm) -> list[ParamRecord]:
     """``records`` of a model without adapters, frozen, each targeted one followed by the factors ``adapters`` add
-    to it, as the plugin that owns the method shapes them (``ultrascale_cost_adapter_factors``)."""
+    to it, as the library that owns the method shapes them (``WrapperLibrary.adapter_factors``)."""
     if any(r.adapter or not r.trainable for r in records):
         raise ConfigError("adapters asked for a model that has some already (a PEFT model, or frozen parameters). "
                           "Fix: estimate that model as it is, without adapters=")

@@ -3,9 +3,10 @@
 ``Registry`` is a pluggy ``PluginManager`` (pytest's ``PytestPluginManager`` is the model) that also answers the
 questions every layer asks of the plugins: the layout fields (``fields``), a config's mesh axes and views
 (``axes`` / ``views``), its resolution against a world size (``resolve``), the facts the families decide for each
-other (``facts``), the model transforms (``stages``), the presets and a model's wrapper. ``interface/`` describes
-these values and never runs a hook; the engine, the planner and the checkpoints are handed a registry, as Megatron
-hands its process groups around (``ProcessGroupCollection``) instead of reading a global.
+other (``facts``), the model transforms (``stages``), the presets and the libraries of model wrappers (a model's
+wrapper, its adapters' prices, its exports). ``interface/`` describes these values and never runs a hook; the
+engine, the planner and the checkpoints are handed a registry, as Megatron hands its process groups around
+(``ProcessGroupCollection``) instead of reading a global.
 
 A config is made under one registry (``registry.config(...)``, or ``ParallelConfig(...)`` under the default) and
 keeps it: the families reach the registry through the config their hooks are given, never through a global.
@@ -29,7 +30,7 @@ from ..interface.config import ConfigError, ParallelConfig
 from ..interface.facts import LayoutFacts
 from ..interface.fields import AUTO, Fields
 from ..interface.mesh_axes import MeshAxis, MeshView, resolved_view
-from ..interface.model_wrapper import ModelWrapper
+from ..interface.model_wrapper import ModelWrapper, WrapperLibrary
 from ..interface.presets import DEFAULT, Preset
 from ..interface.stages import Stage
 
@@ -54,7 +55,6 @@ BUILTIN_PLUGINS = (
     "ultrascale_plugins.models.hf_plan",
     "ultrascale_plugins.models.gpt2",
     "ultrascale_plugins.features.peft.adapters",
-    "ultrascale_plugins.features.peft.pricing",
     "ultrascale_plugins.features.peft.wrapper",
     "ultrascale_plugins.features.peft.checkpoints",
     "ultrascale_plugins.features.peft.meta",
@@ -181,7 +181,7 @@ class Registry(pluggy.PluginManager):
                               f"product {world_size}, or set dp_shard: -1 to use the rest")
         config = self.fill_auto(config)
         if check:
-            self.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size)
+            self.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size, loop=None)
         self.views(config)  # a view that cannot re-split its source is refused here too
         return config
 
@@ -238,9 +238,22 @@ class Registry(pluggy.PluginManager):
                 out.append(dataclasses.replace(stage, plugin=impl.plugin_name))
         return out
 
+    def wrapper_libraries(self) -> list[WrapperLibrary]:
+        """Every plugin's library of model wrappers (``ultrascale_declare_model_wrapper``: PEFT's), in pluggy's call
+        order, asked once per set of plugins; a value of another type is refused."""
+        return self._cached("wrapper_libraries", None, self._collect_wrapper_libraries)
+
+    def _collect_wrapper_libraries(self) -> list[WrapperLibrary]:
+        libraries = self.hook.ultrascale_declare_model_wrapper()
+        for library in libraries:
+            if not isinstance(library, WrapperLibrary):
+                raise ConfigError(f"a plugin's ultrascale_declare_model_wrapper returned {library!r}. Fix: return "
+                                  "a model_wrapper.WrapperLibrary, or None")
+        return libraries
+
     def wrapper_of(self, model) -> ModelWrapper:
-        """The plugins' description of ``model`` (``ultrascale_declare_model_wrapper``), or a wrapper of nothing."""
-        wrapper = self.hook.ultrascale_declare_model_wrapper(model=model)
+        """The first library's description of ``model`` (``WrapperLibrary.wrap``), or a wrapper of nothing."""
+        wrapper = next((w for w in (lib.wrap(model) for lib in self.wrapper_libraries()) if w is not None), None)
         return wrapper if wrapper is not None else ModelWrapper(model)
 
     # ---- the front ends' names -------------------------------------------------------------------------------

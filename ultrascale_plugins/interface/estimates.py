@@ -15,7 +15,7 @@ says whether it trains: a PEFT model's frozen base does not (its adapters do), a
 
 This module holds the ledger's types, which every dimension shares (the ``Estimate``, the ``Shape``, the
 inventory, the adapters asked for and their factors); the knowledge behind the terms lives with its owner: what
-LoRA adds, ``features/peft/pricing.py`` (through ``ultrascale_cost_adapter_factors``); a mixture of experts' config
+LoRA adds, ``features/peft/pricing.py`` (PEFT's ``WrapperLibrary.adapter_factors``); a mixture of experts' config
 keys, ``interface/moe_config.py``; each built-in dimension's own terms: ``dims/pipeline/costs.py``, ``dims/tensor/costs.py``,
 ``dims/data_parallel/costs.py``, ``features/activation_checkpointing/costs.py`` and ``dims/context/plugin.py``'s wrapper.
 """
@@ -218,10 +218,10 @@ def meta_model(model_config):
 
 @dataclasses.dataclass(frozen=True)
 class Adapters:
-    """Adapters priced on a model that has none (the planner's ``--peft lora``): ``method`` (the plugin that answers
-    ``ultrascale_cost_adapter_factors`` for it shapes them: PEFT's LoRA, ``features/peft/pricing.py``), rank ``r`` and
-    ``target``, "all-linear" or module names (a module is targeted when its name is one of them or ends with "."
-    and one). Scaling and dropout do not change what a rank holds, so they are not asked."""
+    """Adapters priced on a model that has none (the planner's ``--peft lora``): ``method`` (the library whose
+    ``WrapperLibrary.adapter_factors`` answers for it shapes them: PEFT's LoRA, ``features/peft/pricing.py``), rank
+    ``r`` and ``target``, "all-linear" or module names (a module is targeted when its name is one of them or ends
+    with "." and one). Scaling and dropout do not change what a rank holds, so they are not asked."""
 
     r: int = 16
     target: str | tuple = "all-linear"

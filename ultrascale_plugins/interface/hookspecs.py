@@ -7,8 +7,9 @@ would. Hook names are ``ultrascale_<group>_<what>`` (pytest's pattern: the group
 name matches no specification is rejected when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
 
 - **declare**: the plugin's layout fields and mesh axes, the facts it decides for other families to read, the
-  model plans it knows (and its additions to other plugins' plans), a model wrapper it owns (a PEFT model:
-  ``model_wrapper.ModelWrapper``), the names front ends offer (Lightning strategies, Accelerate keys);
+  model plans it knows (and its additions to other plugins' plans), a library of model wrappers it owns (PEFT's:
+  ``model_wrapper.WrapperLibrary``, which sees through its models, prices its adapters and exports its checkpoints),
+  the names front ends offer (Lightning strategies, Accelerate keys);
 - **validate**: before any process group, the layout chosen when asked (``layout: auto``), then checked against the
   world size, the model's config and its structure;
 - **transform**: its model transforms as named stages, each declaring which stages it runs after and before
@@ -16,13 +17,14 @@ name matches no specification is rejected when plugins load. ``GROUPS`` lists th
 - **step**: its part of every step: the batch, the optimizer, the loss (how it is computed, what is added to it),
   gradient accumulation, what follows the last backward, the step itself (replace it, or wrap it with a
   ``@hookimpl(wrapper=True)`` generator);
-- **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe, its own exported forms;
-- **cost**: its per-rank costs, the least communication its axes need, the adapters it prices, the micro-batches
+- **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe;
+- **cost**: its per-rank costs, the least communication its axes need, the micro-batches
   of a step, the ranks worth costing, the values the planner's search should try, a schedule's timeline for the
   plot.
 
 A family's own runtime needs are methods of its own objects, not hooks: a pipeline's schedule is its
-``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``.
+``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``, its pricing and exports
+its ``WrapperLibrary``.
 """
 from __future__ import annotations
 
@@ -42,13 +44,13 @@ if TYPE_CHECKING:
 
     from .comm_minimum import MinimumTerm
     from .config import ParallelConfig
-    from .estimates import AdapterFactor, Adapters, Estimate, Shape
+    from .estimates import Estimate, Shape
     from .fields import Fields
     from .mesh_axes import MeshAxis, MeshView
-    from .model_wrapper import ModelWrapper
+    from .model_wrapper import WrapperLibrary
     from .plan_edit import PlanEdit
     from .presets import Preset
-    from .protocols import ModelPlan, ParallelContext, ParallelModel, PluginState, SavedCheckpoint
+    from .protocols import ModelPlan, ParallelContext, ParallelModel, PluginState
     from .recipe_section import RecipeSection
     from .search_offer import SearchOffer
     from .stages import Stage
@@ -115,22 +117,22 @@ def ultrascale_declare_model_plan(model: nn.Module, config: ParallelConfig) -> M
     """
 
 
-@hookspec(firstresult=True)
-def ultrascale_declare_model_wrapper(model: nn.Module) -> ModelWrapper | None:
-    """Describe ``model`` when it wraps the causal LM the plans are for (a PEFT model holds it at
-    ``base_model.model``): the causal LM and its path, where each entry's pretrained value comes from, the initial
-    values of what the wrapper introduced and of values computed from others, its own saved form. The engine asks the
-    plans of the inner model and names them from ``model``'s root, so every dimension finds the layers, the embedding
-    and the head through the wrapper.
+@hookspec
+def ultrascale_declare_model_wrapper() -> WrapperLibrary | None:
+    """Declare a library that wraps the causal LM the plans are for (PEFT: a PEFT model holds it at
+    ``base_model.model``), as a ``model_wrapper.WrapperLibrary``: ``wrap(model)`` describes a model of its kind (the
+    causal LM and its path, where each entry's pretrained value comes from, the initial values of what the wrapper
+    introduced and of values computed from others, its own saved form), so the engine asks the plans of the inner
+    model and names them from ``model``'s root, and every dimension finds the layers, the embedding and the head
+    through the wrapper; ``adapter_factors(model, adapters)`` prices its adapters for the estimates and the planner's
+    ``--peft``; ``export(checkpoint, form, out_dir, base, max_shard_bytes)`` writes a checkpoint in its own files
+    (``ultrascale export --adapter`` / ``--merged``). Asked of every plugin, once per set of plugins (the registry
+    keeps the libraries); each question goes to the libraries in pluggy's call order.
 
-    Stops at the first non-None result.
+    Why a hook: a library that wraps the causal LM (an adapter library other than PEFT, a quantizing wrapper) tells
+    the engine how to see through its models, what its adapters cost, and how to export them.
 
-    Why a hook: a library that wraps the causal LM (an adapter library other than PEFT, a quantizing wrapper)
-    describes its own wrapper, so the plans, the weights and the saved form follow it.
-
-    :param model: A model the engine or a front end holds: a wrapper (a PEFT model) or a causal LM itself.
-    :return: A ``model_wrapper.ModelWrapper``, or None when ``model`` is not this plugin's (the engine then treats
-        ``model`` as the causal LM itself).
+    :return: A ``model_wrapper.WrapperLibrary``, or None when this plugin owns no kind of wrapper.
     """
 
 
@@ -421,26 +423,6 @@ def ultrascale_state_checkpoint_view(tensor: torch.Tensor) -> torch.Tensor | Non
     """
 
 
-@hookspec(firstresult=True)
-def ultrascale_state_export(checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None, max_shard_bytes: int) -> bool | None:
-    """Write a sharded checkpoint in a form its model's library defines, when this plugin's model saved it
-    (a PEFT model's): ``ultrascale export --adapter`` / ``--merged``, in one process.
-
-    Stops at the first non-None result.
-
-    Why a hook: a model wrapper's own saved form (its library's files) is written by ``ultrascale export``.
-
-    :param checkpoint: The ``protocols.SavedCheckpoint``: ``path``, ``meta``, ``config`` (its transformers
-        config), ``names`` (the model tensors it holds) and ``read(names)``, those tensors whole on the CPU.
-    :param form: ``"adapter"`` (PEFT's own files) or ``"merged"`` (a plain transformers model with the adapters folded
-        in).
-    :param out_dir: The new, empty directory to write into.
-    :param base: The directory of the frozen base for ``"merged"``, or None.
-    :param max_shard_bytes: The largest weights file to write, in bytes.
-    :return: True once written; None leaves it to another plugin (none: the export is refused).
-    """
-
-
 # ---- cost ------------------------------------------------------------------------------------------------------------
 # What a layout costs one rank, for the estimate and the planner.
 @hookspec
@@ -481,21 +463,6 @@ def ultrascale_cost_comm_minimum(config: ParallelConfig, shape: Shape) -> list[M
         (tensor and pipeline parallel's, expert parallel's experts), ``layers_here``, ``holds_head``, ``coords``.
     :return: ``comm_minimum.MinimumTerm`` values (axis, collective, calls and payload per step in the ledger's units,
         the formula in words), or None for axes it does not own.
-    """
-
-
-@hookspec
-def ultrascale_cost_adapter_factors(model: nn.Module, adapters: Adapters | None) -> list[AdapterFactor] | None:
-    """Price this plugin's adapters: the factors they put on ``model``, so the estimates count them.
-
-    Why a hook: an adapter method of one's own is priced by the estimate and the planner as it will be held.
-
-    :param model: The model to price.
-    :param adapters: None for the factors ``model`` holds (a PEFT model's LoRA layers); an ``estimates.Adapters``
-        whose ``method`` this plugin owns for those it would add to a model that has none, with their shapes (the
-        planner's ``--peft lora``).
-    :return: ``estimates.AdapterFactor`` values, or None when it has none or does not own the method. With
-        ``adapters`` None every plugin's count; otherwise the first answer does.
     """
 
 
@@ -579,9 +546,8 @@ GROUPS = {
     "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss_context",
              "ultrascale_step_loss_terms", "ultrascale_step_no_sync",
              "ultrascale_step_after_backward", "ultrascale_step_run"),
-    "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view",
-              "ultrascale_state_export"),
-    "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum", "ultrascale_cost_adapter_factors",
+    "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view"),
+    "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum",
              "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search",
              "ultrascale_cost_schedule_timeline"),
 }

@@ -1,16 +1,24 @@
 """A model that wraps the causal LM the plans are for (a PEFT model holds it at ``base_model.model``), described by
-the plugin that owns that kind of wrapper (``ultrascale_declare_model_wrapper``). The engine asks this object, and nothing
-else, what depends on the wrapper: where the causal LM sits, where each entry's pretrained value comes from, the
-initial values of what the wrapper introduced and of what depends on other values, and its own saved form."""
+the library that makes that kind of wrapper (``WrapperLibrary``, which a plugin declares through
+``ultrascale_declare_model_wrapper``). The engine asks the ``ModelWrapper`` of a model, and nothing else, what depends
+on the wrapper: where the causal LM sits, where each entry's pretrained value comes from, the initial values of what
+the wrapper introduced and of what depends on other values, and its own saved form; it asks the library what its
+adapters cost and how its checkpoints are exported, where no model instance is at hand."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .estimates import AdapterFactor, Adapters
+    from .protocols import SavedCheckpoint
 
 
 class ModelWrapper:
     """``model`` wraps ``inner`` (a transformers causal LM) at the submodule path ``prefix`` ("" for a model that
-    wraps nothing: ``ModelWrapper(model)``). A plugin returns a subclass from ``ultrascale_declare_model_wrapper``,
-    overriding what its wrapper changes; the defaults are those of a wrapper that only nests the model."""
+    wraps nothing: ``ModelWrapper(model)``). A ``WrapperLibrary`` returns a subclass from ``wrap``, overriding what
+    its wrapper changes; the defaults are those of a wrapper that only nests the model."""
 
     def __init__(self, model, inner=None, prefix: str = ""):
         self.model, self.inner, self.prefix = model, model if inner is None else inner, prefix
@@ -27,7 +35,7 @@ class ModelWrapper:
         """Where the state-dict entry ``name`` of ``model`` takes its initial value from: its name in the plain
         causal LM, as that model's ``save_pretrained`` files name it; ``""`` for an entry the wrapper introduced,
         which no pretrained file holds (its value comes from ``init_module``). Default: the name without the
-        prefix. Asked for every entry before any process group exists (``checkpoints.pretrained.match_weights``)
+        prefix. Asked for every entry before any process group exists (``checkpoints.read_plan.plan_reads``)
         and when a meta-device model is initialized (``initialize.ModelInit``), on the model as handed to
         ``parallelize``."""
         return name[len(self.prefix) + 1:] if self.prefix and name.startswith(self.prefix + ".") else name
@@ -71,3 +79,33 @@ class ModelWrapper:
         """Write ``pmodel``'s model to ``directory`` as the wrapper's own library would (a PEFT model: its adapters)
         and return True; False leaves it to the whole-model Hugging Face export. Every rank calls it."""
         return False
+
+
+class WrapperLibrary:
+    """A library that wraps causal LMs (PEFT), as its plugin declares it (``ultrascale_declare_model_wrapper``): how
+    the engine sees through the library's models, what its adapters cost, and how its checkpoints are exported. The
+    registry asks every declared library in turn; each method's default, None, means "not mine"."""
+
+    def wrap(self, model) -> ModelWrapper | None:
+        """``model``'s description when it is a model of this library's kind (a PEFT model): a ``ModelWrapper``
+        subclass holding the causal LM it wraps; None otherwise (the engine then treats ``model`` as the causal LM
+        itself, unless another library answers)."""
+        return None
+
+    def adapter_factors(self, model, adapters: Adapters | None) -> list[AdapterFactor] | None:
+        """The adapter factors (``estimates.AdapterFactor``) this library's adapters put on ``model``, so the
+        estimates count them: with ``adapters`` None, those ``model`` holds (a PEFT model's LoRA layers; every
+        library's are counted); with an ``estimates.Adapters`` whose ``method`` this library owns, those it would add
+        to a model that has none, with their shapes (the planner's ``--peft lora``; the first library that answers
+        prices them). None when it has none or does not own the method."""
+        return None
+
+    def export(self, checkpoint: SavedCheckpoint, form: str, out_dir: str, base: str | None,
+               max_shard_bytes: int) -> bool | None:
+        """Write the sharded ``checkpoint`` (a ``protocols.SavedCheckpoint``: ``path``, ``meta``, ``config``,
+        ``names``, ``read(names)``) in a form this library defines (``ultrascale export --adapter`` / ``--merged``:
+        ``form`` ``"adapter"``, its own files, or ``"merged"``, a plain transformers model with the adapters folded
+        into the frozen base read from ``base``) into the new, empty ``out_dir``, no weights file over
+        ``max_shard_bytes``; in one process. True once written; None when the checkpoint is not of its kind (the
+        first library that writes it does; none: the export is refused)."""
+        return None

@@ -207,7 +207,7 @@ class PluginState(Protocol):
 
 
 class SavedCheckpoint(Protocol):
-    """What a sharded checkpoint (``checkpoints.export.SavedCheckpoint``) offers a plugin's ``ultrascale_state_export``."""
+    """What a sharded checkpoint (``checkpoints.export.SavedCheckpoint``) offers a ``WrapperLibrary.export``."""
 
     path: Path  # the checkpoint's directory
     meta: dict[str, Any]  # its metadata (``ultrascale.json``)

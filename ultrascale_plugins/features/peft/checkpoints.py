@@ -18,8 +18,8 @@ sum agrees within ``1e-9`` relative to ``sum |x| * w`` (resp. ``sum x**2``): sum
 about 1e-16, while a base that differs anywhere (another checkpoint, a cast to another dtype, a single weight moved
 by 1e-4) moves them by orders of magnitude more (the weights also make a permuted or transposed tensor differ).
 
-**Exports** (``ultrascale export --adapter`` / ``--merged``, through ``ultrascale_state_export``): the checkpoint also
-records each adapter's ``PeftConfig``, so PEFT's own files (``adapter_config.json``, ``adapter_model.safetensors``)
+**Exports** (``ultrascale export --adapter`` / ``--merged``, through ``wrapper.PeftLibrary.export``): the checkpoint
+also records each adapter's ``PeftConfig``, so PEFT's own files (``adapter_config.json``, ``adapter_model.safetensors``)
 are written from the checkpoint alone; a merged model takes the frozen base from a directory (``--base``, by
 default the command line's ``--init-from`` or the ``base_model_name_or_path`` PEFT recorded), checks it against
 the fingerprint, and folds the adapters in with PEFT's own ``merge_and_unload`` (LoRA ``W + scaling * B @ A``,
@@ -368,8 +368,9 @@ def _write_merged(checkpoint, saved: dict, out_dir: str, base: str | None, max_s
     merged.save_pretrained(out_dir, max_shard_size=max_shard_bytes)
 
 
-@hookimpl
-def ultrascale_state_export(checkpoint, form, out_dir, base, max_shard_bytes):
+def export(checkpoint, form, out_dir, base, max_shard_bytes) -> bool | None:
+    """Write ``checkpoint``, saved from a PEFT model, as PEFT's files (``form`` "adapter") or a merged transformers
+    model (``"merged"``, the base from ``base``) into ``out_dir``; True once written, None for another checkpoint."""
     saved = _saved(checkpoint)
     if saved is None:
         return None

@@ -1,7 +1,8 @@
 """What LoRA adds to a model, for the estimates: the factors of a PEFT model's LoRA layers, read from the model, and
 the factors ``peft.get_peft_model(model, LoraConfig(r=r, target_modules=target))`` would add to a model that has
-none (the planner's ``--peft lora``), with their shapes, as the installed peft builds them. Both through
-``ultrascale_cost_adapter_factors``; the estimates build the parameter records from them (``interface.estimates``)."""
+none (the planner's ``--peft lora``), with their shapes, as the installed peft builds them. Both asked of PEFT's
+``WrapperLibrary`` (``wrapper.PeftLibrary.adapter_factors``); the estimates build the parameter records from them
+(``interface.estimates``)."""
 from __future__ import annotations
 
 import warnings
@@ -13,11 +14,11 @@ from transformers.pytorch_utils import Conv1D
 from ...interface.estimates import AdapterFactor
 from ...interface.fields import ConfigError
 from ...interface.meta_copy import meta_copy
-from ...interface.hookspecs import hookimpl
 
 
-@hookimpl
-def ultrascale_cost_adapter_factors(model, adapters):
+def adapter_factors(model, adapters) -> list[AdapterFactor] | None:
+    """The LoRA factors ``model`` holds (``adapters`` None), or those a LoRA ``adapters`` would add to it (cached per
+    model and adapters); None when it holds none, or for another method."""
     if adapters is None:
         return held_factors(model) or None
     if adapters.method != "lora":

@@ -189,9 +189,9 @@ def peft_model(model, spec: PeftSpec):
         raise ConfigError(f"peft.{field}={getattr(spec, field)!r}: PEFT cannot adapt this {kind} model as the recipe "
                           f"says: {said}. Fix: {fix}") from None
     if spec.quantize_base:  # on the meta device: parallelize quantizes each weight whole as it loads it
-        from .wrapper import ultrascale_declare_model_wrapper  # this family's own wrapper of the PEFT model just made
+        from .wrapper import LIBRARY  # this family's own wrapper of the PEFT model just made
 
-        ultrascale_declare_model_wrapper(model).quantize_base(spec.quantize_base)
+        LIBRARY.wrap(model).quantize_base(spec.quantize_base)
     return model
 
 

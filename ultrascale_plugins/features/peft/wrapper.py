@@ -1,10 +1,12 @@
-"""A PEFT model as the engine sees it (``ultrascale_declare_model_wrapper``): the causal LM at ``base_model.model``, the
-pretrained name of each entry and PEFT's initialization of its adapters (``meta``), its adapters saved in PEFT's own
-format (``adapters.save_adapters``)."""
+"""PEFT as the engine sees it (``ultrascale_declare_model_wrapper``: ``PeftLibrary``): a PEFT model's causal LM at
+``base_model.model``, the pretrained name of each entry and PEFT's initialization of its adapters (``meta``), its
+adapters saved in PEFT's own format (``adapters.save_adapters``) (``PeftWrapper``, per model); what LoRA adds to a
+model (``pricing``) and a checkpoint exported in PEFT's files or merged (``checkpoints``)."""
 from __future__ import annotations
 
 from ...interface.hookspecs import hookimpl
-from ...interface.model_wrapper import ModelWrapper
+from ...interface.model_wrapper import ModelWrapper, WrapperLibrary
+from . import checkpoints, pricing
 from .adapters import is_peft_model, save_adapters
 from .meta import entry_plain_name, init_dependent, init_module
 from .quantized_base import gathered, quantize_base, requantized
@@ -41,9 +43,26 @@ class PeftWrapper(ModelWrapper):
         return save_adapters(pmodel, directory)
 
 
+class PeftLibrary(WrapperLibrary):
+    """PEFT: its models (``PeftWrapper``), its LoRA adapters' factors (``pricing``), its checkpoints' exports
+    (``checkpoints``)."""
+
+    def wrap(self, model) -> PeftWrapper | None:
+        if not is_peft_model(model):
+            return None
+        inner = model.get_base_model()
+        return PeftWrapper(model, inner, next(fqn for fqn, module in model.named_modules() if module is inner))
+
+    def adapter_factors(self, model, adapters):
+        return pricing.adapter_factors(model, adapters)
+
+    def export(self, checkpoint, form, out_dir, base, max_shard_bytes):
+        return checkpoints.export(checkpoint, form, out_dir, base, max_shard_bytes)
+
+
+LIBRARY = PeftLibrary()
+
+
 @hookimpl
-def ultrascale_declare_model_wrapper(model):
-    if not is_peft_model(model):
-        return None
-    inner = model.get_base_model()
-    return PeftWrapper(model, inner, next(fqn for fqn, module in model.named_modules() if module is inner))
+def ultrascale_declare_model_wrapper():
+    return LIBRARY
