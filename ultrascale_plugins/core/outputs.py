@@ -38,11 +38,9 @@ class TrainerOutputs:
         return computed if computed is not None else token_loss_sum(logits, targets)
 
     def loss_terms(self, output, batch) -> list:
-        """The plugins' extra terms of this micro-batch's loss (``ultrascale_step_loss_terms``: a router's auxiliary
-        loss), to fold in with ``pmodel.tokens.add_terms``."""
-        return [t for terms in self.pmodel.pm.hook.ultrascale_step_loss_terms(pmodel=self.pmodel, output=output,
-                                                                         batch=batch)
-                if terms for t in terms]
+        """The plugins' extra terms of this micro-batch's loss (every ``pmodel.loss_parts``' ``terms``: a router's
+        auxiliary loss), to fold in with ``pmodel.tokens.add_terms``."""
+        return [term for part in self.pmodel.loss_parts for term in part.terms(output, batch)]
 
     def token_outputs(self, batch: dict, whole_rows: bool = False, **model_kwargs):
         """This rank's tokens of one micro-batch, each with the log-probability of its next-token target (the

@@ -49,6 +49,9 @@ class ParallelModel:
         # and the plugins do not change after parallelize)
         self.batch_split = ordered_chain(pm, "ultrascale_step_shard_batch", ctx.config)
         self.recording = None  # the step being recorded (profile_step), which notes the batches
+        # each plugin's part in the loss (ultrascale_step_loss: its context, its terms), asked once: the layout and
+        # the plugins do not change after parallelize
+        self.loss_parts = [part for part in pm.hook.ultrascale_step_loss(pmodel=self) if part is not None]
 
     # ---- what users call -------------------------------------------------------------------------
     @property
@@ -184,11 +187,10 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def loss_context(self):
-        """Where the loss and its backward run: every plugin's ``ultrascale_step_loss_context`` entered."""
+        """Where the loss and its backward run: every ``loss_parts``' context entered (``ultrascale_step_loss``)."""
         with contextlib.ExitStack() as stack:
-            for context in self.pm.hook.ultrascale_step_loss_context(pmodel=self):
-                if context is not None:
-                    stack.enter_context(context)
+            for part in self.loss_parts:
+                stack.enter_context(part.context())
             yield
 
     def forward(self, batch: dict):

@@ -93,7 +93,7 @@ class TokenAccounting:
         return (share + (mean - share).detach()).float()
 
     def add_terms(self, loss_sum, terms, count: torch.Tensor):
-        """``loss_sum`` (this rank's token-loss sum) with the plugins' extra terms (``ultrascale_step_loss_terms``)
+        """``loss_sum`` (this rank's token-loss sum) with the plugins' extra terms (``ultrascale_step_loss``)
         folded in, so that the loss share's gradient and the reduced loss's value each include every term once:
         the gradient part (term x count) gives the term's gradient after the loss scale and the gradient
         averaging; the value part (term x count / grad_scale) sums to the term over the token-counting ranks."""

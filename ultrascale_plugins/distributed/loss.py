@@ -45,8 +45,8 @@ class TokenOutputs:
     ignored: the log-probability of the target (with gradient), the entropy of the prediction, whether the target
     is its top-1 and the mean of the logits (without). ``label_mask``: the valid targets; ``count``: the valid
     targets of the global micro-batch (every rank holding other tokens); ``output``: the model's output;
-    ``terms``: the objective's other terms for this micro-batch (``ultrascale_step_loss_terms``: a mixture of experts'
-    router auxiliary loss over the global batch, with its coefficient), to fold in with
+    ``terms``: the objective's other terms for this micro-batch (``ultrascale_step_loss``'s ``terms``: a mixture of
+    experts' router auxiliary loss over the global batch, with its coefficient), to fold in with
     ``pmodel.tokens.add_terms``."""
 
     log_probs: torch.Tensor

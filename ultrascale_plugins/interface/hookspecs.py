@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .config import ParallelConfig
     from .estimates import Estimate, Shape
     from .fields import Fields
+    from .loss_part import LossPart
     from .mesh_axes import MeshAxis, MeshView
     from .model_wrapper import WrapperLibrary
     from .plan_edit import PlanEdit
@@ -302,34 +303,20 @@ def ultrascale_step_optimizer(pmodel: ParallelModel, optimizer: torch.optim.Opti
 
 
 @hookspec
-def ultrascale_step_loss_context(pmodel: ParallelModel) -> AbstractContextManager | None:
-    """Give a context manager that the loss and its backward run inside (tensor parallel's
-    vocabulary-parallel cross-entropy: torch's ``loss_parallel``). Every step enters every plugin's
-    (``ParallelModel.loss_context``): the built-in one and a pipeline's schedule alike.
+def ultrascale_step_loss(pmodel: ParallelModel) -> LossPart | None:
+    """Give this plugin's part in how the step's loss is computed, a ``loss_part.LossPart``: the context the loss
+    and its backward run inside (``context()``: tensor parallel's vocabulary-parallel cross-entropy, torch's
+    ``loss_parallel``) and the terms added to each forward's objective besides the token loss (``terms(output,
+    batch)``: a mixture of experts' router auxiliary loss; each the same value on every rank holding tokens, each
+    rank's gradient its share). Asked once per parallel model, when it is made (``ParallelModel.loss_parts``); every
+    step enters every part's context (``ParallelModel.loss_context``) and folds in every part's terms
+    (``outputs.loss_terms``, with the loss-scale rule): the built-in step and a pipeline's last stage alike.
 
-    Why a hook: a loss that must run inside a context of its own (a vocabulary-parallel loss, a fused kernel's)
-    wraps the built-in step's and a pipeline's loss alike.
+    Why a hook: a loss of one's own (a context of its own such as a fused kernel's, an auxiliary term such as a
+    regularizer) joins the loss in every front end.
 
-    :param pmodel: The ``ParallelModel`` whose loss runs.
-    :return: A context manager, or None.
-    """
-
-
-@hookspec
-def ultrascale_step_loss_terms(pmodel: ParallelModel, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
-    """Give terms to add to the step's objective for this forward, besides the token loss: a mixture of
-    experts' router auxiliary loss. Each term has the same value on every rank that holds tokens of the global batch
-    (the token-counting axes), and on each rank the gradient of that rank's share, the shares' gradients summing over
-    those ranks to the term's gradient (e.g. statistics gathered from every rank, the gradient kept on this rank's
-    own). The engine folds each into the loss so that the step's value and gradient include it once.
-
-    Why a hook: an auxiliary loss of one's own (a router's load balance, a regularizer) joins the loss in every
-    front end, with the loss-scale rule applied to it.
-
-    :param pmodel: The ``ParallelModel`` whose forward ran.
-    :param output: The model's output (a pipeline's last stage: one holding ``logits`` and ``router_logits``).
-    :param batch: This rank's prepared inputs (a pipeline's last stage: the ``attention_mask`` alone).
-    :return: 0-d tensors, or None for none.
+    :param pmodel: The ``ParallelModel`` whose loss this part shapes.
+    :return: A ``LossPart``, or None when this plugin changes nothing in this model's loss.
     """
 
 
@@ -543,9 +530,8 @@ GROUPS = {
     "validate": ("ultrascale_validate_choose_layout", "ultrascale_validate_config", "ultrascale_validate_model",
                  "ultrascale_validate_loop"),
     "transform": ("ultrascale_transform_stages",),
-    "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss_context",
-             "ultrascale_step_loss_terms", "ultrascale_step_no_sync",
-             "ultrascale_step_after_backward", "ultrascale_step_run"),
+    "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss",
+             "ultrascale_step_no_sync", "ultrascale_step_after_backward", "ultrascale_step_run"),
     "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view"),
     "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum",
              "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search",

@@ -128,7 +128,7 @@ class TokenAccounting(Protocol):
         """The global-mean loss, the same on every rank, from this rank's token-loss sum."""
 
     def add_terms(self, loss_sum: torch.Tensor, terms: list[torch.Tensor], count: torch.Tensor) -> torch.Tensor:
-        """``loss_sum`` with the ``ultrascale_step_loss_terms`` folded in, each counted once in value and gradient."""
+        """``loss_sum`` with the loss parts' ``terms`` folded in, each counted once in value and gradient."""
 
 
 class TrainerOutputs(Protocol):
@@ -144,7 +144,7 @@ class TrainerOutputs(Protocol):
         """This rank's token-loss sum of one micro-batch (the loss head's, else the cross-entropy)."""
 
     def loss_terms(self, output: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The plugins' extra terms of this micro-batch's loss (``ultrascale_step_loss_terms``)."""
+        """The plugins' extra terms of this micro-batch's loss (each ``ultrascale_step_loss`` part's ``terms``)."""
 
 
 class GradientReductions(Protocol):
@@ -184,7 +184,7 @@ class ParallelModel(Protocol):
         """Mixed precision outside FSDP (``ctx.autocast_dtype``), or nothing."""
 
     def loss_context(self) -> AbstractContextManager:
-        """Where the loss and its backward run: every ``ultrascale_step_loss_context`` entered."""
+        """Where the loss and its backward run: each ``ultrascale_step_loss`` part's ``context`` entered."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> Any:
         """The model's output on this rank's batch, with ``loss`` (global-mean value, this rank's gradient)."""

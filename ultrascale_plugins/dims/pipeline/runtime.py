@@ -75,8 +75,8 @@ class Pipeline(Runtime):
 
     def _loss_sum(self, output, targets, count=None):
         """This rank's token-loss sum of one micro-batch (the last stage's ``output``), with the plugins' loss
-        terms (``ultrascale_step_loss_terms``: the router auxiliary loss, from every stage's router logits) folded in
-        by the micro-batch's global token count: summed over the micro-batches, each term weighs by its
+        terms (``ultrascale_step_loss``'s ``terms``: the router auxiliary loss, from every stage's router logits)
+        folded in by the micro-batch's global token count: summed over the micro-batches, each term weighs by its
         micro-batch's share of the step's tokens, as under gradient accumulation without a pipeline."""
         from types import SimpleNamespace
 

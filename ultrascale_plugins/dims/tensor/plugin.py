@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ...distributed.sequence_padding import pad_sequence
 from ...interface.config import ConfigError
 from ...interface.hookspecs import hookimpl
+from ...interface.loss_part import LossPart
 from ...interface.stages import Stage, step
 from ...models.placeholder import present_modules
 from ...interface.facts import layout_facts
@@ -420,13 +421,20 @@ def ultrascale_step_shard_batch(batch, ctx):
 
 
 @hookimpl
-def ultrascale_step_loss_context(pmodel):
-    """The vocabulary-parallel cross-entropy (``loss_parallel``): the head's logits stay sharded over TP."""
+def ultrascale_step_loss(pmodel):
+    """The vocabulary-parallel cross-entropy (``loss_parallel``) where the layout asks for it."""
     if pmodel.config.loss_parallel and pmodel.dims.enabled("tp"):
+        return VocabParallelLoss()
+    return None
+
+
+class VocabParallelLoss(LossPart):
+    """The loss and its backward run inside torch's ``loss_parallel``: the head's logits stay sharded over TP."""
+
+    def context(self):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
-    return None
 
 
 @hookimpl
