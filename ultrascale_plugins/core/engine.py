@@ -19,6 +19,7 @@ from ..interface.loss_head import LossHead
 from ..interface.parallel_dims import ParallelDims
 from ..interface.runtime import Runtime
 from ..interface.stages import describe_stages, order_stages
+from ..interface.training_loop import TrainingLoop
 from ..models.plan import ModelPlan, layers_present
 from .costing import resolved_cost
 from .parallel_model import ParallelModel
@@ -164,7 +165,7 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
     pm, config = registry_of(config, pm)
     chosen = pm.hook.ultrascale_validate_choose_layout(config=config, model_config=model_config, world_size=world_size)
     resolved = pm.resolve(chosen if chosen is not None else config, world_size)
-    pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size)
+    pm.hook.ultrascale_validate_config(config=resolved, model_config=model_config, world_size=world_size, loop=None)
     order_stages(pm.stages(resolved, model_config))  # a cycle or an unknown stage name, before any group
     if model is not None and not _validated_by_launcher(resolved, world_size, model, pm):
         plan = model_plan(model, resolved, pm)
@@ -173,11 +174,14 @@ def validate(config: ParallelConfig, model_config: Any, world_size: int, pm=None
 
 
 def validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None, pm=None) -> None:
-    """The checks of the training loop a front end will run with this layout (``ultrascale_validate_loop``):
-    ``micro_batches`` per optimizer step, gradients clipped to ``max_grad_norm`` (None or 0: not clipped)."""
+    """The checks of the training loop a front end will run with this layout: ``micro_batches`` per optimizer
+    step, gradients clipped to ``max_grad_norm`` (None or 0: not clipped). Every plugin's
+    ``ultrascale_validate_config`` is asked with the loop (no model config; the world the config's degrees make, a
+    ``-1`` counted as 1), so its checks of the layout alone run again: a config that resolved passes them."""
     pm, config = registry_of(config, pm)
-    pm.hook.ultrascale_validate_loop(config=config, micro_batches=int(micro_batches),
-                                     max_grad_norm=max_grad_norm or None)
+    world_size = math.prod(max(a.degree, 1) for a in pm.axes(config))
+    pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size,
+                                       loop=TrainingLoop(int(micro_batches), max_grad_norm or None))
 
 
 VALIDATED_ENV = "ULTRASCALE_VALIDATED"

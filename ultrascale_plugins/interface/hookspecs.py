@@ -11,7 +11,7 @@ name matches no specification is rejected when plugins load. ``GROUPS`` lists th
   ``model_wrapper.WrapperLibrary``, which sees through its models, prices its adapters and exports its checkpoints),
   the names front ends offer (Lightning strategies, Accelerate keys);
 - **validate**: before any process group, the layout chosen when asked (``layout: auto``), then checked against the
-  world size, the model's config and its structure;
+  world size, the model's config and its structure, and the training loop a front end runs;
 - **transform**: its model transforms as named stages, each declaring which stages it runs after and before
   (``interface.stages`` orders them);
 - **step**: its part of every step: the batch, the optimizer, the loss (how it is computed, what is added to it),
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from .recipe_section import RecipeSection
     from .search_offer import SearchOffer
     from .stages import Stage
+    from .training_loop import TrainingLoop
 
 PROJECT = "ultrascale_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -209,15 +210,21 @@ def ultrascale_validate_choose_layout(config: ParallelConfig, model_config: Pret
 
 
 @hookspec
-def ultrascale_validate_config(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int) -> None:
+def ultrascale_validate_config(config: ParallelConfig, model_config: PretrainedConfig | None, world_size: int,
+                               loop: TrainingLoop | None) -> None:
     """Check this dimension's part of the layout. Called before any process group: with
     ``model_config=None`` when the layout is resolved against the world size, and again with the Hugging Face config
-    when the model is known.
+    when the model is known; and with the training ``loop`` a front end will run (``engine.validate_loop``: each front
+    end asks before its first step, with its own settings: the recipe's ``train``, the Trainer's arguments,
+    Lightning's ``Trainer``, Accelerate's accumulation; ``model_config=None`` then). An implementation that does not
+    name ``loop`` is not asked about loops, and its checks of the layout alone run again with ``model_config=None``.
 
-    :param config: The resolved layout.
+    :param config: The resolved layout; when ``loop`` is given, the layout as the front end holds it.
     :param model_config: The model's Hugging Face config, or None.
     :param world_size: The number of ranks.
-    :return: Nothing; raises ``ConfigError`` when this dimension's part of ``config`` cannot run.
+    :param loop: The ``training_loop.TrainingLoop`` a front end will run (micro-batches per optimizer step, the
+        clipping norm), or None when only the layout is checked.
+    :return: Nothing; raises ``ConfigError`` when this dimension's part of ``config`` (or ``loop``) cannot run.
     """
 
 
@@ -230,23 +237,6 @@ def ultrascale_validate_model(model: nn.Module, plan: ModelPlan | None, config: 
     :param plan: Its model plan, or None when no plugin plans it.
     :param config: The resolved layout.
     :return: Nothing; raises ``ConfigError`` when this dimension cannot run on this model.
-    """
-
-
-@hookspec
-def ultrascale_validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: float | None) -> None:
-    """Check the training loop a front end will run with this layout. Each front end asks before its
-    first step, with its own settings (the recipe's ``train``, the Trainer's arguments, Lightning's ``Trainer``,
-    Accelerate's accumulation).
-
-    Why a hook: a dimension that cannot run some training loops (accumulation, clipping) refuses them before the
-    first step, in every front end.
-
-    :param config: The layout.
-    :param micro_batches: Forwards and backwards per optimizer step (gradient accumulation).
-    :param max_grad_norm: The global norm the gradients are clipped to; None when they are not clipped (0 arrives as
-        None).
-    :return: Nothing; raises ``ConfigError`` when this dimension cannot run that loop.
     """
 
 
@@ -527,8 +517,7 @@ GROUPS = {
     "declare": ("ultrascale_declare_fields", "ultrascale_declare_mesh_axes", "ultrascale_declare_facts", "ultrascale_declare_model_plan",
                 "ultrascale_declare_model_wrapper", "ultrascale_declare_plan_edit", "ultrascale_declare_presets",
                 "ultrascale_declare_accelerate_keys", "ultrascale_declare_recipe_sections"),
-    "validate": ("ultrascale_validate_choose_layout", "ultrascale_validate_config", "ultrascale_validate_model",
-                 "ultrascale_validate_loop"),
+    "validate": ("ultrascale_validate_choose_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
     "transform": ("ultrascale_transform_stages",),
     "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss",
              "ultrascale_step_no_sync", "ultrascale_step_after_backward", "ultrascale_step_run"),

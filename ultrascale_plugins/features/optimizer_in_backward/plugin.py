@@ -43,9 +43,11 @@ def ultrascale_declare_facts(config, degrees):
 
 
 @hookimpl
-def ultrascale_validate_config(config, model_config, world_size):
+def ultrascale_validate_config(config, model_config, world_size, loop):
     if not config.optimizer_in_backward:
         return
+    if loop is not None:
+        check_loop(loop)
     facts = layout_facts(config)
     if not facts.fsdp_units:
         raise field_error("optimizer_in_backward", True, f"{WHY}, which needs FSDP2 to reduce each gradient in "
@@ -56,10 +58,9 @@ def ultrascale_validate_config(config, model_config, world_size):
                           f"micro-batches (pp={facts.degree('pp')})", "use pp: 1, or optimizer_in_backward: false")
 
 
-@hookimpl
-def ultrascale_validate_loop(config, micro_batches, max_grad_norm):
-    if not config.optimizer_in_backward:
-        return
+def check_loop(loop) -> None:
+    """The loop a front end will run (a ``TrainingLoop``): one micro-batch per optimizer step, no clipping."""
+    micro_batches, max_grad_norm = loop.micro_batches, loop.max_grad_norm
     if micro_batches > 1:
         raise ConfigError(f"optimizer_in_backward=true with {micro_batches} micro-batches per optimizer step "
                           "(gradient accumulation): the optimizer would step on the first micro-batch's gradient "
