@@ -1,5 +1,5 @@
 """Peak host memory per rank while building and initializing a model from a config under ZeRO-3: the meta-device
-path (``torch.device("meta")`` + ``pretrained.weights_for`` -> ``initialize.ModelInit``: every rank allocates its
+path (``torch.device("meta")`` + ``load.weights_for`` -> ``initialize.ModelInit``: every rank allocates its
 shards and draws one module at a time) vs the old way (``AutoModelForCausalLM.from_config`` on every rank, then
 ``parallelize``), in the same run.
 
@@ -42,7 +42,7 @@ def worker(method: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: F401 (imported now)
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoints.pretrained import weights_for
+    from ultrascale_plugins.checkpoints.load import weights_for
 
     warnings.filterwarnings("ignore")
     us.init_distributed(timeout=1800)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import make_config, padded_batches, rows  # noqa: E402
 
 import ultrascale_plugins as us  # noqa: E402
-from ultrascale_plugins.checkpoints.pretrained import weights_for  # noqa: E402
+from ultrascale_plugins.checkpoints.load import weights_for  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -91,7 +91,7 @@ def train(step_fn, batches) -> tuple[list[float], list[float]]:
 def run(name: str, dirs: dict) -> dict | None:
     from peft import get_peft_model
 
-    from ultrascale_plugins.checkpoints.pretrained import match_weights
+    from ultrascale_plugins.checkpoints.load import weights_for
 
     fields, source, *arch = CASES[name]
     hf_dir = dirs[arch[0] if arch else "llama"]
@@ -99,7 +99,7 @@ def run(name: str, dirs: dict) -> dict | None:
     assert all(p.is_meta for p in model.parameters())
     if source == "explicit":
         torch.manual_seed(5)  # not the adapters' seed: the one passed below is
-        weights = match_weights(model, hf_dir, seed=SEED)
+        weights = weights_for(model, hf_dir, seed=SEED)
     else:
         torch.manual_seed(SEED)  # parallelize picks the initializer, seeded by torch.initial_seed()
         weights = None

@@ -126,14 +126,14 @@ def _pretrained(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoints import pretrained
+    from ultrascale_plugins.checkpoints import read_plan
 
     path = out / "hf"
     if dist.get_rank() == 0:  # the per-expert format, over several files
         make_model(ARCH, seed=3).save_pretrained(path, max_shard_size="100KB")
     dist.barrier()
     ref = AutoModelForCausalLM.from_pretrained(path).state_dict()
-    found = pretrained.file_tensors(path)
+    found = read_plan.file_tensors(path)
     expert_keys = [k for k in found if EXPERTS in k]
     result = {"files": len({f for _, f in found.values()}), "expert_keys": len(expert_keys),
               "expert_elements": sum(torch.Size(found[k][0]).numel() for k in expert_keys)}
@@ -176,7 +176,7 @@ def _meta_init() -> dict:
 
     import ultrascale_plugins as us
     from ultrascale_plugins.core.initialize import ModelInit
-    from ultrascale_plugins.checkpoints.pretrained import weights_for
+    from ultrascale_plugins.checkpoints.load import weights_for
 
     def meta_model():
         with torch.device("meta"):

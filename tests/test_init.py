@@ -118,7 +118,8 @@ def test_weights_for_picks_the_initializer_only_when_no_weights_exist(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ultrascale_plugins.core.initialize import ModelInit
-    from ultrascale_plugins.checkpoints.pretrained import PretrainedWeights, weights_for
+    from ultrascale_plugins.checkpoints.load import weights_for
+    from ultrascale_plugins.checkpoints.pretrained import PretrainedWeights
 
     assert weights_for(make_model("llama"), None) is None  # a real model keeps its weights
     model = meta_model("llama")
@@ -139,7 +140,8 @@ def test_meta_buffers_are_computed_without_accelerate_or_lightning():
             "sys.modules['accelerate'] = sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\n"
             "sys.path.insert(0, 'tests')\n"
             "from models import make_config, make_model\n"
-            "from ultrascale_plugins.checkpoints.pretrained import computed_buffers, empty_model, weights_for\n"
+            "from ultrascale_plugins.checkpoints.load import weights_for\n"
+            "from ultrascale_plugins.core.meta_build import computed_buffers, empty_model\n"
             "m = empty_model(make_config('llama_tied'))\n"
             "assert all(p.is_meta for p in m.parameters()) and m.lm_head.weight is m.model.embed_tokens.weight\n"
             "ref = dict(make_model('llama_tied').named_buffers())\n"

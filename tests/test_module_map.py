@@ -342,10 +342,9 @@ DEFAULT_REGISTRY_EDGE = {
     "integrations.accelerate": "the model handed to accelerator.prepare",
     "planner.cost": "a Layout or CostModel made without a registry (ultrascale plan)",
     "planner.model_spec": "a model's inventory for ultrascale plan",
-    "planner.plot": "the plan's pipeline plot",
     "data.recipe": "the sections of a recipe read from its file",
     "checkpoints.export": "ultrascale export",
-    "checkpoints.pretrained": "weights read for a script that gives no registry",
+    "checkpoints.load": "weights read for a script that gives no registry",
     "interface.config": "ParallelConfig(...) made without a registry (the attribute core.registry sets)",
 }
 

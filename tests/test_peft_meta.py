@@ -60,10 +60,10 @@ def meta_peft(arch="llama", **fields):
 
 
 def test_peft_names_map_to_the_plain_models_pretrained_names():
-    from ultrascale_plugins.checkpoints.pretrained import plain_entries
+    from ultrascale_plugins.checkpoints.read_plan import plain_entries
 
     model = meta_peft(target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"], use_dora=True)
-    plain, introduced, inner = plain_entries(model, list(model.state_dict()))
+    plain, introduced, inner = plain_entries(list(model.state_dict()), us.get_plugin_manager().wrapper_of(model))
     assert inner is model.get_base_model()
     expect = {"base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight":
               "model.layers.0.self_attn.q_proj.weight",
@@ -80,7 +80,8 @@ def test_peft_names_map_to_the_plain_models_pretrained_names():
             "base_model.model.model.embed_tokens.lora_embedding_A.default"} <= set(introduced)
     assert all("lora_" in k for k in introduced) and len(introduced) == 2 * 3 + 3  # A, B, DoRA magnitude per layer
     # a plain model maps to itself, introduces nothing
-    plain, introduced, _ = plain_entries(make_model("llama"), ["model.norm.weight"])
+    plain, introduced, _ = plain_entries(["model.norm.weight"],
+                                         us.get_plugin_manager().wrapper_of(make_model("llama")))
     assert plain == {"model.norm.weight": "model.norm.weight"} and introduced == []
 
 

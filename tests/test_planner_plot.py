@@ -1,12 +1,15 @@
-"""The ``ultrascale plan --plot`` figure: the pipeline schedule simulator and the PNG it draws."""
+"""The ``ultrascale plan --plot`` figure: the pipeline schedule simulator, the step schedule the plot draws, and the
+PNG."""
 import sys
 from collections import Counter
 
 import pytest
 
 from ultrascale_plugins.interface.config import ConfigError
+from ultrascale_plugins.dims.pipeline.timeline import schedule_timeline
+from ultrascale_plugins.interface.step_schedule import StepSchedule
 from ultrascale_plugins.planner.cost import Layout, Result
-from ultrascale_plugins.planner.plot import idle_fraction, plot_plan, schedule_timeline
+from ultrascale_plugins.planner.plot import idle_fraction, plot_plan, step_schedule
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 
@@ -79,6 +82,18 @@ def test_bubbles_compare_as_the_schedules_promise():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         schedule_timeline("looped_bfs", 2, 4)
+
+
+def test_the_plot_draws_the_step_schedule_the_layout_runs():
+    """``ultrascale_cost_schedule``: with pp > 1 the pipeline's micro-batches, the ranks worth costing and its
+    simulated timeline; without a pipeline the default, one rank running each micro-batch's forward then backward
+    (the simulated 1F1B of one stage)."""
+    lay = Layout(dp_shard=2, pp=4, grad_accum=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    schedule = step_schedule(lay)
+    assert schedule.microbatches == 8 and schedule.coordinates == {"pp": [0, 1, 3]}
+    assert schedule.timeline(6) == schedule_timeline("interleaved_1f1b", 4, 6, v=2)
+    assert step_schedule(Layout(dp_shard=4, grad_accum=8)) == StepSchedule()
+    assert StepSchedule().timeline(5) == schedule_timeline("1f1b", 1, 5)
 
 
 def result(fits=True, total=None, **layout):

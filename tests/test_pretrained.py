@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 
 from models import make_config, make_model
 from ultrascale_plugins.checkpoints.errors import CheckpointError
-from ultrascale_plugins.checkpoints.pretrained import empty_model, match_weights, prepare
+from ultrascale_plugins.checkpoints.load import prepare, weights_for
+from ultrascale_plugins.core.meta_build import empty_model
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_shape_mismatch_names_key_and_file(hf_dir):
     state["model.norm.weight"] = torch.ones(32)
     save_file(state, str(hf_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight: model \(64,\), file \(32,\) in model\.safet"):
-        match_weights(model, hf_dir)
+        weights_for(model, hf_dir)
 
 
 def test_pickled_weights_are_refused_not_unpickled(tmp_path, hf_dir):

@@ -51,7 +51,7 @@ def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
     import ultrascale_plugins as us
     from safetensors import safe_open
     from ultrascale_plugins.checkpoints.load import from_pretrained
-    from ultrascale_plugins.checkpoints.pretrained import prepare
+    from ultrascale_plugins.checkpoints.load import prepare
 
     path = save_moe(model_type, tmp_path / "m")
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
@@ -75,7 +75,7 @@ def test_per_expert_checkpoint_loads_like_transformers(model_type, tmp_path):
 def test_already_fused_checkpoint_and_shape_errors(tmp_path):
     from safetensors.torch import load_file, save_file
     from ultrascale_plugins.checkpoints.errors import CheckpointError
-    from ultrascale_plugins.checkpoints.pretrained import prepare
+    from ultrascale_plugins.checkpoints.load import prepare
 
     path = save_moe("qwen3_moe", tmp_path / "m")
     ref = reference_state(path)
@@ -112,7 +112,7 @@ def test_two_ranks_read_only_their_experts_and_equal_transformers(tmp_path):
 
 def worker(out: Path) -> None:
     import ultrascale_plugins as us
-    from ultrascale_plugins.checkpoints import pretrained
+    from ultrascale_plugins.checkpoints import fused_source, read_plan
     from ultrascale_plugins.checkpoints.load import from_pretrained
 
     us.init_distributed(timeout=120)
@@ -121,9 +121,9 @@ def worker(out: Path) -> None:
         save_moe("qwen3_moe", path, max_shard_size="20KB")
     dist.barrier()
     ref = reference_state(path)
-    result = {"expert_keys": sum(".experts." in k for k in pretrained.file_tensors(path))}
+    result = {"expert_keys": sum(".experts." in k for k in read_plan.file_tensors(path))}
     read_keys: list[str] = []
-    assemble = pretrained.FusedSource.assemble
+    assemble = fused_source.FusedSource.assemble
 
     def recording(self, read, rows=None):  # the keys read from the files (not the meta shape check's)
         def reading(item):
@@ -134,7 +134,7 @@ def worker(out: Path) -> None:
 
         return assemble(self, reading, rows)
 
-    pretrained.FusedSource.assemble = recording
+    fused_source.FusedSource.assemble = recording
     for name, layout in LAYOUTS.items():
         read_keys.clear()
         full = from_pretrained(path, us.ParallelConfig(**layout)).full_state_dict()

@@ -135,7 +135,7 @@ def test_pipeline_conflicts_name_both_fields():
 
 def test_the_loop_splits_rows_only_without_a_pipeline(tmp_path):
     """The command line cuts a rank's batch into grad_accum micro-batches unless the model runs them itself (a
-    pipeline's schedule: ``pmodel.tokens.microbatches_inside``, from the ``ultrascale_cost_microbatches`` hook)."""
+    pipeline's schedule: ``pmodel.tokens.microbatches_inside``, from the ``ultrascale_cost_schedule`` hook)."""
     from types import SimpleNamespace
 
     from ultrascale_plugins.cli.loop import micro_batches

@@ -400,7 +400,7 @@ def lora_run_checked(peft, tiny: Path, checkpoint: Path, tmp_path: Path) -> None
 
 def test_moe_checkpoint_in_transformers_format_loads(tmp_path):
     """What the MoE recipe's launch command reads: a directory save_pretrained wrote (the hub's format)."""
-    from ultrascale_plugins.checkpoints.pretrained import prepare
+    from ultrascale_plugins.checkpoints.load import prepare
 
     moe = [p for p in RECIPES if "num_experts" in json.loads(config_json(p).read_text())]
     assert moe, "no mixture-of-experts recipe"

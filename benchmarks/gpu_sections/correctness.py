@@ -69,7 +69,7 @@ def meta_init(rec: Recorder, sizes: Sizes) -> None:
     import ultrascale_plugins as us
     from transformers import AutoModelForCausalLM
 
-    from ultrascale_plugins.checkpoints.pretrained import weights_for
+    from ultrascale_plugins.checkpoints.load import weights_for
 
     cfg, seed = small_llama_config(sizes), 1234
     torch.manual_seed(seed)  # as the CLI does: the initializer takes torch.initial_seed()
@@ -190,7 +190,7 @@ def _moe_model(sizes: Sizes, seed: int = 0):
 def _grads(named_parameters) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from ultrascale_plugins.core.initialize import unwrapped_name
+    from ultrascale_plugins.core.local_shards import unwrapped_name
 
     out = {}
     for name, p in named_parameters:

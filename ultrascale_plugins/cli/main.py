@@ -54,7 +54,7 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     model_config = recipe.model_config()
     model = None
     if init_from:
-        from ..checkpoints.pretrained import prepare
+        from ..checkpoints.load import prepare
 
         weights, model = prepare(init_from, **recipe.base_dtype())
         model_config = model.config
@@ -70,9 +70,9 @@ def check_recipe(recipe, init_from: str | None = None, nnodes: int = 1, memory_g
     if recipe.sections:  # the worker's model with the sections applied (PEFT's adapters), on the meta device
         model = recipe.apply_sections(model)
         if init_from:  # the adapters' names resolved against the files, as the workers will
-            from ..checkpoints.pretrained import match_weights
+            from ..checkpoints.load import weights_for
 
-            match_weights(model, init_from)
+            weights_for(model, init_from)
     resolved = validate(recipe.parallel, model_config, recipe.nproc * nnodes, model=model)
     if recipe.train.global_batch % resolved.dp:
         raise ConfigError(f"train.global_batch={recipe.train.global_batch} is not divisible by the data-parallel "

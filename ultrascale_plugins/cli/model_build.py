@@ -8,9 +8,10 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM
 
+from ..checkpoints.hf_config import read_config
 from ..checkpoints.load import from_pretrained, parallelize
-from ..checkpoints.pretrained import empty_model, read_config
 from ..core.engine import ParallelModel
+from ..core.meta_build import empty_model
 from ..data.recipe import Recipe, recorded_init_from
 from ..interface.estimates import meta_model
 

@@ -23,184 +23,20 @@ other values than a plain tensor, and do not cover the plain tensors of a pipeli
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
 
 import torch
 from torch import nn
 
 from ..interface.meta_copy import meta_copy
-
-# wrapper segments torch inserts into parameter names (checkpoint_wrapper, torch.compile, FSDP1); the engine's own
-# transforms keep the unparallelized names, these only matter for a model wrapped before it was parallelized
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-def unwrapped_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+from .local_shards import copy_part, give_storage, local_chunk, unwrapped_name
+from .meta_build import fill_buffers, init_guard, init_owners, own_init, seeded_cpu_rng
 
 
 def unit_seed(seed: int, name: str) -> int:
     """The CPU generator seed of one unit: a hash of (seed, the unit's name in the unparallelized model)."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_owners(model: nn.Module) -> dict[str, object]:
-    """{module name: the ``PreTrainedModel`` whose ``_init_weights`` initializes it}: the nearest one among the
-    module and its ancestors — the dispatch of transformers' ``initialize_weights`` (``smart_apply``), which hands
-    a composite model's sub-models to their own ``_init_weights``."""
-    from transformers import PreTrainedModel
-
-    owners: dict[str, object] = {}
-
-    def visit(module: nn.Module, prefix: str, owner) -> None:
-        if isinstance(module, PreTrainedModel):
-            owner = module
-        owners[prefix] = owner
-        for name, child in module.named_children():
-            visit(child, f"{prefix}.{name}" if prefix else name, owner)
-
-    visit(model, "", None)
-    return owners
-
-
-def _init_module(owner, module: nn.Module) -> None:
-    """The model's own initialization of one module (``owner._init_weights``; a module outside any Hugging Face
-    model gets torch's ``reset_parameters``). Not ``_initialize_weights``: its per-module "already initialized"
-    flag must not skip a module whose values are being drawn."""
-    if owner is not None:
-        owner._init_weights(module)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-
-
-@contextlib.contextmanager
-def _seeded_cpu_rng(seed: int):
-    """The global CPU generator (which ``torch.nn.init`` and ``transformers.initialization`` draw from) seeded with
-    ``seed`` inside the block, its state restored after. CUDA generators are left alone."""
-    state = torch.get_rng_state()
-    torch.default_generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state)
-
-
-def _guard():
-    """transformers' guard around ``initialize_weights`` (torch's init functions honour ``_is_hf_initialized``)."""
-    try:
-        from transformers.initialization import guard_torch_init_functions
-    except ImportError:  # pragma: no cover - older transformers
-        return contextlib.nullcontext()
-    return guard_torch_init_functions()
-
-
-def fill_buffers(model: nn.Module) -> None:
-    """Give the buffers a meta-device build left empty (rotary frequencies, embedding scales, ...) CPU storage and
-    their values, from the model's own ``_init_weights`` — as transformers' ``from_pretrained`` does after building
-    on the meta device (its ``_init_weights`` recomputes such buffers: rotary embeddings keep ``original_inv_freq``
-    for it). A buffer no ``_init_weights`` sets is zero. Parameters are not touched."""
-    owners = init_owners(model)
-    with torch.no_grad(), torch.device("cpu"), _guard(), _seeded_cpu_rng(0):
-        for name, module in model.named_modules():
-            empty = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
-            if not empty:
-                continue
-            for k in empty:
-                b = module._buffers[k]
-                module._buffers[k] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
-            target = module
-            if any(p is not None and not p.is_meta for p in module._parameters.values()):
-                # real parameters next to empty buffers: initialize a view of the module whose parameters are
-                # meta (writes to them are no-ops) and whose buffers are the module's own
-                target = copy.copy(module)
-                target._parameters = {k: (None if p is None else nn.Parameter(p.detach().to("meta"), p.requires_grad))
-                                      for k, p in module._parameters.items()}
-            _init_module(owners.get(name), target)
-
-
-def to_empty_tied(module: nn.Module, device, param_device=None) -> None:
-    """``module.to_empty(device=device)`` that keeps tied parameters tied: ``to_empty`` replaces a plain
-    parameter by a new one in every module that holds it (DTensor parameters are swapped in place, so tied ones
-    stay one object). Each group of names that held one parameter is pointed back at a single new one.
-    ``param_device``: the parameters' storage there instead (the host, when they are offloaded), the buffers'
-    on ``device``."""
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=param_device or device)
-    if param_device is not None and param_device != device:
-        for m in module.modules():
-            for key, buf in m._buffers.items():
-                if buf is not None:
-                    m._buffers[key] = torch.empty_like(buf, device=device)
-    for refs in holders.values():
-        keep = refs[0][0]._parameters[refs[0][1]]
-        for m, name in refs[1:]:
-            m._parameters[name] = keep
-
-
-@torch.no_grad()
-def give_storage(ctx, buffers: dict[str, torch.Tensor], computed: dict[str, torch.Tensor] | None = None) -> None:
-    """Give this rank's model parts (``ctx.modules``, in their final layout) storage — the parameters where the
-    layout holds them (``ctx.param_device``, when a context has one), tied ones kept tied — and their buffers the
-    values computed at construction: ``buffers`` by name, else ``computed`` by the unparallelized name, else zero
-    (``to_empty`` leaves them uninitialised). The first step of every loader (``ModelInit.load``,
-    ``pretrained.PretrainedWeights.load``), before any value is read or drawn."""
-    for module in ctx.modules:
-        to_empty_tied(module, ctx.device, getattr(ctx, "param_device", None))  # a context of the caller's own too
-        for name, buf in module.named_buffers():
-            source = buffers.get(name)
-            if source is None and computed is not None:
-                source = computed.get(unwrapped_name(name))
-            if source is not None and not source.is_meta:
-                buf.copy_(source)
-            else:
-                buf.zero_()
-
-
-def copy_part(param: torch.Tensor, local: torch.Tensor, part: torch.Tensor) -> None:
-    """``local.copy_(part)``, where ``local`` is this rank's part of ``param`` (its ``to_local()``, or ``param``)
-    and may be a tensor subclass of several inner tensors (torchao's NF4Tensor). The inner tensors a meta-device
-    build left without storage are taken from ``part``: those every part holds whole, which the layout neither
-    shards nor moves (FSDP2 and ``to_empty`` carry NF4's scales' mean and code book over from the meta tensor as
-    they are). They are set on the tensor the DTensor holds (``_local_tensor``: ``to_local`` of a parameter
-    returns a view of it, a separate object, since torch 2.11)."""
-    local.copy_(part)
-    flatten = getattr(local, "__tensor_flatten__", None)
-    if flatten is None or type(local) in (torch.Tensor, nn.Parameter) or type(part) is not type(local):
-        return
-    holder = getattr(param, "_local_tensor", param)
-    for name in flatten()[0]:
-        if getattr(local, name).is_meta:
-            value = getattr(part, name).detach().to(local.device, copy=True)
-            for tensor in {id(holder): holder, id(local): local}.values():
-                setattr(tensor, name, value)
-
-
-def local_chunk(full: torch.Tensor, mesh, placements) -> torch.Tensor:
-    """This rank's part of ``full`` under ``placements`` over ``mesh``, computed locally (no communication): the
-    placements are applied left to right, as ``distribute_tensor(..., src_data_rank=None)`` does, but on the CPU
-    tensor, so only the local chunk ever reaches the device."""
-    from torch.distributed.tensor import Shard
-
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # pragma: no cover
-        _StridedShard = Shard
-    coordinate = mesh.get_coordinate()
-    out = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, (Shard, _StridedShard)):
-            pieces, _ = placement._split_tensor(out, mesh.size(mesh_dim), with_padding=False, contiguous=False)
-            out = pieces[coordinate[mesh_dim]]
-        elif placement.is_partial():
-            raise RuntimeError(f"a parameter placed {placements} (partial) cannot be initialized")
-    return out
 
 
 class ModelInit:
@@ -220,13 +56,12 @@ class ModelInit:
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.twin = meta_copy(model)
         # the plugin's description of a wrapper (a PEFT model): the caller's, asked of the model once per load
-        # (``pretrained.weights_for``; its answers go by name, the same for the twin), else asked of the twin here,
+        # (``load.weights_for``; its answers go by name, the same for the twin), else asked of the twin here,
         # of the registry ``pm`` (one of the two is given)
         if wrapper is None and pm is None:
             raise TypeError("ModelInit(model, seed, pm=registry) or ModelInit(model, seed, wrapper=...): the registry "
                             "says what the model's wrapper is (us.get_plugin_manager() is the process's)")
         self.wrapper = wrapper if wrapper is not None else pm.wrapper_of(self.twin)
-        fill_buffers(self.twin)  # the values of buffers the engine does not hand over (left empty by a meta build)
         self.owners = init_owners(self.twin)
         # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the
         # module where it first appears, so a tied head takes the embedding's values
@@ -276,11 +111,11 @@ class ModelInit:
         while chain[-1]:
             chain.append(chain[-1].rpartition(".")[0])
         try:
-            with torch.device("cpu"), _seeded_cpu_rng(unit_seed(self.seed, self.seed_names[unit])), _guard():
+            with torch.device("cpu"), seeded_cpu_rng(unit_seed(self.seed, self.seed_names[unit])), init_guard():
                 for name in chain:
                     sub = self.twin.get_submodule(name)
                     if not self.wrapper.init_module(name, sub):
-                        _init_module(self.owners.get(name), sub)
+                        own_init(self.owners.get(name), sub)
             return {pname: module._parameters[pname].detach() for pname in self.units[unit]}
         finally:
             module._parameters.update(saved)
@@ -289,7 +124,9 @@ class ModelInit:
     def load(self, ctx, buffers: dict[str, torch.Tensor]) -> None:
         """Give this rank's (sharded) parameters storage and their initial values; restore the buffers computed at
         construction (``to_empty`` leaves them uninitialised); then the values computed from others
-        (``ModelWrapper.init_dependent``)."""
+        (``ModelWrapper.init_dependent``). The buffers the engine does not hand over (a meta build left them empty)
+        are computed on the twin, here, where they are read."""
+        fill_buffers(self.twin)
         give_storage(ctx, buffers, dict(self.twin.named_buffers()))
         self.fill(ctx.modules)
         self.wrapper.init_dependent(list(ctx.modules))

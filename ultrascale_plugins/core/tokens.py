@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed.loss import IGNORE_INDEX, valid_token_counts
+from ..interface.step_schedule import StepSchedule
 
 
 class TokenAccounting:
@@ -51,8 +52,8 @@ class TokenAccounting:
     @property
     def microbatches_inside(self) -> int:
         """How many micro-batches one ``train_step`` call runs inside the model (a pipeline schedule's, from the
-        ``ultrascale_cost_microbatches`` hook); 1 when each call is one micro-batch."""
-        return self.pm.hook.ultrascale_cost_microbatches(config=self.config) or 1
+        ``ultrascale_cost_schedule`` hook); 1 when each call is one micro-batch."""
+        return (self.pm.hook.ultrascale_cost_schedule(config=self.config) or StepSchedule()).microbatches
 
     def shares(self, chunks: list[dict]) -> list[float]:
         """Each micro-batch's share of the valid target tokens of a whole optimizer step on all data-parallel

@@ -13,6 +13,7 @@ import yaml
 
 from ..interface.config import ConfigError, ParallelConfig, load_yaml, suggest
 from ..interface.recipe_section import SavedRun
+from ..interface.step_schedule import StepSchedule
 from .model_section import check_model_section, config_from_fields, config_keys, read_config_json, refused_value_line
 
 OWN_SECTIONS = ("nproc", "model", "data", "train", "parallel")
@@ -459,7 +460,7 @@ def resolve_batching(train: TrainSpec, parallel: ParallelConfig, world_size: int
         if ga:
             field = f"train.grad_accum={ga}"
         elif pp > 1:  # the pipeline's micro-batches, as before grad_accum existed
-            ga = resolved.registry.hook.ultrascale_cost_microbatches(config=resolved) or 1
+            ga = (resolved.registry.hook.ultrascale_cost_schedule(config=resolved) or StepSchedule()).microbatches
             if resolved.pp_microbatches:
                 field, knob = f"pp_microbatches={ga}", "pp_microbatches (or train.grad_accum)"
             else:

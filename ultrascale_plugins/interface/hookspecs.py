@@ -18,9 +18,8 @@ name matches no specification is rejected when plugins load. ``GROUPS`` lists th
   gradient accumulation, what follows the last backward, the step itself (replace it, or wrap it with a
   ``@hookimpl(wrapper=True)`` generator);
 - **state**: its entries in checkpoints, tensors placed in pieces DCP cannot describe;
-- **cost**: its per-rank costs, the least communication its axes need, the micro-batches
-  of a step, the ranks worth costing, the values the planner's search should try, a schedule's timeline for the
-  plot.
+- **cost**: its per-rank costs, the least communication its axes need, the values the planner's search should try,
+  how a step runs its micro-batches (how many, the ranks worth costing, the timeline the plot draws).
 
 A family's own runtime needs are methods of its own objects, not hooks: a pipeline's schedule is its
 ``interface.runtime.Runtime`` subclass, PEFT's names and initialization its ``ModelWrapper``, its pricing and exports
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from .recipe_section import RecipeSection
     from .search_offer import SearchOffer
     from .stages import Stage
+    from .step_schedule import StepSchedule
     from .training_loop import TrainingLoop
 
 PROJECT = "ultrascale_plugins"
@@ -443,35 +443,6 @@ def ultrascale_cost_comm_minimum(config: ParallelConfig, shape: Shape) -> list[M
     """
 
 
-@hookspec(firstresult=True)
-def ultrascale_cost_microbatches(config: ParallelConfig) -> int | None:
-    """Say how many micro-batches one training step runs inside this dimension (a pipeline schedule's).
-    Recipes derive their batch split from it; ``ParallelModel.tokens.microbatches_inside`` reports it.
-
-    Stops at the first non-None result.
-
-    Why a hook: a dimension that runs several micro-batches inside one step (a pipeline schedule) tells the recipe
-    and the estimate how many.
-
-    :param config: The resolved layout.
-    :return: The number of micro-batches, or None when this dimension does not decide it (no answer: 1).
-    """
-
-
-@hookspec
-def ultrascale_cost_coordinates(config: ParallelConfig) -> dict[str, list[int]] | None:
-    """Name the ranks worth costing along this dimension's mesh axes. The planner estimates the ranks of
-    every combination of every plugin's positions and takes the most loaded.
-
-    Why a hook: a dimension whose ranks carry different loads (a pipeline's first and last stages) names the ranks
-    worth costing.
-
-    :param config: The layout being costed.
-    :return: ``{axis: [index, ...]}``, the positions whose ranks can differ in cost (a pipeline's first, second and
-        last stages), or None when every rank costs the same along them.
-    """
-
-
 @hookspec
 def ultrascale_cost_search(config: ParallelConfig, model_config: PretrainedConfig, world_size: int) -> SearchOffer | None:
     """Offer values of this plugin's layout fields worth costing with a candidate of the planner's search
@@ -496,19 +467,20 @@ def ultrascale_cost_search(config: ParallelConfig, model_config: PretrainedConfi
 
 
 @hookspec(firstresult=True)
-def ultrascale_cost_schedule_timeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]] | None:
-    """Simulate a schedule this dimension runs (a pipeline's), for the planner's plot.
+def ultrascale_cost_schedule(config: ParallelConfig) -> StepSchedule | None:
+    """Say how one training step runs its micro-batches inside this dimension (a pipeline's schedule): how many
+    (recipes derive their batch split from it; ``ParallelModel.tokens.microbatches_inside`` reports it), the ranks
+    along its mesh axes worth costing (the planner estimates every combination and takes the most loaded), and
+    their timeline (``ultrascale plan --plot`` draws it). A step runs one schedule: the first answer is it.
 
     Stops at the first non-None result.
 
-    Why a hook: a pipeline schedule of one's own is drawn in the plan's plot.
+    Why a hook: a dimension that runs several micro-batches inside a step with a schedule (a pipeline) tells the
+    recipe, the planner and the plot about it.
 
-    :param schedule: The schedule's name (``pp_schedule``).
-    :param stages: The pipeline ranks.
-    :param microbatches: The micro-batches of one step.
-    :param virtual_stages: Stages per rank where the schedule loops (1 otherwise).
-    :return: Per rank, its actions as (start, end, kind, micro-batch, chunk), kind F, B or W, in units of one forward
-        of one micro-batch on one stage; None for a schedule it does not know (no answer: refused).
+    :param config: The resolved layout.
+    :return: A ``step_schedule.StepSchedule`` (a subclass with its own ``timeline``), or None when this dimension
+        runs no schedule in this layout (no answer: one micro-batch, every rank costing alike).
     """
 
 
@@ -523,6 +495,6 @@ GROUPS = {
              "ultrascale_step_no_sync", "ultrascale_step_after_backward", "ultrascale_step_run"),
     "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view"),
     "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum",
-             "ultrascale_cost_microbatches", "ultrascale_cost_coordinates", "ultrascale_cost_search",
-             "ultrascale_cost_schedule_timeline"),
+             "ultrascale_cost_search",
+             "ultrascale_cost_schedule"),
 }

@@ -451,14 +451,14 @@ class CostModel:
 
 
 def coordinates_to_cost(config, pm=None) -> list[dict]:
-    """The ranks (mesh coordinates) that can be the most loaded, from every dimension's
-    ``ultrascale_cost_coordinates`` (a pipeline's first, second and last stages); ``[{}]`` when all cost alike."""
+    """The ranks (mesh coordinates) that can be the most loaded, from the step's schedule
+    (``ultrascale_cost_schedule``: a pipeline's first, second and last stages); ``[{}]`` when all cost alike."""
     import itertools
 
+    from ..interface.step_schedule import StepSchedule
+
     pm = pm if pm is not None else config.registry
-    axes: dict[str, list[int]] = {}
-    for answer in pm.hook.ultrascale_cost_coordinates(config=config):
-        axes.update(answer or {})
+    axes = (pm.hook.ultrascale_cost_schedule(config=config) or StepSchedule()).coordinates
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 

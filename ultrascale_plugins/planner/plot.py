@@ -2,15 +2,17 @@
 pipeline schedule as a timeline (ranks x time, forward / backward / idle), drawn the way the Ultra-Scale Playbook
 draws them.
 
-The timeline comes from the pipeline plugin's simulator (``dims/pipeline/timeline.py``, through
-``ultrascale_cost_schedule_timeline``): each schedule is an order of actions per pipeline rank, scheduled as soon as
-its rank is free and what it waits for has finished.
+The timeline is the chosen layout's step schedule's (``ultrascale_cost_schedule``): with pp > 1 the pipeline
+plugin's simulation (``dims/pipeline/timeline.py``: each schedule is an order of actions per pipeline rank, scheduled
+as soon as its rank is free and what it waits for has finished); without one, one rank running each micro-batch's
+forward then backward.
 """
 from __future__ import annotations
 
 
 from ..interface.config import ConfigError
 from ..interface.extras import install_command
+from ..interface.step_schedule import StepSchedule
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "other")
 MEMORY_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
@@ -18,18 +20,11 @@ KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 MAX_DRAWN_MICROBATCHES = 16
 
 
-def schedule_timeline(schedule: str, p: int, m: int, v: int = 1, pm=None) -> list[list[tuple]]:
-    """Per pipeline rank, its actions as (start, end, kind, micro-batch, chunk), kind in F / B / W, in time units
-    of one forward of one micro-batch on one stage: the pipeline plugin's simulation of ``schedule`` with ``p``
-    ranks, ``m`` micro-batches and ``v`` stages per rank where the schedule loops (``ultrascale_cost_schedule_timeline``).
-    """
-    from ..core.registry import given_or_default  # the plan command's plot, a front end
-
-    timeline = given_or_default(pm).hook.ultrascale_cost_schedule_timeline(schedule=schedule, stages=p,
-                                                                           microbatches=m, virtual_stages=v)
-    if timeline is None:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}: no installed plugin draws it")
-    return timeline
+def step_schedule(layout) -> StepSchedule:
+    """The schedule a step of the planner's ``layout`` runs (``ultrascale_cost_schedule``: a pipeline's with pp > 1),
+    or the default one of a step without one."""
+    config = layout.config()
+    return config.registry.hook.ultrascale_cost_schedule(config=config) or StepSchedule()
 
 
 def chunks_of(timeline: list[list[tuple]]) -> int:
@@ -111,9 +106,9 @@ def _draw_timeline(ax, best) -> None:
 
     lay = best.layout
     p, m = lay.pp, lay.grad_accum
-    schedule = lay.pp_schedule if p > 1 else "1f1b"
+    schedule = step_schedule(lay)
     drawn = min(m, max(MAX_DRAWN_MICROBATCHES, 2 * p))  # 2p: enough to reach the steady state
-    timeline = schedule_timeline(schedule, p, drawn, lay.pp_virtual_stages)
+    timeline = schedule.timeline(drawn)
     v = chunks_of(timeline)
     total = max(row[-1][1] for row in timeline)
     fontsize = min(7.0, 450 / total)  # micro-batch numbers shrink with the boxes, and go when unreadable
@@ -124,7 +119,7 @@ def _draw_timeline(ax, best) -> None:
                     edgecolor="white", linewidth=0.5)
             if fontsize >= 3:
                 ax.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=fontsize)
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_yticks(range(len(timeline)), [f"rank {r}" for r in range(len(timeline))])
     ax.invert_yaxis()
     ax.set_xlim(0, total)
     ax.set_xlabel("time (1 = forward of one micro-batch on one stage)")
@@ -135,18 +130,19 @@ def _draw_timeline(ax, best) -> None:
     below_xlabel = offset_copy(ax.transAxes, fig=ax.figure, y=-36, units="points")
     ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, 0.0),
               bbox_transform=below_xlabel)
-    ax.set_title(_timeline_title(schedule, p, v, m, drawn))
+    ax.set_title(_timeline_title(lay, schedule, v, drawn))
 
 
-def _timeline_title(schedule: str, p: int, v: int, m: int, drawn: int) -> str:
+def _timeline_title(lay, schedule: StepSchedule, v: int, drawn: int) -> str:
+    p, m = lay.pp, lay.grad_accum
     first = f" (drawn with m={drawn})" if drawn < m else ""
     if p == 1:
         return f"Chosen layout: no pipeline (pp=1), {m} micro-batches accumulated per step{first}"
-    bubble = idle_fraction(schedule_timeline(schedule, p, m, v))
-    line = f"Chosen layout's pipeline: {schedule}, p={p}, v={v}, m={m}{first}\nsimulated bubble {bubble:.1%} of " \
-           "rank 0's step"
+    bubble = idle_fraction(schedule.timeline(m))
+    line = f"Chosen layout's pipeline: {lay.pp_schedule}, p={p}, v={v}, m={m}{first}\nsimulated bubble {bubble:.1%} " \
+           "of rank 0's step"
     if drawn < m:
-        line += f" ({idle_fraction(schedule_timeline(schedule, p, drawn, v)):.1%} at the drawn m={drawn})"
+        line += f" ({idle_fraction(schedule.timeline(drawn)):.1%} at the drawn m={drawn})"
     return line + ("; lighter boxes: later chunks" if v > 1 else "")
 
 

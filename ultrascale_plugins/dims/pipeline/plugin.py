@@ -26,6 +26,7 @@ from .split import (
     LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, _base, build_stage, microbatches, pp_parts, pp_rank_of_stage,
     split_layers, stage_ids_for_rank, stage_layer_counts, stages_per_rank,
 )
+from .timeline import PipelineSchedule
 
 SCHEDULES = (*SINGLE_STAGE, *LOOPED, *V_SHAPED)
 
@@ -220,28 +221,16 @@ def ultrascale_cost_comm_minimum(config, shape):
 
 
 @hookimpl
-def ultrascale_cost_microbatches(config):
-    return microbatches(config) if config.pp > 1 else None
-
-
-@hookimpl
-def ultrascale_cost_coordinates(config):
-    """The pipeline ranks that can be the most loaded: the first two (the embedding, the most micro-batches in
-    flight; the second may hold one layer more) and the ones holding the last stage (head, logits)."""
+def ultrascale_cost_schedule(config):
+    """With pp > 1: the schedule's micro-batches, its timeline, and the pipeline ranks that can be the most loaded:
+    the first two (the embedding, the most micro-batches in flight; the second may hold one layer more) and the ones
+    holding the last stage (head, logits)."""
     pp = config.pp
     if pp == 1:
         return None
     last = pp_rank_of_stage(config, pp * stages_per_rank(config) - 1)
-    return {"pp": sorted({0, min(1, pp - 1), pp - 1, last})}
-
-
-@hookimpl
-def ultrascale_cost_schedule_timeline(schedule, stages, microbatches, virtual_stages):
-    if schedule not in SCHEDULES:
-        return None
-    from .timeline import schedule_timeline
-
-    return schedule_timeline(schedule, stages, microbatches, virtual_stages)
+    return PipelineSchedule(microbatches(config), {"pp": sorted({0, min(1, pp - 1), pp - 1, last})},
+                            schedule=config.pp_schedule, stages=pp, virtual_stages=config.pp_virtual_stages)
 
 
 @hookimpl

@@ -1,4 +1,5 @@
-"""A pipeline schedule as a timeline, for the planner's plot (``ultrascale_cost_schedule_timeline``).
+"""A pipeline schedule as a timeline, for the planner's plot (``PipelineSchedule.timeline``, the pipeline's answer to
+``ultrascale_cost_schedule``).
 
 Each schedule is an order of actions per pipeline rank, and the start
 of every action is found by list scheduling, i.e. as soon as its rank is free and the action it waits for
@@ -19,8 +20,10 @@ schedules, B (input gradient) 1 unit and W (weight gradient) 1 unit. The orders:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from ...interface.step_schedule import StepSchedule
 from .split import LOOPED, SINGLE_STAGE, V_SHAPED
 
 
@@ -151,3 +154,16 @@ def schedule_timeline(schedule: str, p: int, m: int, v: int = 1) -> list[list[tu
     if any(len(timeline[r]) < len(orders[r]) for r in range(p)):
         raise RuntimeError(f"the {schedule} order deadlocks for p={p}, m={m}, v={v}")  # a bug in an order above
     return timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule(StepSchedule):
+    """A pipeline's step (``ultrascale_cost_schedule``): ``schedule`` over ``stages`` ranks, ``virtual_stages`` per
+    rank where it loops, its timeline simulated above."""
+
+    schedule: str = "1f1b"
+    stages: int = 1
+    virtual_stages: int = 1
+
+    def timeline(self, microbatches: int) -> list[list[tuple]]:
+        return schedule_timeline(self.schedule, self.stages, microbatches, self.virtual_stages)
