@@ -35,7 +35,8 @@ def from_pretrained(path, config: ParallelConfig | dict | None = None, *, device
     """Build the model of the Hugging Face directory ``path`` in the layout ``config`` and load its weights, each
     rank reading only its own shards (names, tied weights and shapes are checked before any process group
     exists)."""
-    model = empty_model(read_config(path, trust_remote_code))
+    model_config = read_config(path, trust_remote_code)
+    model = empty_model(model_config)
     return parallelize(model, config, device=device, init_from=path)
 
 
