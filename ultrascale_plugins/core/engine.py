@@ -177,8 +177,10 @@ def validate_loop(config: ParallelConfig, micro_batches: int, max_grad_norm: flo
     """The checks of the training loop a front end will run with this layout: ``micro_batches`` per optimizer
     step, gradients clipped to ``max_grad_norm`` (None or 0: not clipped). Every plugin's
     ``ultrascale_validate_config`` is asked with the loop (no model config; the world the config's degrees make, a
-    ``-1`` counted as 1), so its checks of the layout alone run again: a config that resolved passes them."""
+    ``-1`` counted as 1), so its checks of the layout alone run again: a config that resolved passes them (its
+    ``auto`` fields filled in first, as resolving does: a front end may hold the layout as written)."""
     pm, config = registry_of(config, pm)
+    config = pm.fill_auto(config)
     world_size = math.prod(max(a.degree, 1) for a in pm.axes(config))
     pm.hook.ultrascale_validate_config(config=config, model_config=None, world_size=world_size,
                                        loop=TrainingLoop(int(micro_batches), max_grad_norm or None))
