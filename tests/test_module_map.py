@@ -340,7 +340,8 @@ DEFAULT_REGISTRY_EDGE = {
     "integrations.layout": "Accelerate's keys, read from the environment",
     "integrations.lightning_common": "Lightning's strategy names and presets, the model a LightningModule holds",
     "integrations.accelerate": "the model handed to accelerator.prepare",
-    "planner.cost": "a Layout or CostModel made without a registry (ultrascale plan)",
+    "planner.cost": "a Layout, layout string or CostModel made without a registry (ultrascale plan, the validation "
+                    "tables, a Layout made by hand): its _registry_or_default",
     "planner.model_spec": "a model's inventory for ultrascale plan",
     "data.recipe": "the sections of a recipe read from its file",
     "checkpoints.export": "ultrascale export",

@@ -77,6 +77,47 @@ def test_the_search_tries_the_values_a_plugin_offers_and_auto_keeps_them(acme):
     assert render.parallel_fields(results[0])["acme_gemm"] == "fast"
 
 
+class AcmeWidth:
+    """A third party's field only its own registry has: acme_x=1 costs a terabyte on its own link, 2 nothing."""
+
+    @hookimpl
+    def ultrascale_declare_fields(self, fields):
+        fields.add("acme_x", int, 1, "test plugin: a width", minimum=1)
+
+    @hookimpl
+    def ultrascale_cost_search(self, config, model_config, world_size):
+        return SearchOffer(choices={"acme_x": [1, 2]})
+
+    @hookimpl
+    def ultrascale_cost_estimate(self, config, model_config, shape, estimate):
+        if config.acme_x == 1:
+            estimate.add_comm("acme", 1e12, "p2p")
+
+
+def test_a_cost_model_searches_the_fields_of_the_registry_it_was_handed():
+    registry = us.make_registry()
+    registry.register(AcmeWidth(), name="acme_width")
+    cost = CostModel(ModelSpec.of(make_config("llama")), PRESETS["h100-sxm-80gb"], Workload(64, 8), pm=registry)
+    results = search(cost, 2)
+    assert {r.layout.acme_x for r in results} == {1, 2} and cost.searched == {"acme_x"}
+    best = results[0].layout
+    assert best.extra == {"acme_x": 2} and best.registry is registry and best.config().acme_x == 2
+    assert best.config().registry is registry and best.replace(tp=1).registry is registry
+    assert best.without("acme_x").acme_x == 1 and results[0].to_json()["acme_x"] == 2
+    # a layout made by hand under that registry, or from a layout string, is priced too: acme_x=1 pays its link
+    slow = cost.evaluate(Layout(dp_shard=2, micro_batch_size=4, registry=registry))
+    fast = cost.evaluate(layout_from_string("dp=2,mbs=4,acme_x=2", 2, registry))
+    assert slow.times_s["comm_acme"] > 0 and "comm_acme" not in fast.times_s and fast.step_s < slow.step_s
+    # the registry is no part of a layout's identity
+    assert Layout(dp_shard=2, registry=registry) == Layout(dp_shard=2)
+    assert hash(Layout(tp=2, registry=registry)) == hash(Layout(tp=2))
+    # the process's registry has no acme_x: refused, naming the field
+    with pytest.raises(us.ConfigError, match="no plugin declares a layout field 'acme_x'"):
+        Layout(acme_x=1)
+    with pytest.raises(us.ConfigError, match="a plugin's layout field"):
+        layout_from_string("dp=2,acme_x=2", 2)
+
+
 @pytest.mark.parametrize("answer, message", [
     ({"acme_nope": [1]}, "no plugin declares a layout field 'acme_nope'"),
     ({"tp": [1, 2]}, "a field the planner's search sets itself"),

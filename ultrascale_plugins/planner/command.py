@@ -137,7 +137,7 @@ def run_plan(args, accelerate_yaml) -> int:
                           "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
         header["trainable_params"] = trainable
     if args.layout:
-        lay = layout_from_string(args.layout, args.gpus).replace(mixed_precision=cost.work.precision)
+        lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
         results = [cost.evaluate(lay)]
     else:
         results = search(cost, args.gpus, include_unrunnable=args.all, margin=args.memory_margin)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..core.registry import given_or_default
 from ..interface.config import ConfigError, ParallelConfig
 
 # Global constants (not per row, not per model): see docs/planner.md.
@@ -43,16 +42,20 @@ SEARCH_SETS = frozenset({"dp_replicate", "dp_shard", "zero_stage", "tp", "pp", "
 
 
 class Layout:
-    """One candidate: a value for each layout field the installed plugins declare (``ultrascale_declare_fields``), at
-    the field's default unless given (``Layout(tp=2, ep=4)``, read as ``layout.tp``), and the batch split, the
-    planner's own: ``micro_batch_size`` rows per micro-batch and ``grad_accum`` micro-batches per step (the
-    pipeline's, with pp > 1). It holds only the values that differ from their field's default (``values``, in
-    declaration order), so a layout equals, and hashes as, one that never named a field at its default."""
+    """One candidate: a value for each layout field the plugins of its ``registry`` declare
+    (``ultrascale_declare_fields``), at the field's default unless given (``Layout(tp=2, ep=4)``, read as
+    ``layout.tp``), and the batch split, the planner's own: ``micro_batch_size`` rows per micro-batch and
+    ``grad_accum`` micro-batches per step (the pipeline's, with pp > 1). It holds only the values that differ from
+    their field's default (``values``, in declaration order), so a layout equals, and hashes as, one that never named
+    a field at its default. ``registry``: the one whose fields it is checked against and whose defaults it reads (a
+    ``CostModel``'s layouts are made under the cost model's); the process's when none is given. It is not part of
+    equality or hashing, and ``replace``, ``without`` and ``config`` keep it."""
 
-    def __init__(self, *, micro_batch_size: int = 1, grad_accum: int = 1, **values):
+    def __init__(self, *, micro_batch_size: int = 1, grad_accum: int = 1, registry=None, **values):
         from ..interface.fields import suggest
 
-        declared = _fields().by_name
+        registry = _registry_or_default(registry)
+        declared = registry.fields.by_name
         for name in values:
             if name not in declared:
                 raise ConfigError(f"Layout: no plugin declares a layout field '{name}'. Fix: "
@@ -62,15 +65,16 @@ class Layout:
         object.__setattr__(self, "values", held)
         object.__setattr__(self, "micro_batch_size", micro_batch_size)
         object.__setattr__(self, "grad_accum", grad_accum)
+        object.__setattr__(self, "registry", registry)
 
     def __getattr__(self, name: str):
         """A layout field's value: the one given, else the field's default."""
-        if name.startswith("__") or name in ("values", "micro_batch_size", "grad_accum"):
+        if name.startswith("__") or name in ("values", "micro_batch_size", "grad_accum", "registry"):
             raise AttributeError(name)  # copy and pickle probing, or a copy not yet filled
         for key, value in self.values:
             if key == name:
                 return value
-        field = _fields().by_name.get(name)
+        field = self.registry.fields.by_name.get(name)
         if field is None:
             raise AttributeError(f"Layout has no field '{name}': no plugin declares it")
         return field.default
@@ -95,11 +99,11 @@ class Layout:
     def replace(self, **changes) -> "Layout":
         """This layout with ``changes`` (field values, ``micro_batch_size``, ``grad_accum``)."""
         return Layout(**{"micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum,
-                         **dict(self.values), **changes})
+                         **dict(self.values), **changes}, registry=self.registry)
 
     def without(self, *names: str) -> "Layout":
         """This layout with the fields ``names`` at their defaults."""
-        return Layout(micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
+        return Layout(micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum, registry=self.registry,
                       **{k: v for k, v in self.values if k not in names})
 
     @property
@@ -127,7 +131,8 @@ class Layout:
         return out
 
     def config(self) -> ParallelConfig:
-        return ParallelConfig(**self.fields())
+        """This layout as a ``ParallelConfig`` of its registry."""
+        return self.registry.config(**self.fields())
 
     def label(self) -> str:
         parts = [f"dp={self.dp}" + (f"({self.dp_replicate}x{self.dp_shard})" if self.dp_replicate > 1 else ""),
@@ -197,7 +202,7 @@ class CostModel:
     def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
         self.spec, self.hw, self.work = spec, hardware, workload
         self.c = {**CONSTANTS, **(constants or {})}
-        self.pm = given_or_default(pm)
+        self.pm = _registry_or_default(pm)
         self._runnable: dict = {}
         self._plans: dict = {}
         self._offered: dict = {}  # per candidate: its resolved config and the plugins' ``SearchOffer``s
@@ -487,12 +492,14 @@ SHORT = {"zero": "zero_stage", "recompute": "activation_checkpointing", "schedul
          "virtual": "pp_virtual_stages", "sp": "sequence_parallel", "precision": "mixed_precision"}
 
 
-def layout_from_string(text: str, world: int | None = None) -> Layout:
+def layout_from_string(text: str, world: int | None = None, registry=None) -> Layout:
     """``"dp=8,tp=1,pp=1,cp=1,zero=1,mbs=2,ga=16,recompute=none"`` (``SHORT`` names, or any layout field's own:
     dp_replicate=, dp_shard=, cp_method=, ep=8, ...) as a Layout; a field left out is at its default, and sequence
     parallelism is on with tp > 1 unless ``sp=`` says otherwise, as the search costs it. ``dp`` alone is sharded
-    (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it."""
-    declared = {f.name: f for f in _fields() if f.name != "layout" and not f.name.startswith("auto_")
+    (ZeRO-2/3) or replicated (ZeRO-0/1) the way this engine runs it. The fields are ``registry``'s (a cost
+    model's: ``cost.pm``), the process's when none is given."""
+    registry = _registry_or_default(registry)
+    declared = {f.name: f for f in registry.fields if f.name != "layout" and not f.name.startswith("auto_")
                 and f.type in (int, float, str, bool)}
     split = ("dp", "mbs", "ga")  # the degree of data parallelism, and the planner's batch split
     values: dict = {}
@@ -524,7 +531,7 @@ def layout_from_string(text: str, world: int | None = None) -> Layout:
     shard = shard or (dp // rep if dp else 1)
     values.setdefault("sequence_parallel", values.get("tp", 1) > 1)
     lay = Layout(dp_replicate=rep, dp_shard=shard, micro_batch_size=counts.get("mbs", 1),
-                 grad_accum=counts.get("ga", 1), **values)
+                 grad_accum=counts.get("ga", 1), registry=registry, **values)
     if world is not None and lay.world != world:
         raise ConfigError(f"--layout {text!r}: dp x tp x pp x cp = {lay.world}, but --gpus is {world}. Fix: make "
                           "the degrees multiply to the GPU count")
@@ -545,10 +552,10 @@ def _field_value(field, key: str, text: str):
         raise ConfigError(f"--layout: {key}={text}: {exc}") from None
 
 
+def _registry_or_default(registry):
+    """``registry``, or the process's for a ``Layout``, layout string or ``CostModel`` made without one: the
+    planner's edge (``ultrascale plan`` is a front end's, the validation tables are the planner's own, tests make
+    ``Layout(tp=2)`` by hand); ``layout: auto`` costs through the config's own registry."""
+    from ..core.registry import given_or_default
 
-def _fields():
-    """The layout fields a ``Layout`` made without a registry is checked against: the process's (``ultrascale plan``
-    is a front end's; ``layout: auto`` costs through the config's own registry)."""
-    from ..core.registry import default_registry
-
-    return default_registry().fields
+    return given_or_default(registry)

@@ -66,7 +66,7 @@ def layouts(world: int, cost: CostModel, savers: int = 0):
                 # the search's own choices: every ZeRO stage, the workload's precision, Megatron's sequence
                 # parallelism whenever tensor parallel
                 base = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, cp=cp, zero_stage=zero,
-                              mixed_precision=work.precision, sequence_parallel=tp > 1)
+                              mixed_precision=work.precision, sequence_parallel=tp > 1, registry=cost.pm)
                 for offered in cost.plugin_choices(base, world, savers):
                     for schedule, v in _pp_schedules(pp, layers):
                         group = []
