@@ -23,6 +23,7 @@ other values than a plain tensor, and do not cover the plain tensors of a pipeli
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -62,26 +63,54 @@ class ModelInit:
             raise TypeError("ModelInit(model, seed, pm=registry) or ModelInit(model, seed, wrapper=...): the registry "
                             "says what the model's wrapper is (us.get_plugin_manager() is the process's)")
         self.wrapper = wrapper if wrapper is not None else pm.wrapper_of(self.twin)
-        self.owners = init_owners(self.twin)
-        # every parameter of the unparallelized model -> (the unit that draws it, its name in that unit): the
-        # module where it first appears, so a tied head takes the embedding's values
-        self.units: dict[str, list[str]] = {}
-        self._unit_of: dict[int, tuple[str, str]] = {}
+
+    # What follows is read only when values are drawn (``load``, ``fill``, once the layout is final), so it is
+    # worked out then, once: making the initializer while the reads are planned asks the twin nothing more.
+    @functools.cached_property
+    def owners(self) -> dict:
+        """{module name: the function the model's own initialization runs for that module} of the twin."""
+        return init_owners(self.twin)
+
+    @functools.cached_property
+    def _table(self) -> tuple[dict[str, list[str]], dict[int, tuple[str, str]]]:
+        """({unit: its parameters' names within it}, {id of a parameter: (its unit, its name there)}): every
+        parameter of the unparallelized model is drawn by the module where it first appears, so a tied head takes
+        the embedding's values."""
+        units: dict[str, list[str]] = {}
+        unit_of: dict[int, tuple[str, str]] = {}
         for mname, module in self.twin.named_modules():
             for pname, p in module._parameters.items():
-                if p is not None and id(p) not in self._unit_of:
-                    self._unit_of[id(p)] = (mname, pname)
-                    self.units.setdefault(mname, []).append(pname)
-        # the parameters a plugin introduced into a wrapper (no pretrained file holds them), and each unit's seed name
-        self.introduced: set[str] = set()
-        self.seed_names: dict[str, str] = {}
+                if p is not None and id(p) not in unit_of:
+                    unit_of[id(p)] = (mname, pname)
+                    units.setdefault(mname, []).append(pname)
+        return units, unit_of
+
+    @property
+    def units(self) -> dict[str, list[str]]:
+        return self._table[0]
+
+    @functools.cached_property
+    def _naming(self) -> tuple[set[str], dict[str, str]]:
+        """(the parameters a plugin introduced into a wrapper, which no pretrained file holds; each unit's seed
+        name: the plain model's module it starts from when all its parameters do, else its own name)."""
+        introduced: set[str] = set()
+        seed_names: dict[str, str] = {}
         for unit, pnames in self.units.items():
             plain = [self.wrapper.pretrained_name(_join(unit, p)) for p in pnames]
-            self.introduced.update(_join(unit, p) for p, name in zip(pnames, plain) if name == "")
+            introduced.update(_join(unit, p) for p, name in zip(pnames, plain) if name == "")
             owners = {name[:-len(p)].rstrip(".") for p, name in zip(pnames, plain)
                       if name and (name == p or name.endswith("." + p))}
             whole = all(name and (name == p or name.endswith("." + p)) for p, name in zip(pnames, plain))
-            self.seed_names[unit] = owners.pop() if whole and len(owners) == 1 else unit
+            seed_names[unit] = owners.pop() if whole and len(owners) == 1 else unit
+        return introduced, seed_names
+
+    @property
+    def introduced(self) -> set[str]:
+        return self._naming[0]
+
+    @property
+    def seed_names(self) -> dict[str, str]:
+        return self._naming[1]
 
     def unit_of(self, name: str) -> tuple[str, str]:
         """(unit, parameter within it) drawing the parameter ``name`` of the unparallelized model."""
@@ -90,7 +119,7 @@ class ModelInit:
         except AttributeError:
             raise KeyError(f"'{name}' is not a parameter of the model this initializer was made from. Fix: make "
                            "ModelInit(model) from the model passed to parallelize, before parallelizing it") from None
-        return self._unit_of[id(p)]
+        return self._table[1][id(p)]
 
     @torch.no_grad()
     def unit_values(self, unit: str) -> dict[str, torch.Tensor]:
