@@ -4,7 +4,8 @@ Every built-in dimension and feature (data parallel / ZeRO, tensor and sequence 
 expert parallel, PEFT, routers, float8, compile, activation checkpointing, the training step, the model plans)
 implements these hooks exactly as a third-party plugin registered under the ``ultrascale_plugins`` entry point
 would. Hook names are ``ultrascale_<group>_<what>`` (pytest's pattern: the group first); an implementation whose
-name matches no specification is rejected when plugins load. ``GROUPS`` lists them by what they are for, in the order the engine asks:
+name matches no specification is rejected when plugins load. ``GROUPS`` lists them by what they are for, in the
+order the engine asks:
 
 - **declare**: the plugin's layout fields and mesh axes, the facts it decides for other families to read, the
   model plans it knows (and its additions to other plugins' plans), a library of model wrappers it owns (PEFT's:
@@ -486,15 +487,15 @@ def ultrascale_cost_schedule(config: ParallelConfig) -> StepSchedule | None:
 
 # The hooks by what they are for (docs/writing-a-plugin.md walks through them in this order).
 GROUPS = {
-    "declare": ("ultrascale_declare_fields", "ultrascale_declare_mesh_axes", "ultrascale_declare_facts", "ultrascale_declare_model_plan",
-                "ultrascale_declare_model_wrapper", "ultrascale_declare_plan_edit", "ultrascale_declare_presets",
-                "ultrascale_declare_accelerate_keys", "ultrascale_declare_recipe_sections"),
+    "declare": ("ultrascale_declare_fields", "ultrascale_declare_mesh_axes", "ultrascale_declare_facts",
+                "ultrascale_declare_model_plan", "ultrascale_declare_model_wrapper", "ultrascale_declare_plan_edit",
+                "ultrascale_declare_presets", "ultrascale_declare_accelerate_keys",
+                "ultrascale_declare_recipe_sections"),
     "validate": ("ultrascale_validate_choose_layout", "ultrascale_validate_config", "ultrascale_validate_model"),
     "transform": ("ultrascale_transform_stages",),
     "step": ("ultrascale_step_shard_batch", "ultrascale_step_optimizer", "ultrascale_step_loss",
              "ultrascale_step_no_sync", "ultrascale_step_after_backward", "ultrascale_step_run"),
     "state": ("ultrascale_state_save", "ultrascale_state_load", "ultrascale_state_checkpoint_view"),
-    "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum",
-             "ultrascale_cost_search",
+    "cost": ("ultrascale_cost_estimate", "ultrascale_cost_comm_minimum", "ultrascale_cost_search",
              "ultrascale_cost_schedule"),
 }
