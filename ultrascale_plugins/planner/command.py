@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a Hugging Face config.json (or its directory), or one of: "
                    + ", ".join(MODEL_PRESETS))
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", help="hardware preset: " + ", ".join(GPU_PRESETS) + " (or the four figures below)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: 8, or the profile's --gpu FILE)")
+    p.add_argument("--gpu", help="hardware preset: " + ", ".join(GPU_PRESETS) + "; or a profile FILE written by "
+                   "ultrascale calibrate (or the four figures below)")
     p.add_argument("--gpu-memory-gb", type=float)
     p.add_argument("--gpu-tflops", type=float, help="dense bf16 peak per GPU")
     p.add_argument("--intra-node-gbps", type=float, help="per-GPU bandwidth inside a node, GB/s")
@@ -82,13 +83,13 @@ def build(args):
     if not 0 <= args.memory_margin < 1:
         raise ConfigError(f"--memory-margin {args.memory_margin}: must be a fraction, at least 0 and below 1. "
                           "Fix: e.g. 0.1 for 10 %")
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}. Fix: use a "
-                          "multiple of --gpus-per-node")
     mc = load_model_config(args.model)  # an unknown model is named first, whatever else is missing
     hw = hardware_from_args(args.gpu, memory_gb=args.gpu_memory_gb, tflops=args.gpu_tflops,
                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                             gpus_per_node=args.gpus_per_node)
+    if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node}. Fix: use a "
+                          "multiple of --gpus-per-node")
     for flag, key in (("--host-link-gbps", "host_link_gbps"), ("--host-memory-gb", "host_memory_gb")):
         value = getattr(args, key)
         if value is not None:
@@ -184,11 +185,11 @@ def run_plan(args, accelerate_yaml) -> int:
         print(_explain(best, cost, args.gpus) + "\n")
     if adapters is not None:
         print(render.peft_note(adapters, getattr(args, "lora_alpha", None)) + "\n")
-    print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, args.gpus_per_node)) + "\n")
+    print("Lightning:\n" + _indent(render.lightning_call(best, args.gpus, hw.gpus_per_node)) + "\n")
     print("Accelerate config (ultrascale accelerate-launch FILE train.py):\n"
-          + _indent(render.accelerate_config(best, args.gpus, args.gpus_per_node, accelerate_yaml)) + "\n")
+          + _indent(render.accelerate_config(best, args.gpus, hw.gpus_per_node, accelerate_yaml)) + "\n")
     print("Recipe (ultrascale train FILE):\n"
-          + _indent(render.recipe(best, args.gpus, args.gpus_per_node, fields, args.seq_len,
+          + _indent(render.recipe(best, args.gpus, hw.gpus_per_node, fields, args.seq_len,
                                   args.global_batch_size)))
     if args.plot:
         print(f"\nultrascale: wrote {args.plot}")

@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from ..interface.config import ConfigError, ParallelConfig
+from .hardware import bus_share
 
 # Global constants (not per row, not per model): see docs/planner.md.
 CONSTANTS = {
@@ -201,7 +202,8 @@ class CostModel:
 
     def __init__(self, spec, hardware, workload: Workload, constants: dict | None = None, pm=None):
         self.spec, self.hw, self.work = spec, hardware, workload
-        self.c = {**CONSTANTS, **(constants or {})}
+        # a calibrated profile's fitted constants (``hardware.constants``), then the caller's
+        self.c = {**CONSTANTS, **dict(hardware.constants), **(constants or {})}
         self.pm = _registry_or_default(pm)
         self._runnable: dict = {}
         self._plans: dict = {}
@@ -361,11 +363,9 @@ class CostModel:
         degree, n_nodes = nodes.get(term.axis, (2, 1))
         if degree <= 1:
             return 0.0
-        # a term's bytes are those handed to the collective; these shares of them leave each rank
-        factor = {"all_reduce": 2 * (degree - 1) / degree, "all_gather": (degree - 1) / degree,
-                  "reduce_scatter": (degree - 1) / degree, "all_to_all": (degree - 1) / degree,
-                  }.get(term.collective, 1.0)
-        bw = self.hw.bus_bandwidth(term.collective, n_nodes)
+        # a term's bytes are those handed to the collective; this share of them leaves each rank
+        factor = bus_share(term.collective, degree)
+        bw = self.hw.bus_bandwidth(term.collective, n_nodes, degree)
         if term.collective == "p2p":
             latency = self.c["p2p_latency_s" if n_nodes <= 1 else "p2p_latency_inter_node_s"]
         else:
