@@ -381,6 +381,13 @@ def cmd_plan(args) -> int:
     return run_plan(args, accelerate_yaml)
 
 
+def cmd_calibrate(args) -> int:
+    """Measure this machine and write a hardware profile for ``--gpu FILE`` (``planner.calibrate``)."""
+    from ..planner.calibrate import run_calibrate
+
+    return run_calibrate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultrascale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -444,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+    calibrate = sub.add_parser("calibrate", help="measure this machine (matmuls, memory, collectives) and write a "
+                               "hardware profile that ultrascale plan --gpu FILE accepts")
+    from ..planner.calibrate import add_arguments as calibrate_arguments
+
+    calibrate_arguments(calibrate)
+    calibrate.set_defaults(func=cmd_calibrate)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     plugins.set_defaults(func=cmd_plugins)
     return parser

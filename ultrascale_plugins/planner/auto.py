@@ -62,11 +62,10 @@ def detect_hardware(world_size: int):
                 return Hardware(preset.name, memory, preset.tflops, preset.intra_node_gbps, preset.inter_node_gbps,
                                 per_node)
         return Hardware(props.name, memory, 312.0, 100.0, 12.5, per_node)  # an unknown GPU: A100-class guess
+    from .machine_bench import host_memory_gb
+
     per_node = per_node or world_size
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError, AttributeError):
-        ram = 16.0
+    ram = host_memory_gb()
     # CPU processes: a share of the RAM each, ~50 GFLOP/s, memory-copy links (gloo over loopback)
     return Hardware("cpu", ram / max(1, per_node), 0.05, 5.0, 1.0, per_node)
 
