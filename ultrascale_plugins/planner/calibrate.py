@@ -92,8 +92,8 @@ def run_calibrate(args) -> int:
     with tqdm(total=2 * len(plan.matmul_sides) + 1 + len(collective_points), desc="ultrascale calibrate",
               unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
         local = measure_here(dev, nproc, plan, bar.update)
-        measured = measure(nproc, plan.message_bytes, plan.repeats, plan.collective_timeout_s, plan.deadline_s,
-                           bar.update) if nproc > 1 else []
+        measured = measure(nproc, plan.message_bytes, plan.repeats, plan.min_s, plan.collective_timeout_s,
+                           plan.deadline_s, bar.update) if nproc > 1 else []
     from .calibration_profile import build_profile, table
 
     profile = build_profile(local, measured, nproc, args, time.monotonic() - start)

@@ -1,9 +1,9 @@
 """``ultrascale calibrate``'s collective timings: N local processes, started as the package starts its workers (one
 Python process per rank with torchrun's variables, ``distributed.launch.init_distributed``: NCCL on GPUs, gloo on
-CPUs), each collective over the first g ranks for every group size g from 2 to N, at each message size; a point
-is the median of its repeats on rank 0, after a barrier. Every collective is bounded by the process group's timeout,
-and the whole measurement by the caller's deadline. Rank 0 appends a line to a progress file per point (the
-caller's bar) and writes the points as JSON.
+CPUs), each collective over the first g ranks for every group size g from 2 to N, at each message size; a point is
+the median of its repeats on rank 0, each a loop of calls after a barrier. Every collective is bounded by the
+process group's timeout, and the whole measurement by the caller's deadline. Rank 0 appends a line to a progress
+file per point (the caller's bar) and writes the points as JSON.
 
 Run as ``python -m ultrascale_plugins.planner.collective_bench SPEC.json`` (``measure`` does).
 """
@@ -31,11 +31,13 @@ def points_to_measure(nproc: int, sizes) -> list[tuple[str, int, int]]:
             if name != "p2p" or group == 2 for size in sizes]
 
 
-def measure(nproc: int, sizes, repeats: int, timeout_s: float, deadline_s: float, on_point=None) -> list[dict]:
-    """Time every point of ``points_to_measure`` over ``nproc`` processes; ``on_point()`` after each. A worker that
-    fails, or a measurement past ``deadline_s``, is a ``ConfigError`` with the worker's last words."""
+def measure(nproc: int, sizes, repeats: int, min_s: float, timeout_s: float, deadline_s: float,
+            on_point=None) -> list[dict]:
+    """Time every point of ``points_to_measure`` over ``nproc`` processes, each the median of ``repeats`` timings
+    of at least ``min_s``; ``on_point()`` after each. A worker that fails, or a measurement past ``deadline_s``, is
+    a ``ConfigError`` with the worker's last words."""
     with tempfile.TemporaryDirectory(prefix="ultrascale-calibrate-") as tmp:
-        spec = {"sizes": list(sizes), "repeats": repeats, "timeout_s": timeout_s,
+        spec = {"sizes": list(sizes), "repeats": repeats, "min_s": min_s, "timeout_s": timeout_s,
                 "progress": os.path.join(tmp, "progress"), "out": os.path.join(tmp, "points.json")}
         with open(os.path.join(tmp, "spec.json"), "w") as f:
             json.dump(spec, f)
@@ -107,7 +109,7 @@ def main(spec_path: str) -> None:
     points = []
     for name, group, size in points_to_measure(world, spec["sizes"]):
         if rank < group:  # point to point: group 2, ranks 0 and 1
-            nbytes, seconds = _time(name, group, groups[group], size, device, spec["repeats"])
+            nbytes, seconds = _time(name, group, groups[group], size, device, spec["repeats"], spec["min_s"])
             if rank == 0:
                 points.append({"collective": name, "group": group, "bytes": nbytes, "seconds": seconds})
                 with open(spec["progress"], "a") as f:
@@ -119,14 +121,17 @@ def main(spec_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _time(name: str, group: int, pg, size: int, device, repeats: int) -> tuple[int, float]:
-    """(message bytes, seconds): the median over ``repeats`` (after one warm-up) of one collective of about
-    ``size`` bytes over ``pg`` (NCCL's message: an all-gather's output, a reduce-scatter's input)."""
+def _time(name: str, group: int, pg, size: int, device, repeats: int, min_s: float) -> tuple[int, float]:
+    """(message bytes, seconds): one collective of about ``size`` bytes over ``pg`` (NCCL's message: an all-gather's
+    output, a reduce-scatter's input), the median over ``repeats`` of a loop of calls lasting ``min_s`` or more,
+    after a warm-up."""
     import torch
     import torch.distributed as dist
 
+    from .machine_bench import sync
+
     elements = max(group, size // 4 // group * group)  # fp32, a whole number of shards
-    send = torch.ones(elements, device=device)
+    send = torch.zeros(elements, device=device)
     recv = torch.empty(elements, device=device)
     shard = torch.empty(elements // group, device=device)
     with warnings.catch_warnings():  # torch 2.13 renames the *_tensor collectives; the floor has only these names
@@ -136,17 +141,22 @@ def _time(name: str, group: int, pg, size: int, device, repeats: int) -> tuple[i
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, send, group=pg),
                "all_to_all": lambda: dist.all_to_all_single(recv, send, group=pg),
                "p2p": lambda: _ping_pong(send, recv)}[name]
+        calls = None
         times = []
-        for i in range(repeats + 1):
+        for _ in range(repeats + 1):
             dist.barrier(group=pg)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             t0 = time.perf_counter()
-            run()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - t0)
+            for _ in range(calls or 1):
+                run()
+            sync(device)
+            seconds = time.perf_counter() - t0
+            if calls is None:  # the warm-up: as many calls per timing as the slowest rank needs for min_s
+                slowest = torch.tensor([seconds], device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=pg)
+                calls = max(1, min(1000, int(min_s / max(slowest.item(), 1e-9))))
+            else:
+                times.append(seconds / calls)
     return elements * 4, statistics.median(times) / (2 if name == "p2p" else 1)
 
 

@@ -20,7 +20,8 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _sync(dev: torch.device) -> None:
+def sync(dev: torch.device) -> None:
+    """Wait for the device's queued kernels (a GPU's; a CPU runs them as they are called)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -28,17 +29,17 @@ def _sync(dev: torch.device) -> None:
 def timed(fn, dev: torch.device, repeats: int, min_s: float) -> float:
     """Seconds of one ``fn()``: the median of ``repeats`` timings, each of enough calls to last ``min_s``."""
     fn()
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     fn()
-    _sync(dev)
+    sync(dev)
     calls = max(1, int(min_s / max(time.perf_counter() - t0, 1e-9)))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        _sync(dev)
+        sync(dev)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
