@@ -49,12 +49,13 @@ def settings(on_gpu: bool, quick: bool) -> Settings:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"the profile to write (default {DEFAULT_OUT})")
-    p.add_argument("--nproc", type=int, metavar="N", help="local processes for the collectives (default: this machine's GPUs, or "
-                   "2 to 4 on a CPU, gloo); 1 measures no collective")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE",
+                   help=f"the profile to write (default {DEFAULT_OUT})")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes for the collectives (default: this "
+                   "machine's GPUs, or 2 to 4 on a CPU, gloo); 1 measures no collective")
     p.add_argument("--quick", action="store_true", help="seconds instead of minutes: fewer sizes and repeats")
-    p.add_argument("--inter-node-gbps", type=float, metavar="GBPS", help="per-device bandwidth between nodes, GB/s one direction "
-                   "(not measured: one node); default: the intra-node figure measured")
+    p.add_argument("--inter-node-gbps", type=float, metavar="GBPS", help="per-device bandwidth between nodes, GB/s "
+                   "one direction (not measured: one node); default: the intra-node figure measured")
 
 
 def check_args(args, on_gpu: bool) -> int:
@@ -130,5 +131,6 @@ def measure_here(dev, nproc: int, plan: Settings, tick) -> dict:
     host_gb = machine_bench.host_memory_gb()
     out.update(device=machine_bench.device_name(dev), kind=dev.type, host_memory_gb=host_gb,
                memory_gb=machine_bench.device_memory_gb(dev) if dev.type == "cuda" else host_gb,
-               host=socket.gethostname(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               host=socket.gethostname(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     return out
