@@ -43,7 +43,7 @@ def settings(on_gpu: bool, quick: bool) -> Settings:
         return Settings((256, 512, 1024, 2048, 4096, 8192), 1024 * mib,
                         (4 * kib, 256 * kib, 4 * mib, 64 * mib, 512 * mib), 5, 0.02, 300)
     if quick:
-        return Settings((64, 256, 512), 16 * mib, (4 * kib, 256 * kib, 2 * mib), 3, 0.005, 120)
+        return Settings((64, 256, 512), 16 * mib, (4 * kib, 256 * kib, 2 * mib), 5, 0.005, 120)
     return Settings((64, 128, 256, 512, 1024, 2048), 256 * mib, (4 * kib, 64 * kib, 1 * mib, 8 * mib, 32 * mib), 5,
                     0.02, 300)
 
