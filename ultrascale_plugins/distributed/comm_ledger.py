@@ -251,8 +251,11 @@ class CommLedger(TorchDispatchMode):
 
 def _dispatches(cls) -> bool:
     """Whether tensors of ``cls`` have a ``__torch_dispatch__`` of their own (DTensor; not ``nn.Parameter``, whose
-    dispatch is the plain tensor's)."""
-    return cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    dispatch is the plain tensor's, nor a dry run's ``FakeTensor``: plain tensors without storage, whose dispatch
+    runs the op itself and would refuse a mode that answered ``NotImplemented``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl and not issubclass(cls, FakeTensor)
 
 
 def _describe(func):

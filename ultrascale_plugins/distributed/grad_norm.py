@@ -40,14 +40,16 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
         part = total.double() if inf else total.double() ** norm_type
         dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         total = (part if inf else part ** (1.0 / norm_type)).float()
-    coef = float(max_norm) / (float(total) + 1e-6)
-    if coef < 1.0:
-        targets: dict = {}
-        for p in (clip if clip is not None else parameters):
-            if p.grad is not None:
-                g = p.grad
-                key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-                targets.setdefault(key, []).append(g)
-        for same in targets.values():  # one foreach call per placement group: foreach cannot mix them
-            torch._foreach_mul_(same, coef)
+    # the coefficient stays a tensor, never read on the host (no device sync; a dry run's fake tensors have no
+    # value), clamped at 1 and always applied, as torch's clip_grads_with_norm_ does: multiplying by 1.0 is exact
+    coef = (float(max_norm) / (total.double() + 1e-6)).clamp(max=1.0).float()
+    targets: dict = {}
+    for p in (clip if clip is not None else parameters):
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            targets.setdefault(key, []).append(g)
+    for same in targets.values():  # one foreach call per placement group: foreach cannot mix them
+        local = same[0].to_local() if isinstance(same[0], DTensor) else same[0]
+        torch._foreach_mul_(same, coef.to(local.device))
     return total
