@@ -115,7 +115,7 @@ __all__ = ["ConfigError", "LayoutFacts", "MeshAxis", "MeshView", "ParallelConfig
            "hookimpl", "hookspec", "layout_facts", "step",
            "init_distributed", "parallelize", "from_pretrained", "get_plugin_manager", "list_plugins", "register",
            "unregister", "Registry", "make_registry",
-           "validate", "estimate", "describe", "__version__"]
+           "validate", "estimate", "describe", "dry_run", "__version__"]
 
 
 def get_plugin_manager() -> Registry:
@@ -152,4 +152,8 @@ def __getattr__(name):  # the engine and the launch helpers pull in torch; impor
         from .distributed.launch import init_distributed
 
         return init_distributed
+    if name == "dry_run":  # one step of the real code at full size on fake tensors (core/dry_run.py)
+        from .core.dry_run import dry_run
+
+        return dry_run
     raise AttributeError(name)

@@ -369,19 +369,21 @@ def release_unheld(model: nn.Module, parts: list[nn.Module]) -> None:
     rank's stages are copies of the model (then sharded by TP and FSDP into storage of their own), and the model
     as given would otherwise keep every other stage's weights, and its own unsharded ones, for the whole run. Names,
     shapes and ``requires_grad`` stay (the front ends and checkpoints read them); a weight shared by several
-    modules stays shared."""
+    modules stays shared; a dry run's fake tensors hold no memory and are left as they are."""
     from torch.distributed.tensor import DTensor
+
+    from .fake_run import is_fake
 
     held = set()
     for part in parts:
         for tensor in part.parameters():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if not local.is_meta and local.numel():
+            if not local.is_meta and local.numel() and not is_fake(local):  # a dry run's: no storage to find
                 held.add(local.untyped_storage().data_ptr())
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or param.is_meta or isinstance(param, DTensor) or not param.numel():
+            if param is None or param.is_meta or isinstance(param, DTensor) or not param.numel() or is_fake(param):
                 continue
             if id(param) not in replaced:
                 if param.untyped_storage().data_ptr() in held:

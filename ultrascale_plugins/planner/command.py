@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and its views, the model transforms in order, the step hooks' plugins and the cost chain, each "
                    "with its after/before")
     p.add_argument("--plot", help="write a PNG: memory of the top layouts and the chosen pipeline schedule")
+    p.add_argument("--dry-run", action="store_true", help="with --layout: run one step of the real code path for "
+                   "that layout at full size on fake tensors (us.dry_run) and print its peak memory by category and "
+                   "bytes per mesh axis beside the estimate")
 
 
 def build(args):
@@ -137,6 +140,8 @@ def run_plan(args, accelerate_yaml) -> int:
                                                                          if adapters.quantized else {}),
                           "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
         header["trainable_params"] = trainable
+    if getattr(args, "dry_run", False):
+        return _dry_run(args, cost)
     if args.layout:
         lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
         results = [cost.evaluate(lay)]
@@ -193,6 +198,27 @@ def run_plan(args, accelerate_yaml) -> int:
                                   args.global_batch_size)))
     if args.plot:
         print(f"\nultrascale: wrote {args.plot}")
+    return 0
+
+
+def _dry_run(args, cost) -> int:
+    """``--dry-run``: ``us.dry_run`` of the ``--layout`` on the model ``plan`` loaded; the table, or ``--json``."""
+    import json
+
+    from ..core.dry_run import dry_run
+    from .cost import layout_from_string
+
+    if not args.layout:
+        raise ConfigError("--dry-run runs one layout. Fix: give it with --layout, e.g. --layout \"dp=8,zero=3\"")
+    for flag, value, runs in (("--peft", cost.work.adapters, None), ("--profile", args.profile, "ultrascale"),
+                              ("--optimizer", args.optimizer, "adamw")):
+        if value != runs:
+            raise ConfigError(f"{flag} {value if runs else args.peft}: the dry run does not run this yet (it runs "
+                              f"this package's code with AdamW on a full model). Fix: drop {flag}")
+    lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
+    report = dry_run(cost.spec.config, lay.config(), world_size=args.gpus, seq_len=args.seq_len,
+                     micro_batch_size=lay.micro_batch_size)
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
     return 0
 
 

@@ -32,7 +32,7 @@ from ...models.placeholder import present_modules
 from ...interface.facts import layout_facts
 from ...interface.mesh_axes import MeshAxis
 from .sequence_parallel import dry_run, gathered_regions, summed_shard_modules
-from .dry_run import dry_run as tp_dry_run
+from .shape_check import shape_check
 from .regions import model_type, rank_local_params, simple_regions
 from .styles import (
     KNOWN_STYLES, checkpoint_view, make_style, param_placement, redistribute_first_input, redistribute_output,
@@ -125,7 +125,7 @@ def ultrascale_validate_model(model, plan, config):
             "features and replicated data, so neither summing nor keeping their gradients is right. Fix: use tp: 1 "
             "for this model")
     try:
-        tp_dry_run(model, plan, config.tp)
+        shape_check(model, plan, config.tp)
     except Exception as exc:  # noqa: BLE001 - the model's code does not accept one rank's shapes
         raise ConfigError(
             f"tp={config.tp}: model type '{arch}' does not run with its tensor-parallel plan's shards (tried with "

@@ -8,7 +8,7 @@ shapes finds it before any worker starts, for any architecture, at no memory cos
 Only layouts whose local shapes are certain are simulated: column-parallel layers lose output features,
 row-parallel ones input features, parameters the plan names directly lose what their placement shards. Styles
 that gather or reduce their output keep the full shape. A plan with a style or module this cannot size is not
-dry-run (the trace in ``models.dataflow`` still runs).
+checked (the trace in ``models.dataflow`` still runs).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def local_shapes_twin(model: nn.Module, plan, tp: int) -> nn.Module | None:
     return twin
 
 
-def dry_run(model: nn.Module, plan, tp: int) -> None:
+def shape_check(model: nn.Module, plan, tp: int) -> None:
     """Raise what the model raises when run with one rank's shapes (nothing when it cannot be sized)."""
     from ...models.dataflow import meta_inputs
 

@@ -1,0 +1,170 @@
+"""``us.dry_run``: one optimizer step of the package's real code path at full size, on fake tensors.
+
+``parallelize`` (validation, the mesh, every stage of the layout), ``train_step``, gradient clipping and AdamW run
+as in training, at the real sizes and world size, on one process: a fake process group stands for the other ranks
+(its collectives return at once) and ``FakeTensorMode`` gives every tensor a shape and no storage, so a 70B model's
+step runs on a laptop and no weight is ever materialized. torch's ``MemTracker`` counts the live bytes by category
+at the peak, the package's communication ledger the bytes handed to the collectives per mesh axis; beside them
+stands the planner's estimate for the same layout (``Estimate.total_memory``: before the GPU allocator's constants,
+which a run without an allocator cannot see). The private torch tools are in ``fake_run``.
+
+The model is built on the meta device and ``parallelize`` runs outside ``FakeTensorMode`` (the mesh's slicing and
+DDP's shape check need real index tensors); only the loader (``fake_run.FakeWeights``) and the step run inside it.
+A warm-up gives the optimizer its states (zero gradients and one AdamW step: no forward) so the tracked step holds
+them as training does. What this slice does not run yet is refused in one line before any work (``refusal``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import torch
+
+from ..interface.config import ConfigError
+from .dry_run_report import DryRunReport, RoleReport
+
+# layout fields whose runtime the dry run does not drive yet (pipelining's P2P shape exchange and float reads,
+# context parallel's ring, expert parallel's data-dependent dispatch): (field, its value that is off)
+NOT_RUN_YET = (("pp", 1), ("cp", 1), ("ep", 1))
+
+
+def refusal(config) -> str | None:
+    """One line naming the first field of ``config`` the dry run does not run yet, or None."""
+    for field, off in NOT_RUN_YET:
+        value = getattr(config, field, off)
+        if value != off:
+            return (f"{field}={value}: the dry run does not run this yet (it runs data parallel ZeRO-0..3, tensor "
+                    f"parallel + SP, activation checkpointing and mixed precision). Fix: dry-run the layout with "
+                    f"{field}={off}, or price it with the planner alone")
+    return None
+
+
+def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None = None, seq_len: int,
+            micro_batch_size: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4) -> DryRunReport:
+    """Run one optimizer step of ``parallel_config`` on ``model_config`` (a transformers config) at
+    ``world_size`` ranks, as ``rank`` (default 0: in the layouts run here every rank plays the same role), on
+    fake tensors; return the report (``report.table()``, ``report.to_json()``). ``ConfigError`` before any work
+    for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
+    already initialized (the dry run makes, and destroys, its own fake one)."""
+    import torch.distributed as dist
+
+    from . import fake_run
+    from .engine import estimate
+    from ..interface.estimates import meta_model
+
+    reason = refusal(parallel_config)
+    if reason:
+        raise ConfigError(reason)
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError("the dry run makes its own fake process group, and one is already initialized. Fix: call "
+                          "us.dry_run before init_process_group, or in a process of its own")
+    if micro_batch_size < 1 or seq_len < 1:
+        raise ConfigError(f"micro_batch_size {micro_batch_size}, seq_len {seq_len}: must be at least 1")
+    fake_run.private_tools()
+    est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
+                   micro_batch=micro_batch_size, model=meta_model(model_config))
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
+    start = time.perf_counter()
+    with fake_run.fake_process_group(rank, world_size), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
+        warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
+        role = _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, max_grad_norm, lr)
+    role = dataclasses.replace(role, estimate_memory={**est.memory, "total": est.total_memory},
+                               estimate_comm=est.comm)
+    return DryRunReport(roles=[role], world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                        layout=_label(parallel_config), seconds=time.perf_counter() - start)
+
+
+def _label(config) -> str:
+    """The fields of ``config`` away from their defaults, ``tp=2, sequence_parallel=True``."""
+    defaults = type(config)(config.registry).to_dict()
+    return ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v) or "the defaults"
+
+
+def _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, max_grad_norm, lr) -> RoleReport:
+    """Parallelize a meta-device model over the fake group, then one warm-up and one tracked step."""
+    from transformers import AutoModelForCausalLM
+
+    from . import fake_run
+    from .engine import place, registry_of, validate
+    from ..distributed import launch
+    from ..distributed.comm_ledger import CommLedger, GroupLabels
+
+    _, FakeTensorMode, _, _ = fake_run.private_tools()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the rotary buffers and the mesh's rank map stay real
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    # parallelize's path when a loader is given (checkpoints.load.parallelize, a layer above): validate, place
+    pm, config = registry_of(parallel_config)
+    resolved = validate(config, model.config, launch.world_size(), pm, model=model)
+    pmodel = place(model, resolved, device=torch.device("cpu"), init_weights=fake_run.FakeWeights(fake), pm=pm)
+    _complete_ddp_futures(pmodel)
+    with fake:
+        opt = pmodel.build_optimizer(torch.optim.AdamW, lr=lr)
+        _create_optimizer_states(pmodel, opt)
+        batch = {"input_ids": torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))}
+        tracker = fake_run.peak_tracker()
+        inner = getattr(opt, "optim", None)  # ZeRO-1's ZeroRedundancyOptimizer keeps its states in its local one
+        tracker.track_external(*pmodel.modules, opt, *([inner] if isinstance(inner, torch.optim.Optimizer) else []))
+        held = dict(tracker.get_tracker_snapshot()[torch.device("cpu")])  # before the step: shards and states
+        ledger = CommLedger(GroupLabels(lambda: [pmodel.dims.mesh, *pmodel.dims.view_meshes.values()]))
+        with tracker, ledger:
+            tracker.phase = "forward and backward (the loss)"
+            pmodel.train_step(batch)
+            tracker.phase = "gradient clipping"
+            pmodel.clip_grad_norm_(max_grad_norm)
+            tracker.phase = "optimizer step"
+            opt.step()
+            opt.zero_grad()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    comm: dict = {}
+    for record in ledger.records:
+        comm[record.axis] = comm.get(record.axis, 0) + record.payload
+    return RoleReport(role="every rank", rank=rank, peak=_by_name(peak), held=_by_name(held),
+                      peak_where=tracker.peak_where, comm=comm, local_parameter_bytes=_local_bytes(pmodel))
+
+
+def _by_name(snapshot: dict) -> dict:
+    """MemTracker's snapshot {category enum: bytes} as {category name: bytes}."""
+    return {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}
+
+
+def _create_optimizer_states(pmodel, opt) -> None:
+    """One AdamW step on zero gradients: the optimizer's states exist, as after a first training step, without a
+    forward and backward (``zero_grad`` then drops the gradients)."""
+    for param in pmodel.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    opt.step()
+    opt.zero_grad()
+
+
+def _complete_ddp_futures(pmodel) -> None:
+    """DDP's reducer waits on each bucket's future, and the fake group's work has none: a comm hook all-reduces
+    the bucket on the same group (the ledger sees the same call) and completes the future itself."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(pmodel, "forward_module", None)
+    if not isinstance(ddp, DistributedDataParallel):
+        return
+
+    def all_reduce(group, bucket):
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer, group=group)
+        future = torch.futures.Future()
+        future.set_result(buffer.div_(dist.get_world_size(group)))
+        return future
+
+    ddp.register_comm_hook(ddp.process_group, all_reduce)
+
+
+def _local_bytes(pmodel) -> int:
+    """Bytes of the parameter shards this rank holds, as parallelize placed them."""
+    from torch.distributed.tensor import DTensor
+
+    locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in pmodel.parameters()]
+    return sum(t.numel() * t.element_size() for t in locals_)
