@@ -77,6 +77,42 @@ def test_a_1b_model_over_64_ranks_runs_without_its_weights():
     assert role.memory()["total"] > model_bytes / 64  # the step's activations are counted, not only the shards
 
 
+def test_the_peak_equals_a_real_runs_under_the_same_tracker(monkeypatch):
+    """World 1, where the real step runs here: the same bytes by category at the peak, real tensors or fake."""
+    from transformers import AutoModelForCausalLM
+
+    from ultrascale_plugins.core.fake_run import peak_tracker
+
+    config = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    layout = us.ParallelConfig(dp_shard=1)
+    fake = us.dry_run(config, layout, world_size=1, seq_len=512).roles[0].peak
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29531")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        pmodel = us.parallelize(model, layout, device=torch.device("cpu"))
+        opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-4)
+        for param in pmodel.parameters():
+            param.grad = torch.zeros_like(param)
+        opt.step()
+        opt.zero_grad()
+        batch = {"input_ids": torch.randint(0, config.vocab_size, (1, 512))}  # made before the step, as there
+        tracker = peak_tracker()
+        tracker.track_external(*pmodel.modules, opt)
+        with tracker:
+            pmodel.train_step(batch)
+            pmodel.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        real = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    finally:
+        dist.destroy_process_group()
+    assert fake == real
+
+
 # ---- the package fixes the dry run needs ----------------------------------------------------------------------
 def _grads(values):
     params = [torch.nn.Parameter(torch.zeros(len(v))) for v in values]

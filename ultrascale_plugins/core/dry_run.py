@@ -102,10 +102,10 @@ def _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, ma
     resolved = validate(config, model.config, launch.world_size(), pm, model=model)
     pmodel = place(model, resolved, device=torch.device("cpu"), init_weights=fake_run.FakeWeights(fake), pm=pm)
     _complete_ddp_futures(pmodel)
-    with fake:
+    batch = {"input_ids": torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))}
+    with fake, fake_run.unpacked_rows():
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=lr)
         _create_optimizer_states(pmodel, opt)
-        batch = {"input_ids": torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))}
         tracker = fake_run.peak_tracker()
         inner = getattr(opt, "optim", None)  # ZeRO-1's ZeroRedundancyOptimizer keeps its states in its local one
         tracker.track_external(*pmodel.modules, opt, *([inner] if isinstance(inner, torch.optim.Optimizer) else []))
