@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ultrascale_plugins.planner import frontier  # noqa: E402
-from ultrascale_plugins.planner.cost import CONSTANTS  # noqa: E402
+from ultrascale_plugins.planner.constants import CONSTANTS  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ on 1-64 nodes of 8 H100): memory error, out-of-memory/crash classification, thro
 
     python benchmarks/planner_playbook.py            # writes benchmarks/results/planner_playbook.json
 
-Constants: ``ultrascale_plugins.planner.cost.CONSTANTS`` (global, few, stated in docs/planner.md); nothing is fitted
+Constants: ``ultrascale_plugins.planner.constants.CONSTANTS`` (global, few, stated in docs/planner.md); nothing is fitted
 per row. Runs in a few seconds on a laptop CPU.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ultrascale_plugins.planner import validation  # noqa: E402
-from ultrascale_plugins.planner.cost import CONSTANTS  # noqa: E402
+from ultrascale_plugins.planner.constants import CONSTANTS  # noqa: E402
 
 
 def main() -> None:

@@ -284,6 +284,43 @@ def test_no_two_modules_import_each_other():
     assert not loops, f"modules that import each other (move what both need below them): {loops}"
 
 
+def test_no_modules_import_each_other_in_a_circle():
+    """No cycle of any length among the package's modules (imports inside functions counted): a longer circle (a
+    cost model importing its hardware, which reads a profile that imports the cost model's constants) is a loop
+    just the same. Tarjan's strongly connected components over the import graph."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, {}):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, f"modules that import each other in a circle (move what they share below them): {circles}"
+
+
 def test_no_folder_imports_a_folder_that_imports_it_back():
     edges: dict[tuple[str, str], list[str]] = {}
     for a, targets in import_graph().items():

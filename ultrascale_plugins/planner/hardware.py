@@ -35,7 +35,7 @@ class Hardware:
     gpus_per_node: int = 8
     host_link_gbps: float = 32.0  # GPU <-> host per GPU, one direction (PCIe: Gen4 x16 32, Gen5 x16 64)
     host_memory_gb: float = 256.0  # host memory per GPU for offloaded states (a DGX H100: 2 TB for 8 GPUs)
-    # a calibrated profile's: overrides of cost.CONSTANTS, as (name, value) pairs, which a CostModel applies
+    # a calibrated profile's: overrides of constants.CONSTANTS, as (name, value) pairs, which a CostModel applies
     constants: tuple = ()
     # a calibrated profile's bus bandwidth inside a node: (collective, ((group size, GB/s), ...)) pairs
     measured_busbw: tuple = ()

@@ -1,7 +1,7 @@
 """The hardware profile ``ultrascale calibrate`` writes and ``--gpu FILE`` reads: a JSON file holding a ``Hardware``'s
 figures (``hardware``), the time model's constants fitted on the machine (``constants``: overrides of
-``cost.CONSTANTS``), each collective's measured curve inside a node (``collectives``), the raw measurements and where,
-when and with what they were taken. Reading checks every figure the planner uses, so a broken file is refused in one
+``constants.CONSTANTS``), each collective's measured curve inside a node (``collectives``), the raw measurements
+and where, when and with what they were taken. Reading checks every figure the planner uses, so a broken file is refused in one
 line naming the file, the field and the fix, before any work.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 import os
 
 from ..interface.config import ConfigError
+from .constants import CONSTANTS
 
 FORMAT = "ultrascale-hardware-profile"
 VERSION = 1
@@ -102,8 +103,6 @@ def _positive(path: str, field: str, value, what: str) -> float:
 
 def _constants(path: str, constants) -> tuple:
     """The fitted constants as (name, value) pairs, each a constant of the time model, positive."""
-    from .cost import CONSTANTS
-
     if not isinstance(constants, dict):
         raise _refuse(path, "constants", "must be an object of the time model's constants")
     for name in constants:

@@ -16,7 +16,7 @@ And what the headroom rule does to each cell's first choice among all its runs (
 where it changes, whether the choices completed, and their measured throughput against the speed-only choice's.
 
 Everything is predicted with the "nanotron" profile (bf16 weights, fp32 gradient accumulation and master weights,
-Adam) on the ``h100-sxm-80gb`` preset, with the global constants of ``cost.CONSTANTS``: nothing is fitted per row.
+Adam) on the ``h100-sxm-80gb`` preset, with the global constants of ``constants.CONSTANTS``: nothing is fitted per row.
 
 What ran and what was recorded, from nanotron's code (``scripts/scaling_benchmarks.py``, "used in" the Playbook, and
 its trainer, commit e24d2483, February 2025):
