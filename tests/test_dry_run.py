@@ -77,12 +77,36 @@ def test_a_1b_model_over_64_ranks_runs_without_its_weights():
     assert role.memory()["total"] > model_bytes / 64  # the step's activations are counted, not only the shards
 
 
-def test_the_peak_equals_a_real_runs_under_the_same_tracker(monkeypatch):
-    """World 1, where the real step runs here: the same bytes by category at the peak, real tensors or fake."""
+def _real_step_peak(config, layout, seq_len, prepare=None) -> dict:
+    """MemTracker's peak by category over one real step of ``layout`` (the process group initialized), warmed up
+    and tracked as the dry run's step is; ``prepare(pmodel)`` runs after ``parallelize``."""
     from transformers import AutoModelForCausalLM
 
     from ultrascale_plugins.core.fake_run import peak_tracker
 
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    pmodel = us.parallelize(model, layout, device=torch.device("cpu"))
+    if prepare is not None:
+        prepare(pmodel)
+    opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-4)
+    for param in pmodel.parameters():
+        param.grad = torch.zeros_like(param)
+    opt.step()
+    opt.zero_grad()
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq_len))}  # made before the step, as there
+    tracker = peak_tracker()
+    tracker.track_external(*pmodel.modules, opt)
+    with tracker:
+        pmodel.train_step(batch)
+        pmodel.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    return {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+
+
+def test_the_peak_equals_a_real_runs_under_the_same_tracker(monkeypatch):
+    """World 1, where the real step runs here: the same bytes by category at the peak, real tensors or fake."""
     config = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     layout = us.ParallelConfig(dp_shard=1)
@@ -91,26 +115,58 @@ def test_the_peak_equals_a_real_runs_under_the_same_tracker(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29531")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        pmodel = us.parallelize(model, layout, device=torch.device("cpu"))
-        opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-4)
-        for param in pmodel.parameters():
-            param.grad = torch.zeros_like(param)
-        opt.step()
-        opt.zero_grad()
-        batch = {"input_ids": torch.randint(0, config.vocab_size, (1, 512))}  # made before the step, as there
-        tracker = peak_tracker()
-        tracker.track_external(*pmodel.modules, opt)
-        with tracker:
-            pmodel.train_step(batch)
-            pmodel.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-        real = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+        real = _real_step_peak(config, layout, 512)
     finally:
         dist.destroy_process_group()
     assert fake == real
+
+
+# 8 layers, 128 tokens: the peak is in the backward, and the gradients' whole size (6.3 MB) would put one above it
+ZERO3 = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256)
+ZERO3_LAYOUT = dict(dp_shard=2, mixed_precision="bf16")
+
+
+def _reduce_scatter_without_a_copy(pmodel) -> None:
+    """FSDP's reduce-scatter as NCCL's holds it, which the dry run stands for: gloo's holds a copy of its whole
+    input while it runs (MemTracker counts it); an all-reduce in place (gloo makes none) and this rank's part
+    copied out hold no more than NCCL."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class InPlace(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+
+    for module in pmodel.module.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(InPlace())
+
+
+def _zero3_step_peak(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        peak = _real_step_peak(ZERO3, us.ParallelConfig(**ZERO3_LAYOUT), 128, prepare=_reduce_scatter_without_a_copy)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(peak, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_clipping_over_sharded_gradients_the_peak_equals_a_real_two_rank_steps(tmp_path):
+    """ZeRO-3 over 2 gloo processes, the same tracker: the same bytes by category at the peak. Clipping's norm
+    over the FSDP-sharded gradients used to count each at full size (DTensor's shape propagation on the dry run's
+    own fake mode, ``fake_run.peak_tracker``): a peak in clipping 6.3 MB above the real step's."""
+    import torch.multiprocessing as mp
+
+    role = us.dry_run(ZERO3, us.ParallelConfig(**ZERO3_LAYOUT), world_size=2, seq_len=128).roles[0]
+    out = tmp_path / "peak.json"
+    mp.start_processes(_zero3_step_peak, args=(2, f"file://{tmp_path / 'store'}", str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert role.peak == json.loads(out.read_text())
+    assert "backward" in role.peak_where
 
 
 # ---- the package fixes the dry run needs ----------------------------------------------------------------------
