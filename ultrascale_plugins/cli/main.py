@@ -3,19 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 from .. import _freeze_at_exit, _timing_mark, quiet_known_warnings
-from ..distributed.supervisor import STOP_FILE_ENV, TORCHRUN, TORCHRUN_DEFAULT_GRACE_S, Supervisor, end_by_signal
+from ..distributed.supervisor import (STOP_FILE_ENV, TORCHRUN, TORCHRUN_DEFAULT_GRACE_S, Supervisor, end_by_signal,
+                                      free_port)
 from ..interface.config import ConfigError
 from ..planner.memory_check import check_memory
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shutdown_timeout(grace: int) -> list[str]:
@@ -174,7 +168,7 @@ def _launch(args, recipe, nodes: int, worker: list[str], env: dict, supervisor: 
     if recipe.nproc == 1:  # one process: in a session of its own, so that each signal reaches it once, through us
         return supervisor.run(worker, env, grace, own_session=True, error_file=env["ULTRASCALE_ERROR_FILE"])
     if nodes == 1:
-        rendezvous = ["--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}"]
+        rendezvous = ["--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
     else:  # torchrun's static rendezvous: this node's ranks are node_rank x nproc + local rank, as given
         rendezvous = ["--nnodes", str(nodes), "--node_rank", str(args.node_rank), "--rdzv_backend", "static",
                       "--rdzv_endpoint", args.rdzv_endpoint]

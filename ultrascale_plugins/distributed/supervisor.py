@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -188,3 +189,11 @@ def _copy_until(stream, error_file: str) -> None:
         else:
             sys.stderr.write(chunk.decode(errors="replace"))
         sys.stderr.flush()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a rendezvous on the loopback (the command line's single-node
+    launch, the calibration's worker processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

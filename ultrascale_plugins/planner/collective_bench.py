@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import tempfile
 import time
 import warnings
 
+from ..distributed.supervisor import free_port
 from ..interface.config import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -41,7 +41,7 @@ def measure(nproc: int, sizes, repeats: int, min_s: float, timeout_s: float, dea
                 "progress": os.path.join(tmp, "progress"), "out": os.path.join(tmp, "points.json")}
         with open(os.path.join(tmp, "spec.json"), "w") as f:
             json.dump(spec, f)
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         procs = []
         try:
@@ -87,12 +87,6 @@ def _last_words(tmp: str, rank: int) -> str:
     with open(os.path.join(tmp, f"rank{rank}.err")) as f:
         lines = [line.strip() for line in f if line.strip()]
     return lines[-1] if lines else "no message"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(spec_path: str) -> None:
