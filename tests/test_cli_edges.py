@@ -11,6 +11,7 @@ import pytest
 
 from ultrascale_plugins.cli import main as cli
 from ultrascale_plugins.interface.config import ConfigError
+from ultrascale_plugins.distributed.supervisor import free_port
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -175,7 +176,7 @@ def test_a_training_worker_other_than_rank_0_waits_for_rank_0_to_say_the_error(m
 def test_a_config_error_in_torchrun_workers_is_printed_once():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{cli._free_port()}",
+                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
                            "--module", "ultrascale_plugins.cli.train", "--set", "tp=3"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
@@ -195,7 +196,7 @@ def test_a_refusal_is_said_even_when_rank_0_reaches_it_last(tmp_path):
                       "launch.exit_on_error(ConfigError('tp=3: bad'))\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{cli._free_port()}", str(script)],
+                           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(script)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert proc.stderr.count("ultrascale: error: tp=3: bad") == 1, proc.stderr[-3000:]

@@ -2,7 +2,6 @@
 step by step against ``strategy="auto"`` on one device (fp32 within 1e-5)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import torchrun
+from ultrascale_plugins.distributed.supervisor import free_port
 
 WORKER = Path(__file__).parent / "lightning_worker.py"
 NAMES = ["ultrascale", "ultrascale_zero3", "ultrascale_zero2", "ultrascale_tp", "ultrascale_tp_sp", "ultrascale_pp",
@@ -122,16 +122,10 @@ def test_model_checkpoint_and_resume_in_the_same_and_another_layout(tmp_path, re
         assert r[layout]["losses"] == pytest.approx(expected[3:], abs=TOL), layout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_of_two_processes(tmp_path, reference, hf_dir):
     """Two torchrun launches sharing one rendezvous, as two machines would: TP within a "node", ZeRO-3 across."""
-    port, out = _free_port(), tmp_path / "nodes.json"
+    port, out = free_port(), tmp_path / "nodes.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", "HF_DIR": str(hf_dir)}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                str(node), "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
