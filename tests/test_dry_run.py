@@ -48,12 +48,38 @@ def test_activation_checkpointing_and_mixed_precision_run_and_report():
     assert json.loads(json.dumps(report.to_json()))["roles"][0]["rows"]
 
 
-@pytest.mark.parametrize("field, value", [("pp", 2), ("cp", 2), ("ep", 2)])
+@pytest.mark.parametrize("field, value", [("pp", 2), ("cp", 2), ("ep", 2), ("cpu_offload", True),
+                                          ("chunked_loss", 16), ("compile", "regional")])
 def test_a_layout_not_run_yet_is_refused_in_one_line_before_any_work(field, value):
     with pytest.raises(us.ConfigError) as err:
         run(dp_shard=-1, **{field: value})
     assert f"{field}={value}" in str(err.value) and "\n" not in str(err.value)
     assert not dist.is_initialized()
+
+
+def test_each_field_says_what_the_dry_run_does_not_run_a_third_partys_too():
+    """The refusal is each field's own declaration (``fields.add(..., dry_run=why)``): the dry run names no
+    family, and a third party's field is refused, or run, the same way."""
+    import inspect
+
+    from ultrascale_plugins.core import dry_run as module
+    from ultrascale_plugins.core.registry import make_registry
+
+    class Acme:
+        @us.hookimpl
+        def ultrascale_declare_fields(self, fields):
+            fields.add("acme_wire", bool, False, "acme's own link", dry_run="acme's link needs its card")
+            fields.add("acme_tag", str, "", "a label acme logs")
+
+    registry = make_registry(load_entry_points=False)
+    registry.register(Acme(), name="acme")
+    refused = module.refusal(registry.config(acme_wire=True))
+    assert refused.startswith("acme_wire=True: ") and "acme's link needs its card" in refused
+    assert module.refusal(registry.config(acme_tag="x")) is None
+    assert module.refusal(registry.config(pp=2)).startswith("pp=2: ")
+    source = inspect.getsource(module)
+    for name in ('"pp"', '"cp"', '"ep"', "pipeline", "expert"):
+        assert name not in source, name
 
 
 def test_a_process_group_already_there_is_refused(tmp_path):

@@ -11,7 +11,7 @@ which a run without an allocator cannot see). The private torch tools are in ``f
 The model is built on the meta device and ``parallelize`` runs outside ``FakeTensorMode`` (the mesh's slicing and
 DDP's shape check need real index tensors); only the loader (``fake_run.FakeWeights``) and the step run inside it.
 A warm-up gives the optimizer its states (zero gradients and one AdamW step: no forward) so the tracked step holds
-them as training does. What this slice does not run yet is refused in one line before any work (``refusal``).
+them as training does. What it does not run yet is refused in one line before any work (``refusal``), as each field declares.
 """
 from __future__ import annotations
 
@@ -24,19 +24,14 @@ import torch
 from ..interface.config import ConfigError
 from .dry_run_report import DryRunReport, RoleReport
 
-# layout fields whose runtime the dry run does not drive yet (pipelining's P2P shape exchange and float reads,
-# context parallel's ring, expert parallel's data-dependent dispatch): (field, its value that is off)
-NOT_RUN_YET = (("pp", 1), ("cp", 1), ("ep", 1))
-
-
 def refusal(config) -> str | None:
-    """One line naming the first field of ``config`` the dry run does not run yet, or None."""
-    for field, off in NOT_RUN_YET:
-        value = getattr(config, field, off)
-        if value != off:
-            return (f"{field}={value}: the dry run does not run this yet (it runs data parallel ZeRO-0..3, tensor "
-                    f"parallel + SP, activation checkpointing and mixed precision). Fix: dry-run the layout with "
-                    f"{field}={off}, or price it with the planner alone")
+    """One line naming the first field of ``config`` set to a value the dry run does not run yet, or None: each
+    field says so itself when it is declared (``Field.dry_run``), a third party's as the package's own."""
+    for field in config.registry.fields:
+        value = getattr(config, field.name, field.default)
+        if field.dry_run and value != field.default:
+            return (f"{field.name}={value}: the dry run does not run this yet ({field.dry_run}). Fix: dry-run the "
+                    f"layout with {field.name}={field.default}, or price it with the planner alone")
     return None
 
 

@@ -54,7 +54,9 @@ class Field:
     default), asked when ``ask_when(answers so far)`` is true, or always without one (``pp_schedule`` is asked
     once ``pp`` > 1). ``words``: how the layout line (``ParallelDims.describe``) says a value set away from the
     default (a function of the value, e.g. ``"activation checkpointing=full"``); without it, a flag switched on is
-    said by its name and any other value as ``name=value``."""
+    said by its name and any other value as ``name=value``. ``dry_run``: why the dry run (``us.dry_run``, one step
+    on fake tensors and a fake process group) cannot run a value away from the default yet, said when it refuses
+    one ("": it runs every value)."""
 
     name: str
     type: type
@@ -69,6 +71,7 @@ class Field:
     ask: str = ""
     ask_when: Callable[[dict], bool] | None = None
     words: Callable[[Any], str] | None = None
+    dry_run: str = ""
 
     def said(self, value: Any) -> str:
         """``value`` (away from the default) as the layout line says it."""
@@ -145,12 +148,13 @@ class Fields:
         self.facts[name] = Fact(name, default, help, self.plugin)
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
-            optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None, words=None) -> None:
+            optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None, words=None,
+            dry_run: str = "") -> None:
         if name in self.by_name:
             raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
                               f"'{self.plugin}'. Fix: rename one of them")
         field = Field(name, type, default, help, self.plugin, tuple(choices) if choices is not None else None,
-                      minimum, optional, check, auto, ask, ask_when, words)
+                      minimum, optional, check, auto, ask, ask_when, words, dry_run)
         if default is not None or not optional:
             field.validate(default)  # a plugin's own default must be valid
         self.by_name[name] = field

@@ -80,7 +80,7 @@ def ultrascale_declare_fields(fields):
     fields.add("cpu_offload", bool, False, "ZeRO-2/3: hold the sharded weights, their gradients and the optimizer "
                "states in host memory (FSDP2's CPUOffloadPolicy): each group's weights are copied to the device for "
                "its forward and backward, its gradients back after their reduce-scatter, and the optimizer steps "
-               "on the CPU")
+               "on the CPU", dry_run="the dry run holds every tensor in one memory, so host and device are one")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("fsdp_units", False, "each block is an FSDP2 unit of its own (ZeRO-2/3), so modules in a mesh view "
                                      "get FSDP2 groups over the view's axes")

@@ -40,7 +40,9 @@ def _split(value):
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1,
-               ask="Pipeline-parallel degree")
+               ask="Pipeline-parallel degree",
+               dry_run="the pipeline's stages exchange their activations' shapes and read the loss's value between "
+                       "ranks, which a fake process group cannot answer")
     fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES,
                ask="Pipeline schedule", ask_when=lambda said: said.get("pp", 1) > 1)
     fields.add("pp_microbatches", int, 0, "micro-batches per step; 0 = as many as pipeline stages", minimum=0)

@@ -24,7 +24,8 @@ from .offloader import HostOffload, parameter_storages
 def ultrascale_declare_fields(fields):
     fields.add("activation_offload", bool, False, "hold what each decoder layer saves for its backward in host "
                "memory between its forward and its backward (copied out on a side stream on a GPU); with "
-               "activation_checkpointing: full, the layers' inputs")
+               "activation_checkpointing: full, the layers' inputs",
+               dry_run="the dry run holds every tensor in one memory, so host and device are one")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("activations_offloaded", False, "what the decoder layers save for their backward is held in host "
                                                 "memory")

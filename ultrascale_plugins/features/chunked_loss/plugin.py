@@ -69,7 +69,8 @@ class ChunkedHead(LossHead):
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("chunked_loss", int, 0, "compute the head and the loss this many tokens at a time, so no rank holds a "
-               "micro-batch's logits (0: the whole micro-batch at once)", minimum=0)
+               "micro-batch's logits (0: the whole micro-batch at once)", minimum=0,
+               dry_run="each chunk's count of labelled tokens is a data-dependent shape")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("loss_chunk", 0, "the head and the loss run this many tokens at a time (0: the whole logits at once)")
 

@@ -34,7 +34,7 @@ def ultrascale_declare_facts(config, degrees):
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("compile", str, "none", "regional: torch.compile each decoder layer (inductor), composed with every "
-               "layout", choices=MODES)
+               "layout", choices=MODES, dry_run="inductor's kernels hold memory the tracker does not see")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("compiled", "none", "how the decoder layers are compiled: regional (each by torch.compile) or none")
 

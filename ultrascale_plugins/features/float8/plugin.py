@@ -35,7 +35,8 @@ def ultrascale_declare_fields(fields):
     fields.add("float8", str, "none", "float8 matmuls in the decoder layers' Linear modules through torchao "
                "(the float8 extra: torchao): tensorwise (one scale per tensor) or rowwise (one "
                "per row: more accurate); weights and optimizer states keep their precision; needs a GPU "
-               "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES)
+               "of compute capability 8.9+ or a CPU torch that runs float8 matmuls", choices=RECIPES,
+               dry_run="float8's scaled matmuls have not been checked against a real step on fake tensors")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("float8", "none", "the float8 recipe the linear layers run (none: they do not)")
 

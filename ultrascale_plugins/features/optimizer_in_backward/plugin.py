@@ -31,7 +31,8 @@ WHY = ("optimizer_in_backward=true steps each parameter inside the backward, as 
 def ultrascale_declare_fields(fields):
     fields.add("optimizer_in_backward", bool, False, "step the optimizer inside the backward, each parameter as "
                "soon as its gradient is reduced, and free that gradient: a rank holds one FSDP2 group's gradients "
-               "at a time. ZeRO-2/3 only, one micro-batch per step, no pipeline, no global-norm clipping")
+               "at a time. ZeRO-2/3 only, one micro-batch per step, no pipeline, no global-norm clipping",
+               dry_run="the dry run's step clips to the global norm, which this leaves none of")
     # the facts this plugin decides for the others (answered in ultrascale_declare_facts), with their defaults
     fields.fact("grads_freed_in_backward", False, "the optimizer steps each parameter inside the backward and frees "
                                                   "its gradient there, so no rank holds the step's gradients at once")
