@@ -275,3 +275,34 @@ def test_plan_dry_run_prints_the_layouts_report(capsys, tmp_path):
 def test_plan_dry_run_refuses_what_it_does_not_run_in_one_line(capsys, tmp_path, args, said):
     code, _, err = _plan(capsys, tmp_path, *args, "--dry-run")
     assert code == 2 and said in err and len(err.strip().splitlines()) == 1
+
+
+# ---- ultrascale train RECIPE --dry-run ---------------------------------------------------------------------------
+RECIPE = str(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "llama_hsdp_tp.yaml")
+
+
+def test_train_dry_run_runs_the_recipes_step_at_its_world_without_a_worker(capsys, tmp_path):
+    """The recipe's layout, world (nproc x --nnodes, no rendezvous needed) and batch split, one step on fake
+    tensors in this process; the report's JSON with --metrics."""
+    from ultrascale_plugins.cli.main import main
+
+    out = tmp_path / "report.json"
+    code = main(["train", RECIPE, "--dry-run", "--nnodes", "2", "--set", "train.grad_accum=1",
+                 "--set", "train.global_batch=16", "--set", "dp_shard=-1", "--metrics", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "16 ranks, 2 x 128 tokens per rank" in printed and "comm dp_replicate" in printed
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 16 and report["micro_batch_size"] == 2
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("sets, said", [(["train.grad_accum=2", "train.global_batch=16"], "the dry run runs one micro-batch"),
+                                        (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
+                                        (["cpu_offload=true"], "cpu_offload=True"), (["tp=3"], "but the world size is 8")])
+def test_train_dry_run_refuses_in_one_line_before_any_work(capsys, sets, said):
+    from ultrascale_plugins.cli.main import main
+
+    args = ["train", RECIPE, "--dry-run", "--set", "train.global_batch=8", "--set", "train.grad_accum=1"]
+    code = main([*args, *[x for s in sets for x in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err

@@ -109,6 +109,10 @@ def _train(args, supervisor: Supervisor) -> int:
         raise ConfigError(f"--profile-step={args.profile_step}: the run has {steps} optimizer steps. Fix: give a "
                           f"step from 1 to {steps}, or leave --profile-step out")
     _model_line(args, overrides, recipe)
+    if args.dry_run:  # one step at the recipe's full size and world, in this process, on fake tensors; no worker
+        from . import dry_run
+
+        return dry_run.run(args, recipe, nodes)
     validated = check_recipe(recipe, args.init_from, nodes)
     _timing_mark("checks_done")
     from ..data.recipe_data import prepare_before_launch
@@ -232,7 +236,7 @@ def _check_nodes(args) -> int:
     nodes = args.nnodes
     if nodes < 1:
         raise ConfigError(f"--nnodes {nodes}: must be at least 1. Fix: e.g. --nnodes 2")
-    if nodes > 1 and not args.rdzv_endpoint:
+    if nodes > 1 and not args.rdzv_endpoint and not getattr(args, "dry_run", False):
         raise ConfigError(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT (the first node's address, the same on "
                           "every node). Fix: add e.g. --rdzv-endpoint node001:29500")
     if not 0 <= args.node_rank < nodes:
@@ -408,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start from pretrained weights (a save_pretrained directory, safetensors); the model "
                             "section of the recipe may be left out: its config.json is the model (a model section must "
                             "agree with it in every size); each rank reads only its shards")
+    train.add_argument("--dry-run", action="store_true",
+                       help="start no worker: run one optimizer step of the recipe at its full size and world size "
+                            "(nproc x --nnodes) in this process on fake tensors, and print its peak memory by "
+                            "category per rank role, the bytes per mesh axis and the planner's estimate beside them "
+                            "(--metrics FILE: the report as JSON)")
     train.set_defaults(func=cmd_train)
     export = sub.add_parser("export", help="write a Hugging Face directory from a sharded checkpoint")
     export.add_argument("checkpoint", help="a step-XXXXXXXX checkpoint directory (any layout)")
