@@ -270,7 +270,7 @@ def test_plan_dry_run_prints_the_layouts_report(capsys, tmp_path):
     assert code == 0 and "memory activations" in out and "comm dp_shard" in out
 
 
-@pytest.mark.parametrize("args, said", [(["--layout", "dp=4,pp=2,mbs=1,ga=1"], "pp=2"), ([], "--layout"),
+@pytest.mark.parametrize("args, said", [(["--layout", "dp=4,pp=2,mbs=1,ga=1"], "pp=2"), (["--dry-run-top", "0"], "--dry-run-top 0"),
                                         (["--layout", "dp=8,mbs=1,ga=1", "--optimizer", "sgd"], "--optimizer sgd")])
 def test_plan_dry_run_refuses_what_it_does_not_run_in_one_line(capsys, tmp_path, args, said):
     code, _, err = _plan(capsys, tmp_path, *args, "--dry-run")
@@ -306,3 +306,17 @@ def test_train_dry_run_refuses_in_one_line_before_any_work(capsys, sets, said):
     code = main([*args, *[x for s in sets for x in ("--set", s)]])
     err = capsys.readouterr().err
     assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_dry_run_without_a_layout_checks_its_first_candidates(capsys, tmp_path):
+    """The search's first runnable candidates, each dry-run beside the planner's total; one the dry run does not
+    run is listed with its reason, not dropped."""
+    code, out, _ = _plan(capsys, tmp_path, "--dry-run", "--dry-run-top", "3", "--json")
+    rows = json.loads(out)["dry_run_candidates"]
+    assert code == 0 and len(rows) == 3
+    for row in rows:
+        assert ("not_run" in row and row["not_run"].startswith(row["not_run"].split(":")[0] + ": the dry run")) or \
+            (row["dry_run_bytes"] > 0 and row["estimate_bytes"] > 0 and row["peak_where"])
+    assert any("dry_run_bytes" in row for row in rows)
+    code, out, _ = _plan(capsys, tmp_path, "--dry-run", "--dry-run-top", "1")
+    assert "dry run of the first candidates" in out and "Chosen:" in out

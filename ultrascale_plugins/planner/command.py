@@ -66,7 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG: memory of the top layouts and the chosen pipeline schedule")
     p.add_argument("--dry-run", action="store_true", help="with --layout: run one step of the real code path for "
                    "that layout at full size on fake tensors (us.dry_run) and print its peak memory by category and "
-                   "bytes per mesh axis beside the estimate")
+                   "bytes per mesh axis beside the estimate; without: the plan, and a dry run of each of its first "
+                   "--dry-run-top candidates beside the planner's figure")
+    p.add_argument("--dry-run-top", type=int, default=3, metavar="K",
+                   help="with --dry-run and no --layout: how many of the first runnable candidates to dry-run")
 
 
 def build(args):
@@ -129,18 +132,9 @@ def run_plan(args, accelerate_yaml) -> int:
 
     cost, fields = build(args)
     hw = cost.hw
-    header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
-              "gpus": args.gpus, "hardware": dataclasses.asdict(hw), "seq_len": args.seq_len,
-              "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer,
-              "memory_margin": args.memory_margin}
     adapters = cost.work.adapters
     trainable = cost.spec.trainable_params(adapters)
-    if adapters is not None:
-        header["peft"] = {"method": adapters.method, "r": adapters.r, **({"quantized": adapters.quantized}
-                                                                         if adapters.quantized else {}),
-                          "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
-        header["trainable_params"] = trainable
-    if getattr(args, "dry_run", False):
+    if getattr(args, "dry_run", False) and (args.layout or args.dry_run_top < 1):
         return _dry_run(args, cost)
     if args.layout:
         lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
@@ -152,14 +146,22 @@ def run_plan(args, accelerate_yaml) -> int:
                           "global batch divides over the GPUs")
     best = results[0]
     elsewhere = _room_elsewhere(args, cost, results)
+    checked = None
+    if getattr(args, "dry_run", False):  # the first candidates, each run once on fake tensors
+        from .dry_run_candidates import check_candidates
+
+        _refuse_for_dry_run(args, cost)
+        checked = check_candidates(cost, results, args.gpus, args.seq_len, args.dry_run_top)
     if args.plot:
         from .plot import plot_plan
 
         plot_plan(results, best, args.plot, hw.memory_gb, top=min(args.top, 8))
     if args.json:
-        extra = {**header, "fits": best.fits}
+        extra = {**_header(args, cost), "fits": best.fits}
         if elsewhere is not None:
             extra["room_elsewhere"] = render.room_elsewhere_json(elsewhere, cost.savers)
+        if checked is not None:
+            extra["dry_run_candidates"] = checked
         print(render.as_json(results, args.top, extra, hw.memory_gb, args.memory_margin))
         return 0 if best.fits else 1
     print(f"ultrascale plan: {args.model} ({cost.spec.total_params / 1e9:.2f}B parameters"
@@ -173,6 +175,10 @@ def run_plan(args, accelerate_yaml) -> int:
               "or optimizer states; MFU counts the FLOPs LoRA needs (4 per frozen weight, 6 per trained one)\n")
     print(render.table(results, hw.memory_gb, args.top, args.memory_margin))
     print()
+    if checked is not None:
+        from .dry_run_candidates import table as dry_run_table
+
+        print(dry_run_table(checked) + "\n")
     if not best.fits:
         host = (f" and {best.memory_gb['host']:.1f} of {hw.host_memory_gb:g} GB of host memory"
                 if "host" in best.memory_gb else "")
@@ -201,6 +207,30 @@ def run_plan(args, accelerate_yaml) -> int:
     return 0
 
 
+def _header(args, cost) -> dict:
+    """The inputs ``--json`` repeats before the layouts: model, cluster, workload (and the adapters with --peft)."""
+    header = {"model": str(args.model), "params": cost.spec.total_params, "active_params": cost.spec.active_params,
+              "gpus": args.gpus, "hardware": dataclasses.asdict(cost.hw), "seq_len": args.seq_len,
+              "global_batch_size": args.global_batch_size, "profile": args.profile, "optimizer": args.optimizer,
+              "memory_margin": args.memory_margin}
+    adapters = cost.work.adapters
+    if adapters is not None:
+        header["peft"] = {"method": adapters.method, "r": adapters.r, **({"quantized": adapters.quantized}
+                                                                         if adapters.quantized else {}),
+                          "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
+        header["trainable_params"] = cost.spec.trainable_params(adapters)
+    return header
+
+
+def _refuse_for_dry_run(args, cost) -> None:
+    """A ``ConfigError`` for a plan flag the dry run does not run (its layout fields refuse themselves)."""
+    for flag, value, runs in (("--peft", cost.work.adapters, None), ("--profile", args.profile, "ultrascale"),
+                              ("--optimizer", args.optimizer, "adamw")):
+        if value != runs:
+            raise ConfigError(f"{flag} {value if runs else args.peft}: the dry run does not run this yet (it runs "
+                              f"this package's code with AdamW on a full model). Fix: drop {flag}")
+
+
 def _dry_run(args, cost) -> int:
     """``--dry-run``: ``us.dry_run`` of the ``--layout`` on the model ``plan`` loaded; the table, or ``--json``."""
     import json
@@ -209,12 +239,9 @@ def _dry_run(args, cost) -> int:
     from .cost import layout_from_string
 
     if not args.layout:
-        raise ConfigError("--dry-run runs one layout. Fix: give it with --layout, e.g. --layout \"dp=8,zero=3\"")
-    for flag, value, runs in (("--peft", cost.work.adapters, None), ("--profile", args.profile, "ultrascale"),
-                              ("--optimizer", args.optimizer, "adamw")):
-        if value != runs:
-            raise ConfigError(f"{flag} {value if runs else args.peft}: the dry run does not run this yet (it runs "
-                              f"this package's code with AdamW on a full model). Fix: drop {flag}")
+        raise ConfigError(f"--dry-run-top {args.dry_run_top}: must be at least 1 without --layout. Fix: --dry-run-top "
+                          "3, or give one layout with --layout")
+    _refuse_for_dry_run(args, cost)
     lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
     report = dry_run(cost.spec.config, lay.config(), world_size=args.gpus, seq_len=args.seq_len,
                      micro_batch_size=lay.micro_batch_size)
