@@ -32,6 +32,7 @@ class Settings:
     min_s: float
     deadline_s: float
     collective_timeout_s: float = 60.0
+    layer_seq: int = 512  # the sequence of the attention and decoder layer measured (``machine_bench``)
 
 
 def settings(on_gpu: bool, quick: bool) -> Settings:
@@ -43,7 +44,7 @@ def settings(on_gpu: bool, quick: bool) -> Settings:
         return Settings((256, 512, 1024, 2048, 4096, 8192), 1024 * mib,
                         (4 * kib, 256 * kib, 4 * mib, 64 * mib, 512 * mib), 5, 0.02, 300)
     if quick:
-        return Settings((64, 256, 512), 16 * mib, (4 * kib, 256 * kib, 2 * mib), 5, 0.005, 120)
+        return Settings((64, 256, 512), 16 * mib, (4 * kib, 256 * kib, 2 * mib), 5, 0.005, 120, layer_seq=256)
     return Settings((64, 128, 256, 512, 1024, 2048), 256 * mib, (4 * kib, 64 * kib, 1 * mib, 8 * mib, 32 * mib), 5,
                     0.02, 300)
 
@@ -90,9 +91,9 @@ def run_calibrate(args) -> int:
     plan = settings(dev.type == "cuda", args.quick)
     collective_points = points_to_measure(nproc, plan.message_bytes) if nproc > 1 else []
     start = time.monotonic()
-    with tqdm(total=2 * len(plan.matmul_sides) + 1 + len(collective_points), desc="ultrascale calibrate",
+    with tqdm(total=2 * len(plan.matmul_sides) + 4 + len(collective_points), desc="ultrascale calibrate",
               unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-        local = measure_here(dev, nproc, plan, bar.update)
+        local = measure_local(dev, nproc, plan, bar.update)
         measured = measure(nproc, plan.message_bytes, plan.repeats, plan.min_s, plan.collective_timeout_s,
                            plan.deadline_s, bar.update) if nproc > 1 else []
     from .calibration_profile import build_profile, table
@@ -103,6 +104,76 @@ def run_calibrate(args) -> int:
     print(table(profile, FIT_TOLERANCE))
     print(f"ultrascale: wrote {args.out}; plan with it: ultrascale plan --gpu {args.out} --model ... --gpus ...")
     return 0
+
+
+def measure_local(dev, nproc: int, plan: Settings, tick) -> dict:
+    """``measure_here``; on a CPU with several processes, in ``nproc`` processes at once, each point started
+    together and taken from the slowest process: the step's ranks share the cores, the memory bandwidth and the
+    caches, and a step waits for its slowest rank (a GPU's ranks share none of these: measured in one process)."""
+    if dev.type != "cpu" or nproc <= 1:
+        return measure_here(dev, nproc, plan, tick)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(nproc), ctx.Queue()
+    procs = [ctx.Process(target=_measure_child, args=(nproc, plan, barrier, queue, rank), daemon=True)
+             for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    try:
+        results = [_answer(queue, procs) for _ in procs]
+    finally:
+        for p in procs:  # the processes this call started, each by its handle
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        raise ConfigError(f"calibrate: a measuring process failed: {failed[0]}")
+    for _ in range(2 * len(plan.matmul_sides) + 4):
+        tick()
+    return _slowest(sorted(results, key=lambda r: r["rank"]))
+
+
+def _answer(queue, procs):
+    """The next process's measurements (or its error), waiting as long as every process is alive or has answered
+    (a loaded machine measures slowly: no deadline), refused when one died without answering."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise ConfigError("calibrate: a measuring process died. Fix: check the machine's memory, or use "
+                                  "fewer processes (--nproc)") from None
+
+
+def _measure_child(nproc: int, plan: Settings, barrier, queue, rank: int) -> None:
+    """One of ``measure_local``'s processes: ``measure_here`` with every point started with the others'."""
+    import torch
+
+    try:
+        barrier.wait()
+        queue.put({**measure_here(torch.device("cpu"), nproc, plan, barrier.wait), "rank": rank})
+    except Exception as exc:  # said by the parent, in one line
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def _slowest(results: list[dict]) -> dict:
+    """The processes' measurements merged point by point: each time the slowest process's, the copy's rate the
+    lowest."""
+    def slowest(points_of) -> list:
+        rows = [points_of(r) for r in results]
+        return [(*row[:1], max(r[i][1] for r in rows), *row[2:]) for i, row in enumerate(rows[0])]
+
+    out = dict(results[0])
+    out["matmul"] = {name: slowest(lambda r: r["matmul"][name]) for name in results[0]["matmul"]}
+    out["copy_gbps"] = min(r["copy_gbps"] for r in results)
+    out["step"] = {"attention": slowest(lambda r: [r["step"]["attention"]])[0],
+                   "layer": slowest(lambda r: r["step"]["layer"]),
+                   "adamw": slowest(lambda r: [r["step"]["adamw"]])[0]}
+    return out
 
 
 def measure_here(dev, nproc: int, plan: Settings, tick) -> dict:
@@ -126,6 +197,7 @@ def measure_here(dev, nproc: int, plan: Settings, tick) -> dict:
         if dev.type == "cuda":
             out["host_link"] = machine_bench.host_link_gbps(plan.copy_bytes // 4, dev, plan.repeats, plan.min_s)
         tick()
+        out["step"] = measure_step(dev, plan, tick)
     finally:
         torch.set_num_threads(threads)
     host_gb = machine_bench.host_memory_gb()
@@ -133,4 +205,20 @@ def measure_here(dev, nproc: int, plan: Settings, tick) -> dict:
                memory_gb=machine_bench.device_memory_gb(dev) if dev.type == "cuda" else host_gb,
                host=socket.gethostname(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return out
+
+
+def measure_step(dev, plan: Settings, tick) -> dict:
+    """A training step's kernels beyond the matmuls (``machine_bench``): causal attention's forward and backward,
+    a decoder layer's at two token counts (with the matmul GFLOP the fit subtracts), fused AdamW's step."""
+    from . import machine_bench
+
+    seq = plan.layer_seq
+    out = {"attention": machine_bench.attention_point(dev, seq, plan.repeats, plan.min_s)}
+    tick()
+    out["layer"] = [(tokens, seconds, *machine_bench.layer_matmul_gflop(tokens), seq)
+                    for tokens, seconds in machine_bench.layer_points(dev, seq, plan.repeats, plan.min_s)]
+    tick()
+    out["adamw"] = machine_bench.adamw_point(dev, plan.copy_bytes // 16, plan.repeats, plan.min_s)
+    tick()
     return out

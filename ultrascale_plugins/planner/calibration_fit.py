@@ -100,3 +100,42 @@ def latency_constants(fits: dict) -> dict:
     if levels:
         out["collective_latency_s"] = statistics.median(levels)
     return out
+
+
+def layer_elements(mc, tp: int = 1, sp: bool = False) -> float:
+    """Elements per token of one decoder layer's activations without recomputation (docs/planner.md,
+    "Activations": (q + 2k) + (q + k) + q + g·f over t, the norms' 4h over t under sequence parallel): what the
+    step's element-wise kernels read and write scales with these."""
+    heads = getattr(mc, "num_attention_heads", 1)
+    dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    q, k = heads * dim, (getattr(mc, "num_key_value_heads", None) or heads) * dim
+    f = getattr(mc, "moe_intermediate_size", None) if getattr(mc, "num_experts", None) else None
+    f = f * (mc.num_experts_per_tok + bool(getattr(mc, "shared_expert_intermediate_size", 0))) if f else \
+        (getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size)
+    return (3 * q + 3 * k + 4 * f) / tp + 4 * mc.hidden_size / (tp if sp else 1)
+
+
+def fit_step_kernels(step: dict, tflops: float, matmul: dict, layer_shape: dict) -> dict:
+    """The time model's constants for a step's kernels beyond the matmuls, from ``step`` (``calibrate.measure_step``):
+    ``attention_efficiency`` (attention's FLOPs, as the planner counts them, over the peak), ``layer_call_s`` and
+    ``element_s`` (a decoder layer's time beyond its matmuls and attention: a fixed part per layer and micro-batch,
+    and a part per token and ``layer_elements`` of activations: a line through the layer measured at two token
+    counts), ``optimizer_elements_s`` (fused AdamW's elements per second on one device)."""
+    import types
+
+    gflop, seconds = step["attention"]
+    attention_eff = gflop / seconds / (tflops * 1e3)
+    elements = layer_elements(types.SimpleNamespace(**layer_shape))
+    heads, dim = layer_shape["num_attention_heads"], layer_shape["head_dim"]
+    rest = []
+    for tokens, t, matmul_gflop, kernel_gflop, seq in step["layer"]:
+        t_matmul = matmul_seconds(kernel_gflop, tflops, matmul["matmul_efficiency"],
+                                  matmul["half_efficiency_gflop"]) * matmul_gflop / kernel_gflop
+        t_attention = 12 * heads * dim * seq * tokens / (tflops * 1e12 * attention_eff)
+        rest.append((tokens * elements, max(t - t_matmul - t_attention, MIN_LATENCY_S)))
+    call, per_element = _line([x for x, _ in rest], [t for _, t in rest])
+    if per_element <= 0 or call < 0:
+        call, per_element = 0.0, _flat([t / x for x, t in rest])
+    numel, t_opt = step["adamw"]
+    return {"attention_efficiency": attention_eff, "layer_call_s": max(call, MIN_LATENCY_S),
+            "element_s": per_element, "optimizer_elements_s": numel / t_opt}

@@ -8,7 +8,8 @@ import collections
 
 import torch
 
-from .calibration_fit import fit_collective, fit_matmul, latency_constants, matmul_seconds
+from .calibration_fit import fit_collective, fit_matmul, fit_step_kernels, latency_constants, matmul_seconds
+from .machine_bench import LAYER_SHAPE
 from .hardware_profile import FORMAT, VERSION
 
 
@@ -18,9 +19,12 @@ def build_profile(local: dict, measured: list[dict], nproc: int, args, seconds: 
     bf16 = local["matmul"]["bf16"]
     tflops = max(k / t for k, t in bf16) / 1e3
     constants = fit_matmul(bf16, tflops)
+    constants.update(fit_step_kernels(local["step"], tflops, constants, LAYER_SHAPE))
     fits = collective_fits(measured)
     constants.update(latency_constants(fits))
     cpu = local["kind"] == "cpu"
+    if cpu:  # the host is the device: offloaded states step at the device's speed, one thread per process
+        constants["host_step_elements_s"] = constants["optimizer_elements_s"] * nproc
     host_link = local["copy_gbps"] / 2 if cpu else min(local["host_link"].values())
     notes = []
     if "p2p" in fits:
@@ -41,6 +45,7 @@ def build_profile(local: dict, measured: list[dict], nproc: int, args, seconds: 
     return {"format": FORMAT, "version": VERSION, "hardware": hardware, "constants": constants,
             "collectives": {name: {str(g): fit for g, fit in by_group.items()} for name, by_group in fits.items()},
             "matmul": {dtype: matmul_record(points, tflops, constants) for dtype, points in local["matmul"].items()},
+            "step": {key: local["step"][key] for key in ("attention", "layer", "adamw")},
             "memory": {"copy_gbps": local["copy_gbps"], **({"host_link": local["host_link"]} if not cpu else {})},
             "measured": {"host": local["host"], "device": local["device"], "date": local["date"],
                          "torch": torch.__version__, "processes": nproc, "threads_per_process": local["threads"],
@@ -83,6 +88,9 @@ def table(profile: dict, tolerance: float) -> str:
              f"  memory       copy {profile['memory']['copy_gbps']:.3g} GB/s (read + write); host link "
              f"{hw['host_link_gbps']:.3g} GB/s" + (" (on a CPU: the memory copy)" if m["backend"] == "gloo" else ""),
              f"  memory       {hw['memory_gb']:.3g} GB per device, {hw['host_memory_gb']:.3g} GB of host memory each"]
+    lines.append(f"  step         attention at {c['attention_efficiency']:.3g} of the peak; a layer "
+                 f"{c['layer_call_s'] * 1e6:.0f} us per call + {c['element_s'] * 1e9:.3g} ns per token and "
+                 f"activation element; fused AdamW {c['optimizer_elements_s'] / 1e6:.3g} M elements/s")
     if profile["collectives"]:
         lines.append(f"  {'collective':<15}{'group':>6}{'latency':>12}{'bus GB/s':>10}{'fit error':>11}")
         for name, by_group in profile["collectives"].items():

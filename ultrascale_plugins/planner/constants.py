@@ -16,4 +16,10 @@ CONSTANTS = {
     # AdamW on the host (cpu_offload), elements per second of a node's CPU, shared by the node's ranks: PyTorch's
     # CPU Adam at about 1.4 s per billion parameters (ZeRO-Offload, Ren et al. 2021)
     "host_step_elements_s": 7e8,
+    # a calibrated profile's kernels beyond the matmuls (``ultrascale calibrate``); 0: not priced apart, as on the
+    # presets, whose matmul efficiency was chosen against whole GPU steps and so holds them
+    "attention_efficiency": 0.0,  # attention's FLOPs (12 L a d s per token) run at this share of the bf16 peak
+    "layer_call_s": 0.0,  # per decoder layer and micro-batch, beyond its kernels' work (launches, Python)
+    "element_s": 0.0,  # per token and element of a layer's activations: the element-wise kernels (norms, SwiGLU)
+    "optimizer_elements_s": 0.0,  # fused AdamW on the device: elements stepped per second
 }

@@ -379,6 +379,34 @@ class CostModel:
                 self._experts = (min(1.0, max(0.0, (whole - rest) / total)), width, expert_share(mc))
         return self._experts
 
+    def kernel_times(self, lay: Layout, est, tokens_mb: int, recompute: float) -> dict:
+        """On ``est``'s rank, what a calibrated profile's constants price beyond the matmuls (nothing on the
+        presets: their constants are 0, the matmul efficiency having been chosen against whole GPU steps, which
+        holds these): ``attention_flops`` per micro-batch, taken out of the matmuls' FLOPs and priced at
+        ``attention_efficiency`` instead (``attention``, seconds per micro-batch); ``elementwise`` (seconds per
+        micro-batch): ``element_s`` per token and element of a layer's activations on the rank's layers
+        (``calibration_fit.layer_elements``: ÷ t, the norms ÷ t only under sequence parallel) and of the loss (3·V
+        per token, the fp32 logits' tensors the memory counts), plus ``layer_call_s`` per layer call, the
+        recomputed forward again; ``optimizer`` (seconds per step): the optimizer's step on the device, not when
+        it steps on the host."""
+        from .calibration_fit import layer_elements
+
+        c, mc = self.c, self.spec.config
+        layers = mc.num_hidden_layers / lay.pp
+        tokens = tokens_mb / lay.cp
+        out = {"attention_flops": 0.0, "attention": 0.0}
+        if c["attention_efficiency"]:
+            heads = mc.num_attention_heads
+            dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+            out["attention_flops"] = 12 * layers * heads * dim * self.work.seq_len * tokens * recompute / lay.tp
+            out["attention"] = out["attention_flops"] / (self.hw.tflops * 1e12 * c["attention_efficiency"])
+        sp = bool(lay.fields().get("sequence_parallel", False))
+        elements = layers * layer_elements(mc, lay.tp, sp) * recompute + 3 * mc.vocab_size
+        out["elementwise"] = c["element_s"] * tokens * elements + c["layer_call_s"] * layers * recompute
+        on_device = "optimizer" not in est.on_host and c["optimizer_elements_s"]
+        out["optimizer"] = est.factors.get("optimizer_elements", 0.0) / c["optimizer_elements_s"] if on_device else 0.0
+        return out
+
     def evaluate(self, lay: Layout) -> Result:
         self.check_batch(lay)
         ests = self.estimates(lay)
@@ -404,8 +432,9 @@ class CostModel:
         slowest, slowest_est = 0.0, ests[0]
         for est in ests:  # the pipeline runs at the pace of its slowest rank
             # work beyond the model's FLOPs on this rank (PEFT merging adapters into fused expert weights)
-            t_compute = ((mb_flops * (1 - expert_flops) + est.factors.get("extra_flops", 0.0))
-                         / (hw.tflops * 1e12 * eff))
+            kernels = self.kernel_times(lay, est, tokens_mb, recompute)
+            t_compute = ((mb_flops * (1 - expert_flops) - kernels["attention_flops"]
+                          + est.factors.get("extra_flops", 0.0)) / (hw.tflops * 1e12 * eff))
             if expert_flops:
                 k_e = est.factors.get("expert_matmul_gflop", expert_kernel)
                 eff_e = self.c["matmul_efficiency"] * k_e / (k_e + self.c["half_efficiency_gflop"])
@@ -415,18 +444,24 @@ class CostModel:
             for t in est.terms:
                 exposed = self.term_time(t, nodes) * (1 - t.overlap)
                 (per_mb if t.per == "micro_batch" else per_step)[t.axis] += exposed
-            t_mb = t_compute + sum(per_mb.values())
+            t_kernels = kernels["attention"] + kernels["elementwise"]
+            t_mb = t_compute + t_kernels + sum(per_mb.values())
             bubble = est.factors.get("bubble", 0.0)
             # offloaded states (cpu_offload): the copies over the host link, exposed, and the optimizer on the host
             host = (est.factors.get("host_copy_bytes", 0.0) / (hw.host_link_gbps * GB)
                     + est.factors.get("host_step_elements", 0.0) * min(lay.world, hw.gpus_per_node)
                     / self.c["host_step_elements_s"])
-            step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values()) + host
+            step = t_mb * lay.grad_accum * (1 + bubble) + sum(per_step.values()) + host + kernels["optimizer"]
             if step > slowest:
                 slowest, slowest_est = step, est
                 times = {"compute": t_compute * lay.grad_accum, "bubble": t_mb * lay.grad_accum * bubble}
                 if host:
                     times["host"] = host
+                for key in ("attention", "elementwise"):
+                    if kernels[key]:
+                        times[key] = kernels[key] * lay.grad_accum
+                if kernels["optimizer"]:
+                    times["optimizer"] = kernels["optimizer"]
                 for axis in per_mb:
                     times[f"comm_{axis}"] = per_mb[axis] * lay.grad_accum + per_step[axis]
         tokens_step = work.global_batch * work.seq_len

@@ -1,7 +1,8 @@
 """``ultrascale calibrate``'s measurements in one process: matmul throughput by kernel size and dtype, memory
 bandwidth (a large copy), the host link (pinned host <-> device copies on a GPU; on a CPU the host is the device,
-so the link is the memory copy itself), and the machine's memory. Each point is the median of its repeats, each
-repeat long enough for the timer (a loop of kernels), after a warm-up.
+so the link is the memory copy itself), the machine's memory, and a training step's kernels beyond the matmuls:
+causal attention, one decoder layer's forward and backward under bf16 autocast, fused AdamW's step. Each point is
+the median of its repeats, each repeat long enough for the timer (a loop of kernels), after a warm-up.
 """
 from __future__ import annotations
 
@@ -83,3 +84,73 @@ def device_name(dev: torch.device) -> str:
 
 def device_memory_gb(dev: torch.device) -> float:
     return torch.cuda.get_device_properties(dev).total_memory / 1e9
+
+
+# A decoder layer measured for the step's kernels beyond the matmuls: Llama-shaped, and not any model the planner is
+# checked against here (hidden 384, gated MLP 1,024, 6 heads of 64, 2 key/value heads)
+LAYER_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2,
+                   head_dim=64, vocab_size=256, max_position_embeddings=4096)
+LAYER_ROWS = (1, 4)  # rows of the layer's sequence (``calibrate.Settings.layer_seq``): two token counts
+
+
+def autocast(dev: torch.device):
+    """bf16 autocast on ``dev``, as a step with ``mixed_precision: bf16`` computes."""
+    return torch.autocast(dev.type, dtype=torch.bfloat16)
+
+
+def attention_point(dev: torch.device, seq: int, repeats: int, min_s: float) -> tuple[float, float]:
+    """(GFLOP as the planner counts attention, 12 x heads x head_dim x s per token, seconds) of a causal
+    ``scaled_dot_product_attention`` forward and backward in bf16 at the layer's shape."""
+    import torch.nn.functional as F
+
+    heads, dim = LAYER_SHAPE["num_attention_heads"], LAYER_SHAPE["head_dim"]
+    rows = LAYER_ROWS[-1]
+    q, k, v = (torch.randn(rows, heads, seq, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return 12 * heads * dim * seq * rows * seq / 1e9, timed(run, dev, repeats, min_s)
+
+
+def layer_points(dev: torch.device, seq: int, repeats: int, min_s: float) -> list[tuple[int, float]]:
+    """[(tokens, seconds)] of one decoder layer's forward and backward under bf16 autocast at ``LAYER_ROWS`` rows
+    of ``seq``: a 2-layer model's time less a 1-layer model's (the embedding, head and loss cancel)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = []
+    for rows in LAYER_ROWS:
+        ids = torch.randint(0, LAYER_SHAPE["vocab_size"], (rows, seq), device=dev)
+        seconds = []
+        for layers in (1, 2):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**LAYER_SHAPE, num_hidden_layers=layers)).to(dev)
+
+            def run():
+                with autocast(dev):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+
+            seconds.append(timed(run, dev, repeats, min_s))
+        out.append((rows * seq, max(seconds[1] - seconds[0], 1e-9)))
+    return out
+
+
+def layer_matmul_gflop(tokens: int) -> tuple[float, float]:
+    """(GFLOP, GFLOP of one MLP matmul) of the measured layer's matmuls over ``tokens``, forward and backward."""
+    s = LAYER_SHAPE
+    h, f, q = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"] * s["head_dim"]
+    kv = s["num_key_value_heads"] * s["head_dim"]
+    weights = h * (2 * q + 2 * kv) + 3 * h * f
+    return 6 * weights * tokens / 1e9, 2 * tokens * h * f / 1e9
+
+
+def adamw_point(dev: torch.device, numel: int, repeats: int, min_s: float) -> tuple[int, float]:
+    """(elements, seconds) of torch's fused AdamW step (the training command's) over ``numel`` fp32 elements in
+    eight tensors."""
+    params = [torch.zeros(numel // 8, device=dev, requires_grad=True) for _ in range(8)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return numel // 8 * 8, timed(opt.step, dev, repeats, min_s)

@@ -210,6 +210,7 @@ def _add_model_states(config, shape, est: Estimate, local, trainable, precision:
     adam = shape.optimizer in ("adam", "adamw", *LOW_BIT_STATES)
     step_counters = 4 * opt_tensors if adam else 0  # Adam's 0-d fp32 step
     est.add_memory("optimizer", OPTIMIZERS[shape.optimizer] * state + master * opt_numel + step_counters)
+    est.factors["optimizer_elements"] = opt_numel  # what the optimizer steps on this rank: its time (planner/cost.py)
 
 
 def _add_compute_copies(config, shape, est: Estimate, records, local, trainable, precision: tuple,
