@@ -48,7 +48,7 @@ def test_activation_checkpointing_and_mixed_precision_run_and_report():
     assert json.loads(json.dumps(report.to_json()))["roles"][0]["rows"]
 
 
-@pytest.mark.parametrize("field, value", [("pp", 2), ("cp", 2), ("ep", 2), ("cpu_offload", True),
+@pytest.mark.parametrize("field, value", [("pp", 2), ("cpu_offload", True),
                                           ("chunked_loss", 16), ("compile", "regional")])
 def test_a_layout_not_run_yet_is_refused_in_one_line_before_any_work(field, value):
     with pytest.raises(us.ConfigError) as err:

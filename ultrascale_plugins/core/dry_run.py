@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from ..interface.config import ConfigError
+from ..interface.fake_values import Assumptions, assuming
 from .dry_run_report import DryRunReport, RoleReport
 
 def refusal(config) -> str | None:
@@ -36,18 +37,22 @@ def refusal(config) -> str | None:
 
 
 def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None = None, seq_len: int,
-            micro_batch_size: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4) -> DryRunReport:
+            micro_batch_size: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4,
+            routing: str = "uniform") -> DryRunReport:
     """Run one optimizer step of ``parallel_config`` on ``model_config`` (a transformers config) at
     ``world_size`` ranks, as ``rank`` (default 0: in the layouts run here every rank plays the same role), on
     fake tensors; return the report (``report.table()``, ``report.to_json()``). ``ConfigError`` before any work
     for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
-    already initialized (the dry run makes, and destroys, its own fake one)."""
+    already initialized (the dry run makes, and destroys, its own fake one). Where values would decide (a
+    router's choice of experts) the step runs under stated assumptions (``interface.fake_values``: ``routing``,
+    "uniform" or "all-to-one"), which the report says."""
     import torch.distributed as dist
 
     from . import fake_run
     from .engine import estimate
     from ..interface.estimates import meta_model
 
+    assumptions = Assumptions(routing=routing)
     reason = refusal(parallel_config)
     if reason:
         raise ConfigError(reason)
@@ -63,14 +68,15 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
     start = time.perf_counter()
-    with fake_run.fake_process_group(rank, world_size), warnings.catch_warnings():
+    with fake_run.fake_process_group(rank, world_size), assuming(assumptions), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
         warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
         role = _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, max_grad_norm, lr)
     role = dataclasses.replace(role, estimate_memory={**est.memory, "total": est.total_memory},
                                estimate_comm=est.comm)
     return DryRunReport(roles=[role], world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                        layout=_label(parallel_config), seconds=time.perf_counter() - start)
+                        layout=_label(parallel_config), seconds=time.perf_counter() - start,
+                        assumed=assumptions.said(model_config))
 
 
 def _label(config) -> str:
@@ -98,7 +104,7 @@ def _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, ma
     pmodel = place(model, resolved, device=torch.device("cpu"), init_weights=fake_run.FakeWeights(fake), pm=pm)
     _complete_ddp_futures(pmodel)
     batch = {"input_ids": torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))}
-    with fake, fake_run.unpacked_rows():
+    with fake, fake_run.unpacked_rows(), fake_run.grouped_mm_in_any_dtype():
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=lr)
         _create_optimizer_states(pmodel, opt)
         tracker = fake_run.peak_tracker()

@@ -59,10 +59,11 @@ class DryRunReport:
     micro_batch_size: int
     layout: str
     seconds: float
+    assumed: list = dataclasses.field(default_factory=list)  # where values would decide: what the step assumed
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
-                "layout": self.layout, "seconds": round(self.seconds, 2),
+                "layout": self.layout, "seconds": round(self.seconds, 2), "assumed": self.assumed,
                 "roles": [{"role": r.role, "rank": r.rank, "peak_where": r.peak_where, "peak": r.peak, "held": r.held,
                            "local_parameter_bytes": r.local_parameter_bytes, "rows": r.rows()} for r in self.roles]}
 
@@ -70,6 +71,8 @@ class DryRunReport:
         lines = [f"dry run: {self.layout}, {self.world_size} ranks, {self.micro_batch_size} x {self.seq_len} tokens "
                  f"per rank, one step in {self.seconds:.1f} s (fake tensors; the estimate before the allocator's "
                  "constants)"]
+        if self.assumed:
+            lines.append(f"assumed: {'; '.join(self.assumed)}")
         for role in self.roles:
             lines.append(f"{role.role} (rank {role.rank} traced): peak at {role.peak_where}")
             lines.append(f"  {'':24} {'dry run MB':>12} {'estimate MB':>12} {'diff':>8}")

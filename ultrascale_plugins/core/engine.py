@@ -372,7 +372,7 @@ def release_unheld(model: nn.Module, parts: list[nn.Module]) -> None:
     modules stays shared; a dry run's fake tensors hold no memory and are left as they are."""
     from torch.distributed.tensor import DTensor
 
-    from .fake_run import is_fake
+    from ..interface.fake_values import is_fake
 
     held = set()
     for part in parts:

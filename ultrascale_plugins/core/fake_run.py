@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from ..interface.fake_values import is_fake
+
 TORCH_CHECKED = "2.13"
 
 
@@ -31,15 +33,6 @@ def private_tools():
                           f"torch, checked on {TORCH_CHECKED}); this torch {torch.__version__} lacks one: {exc}. "
                           "Fix: install torch >= 2.11") from None
     return FakeStore, FakeTensorMode, FakeTensor, mem_tracker
-
-
-def is_fake(tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (no storage: a dry run's); False where torch has no fake tensors."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover - every supported torch has them
-        return False
-    return isinstance(tensor, FakeTensor)
 
 
 @contextlib.contextmanager
@@ -76,6 +69,39 @@ def unpacked_rows():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = real
+
+
+@contextlib.contextmanager
+def grouped_mm_in_any_dtype():
+    """``aten._grouped_mm`` (transformers' grouped experts: an MoE layer's matmuls) on fake tensors of any dtype,
+    its output shaped by torch's own rule, for the body.
+
+    Why by hand: torch 2.13's meta kernel for it (what fake tensors run) still refuses all but bf16, where the
+    CPU kernel takes fp32 too (and CUDA's falls back to a loop for other dtypes): an fp32 MoE step runs for real
+    and not on fake tensors. Only the dtype check is left out: the shape is torch's
+    (``_create_grouped_mm_output_tensor``), the output in the input's dtype as the kernel gives it; bf16 goes to
+    torch's meta as before."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    op = torch.ops.aten._grouped_mm.default
+
+    def grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.dtype == torch.bfloat16 or offs is None:
+            return NotImplemented  # torch's meta kernel
+        with in_kernel_invocation_manager(fake_mode):
+            out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return FakeTensor(fake_mode, out, mat_a.fake_device)
+
+    if op in fake_impls.op_implementations_dict:  # a torch with its own: leave it
+        yield
+        return
+    fake_impls.op_implementations_dict[op] = grouped_mm
+    try:
+        yield
+    finally:
+        del fake_impls.op_implementations_dict[op]
 
 
 class FakeWeights:

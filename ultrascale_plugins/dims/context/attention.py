@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...interface.config import ConfigError
+from ...interface.fake_values import is_fake
 from . import kernels as cp_kernels
 from .layout import chunk_ids, layout_index, local_index, segments, visible
 
@@ -432,7 +433,9 @@ def cp_attention(state: CPState, module, query, key, value, attention_mask, scal
     index = layout_index(total, state.size, query.device)  # global index of each token, in rank order
     positions = _global_positions(kwargs["position_ids"], state, rows, index)
     seg = segments(positions) if state.document_mask else None
-    if seg is not None and not bool((seg[:, -1] != 0).any()):  # no row restarts: plain causal (as transformers)
+    # no row restarts: plain causal (as transformers); a dry run's rows hold one sequence each, so on fake
+    # tensors that is the answer (interface.fake_values)
+    if seg is not None and (is_fake(seg) or not bool((seg[:, -1] != 0).any())):
         seg = None
     if state.method == "ring":
         plan = RingPlan(state, total // (2 * state.size), local_index(total, state.size, state.rank, query.device),

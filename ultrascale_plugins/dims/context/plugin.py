@@ -37,8 +37,7 @@ _names = itertools.count(1)
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("cp", int, 1, "context-parallel degree: the sequence of every row is split over cp ranks", minimum=1,
-               ask="Context-parallel degree, splitting each sequence",
-               dry_run="the ring's and Ulysses' attention exchanges have not been run on fake tensors")
+               ask="Context-parallel degree, splitting each sequence")
     fields.add("cp_method", str, "ring", "ring: keys/values travel round the cp ranks (any head count); ulysses: "
                "all-to-all from sequence shards to head shards around attention", choices=METHODS,
                ask="Context-parallel method", ask_when=lambda said: said.get("cp", 1) > 1)

@@ -14,6 +14,10 @@ of this package's mesh, whatever axes the view was carved from.
 One host synchronisation per MoE layer (and per recomputation) remains: ``all_to_all_single`` takes its split sizes
 on the host, and dropless routing makes them data-dependent. Avoiding it would mean padding every rank's send to
 the worst case (all tokens to one rank), top_k times the memory and compute: not done.
+
+On fake tensors (the dry run) the routing counts have no values: the split sizes are those of the routing the dry
+run assumes (``interface.fake_values``: uniform, or all to one rank), and every tensor the real exchange makes is
+made the same (the counts' all-to-all included), so only the sizes are assumed.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor
+
+from ...interface.fake_values import assumed, even_split, is_fake
 
 
 class _SliceRows(torch.autograd.Function):
@@ -51,8 +57,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _row_sizes(total: int, group) -> list[int]:
-    size = dist.get_world_size(group)
-    return [total // size + (1 if r < total % size else 0) for r in range(size)]
+    return even_split(total, dist.get_world_size(group))
 
 
 def _bounds(sizes: list[int]) -> list[int]:
@@ -71,6 +76,15 @@ def _gather(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+def assumed_sizes(pairs: int, ranks: int, rank: int) -> tuple[list[int], list[int]]:
+    """(rows this rank sends to each ep rank, rows it receives from each) under the dry run's routing
+    (``fake_values.ROUTINGS`` words it), every ep rank holding ``pairs`` (token, expert) pairs as this one does:
+    ``uniform`` splits each rank's pairs evenly over the ep ranks, ``all-to-one`` sends them all to ep rank 0."""
+    if assumed().routing == "all-to-one":
+        return [pairs] + [0] * (ranks - 1), [pairs if rank == 0 else 0] * ranks
+    return even_split(pairs, ranks), [even_split(pairs, ranks)[rank]] * ranks
 
 
 class ExpertDispatch:
@@ -111,12 +125,15 @@ class ExpertDispatch:
         expert_ids = top_k_index.reshape(-1)
         # sorted by expert, the pairs are grouped by the rank that owns their expert (contiguous ranges)
         order = torch.argsort(expert_ids, stable=True)
-        send_counts = torch.bincount(expert_ids, minlength=ranks * local)
+        fake = is_fake(expert_ids)  # a dry run's: no counts to read, the assumed routing's sizes instead
+        send_counts = expert_ids.new_empty(ranks * local) if fake else torch.bincount(expert_ids,
+                                                                                      minlength=ranks * local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         # the layer's one host synchronisation: the split sizes, both ways, in one transfer
-        send_sizes, recv_sizes = torch.stack([send_counts.view(ranks, local).sum(1),
-                                              recv_counts.view(ranks, local).sum(1)]).tolist()
+        sizes = torch.stack([send_counts.view(ranks, local).sum(1), recv_counts.view(ranks, local).sum(1)])
+        send_sizes, recv_sizes = (assumed_sizes(tokens * top_k, ranks, dist.get_rank(self.ep_group)) if fake
+                                  else sizes.tolist())
         received = wait_tensor(all_to_all_single_autograd(hidden_states[order // top_k], recv_sizes, send_sizes,
                                                           self.ep_group))
         # from each source rank, its rows for this rank's experts 0..L-1 in order

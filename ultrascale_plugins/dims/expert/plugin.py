@@ -45,8 +45,7 @@ def ultrascale_declare_fields(fields):
     fields.add("ep", int, 1, "expert-parallel degree: each rank holds 1/ep of every MoE layer's experts; the ep ranks "
                "are borrowed from dp_shard*cp*tp (which ep must divide), and the experts are sharded by ZeRO over the "
                "rest, efsdp = dp_shard*cp*tp/ep", minimum=1,
-               ask="Expert-parallel degree, for a mixture of experts",
-               dry_run="the experts' dispatch reads each rank's routing counts, which fake tensors do not hold")
+               ask="Expert-parallel degree, for a mixture of experts")
 
 
 @hookimpl
