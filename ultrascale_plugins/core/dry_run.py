@@ -30,8 +30,9 @@ def refusal(config) -> str | None:
     field says so itself when it is declared (``Field.dry_run``), a third party's as the package's own."""
     for field in config.registry.fields:
         value = getattr(config, field.name, field.default)
-        if field.dry_run and value != field.default:
-            return (f"{field.name}={value}: the dry run does not run this yet ({field.dry_run}). Fix: dry-run the "
+        why = field.dry_run(config) if callable(field.dry_run) else field.dry_run if value != field.default else ""
+        if why:
+            return (f"{field.name}={value}: the dry run does not run this yet ({why}). Fix: dry-run the "
                     f"layout with {field.name}={field.default}, or price it with the planner alone")
     return None
 
@@ -40,11 +41,12 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
             micro_batch_size: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4,
             routing: str = "uniform") -> DryRunReport:
     """Run one optimizer step of ``parallel_config`` on ``model_config`` (a transformers config) at
-    ``world_size`` ranks, as ``rank`` (default 0: in the layouts run here every rank plays the same role), on
-    fake tensors; return the report (``report.table()``, ``report.to_json()``). ``ConfigError`` before any work
-    for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
+    ``world_size`` ranks, on fake tensors, as each rank role the layout has (ranks that hold different parts or
+    different numbers of micro-batches in flight, as the plugins say; one where every rank plays the same role),
+    or as ``rank`` alone; return the report (``report.table()``, ``report.to_json()``). ``ConfigError`` before any
+    work for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
     already initialized (the dry run makes, and destroys, its own fake one). Where values would decide (a
-    router's choice of experts) the step runs under stated assumptions (``interface.fake_values``: ``routing``,
+    router's choice) the step runs under stated assumptions (``interface.fake_values``: ``routing``,
     "uniform" or "all-to-one"), which the report says."""
     import torch.distributed as dist
 
@@ -62,21 +64,55 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     if micro_batch_size < 1 or seq_len < 1:
         raise ConfigError(f"micro_batch_size {micro_batch_size}, seq_len {seq_len}: must be at least 1")
     fake_run.private_tools()
-    est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
-                   micro_batch=micro_batch_size, model=meta_model(model_config))
-    rank = 0 if rank is None else rank
-    if not 0 <= rank < world_size:
+    if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
-    start = time.perf_counter()
-    with fake_run.fake_process_group(rank, world_size), assuming(assumptions), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
-        warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
-        role = _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, max_grad_norm, lr)
-    role = dataclasses.replace(role, estimate_memory={**est.memory, "total": est.total_memory},
-                               estimate_comm=est.comm)
-    return DryRunReport(roles=[role], world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+    schedule, roles = _roles(parallel_config, model_config, world_size, rank)
+    start, traced = time.perf_counter(), []
+    for name, role_rank, coords in roles:
+        est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
+                       micro_batch=micro_batch_size, micro_batches=schedule.microbatches, coords=coords,
+                       model=meta_model(model_config))
+        with fake_run.fake_process_group(role_rank, world_size), assuming(assumptions), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
+            warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
+            role = _run_role(model_config, parallel_config, role_rank, seq_len,
+                             micro_batch_size * schedule.microbatches, max_grad_norm, lr)
+        traced.append(dataclasses.replace(role, role=name, estimate_memory={**est.memory, "total": est.total_memory},
+                                          estimate_comm=est.comm))
+    return DryRunReport(roles=traced, world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                         layout=_label(parallel_config), seconds=time.perf_counter() - start,
-                        assumed=assumptions.said(model_config))
+                        assumed=assumptions.said(model_config), microbatches=schedule.microbatches)
+
+
+def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> tuple:
+    """The step's schedule (``ultrascale_cost_schedule``: its micro-batches, the mesh coordinates whose ranks can
+    differ in cost) and the rank roles to trace, [(name, rank, coordinates)]: one per combination of the schedule's
+    coordinates (the rank there, 0 along every other axis), or ``rank``'s alone; one, "every rank", when every
+    rank plays the same role. The plugins say which ranks differ and in what words; the dry run names no family."""
+    import itertools
+
+    from .engine import registry_of, validate
+    from ..interface.parallel_dims import ParallelDims
+    from ..interface.step_schedule import StepSchedule
+
+    pm, config = registry_of(parallel_config)
+    resolved = validate(config, model_config, world_size, pm)
+    schedule = pm.hook.ultrascale_cost_schedule(config=resolved) or StepSchedule()
+    dims, axes = ParallelDims(resolved, world_size), schedule.coordinates
+    if rank is not None:
+        coords = {axis: dims.coordinate(rank, (axis,)) for axis in axes}
+        return schedule, [(schedule.role(coords), rank, coords)]
+    strides, stride = {}, 1
+    for axis in reversed(dims.live_axes):  # the mesh's order: the last axis varies fastest
+        strides[axis.name], stride = stride, stride * axis.degree
+    combos = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
+    roles = [(schedule.role(c), sum(i * strides[a] for a, i in c.items()), c) for c in combos]
+    others = [a.name for a in dims.live_axes if a.name not in axes]
+    if len(roles) > 1 and others:  # a torch cache keyed by the mesh's shape hands one role's groups to the next
+        raise ConfigError(f"{_label(parallel_config)}: the dry run traces one rank role per process where "
+                          f"{'/'.join(others)} is live beside the roles' axes. Fix: dry-run each role with rank= "
+                          f"one of {[r for _, r, _ in roles]}, one per process")
+    return schedule, roles
 
 
 def _label(config) -> str:
@@ -85,8 +121,9 @@ def _label(config) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v) or "the defaults"
 
 
-def _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, max_grad_norm, lr) -> RoleReport:
-    """Parallelize a meta-device model over the fake group, then one warm-up and one tracked step."""
+def _run_role(model_config, parallel_config, rank, seq_len, rows, max_grad_norm, lr) -> RoleReport:
+    """Parallelize a meta-device model over the fake group, then one warm-up and one tracked step of ``rows`` rows
+    (the micro-batch times the micro-batches the step runs inside the model)."""
     from transformers import AutoModelForCausalLM
 
     from . import fake_run
@@ -103,7 +140,7 @@ def _run_role(model_config, parallel_config, rank, seq_len, micro_batch_size, ma
     resolved = validate(config, model.config, launch.world_size(), pm, model=model)
     pmodel = place(model, resolved, device=torch.device("cpu"), init_weights=fake_run.FakeWeights(fake), pm=pm)
     _complete_ddp_futures(pmodel)
-    batch = {"input_ids": torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))}
+    batch = {"input_ids": torch.randint(0, model_config.vocab_size, (rows, seq_len))}
     with fake, fake_run.unpacked_rows(), fake_run.grouped_mm_in_any_dtype():
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=lr)
         _create_optimizer_states(pmodel, opt)

@@ -60,16 +60,19 @@ class DryRunReport:
     layout: str
     seconds: float
     assumed: list = dataclasses.field(default_factory=list)  # where values would decide: what the step assumed
+    microbatches: int = 1  # the micro-batches one step runs inside the model, each of micro_batch_size rows
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
-                "layout": self.layout, "seconds": round(self.seconds, 2), "assumed": self.assumed,
+                "microbatches": self.microbatches, "layout": self.layout, "seconds": round(self.seconds, 2),
+                "assumed": self.assumed,
                 "roles": [{"role": r.role, "rank": r.rank, "peak_where": r.peak_where, "peak": r.peak, "held": r.held,
                            "local_parameter_bytes": r.local_parameter_bytes, "rows": r.rows()} for r in self.roles]}
 
     def table(self) -> str:
+        each = f" per micro-batch, {self.microbatches} micro-batches" if self.microbatches > 1 else ""
         lines = [f"dry run: {self.layout}, {self.world_size} ranks, {self.micro_batch_size} x {self.seq_len} tokens "
-                 f"per rank, one step in {self.seconds:.1f} s (fake tensors; the estimate before the allocator's "
+                 f"per rank{each}, one step in {self.seconds:.1f} s (fake tensors; the estimate before the allocator's "
                  "constants)"]
         if self.assumed:
             lines.append(f"assumed: {'; '.join(self.assumed)}")

@@ -17,6 +17,7 @@ import torch
 from ..interface.fake_values import is_fake
 
 TORCH_CHECKED = "2.13"
+AGAIN = "a module run again in the step"  # peak_tracker: what torch's MemTracker sees running beside it
 
 
 def private_tools():
@@ -136,6 +137,22 @@ class _Propagating:
         return self.inner.__exit__(*exc)
 
 
+def _run_again(tracker, module, pre_forward) -> None:
+    """``pre_forward()``, MemTracker's hook before ``module``'s forward, where a top-level module run again in the
+    step's forward (a pipeline stage, once per micro-batch) is tracked as torch tracks a submodule run again:
+    torch refuses it, taking it for the next iteration, so for that call it sees one more running module than
+    "Global" (``AGAIN``)."""
+    running = tracker._mod_tracker.parents
+    again = module in tracker.memory_tracking and not tracker._mod_tracker.is_bw and AGAIN not in running
+    if again:
+        running.add(AGAIN)
+    try:
+        pre_forward()
+    finally:
+        if again:
+            running.discard(AGAIN)
+
+
 def peak_tracker():
     """A ``MemTracker`` that also records where the peak falls (the innermost module running, forward or
     backward), updates its per-module peaks in time linear in the modules running, not in all modules, and leaves
@@ -177,6 +194,9 @@ def peak_tracker():
             if self._propagating is not None and self._propagating.depth and DTensor not in types:
                 return func(*args, **(kwargs or {}))  # the shape's derivation: no memory of the step
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _pre_fw_hook(self, module, inputs) -> None:  # see _run_again
+            _run_again(self, module, lambda: super(PeakTracker, self)._pre_fw_hook(module, inputs))
 
         def _update_peak_stats(self, peak_state) -> None:
             curr = self._curr_mem_snap

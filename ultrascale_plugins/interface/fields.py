@@ -56,7 +56,8 @@ class Field:
     default (a function of the value, e.g. ``"activation checkpointing=full"``); without it, a flag switched on is
     said by its name and any other value as ``name=value``. ``dry_run``: why the dry run (``us.dry_run``, one step
     on fake tensors and a fake process group) cannot run a value away from the default yet, said when it refuses
-    one ("": it runs every value)."""
+    one ("": it runs every value); or a function of the layout that says why for the layouts it cannot run ("" for
+    the others), where only some values, or some combinations, are not run yet."""
 
     name: str
     type: type
@@ -71,7 +72,7 @@ class Field:
     ask: str = ""
     ask_when: Callable[[dict], bool] | None = None
     words: Callable[[Any], str] | None = None
-    dry_run: str = ""
+    dry_run: str | Callable[[Any], str] = ""
 
     def said(self, value: Any) -> str:
         """``value`` (away from the default) as the layout line says it."""
@@ -149,7 +150,7 @@ class Fields:
 
     def add(self, name: str, type: type, default: Any, help: str, *, choices=None, minimum=None,
             optional: bool = False, check=None, auto=None, ask: str = "", ask_when=None, words=None,
-            dry_run: str = "") -> None:
+            dry_run: str | Callable[[Any], str] = "") -> None:
         if name in self.by_name:
             raise ConfigError(f"layout field '{name}' is declared by both '{self.by_name[name].plugin}' and "
                               f"'{self.plugin}'. Fix: rename one of them")

@@ -17,6 +17,11 @@ class StepSchedule:
     microbatches: int = 1
     coordinates: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
+    def role(self, coords: dict[str, int]) -> str:
+        """The rank at ``coords`` (one combination of ``coordinates``) in words, for the dry run's report of each
+        rank role: the default names its coordinates, or "every rank" with none."""
+        return ", ".join(f"{axis} rank {index}" for axis, index in coords.items()) or "every rank"
+
     def timeline(self, microbatches: int) -> list[list[tuple]]:
         """Per rank, its actions over one step of ``microbatches`` micro-batches (the plot draws fewer than a step's
         when they are many) as (start, end, kind, micro-batch, chunk): kind F (forward), B (backward, or only its

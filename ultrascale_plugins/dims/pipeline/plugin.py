@@ -40,16 +40,33 @@ def _split(value):
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1,
-               ask="Pipeline-parallel degree",
-               dry_run="the pipeline's stages exchange their activations' shapes and read the loss's value between "
-                       "ranks, which a fake process group cannot answer")
+               ask="Pipeline-parallel degree", dry_run=_pp_not_dry_run)
     fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES,
-               ask="Pipeline schedule", ask_when=lambda said: said.get("pp", 1) > 1)
+               ask="Pipeline schedule", ask_when=lambda said: said.get("pp", 1) > 1, dry_run=_schedule_not_dry_run)
     fields.add("pp_microbatches", int, 0, "micro-batches per step; 0 = as many as pipeline stages", minimum=0)
     fields.add("pp_virtual_stages", int, 1, "stages per rank (looped schedules: 2 or more; V schedules: 2)",
                minimum=1)
     fields.add("pp_split", list, None, "layers per pipeline stage, e.g. [3, 5]; unset = balanced automatically",
                optional=True, check=_split)
+
+
+def _schedule_not_dry_run(config) -> str:
+    """Why the dry run does not run this schedule yet ("" where it does): those that split the backward (torch's
+    MemTracker hooks every gradient, which their ``autograd.grad`` over the stage's inputs refuses)."""
+    if config.pp > 1 and config.pp_schedule in SPLIT_BACKWARD:
+        return "its split backward's autograd.grad refuses the memory tracker's gradient hooks; 1f1b, gpipe and " \
+               "interleaved_1f1b run"
+    return ""
+
+
+def _pp_not_dry_run(config) -> str:
+    """Why the dry run does not run this pipeline yet ("" where it does): beside an axis that shards the model
+    (tensor parallel's parameters reach MemTracker as non-leaf tensors inside a stage)."""
+    beside = [a.name for a in config.registry.axes(config) if a.name != "pp" and a.degree != 1 and not a.splits_rows]
+    if config.pp > 1 and beside:
+        return f"a pipeline beside {'/'.join(beside)}: the stage's sharded parameters reach the memory tracker as " \
+               "non-leaf tensors; a pipeline with data parallel runs"
+    return ""
 
 
 @hookimpl
@@ -231,8 +248,10 @@ def ultrascale_cost_schedule(config):
     if pp == 1:
         return None
     last = pp_rank_of_stage(config, pp * stages_per_rank(config) - 1)
-    return PipelineSchedule(microbatches(config), {"pp": sorted({0, min(1, pp - 1), pp - 1, last})},
-                            schedule=config.pp_schedule, stages=pp, virtual_stages=config.pp_virtual_stages)
+    ranks = sorted({0, min(1, pp - 1), pp - 1, last})
+    return PipelineSchedule(microbatches(config), {"pp": ranks}, schedule=config.pp_schedule, stages=pp,
+                            virtual_stages=config.pp_virtual_stages,
+                            holds={r: tuple(stage_ids_for_rank(config, r)) for r in ranks})
 
 
 @hookimpl

@@ -14,7 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from ...interface.config import ConfigError
 from ...models.placeholder import Absent
+from ...interface.fake_values import is_fake
 from ...interface.runtime import Runtime
+from .fake_step import refuse_routed, skip_vote, static_shapes, value
 from .split import LOOPED, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, microbatches, pp_rank_of_stage
 
 
@@ -92,13 +94,18 @@ class Pipeline(Runtime):
             count = pmodel.tokens.global_count(targets)  # this micro-batch's, over every rank holding its tokens
         return pmodel.tokens.add_terms(loss_sum, terms, count)
 
-    def build(self):
+    def build(self, ids: torch.Tensor):
+        """The stages and the schedule for batches of ``ids``' shape. On fake tensors (a dry run) every stage is
+        given the shapes it exchanges and the schedule's vote on them its outcome (``fake_step``); a real run's
+        stages infer them from each other at the first step."""
         from torch.distributed import pipelining
 
         cfg = self.ctx.config
+        fake = self._on_fake_tensors()
         for module in self.stages:  # a frozen first stage still hands on a graph (see build_stage)
             module.pipeline_options["grad_chain"] = cfg.pp_schedule in SPLIT_BACKWARD
-        stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group)
+        stages = [pipelining.PipelineStage(m, sid, self.n_stages, self.ctx.device, group=self.pp_group,
+                                           **(self._static_shapes(ids, sid) if fake else {}))
                   for m, sid in zip(self.stages, self.stage_ids)]
         names = {**SINGLE_STAGE, **LOOPED, **V_SHAPED}
         cls = getattr(pipelining.schedules, names[cfg.pp_schedule])
@@ -110,9 +117,32 @@ class Pipeline(Runtime):
             self._mark_stand_in(stage)
         arg = stages[0] if cfg.pp_schedule in SINGLE_STAGE else stages
         self.schedule = cls(arg, n_microbatches=microbatches(cfg), loss_fn=self._loss, scale_grads=False)
+        if fake:
+            skip_vote(self.schedule)
         if self.tied and not self._tie_ready:
             self._init_tie_group()
             self._tie_ready = True
+
+    def _static_shapes(self, ids, stage_id: int) -> dict:
+        """``fake_step.static_shapes`` for ``stage_id`` and this rank's batch of ``ids``: the hidden states cross
+        in the weights' dtype (as ``_forward_only`` sends them)."""
+        from .split import routed_logits_width
+
+        lm = self.causal_lm(self.stages[0])
+        refuse_routed(routed_logits_width(lm))
+        rows = (ids.shape[0] // microbatches(self.ctx.config), ids.shape[1])
+        hidden = (lm.config.get_text_config().hidden_size, self._held_dtype())
+        return static_shapes(stage_id, self.n_stages, rows, hidden, lm.config.get_text_config().vocab_size)
+
+    def _on_fake_tensors(self) -> bool:
+        """Whether the stages' weights are fake tensors (a dry run's; the batch may still be real)."""
+        weight = next(iter(self.stages[0].parameters()), None)
+        return weight is not None and is_fake(weight.to_local() if isinstance(weight, DTensor) else weight)
+
+    def _held_dtype(self) -> torch.dtype:
+        """The dtype the stages hold their weights in, which the hidden states cross between stages in (fp32 under
+        mixed precision: autocast keeps the residual stream fp32; bf16 where the weights are held in bf16)."""
+        return next((p.dtype for p in self.stages[0].parameters() if p.is_floating_point()), torch.float32)
 
     def _mark_stand_in(self, stage) -> None:
         """torch infers a stage's shapes by running it on inputs made from metadata (and its backward): the
@@ -210,9 +240,7 @@ class Pipeline(Runtime):
 
         modules = dict(zip(self.stage_ids, self.stages))
         lm = self.causal_lm(self.stages[0])
-        # hidden states cross the stages in the weights' dtype (fp32 under mixed precision: autocast keeps the
-        # residual stream fp32; bf16 where the weights are held in bf16)
-        held = next((p.dtype for p in self.stages[0].parameters() if p.is_floating_point()), torch.float32)
+        held = self._held_dtype()
         hidden_size, width = lm.config.hidden_size, routed_logits_width(lm)
         x, routed, loss_sum = None, None, torch.zeros((), device=ids.device)
         for stage in range(self.n_stages):
@@ -295,7 +323,9 @@ class Pipeline(Runtime):
         of a stage run in it: data-parallel peers holding rows of other lengths rebuild together or their
         collectives pair up wrongly (a hang). Their pipeline peers hold the same rows and decide the same."""
         stale = self.schedule is None or shape != self._built_for
-        return bool(pmodel.tokens.sum_over_rows(torch.tensor([int(stale)])).item()) if pmodel.dims.dp > 1 else stale
+        if pmodel.dims.dp == 1:
+            return stale
+        return bool(value(pmodel.tokens.sum_over_rows(torch.tensor([int(stale)])), stale))  # fake: its own say
 
     def step(self, pmodel, batch, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
         batch = pmodel.prepare_batch(batch)
@@ -304,7 +334,7 @@ class Pipeline(Runtime):
             # torch's stages infer the shapes they send and receive on their first step and keep them: a batch of
             # another shape (a collator padding each batch to its longest row, as TRL's does) gets a schedule of
             # its own, its shapes inferred again
-            self.build()
+            self.build(ids)
             self._built_for = tuple(ids.shape)
         mask = batch.get("attention_mask")
         self._pmodel, self._has_mask = pmodel, mask is not None
@@ -325,7 +355,8 @@ class Pipeline(Runtime):
         total = torch.zeros((), dtype=torch.float64, device=ids.device)
         with pmodel.autocast():
             if train:
-                self.scale = float(pmodel.tokens.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count))
+                # on fake tensors the scale has no value; it sizes nothing, so any stands in
+                self.scale = value(pmodel.tokens.loss_share(torch.tensor(loss_scale, dtype=torch.float64), count), 1.0)
                 losses: list = []
                 kwargs = {"target": targets, "losses": losses} if self.has_last else {}
                 if _takes_return_outputs():  # else the last stage keeps every micro-batch's logits to merge them
@@ -342,10 +373,10 @@ class Pipeline(Runtime):
                                         "idle_fraction": max(0.0, 1 - self._busy / elapsed)}
                 pmodel.finish_backward()  # off inside pmodel.no_sync(): synced with the window's last step
                 if self.has_last:
-                    total += sum(float(loss.detach()) for loss in losses) / self.scale
+                    total += sum(value(loss.detach(), 0.0) for loss in losses) / self.scale
             else:
                 with pmodel.loss_context():
-                    total += float(self._forward_only(ids, mask, positions, targets, count))
+                    total += value(self._forward_only(ids, mask, positions, targets, count), 0.0)
                 # stages keep their parameters gathered between micro-batches and no backward follows to free
                 # them: without this the next step could start from a copy older than the optimizer's update
                 self.ctx.release_gathered(self.stages)

@@ -164,6 +164,18 @@ class PipelineSchedule(StepSchedule):
     schedule: str = "1f1b"
     stages: int = 1
     virtual_stages: int = 1
+    holds: dict = dataclasses.field(default_factory=dict, compare=False)  # {pp rank: its stage ids}, for ``role``
+
+    def role(self, coords: dict[str, int]) -> str:
+        """"first pipeline rank (0): stage 0, the embedding", "middle ... (1): stage 1", "last ... (3): stage 3, the
+        head": where the rank sits, the stages it holds and the ends among them."""
+        rank = coords.get("pp", 0)
+        ids = self.holds.get(rank, ())
+        last = max((s for held in self.holds.values() for s in held), default=-1)
+        where = "first" if rank == 0 else "last" if rank == self.stages - 1 else "middle"
+        ends = [what for stage, what in ((0, "the embedding"), (last, "the head")) if stage in ids]
+        held = f"stage{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+        return f"{where} pipeline rank ({rank}): {', '.join([held, *ends])}"
 
     def timeline(self, microbatches: int) -> list[list[tuple]]:
         return schedule_timeline(self.schedule, self.stages, microbatches, self.virtual_stages)
