@@ -76,7 +76,7 @@ def test_each_field_says_what_the_dry_run_does_not_run_a_third_partys_too():
     refused = module.refusal(registry.config(acme_wire=True))
     assert refused.startswith("acme_wire=True: ") and "acme's link needs its card" in refused
     assert module.refusal(registry.config(acme_tag="x")) is None
-    assert module.refusal(registry.config(pp=2)).startswith("pp=2: ")
+    assert module.refusal(registry.config(pp=2, tp=2)).startswith("pp=2: ")
     source = inspect.getsource(module)
     for name in ('"pp"', '"cp"', '"ep"', "pipeline", "expert"):
         assert name not in source, name
