@@ -7,6 +7,7 @@ import sys
 
 from ..interface.config import ConfigError
 from ..interface.estimates import OPTIMIZERS, PROFILES
+from ..interface.fake_values import ROUTINGS
 from .hardware import PRESETS as GPU_PRESETS
 from .headroom import MEMORY_MARGIN
 from .model_spec import PRESETS as MODEL_PRESETS
@@ -70,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--dry-run-top candidates beside the planner's figure")
     p.add_argument("--dry-run-top", type=int, default=3, metavar="K",
                    help="with --dry-run and no --layout: how many of the first runnable candidates to dry-run")
+    p.add_argument("--routing", choices=tuple(ROUTINGS), default="uniform",
+                   help="with --dry-run --layout: the routing of tokens to experts the step assumes (uniform: each "
+                   "rank's tokens split evenly over the ep ranks; all-to-one: all to the traced rank)")
 
 
 def build(args):
@@ -244,7 +248,7 @@ def _dry_run(args, cost) -> int:
     _refuse_for_dry_run(args, cost)
     lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
     report = dry_run(cost.spec.config, lay.config(), world_size=args.gpus, seq_len=args.seq_len,
-                     micro_batch_size=lay.micro_batch_size)
+                     micro_batch_size=lay.micro_batch_size, routing=args.routing)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
     return 0
 
