@@ -78,6 +78,7 @@ def _pipeline_step_peak(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.sweep  # ~100 s of two processes' start-up on 2 cores: with the benchmark's cells, not in CI's budget
 def test_each_roles_peak_equals_a_real_two_rank_pipeline_steps(tmp_path):
     import torch.multiprocessing as mp
 
