@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run-top", type=int, default=3, metavar="K",
                    help="with --dry-run and no --layout: how many of the first runnable candidates to dry-run")
     p.add_argument("--routing", choices=tuple(ROUTINGS), default="uniform",
-                   help="with --dry-run --layout: the routing of tokens to experts the step assumes (uniform: each "
+                   help="with --dry-run: the routing of tokens to experts the step assumes (uniform: each "
                    "rank's tokens split evenly over the ep ranks; all-to-one: all to the traced rank)")
 
 
@@ -150,12 +150,7 @@ def run_plan(args, accelerate_yaml) -> int:
                           "global batch divides over the GPUs")
     best = results[0]
     elsewhere = _room_elsewhere(args, cost, results)
-    checked = None
-    if getattr(args, "dry_run", False):  # the first candidates, each run once on fake tensors
-        from .dry_run_candidates import check_candidates
-
-        _refuse_for_dry_run(args, cost)
-        checked = check_candidates(cost, results, args.gpus, args.seq_len, args.dry_run_top)
+    checked = _dry_run_candidates(args, cost, results) if getattr(args, "dry_run", False) else None
     if args.plot:
         from .plot import plot_plan
 
@@ -224,6 +219,15 @@ def _header(args, cost) -> dict:
                           "target": adapters.target if isinstance(adapters.target, str) else list(adapters.target)}
         header["trainable_params"] = cost.spec.trainable_params(adapters)
     return header
+
+
+def _dry_run_candidates(args, cost, results) -> list[dict]:
+    """``--dry-run`` without ``--layout``: the first ``--dry-run-top`` runnable candidates, each run once on fake
+    tensors (``dry_run_candidates``)."""
+    from .dry_run_candidates import check_candidates
+
+    _refuse_for_dry_run(args, cost)
+    return check_candidates(cost, results, args.gpus, args.seq_len, args.dry_run_top, routing=args.routing)
 
 
 def _refuse_for_dry_run(args, cost) -> None:

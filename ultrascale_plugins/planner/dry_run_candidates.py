@@ -10,9 +10,10 @@ from __future__ import annotations
 MB = 2 ** 20
 
 
-def check_candidates(cost, results, gpus: int, seq_len: int, top: int) -> list[dict]:
+def check_candidates(cost, results, gpus: int, seq_len: int, top: int, routing: str = "uniform") -> list[dict]:
     """One row per candidate among the first ``top`` runnable ``results``: the layout, the planner's total
-    (before the allocator's constants), the dry run's peak, the difference, where, seconds; or the refusal."""
+    (before the allocator's constants), the dry run's peak (the largest over its rank roles), the difference,
+    where, seconds; or the refusal. ``routing``: the assumption an expert-parallel candidate runs under."""
     from ..core.dry_run import dry_run, refusal
 
     rows = []
@@ -25,7 +26,7 @@ def check_candidates(cost, results, gpus: int, seq_len: int, top: int) -> list[d
             rows.append({**row, "not_run": reason})
             continue
         report = dry_run(cost.spec.config, config, world_size=gpus, seq_len=seq_len,
-                         micro_batch_size=lay.micro_batch_size)
+                         micro_batch_size=lay.micro_batch_size, routing=routing)
         totals = [(next(x for x in role.rows() if x["what"] == "memory total"), role) for role in report.roles]
         total, role = max(totals, key=lambda item: item[0]["dry_run"])
         rows.append({**row, "estimate_bytes": total["estimate"], "dry_run_bytes": total["dry_run"],
