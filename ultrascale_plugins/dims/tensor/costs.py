@@ -71,7 +71,16 @@ def tensor_parallel_terms(config, shape, est) -> None:
     for op, calls in counts.items():  # per micro-batch: nothing to overlap these with
         if calls:
             est.add_comm("tp", calls * act, op, calls=calls, per="micro_batch")
-    matched = _per_model(shape.model, shape.plan, _flow(shape.model, shape.plan), config.sequence_parallel)[1]
+    per_model = _per_model(shape.model, shape.plan, _flow(shape.model, shape.plan), config.sequence_parallel)
+    if layout_facts(config).recompute != "none":
+        # the recomputed forward of each checkpointed layer runs its collectives again (selective recomputation
+        # keeps the matmuls' outputs, not the gathered inputs they need for their weights' gradients), up to the
+        # layer's last, whose output no saved tensor needs (the dry run's ledger: TP 2 + SP, 4 layers, +32 %)
+        for op, calls in per_model[2].items():
+            calls = round(calls * layers / max(len(shape.plan.layers), 1))
+            if calls:
+                est.add_comm("tp", calls * act, op, calls=calls, per="micro_batch")
+    matched = per_model[1]
     head = matched.get(shape.plan.lm_head) if shape.holds_head else None
     if head in ("colwise_gather_output", "colwise_rep"):
         chunk = layout_facts(config).loss_chunk
@@ -133,6 +142,8 @@ def _per_model(model, plan, flow, sp: bool):
         if region is not None:
             inside[region].append(style)
     per: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
+    again = dict(per)  # the forward's collectives a recomputing layer runs again in its backward
+    last: dict[str, str] = {}  # each decoder layer's last forward collective, which its recomputation stops before
     for region, styles in inside.items():
         rows = sum(1 for s in styles if s in _SUMS_OUTPUT)
         whole = region in simple or region in flow.sums  # its output reduced once
@@ -141,17 +152,26 @@ def _per_model(model, plan, flow, sp: bool):
             per["all_gather"] += 2  # its input (forward); the gradient of its output's shards (backward)
             per["reduce_scatter"] += (1 if whole else 0) + (1 if region in flow.block else 0)
             per["all_reduce"] += (0 if whole else rows) + (0 if region in flow.block else inputs)
+            forward = {"all_gather": 1, "reduce_scatter": 1 if whole else 0, "all_reduce": 0 if whole else rows}
         else:
             per["all_reduce"] += (1 if whole else rows) + inputs
-    _PER_CACHE[key] = (model, (per, matched))
-    return per, matched
+            forward = {"all_reduce": 1 if whole else rows}
+        layer = next((fqn for fqn in plan.layers if region.startswith(fqn + ".")), None)
+        if layer is not None:
+            for op, calls in forward.items():
+                again[op] += calls
+            last[layer] = "reduce_scatter" if sp and whole else "all_reduce"
+    for op in last.values():
+        again[op] -= 1
+    _PER_CACHE[key] = (model, (per, matched, again))
+    return per, matched, again
 
 
 def activation_collectives(model, plan, sp: bool, holds_pre: bool, holds_head: bool, layers: int) -> dict:
     """Calls per micro-batch of each activation collective (each the whole b·s·h) on a rank holding ``layers``
     decoder layers (and the embedding, the head): region by region as ``dims.tensor.plugin`` sets them up."""
     flow = _flow(model, plan)
-    per, matched = _per_model(model, plan, flow, sp)
+    per, matched, _ = _per_model(model, plan, flow, sp)
     n_layers = max(len(plan.layers), 1)
     out = {op: round(calls * layers / n_layers) for op, calls in per.items()}
     embedding = matched.get(plan.embedding) in ("embedding_rowwise", "vocab_parallel_embedding")
