@@ -32,13 +32,23 @@ def test_an_interleaved_schedule_runs():  # 1f1b: the real step's test below; gp
     assert "stages 0, 2" in report.roles[0].role
 
 
-@pytest.mark.parametrize("layout, said", [(dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2), "pp_schedule=zbv"),
-                                          (dict(pp=2, tp=2), "pp=2"),
-                                          (dict(pp=2, dp_shard=2), "rank=")])
+@pytest.mark.parametrize("layout, said", [(dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2), "pp_schedule=zbv")])
 def test_what_does_not_run_yet_is_refused_in_one_line(layout, said):
     with pytest.raises(us.ConfigError) as err:
         us.dry_run(TINY, us.ParallelConfig(**layout), world_size=4, seq_len=32)
     assert said in str(err.value) and "\n" not in str(err.value) and not dist.is_initialized()
+
+
+def test_with_another_axis_beside_the_pipeline_each_role_runs_in_a_process_of_its_own():
+    """pp x tp: every role in one call (a torch cache keyed by the mesh's shape would hand the first role's process
+    groups to the second in one process), each beside its stage's estimate."""
+    report = us.dry_run(TINY, us.ParallelConfig(pp=2, tp=2), world_size=4, seq_len=16)
+    first, last = report.roles
+    assert "first" in first.role and "last" in last.role and [r.rank for r in report.roles] == [0, 2]
+    for role in report.roles:
+        assert role.memory()["params"] == role.local_parameter_bytes == role.estimate_memory["params"] > 0
+        assert role.comm.get("tp", 0) > 0 and role.comm.get("pp", 0) > 0
+    assert not dist.is_initialized()
 
 
 def test_one_role_of_a_pipeline_with_data_parallel_runs_by_rank():

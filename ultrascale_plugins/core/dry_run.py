@@ -66,8 +66,13 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     fake_run.private_tools()
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
-    schedule, roles = _roles(parallel_config, model_config, world_size, rank)
+    schedule, roles, apart = _roles(parallel_config, model_config, world_size, rank)
     start, traced = time.perf_counter(), []
+    if apart:  # each role traced by a dry run of its own rank, in a process of its own
+        traced = [_traced_apart(model_config, parallel_config, world_size=world_size, rank=role_rank,
+                                seq_len=seq_len, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
+                                lr=lr, routing=routing) for _, role_rank, _ in roles]
+        roles = []
     for name, role_rank, coords in roles:
         est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
                        micro_batch=micro_batch_size, micro_batches=schedule.microbatches, coords=coords,
@@ -101,18 +106,30 @@ def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> 
     dims, axes = ParallelDims(resolved, world_size), schedule.coordinates
     if rank is not None:
         coords = {axis: dims.coordinate(rank, (axis,)) for axis in axes}
-        return schedule, [(schedule.role(coords), rank, coords)]
+        return schedule, [(schedule.role(coords), rank, coords)], False
     strides, stride = {}, 1
     for axis in reversed(dims.live_axes):  # the mesh's order: the last axis varies fastest
         strides[axis.name], stride = stride, stride * axis.degree
     combos = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
     roles = [(schedule.role(c), sum(i * strides[a] for a, i in c.items()), c) for c in combos]
-    others = [a.name for a in dims.live_axes if a.name not in axes]
-    if len(roles) > 1 and others:  # a torch cache keyed by the mesh's shape hands one role's groups to the next
-        raise ConfigError(f"{_label(parallel_config)}: the dry run traces one rank role per process where "
-                          f"{'/'.join(others)} is live beside the roles' axes. Fix: dry-run each role with rank= "
-                          f"one of {[r for _, r, _ in roles]}, one per process")
-    return schedule, roles
+    # where another axis is live beside the roles' ones, a torch cache keyed by the mesh's shape hands one role's
+    # process groups to the next role traced in the same process: then each role runs in a process of its own
+    apart = len(roles) > 1 and any(a.name not in axes for a in dims.live_axes)
+    return schedule, roles, apart
+
+
+def _traced_apart(model_config, parallel_config, **kwargs):
+    """``dry_run(..., rank=kwargs["rank"])``'s one role, run in a fresh process (spawned: no fake group, mesh or
+    torch cache of this one)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_one_role, model_config, parallel_config, kwargs).result()
+
+
+def _one_role(model_config, parallel_config, kwargs):
+    return dry_run(model_config, parallel_config, **kwargs).roles[0]
 
 
 def _label(config) -> str:

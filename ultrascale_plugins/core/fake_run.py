@@ -153,6 +153,16 @@ def _run_again(tracker, module, pre_forward) -> None:
             running.discard(AGAIN)
 
 
+class _NoHook:
+    """The handle of a hook not registered (``peak_tracker``): removing it does nothing."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def peak_tracker():
     """A ``MemTracker`` that also records where the peak falls (the innermost module running, forward or
     backward), updates its per-module peaks in time linear in the modules running, not in all modules, and leaves
@@ -197,6 +207,16 @@ def peak_tracker():
 
         def _pre_fw_hook(self, module, inputs) -> None:  # see _run_again
             _run_again(self, module, lambda: super(PeakTracker, self)._pre_fw_hook(module, inputs))
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            """torch's, where a parameter that is a view for the forward is left without gradient hooks (torch
+            registers a post-accumulate hook, which only a leaf takes): tensor parallel runs a module's replicated
+            parameters on their local values, ``param.to_local()``, a view whose gradient reaches the DTensor
+            parameter, a leaf tracked with its hooks before the swap."""
+            for param in module.parameters():
+                if not param.is_leaf and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_peak_stats(self, peak_state) -> None:
             curr = self._curr_mem_snap

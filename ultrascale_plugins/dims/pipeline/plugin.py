@@ -40,7 +40,7 @@ def _split(value):
 @hookimpl
 def ultrascale_declare_fields(fields):
     fields.add("pp", int, 1, "pipeline-parallel degree (the outermost mesh axis)", minimum=1,
-               ask="Pipeline-parallel degree", dry_run=_pp_not_dry_run)
+               ask="Pipeline-parallel degree")
     fields.add("pp_schedule", str, "1f1b", "pipeline schedule", choices=SCHEDULES,
                ask="Pipeline schedule", ask_when=lambda said: said.get("pp", 1) > 1, dry_run=_schedule_not_dry_run)
     fields.add("pp_microbatches", int, 0, "micro-batches per step; 0 = as many as pipeline stages", minimum=0)
@@ -56,16 +56,6 @@ def _schedule_not_dry_run(config) -> str:
     if config.pp > 1 and config.pp_schedule in SPLIT_BACKWARD:
         return "its split backward's autograd.grad refuses the memory tracker's gradient hooks; 1f1b, gpipe and " \
                "interleaved_1f1b run"
-    return ""
-
-
-def _pp_not_dry_run(config) -> str:
-    """Why the dry run does not run this pipeline yet ("" where it does): beside an axis that shards the model
-    (tensor parallel's parameters reach MemTracker as non-leaf tensors inside a stage)."""
-    beside = [a.name for a in config.registry.axes(config) if a.name != "pp" and a.degree != 1 and not a.splits_rows]
-    if config.pp > 1 and beside:
-        return f"a pipeline beside {'/'.join(beside)}: the stage's sharded parameters reach the memory tracker as " \
-               "non-leaf tensors; a pipeline with data parallel runs"
     return ""
 
 
