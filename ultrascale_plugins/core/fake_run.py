@@ -153,6 +153,25 @@ def _run_again(tracker, module, pre_forward) -> None:
             running.discard(AGAIN)
 
 
+def _views_unhooked(tracker, module) -> None:
+    """Before torch's tracking of ``module``'s parameters: a parameter that is a view for the forward is marked as
+    hooked, so torch registers no gradient hooks on it (its post-accumulate hook takes only a leaf). Tensor parallel
+    runs a module's replicated parameters on their local values, ``param.to_local()``, views whose gradients reach
+    the DTensor parameters, leaves tracked with their hooks before the swap."""
+    for param in module.parameters():
+        if not param.is_leaf and param not in tracker._param_to_grad_hook_handles:
+            tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+
+
+def _where(tracker) -> str:
+    """Where the tracker is now: the innermost module running, forward or backward, or the step's phase."""
+    running = [fqn for fqn in tracker._mod_tracker.parents if fqn != "Global"]
+    if not running:
+        return f"{tracker.phase}, outside any module"
+    inner = max(running, key=lambda fqn: fqn.count("."))
+    return f"{inner} ({'backward' if tracker._mod_tracker.is_bw else 'forward'})"
+
+
 class _NoHook:
     """The handle of a hook not registered (``peak_tracker``): removing it does nothing."""
 
@@ -208,14 +227,8 @@ def peak_tracker():
         def _pre_fw_hook(self, module, inputs) -> None:  # see _run_again
             _run_again(self, module, lambda: super(PeakTracker, self)._pre_fw_hook(module, inputs))
 
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            """torch's, where a parameter that is a view for the forward is left without gradient hooks (torch
-            registers a post-accumulate hook, which only a leaf takes): tensor parallel runs a module's replicated
-            parameters on their local values, ``param.to_local()``, a view whose gradient reaches the DTensor
-            parameter, a leaf tracked with its hooks before the swap."""
-            for param in module.parameters():
-                if not param.is_leaf and param not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):  # _views_unhooked
+            _views_unhooked(self, module)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_peak_stats(self, peak_state) -> None:
@@ -245,10 +258,6 @@ def peak_tracker():
             return cached[1]
 
         def _where(self) -> str:
-            running = [fqn for fqn in self._mod_tracker.parents if fqn != "Global"]
-            if not running:
-                return f"{self.phase}, outside any module"
-            inner = max(running, key=lambda fqn: fqn.count("."))
-            return f"{inner} ({'backward' if self._mod_tracker.is_bw else 'forward'})"
+            return _where(self)
 
     return PeakTracker()
