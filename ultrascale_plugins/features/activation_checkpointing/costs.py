@@ -33,8 +33,11 @@ def activation_bytes_per_token(mc, config, mode: str, element: int,
     sp_only, whole = 3 * h, 1 * h
     if profile == "nanotron":
         sp_only, whole = 4 * h, 0
-    elif element == 2 and profile == "ultrascale":  # under bf16 autocast the two norms compute in fp32 and keep an fp32 copy of their input
-        sp_only += 2 * 4 * h / element
+    elif element == 2 and profile == "ultrascale":
+        # under bf16 autocast each norm keeps an fp32 copy of its input and its bf16 normalized tensor (its weight's
+        # gradient), sequence shards under SP, and each norm's output, all-gathered under SP, is kept whole by the
+        # column-parallel matmuls it feeds: two whole, not one (the dry run's saved tensors, 70B under TP 8 + SP)
+        sp_only, whole = 2 * h + 2 * 4 * h / element, 2 * h
     tp_part = (q + 2 * kv) + (q + kv) + q + mlp
     layer = element * (sp_only + whole + tp_part)
     if mode == "full":
