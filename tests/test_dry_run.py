@@ -197,16 +197,16 @@ def test_train_dry_run_runs_the_recipes_step_at_its_world_without_a_worker(capsy
     from ultrascale_plugins.cli.main import main
 
     out = tmp_path / "report.json"
-    code = main(["train", RECIPE, "--dry-run", "--nnodes", "2", "--set", "train.grad_accum=1",
-                 "--set", "train.global_batch=16", "--set", "dp_shard=-1", "--metrics", str(out)])
+    code = main(["train", RECIPE, "--dry-run", "--nnodes", "2", "--set", "dp_shard=-1", "--set", "train.global_batch=32",
+                 "--metrics", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "16 ranks, 2 x 128 tokens per rank" in printed and "comm dp_replicate" in printed
     report = json.loads(out.read_text())
-    assert report["world_size"] == 16 and report["micro_batch_size"] == 2
+    assert report["world_size"] == 16 and report["micro_batch_size"] == 2 and report["microbatches"] == 2
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("sets, said", [(["train.grad_accum=2", "train.global_batch=16"], "the dry run runs one micro-batch"),
+@pytest.mark.parametrize("sets, said", [(["train.bf16_stochastic_round=true"], "train.bf16_stochastic_round"),
                                         (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
                                         (["cpu_offload=true"], "cpu_offload=True"), (["tp=3"], "but the world size is 8")])
 def test_train_dry_run_refuses_in_one_line_before_any_work(capsys, sets, said):

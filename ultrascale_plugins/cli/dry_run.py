@@ -25,10 +25,6 @@ def refusal(recipe) -> str | None:
     if t.optimizer != "adamw" or t.bf16_stochastic_round:
         said = f"train.optimizer={t.optimizer}" if t.optimizer != "adamw" else "train.bf16_stochastic_round=true"
         return f"{said}: the dry run steps AdamW only. Fix: dry-run with train.optimizer=adamw"
-    if t.grad_accum > 1:
-        return (f"train.grad_accum={t.grad_accum}: the dry run runs one micro-batch per step yet, and accumulation "
-                "holds gradients across micro-batches it would not see. Fix: dry-run with --set train.grad_accum=1 "
-                "and the same train.micro_batch_size")
     return None
 
 
@@ -43,7 +39,7 @@ def run(args, recipe, nodes: int) -> int:
     t = recipe.train
     report = dry_run(recipe.model_config(), recipe.parallel, world_size=recipe.nproc * nodes,
                      seq_len=recipe.data.seq_len, micro_batch_size=t.micro_batch_size or 1,
-                     max_grad_norm=t.max_grad_norm or 1.0, lr=t.lr)
+                     grad_accum=t.grad_accum or 1, max_grad_norm=t.max_grad_norm, lr=t.lr)
     print(report.table(), flush=True)
     if args.metrics:
         with open(args.metrics, "w") as f:

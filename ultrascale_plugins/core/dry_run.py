@@ -38,12 +38,15 @@ def refusal(config) -> str | None:
 
 
 def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None = None, seq_len: int,
-            micro_batch_size: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4,
+            micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float = 1.0, lr: float = 1e-4,
             routing: str = "uniform") -> DryRunReport:
     """Run one optimizer step of ``parallel_config`` on ``model_config`` (a transformers config) at
     ``world_size`` ranks, on fake tensors, as each rank role the layout has (ranks that hold different parts or
     different numbers of micro-batches in flight, as the plugins say; one where every rank plays the same role),
-    or as ``rank`` alone; return the report (``report.table()``, ``report.to_json()``). ``ConfigError`` before any
+    or as ``rank`` alone; ``grad_accum`` micro-batches of ``micro_batch_size`` rows per optimizer step, as the
+    training loop runs them (gradients kept local until the last; a model that runs micro-batches inside its step
+    runs them there); ``max_grad_norm`` 0: no clipping. Return the report (``report.table()``,
+    ``report.to_json()``). ``ConfigError`` before any
     work for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
     already initialized (the dry run makes, and destroys, its own fake one). Where values would decide (a
     router's choice) the step runs under stated assumptions (``interface.fake_values``: ``routing``,
@@ -61,8 +64,9 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     if dist.is_available() and dist.is_initialized():
         raise ConfigError("the dry run makes its own fake process group, and one is already initialized. Fix: call "
                           "us.dry_run before init_process_group, or in a process of its own")
-    if micro_batch_size < 1 or seq_len < 1:
-        raise ConfigError(f"micro_batch_size {micro_batch_size}, seq_len {seq_len}: must be at least 1")
+    if micro_batch_size < 1 or seq_len < 1 or grad_accum < 1:
+        raise ConfigError(f"micro_batch_size {micro_batch_size}, grad_accum {grad_accum}, seq_len {seq_len}: each must "
+                          "be at least 1")
     fake_run.private_tools()
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
@@ -70,7 +74,8 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     start, traced = time.perf_counter(), []
     if apart:  # each role traced by a dry run of its own rank, in a process of its own
         traced = [_traced_apart(model_config, parallel_config, world_size=world_size, rank=role_rank,
-                                seq_len=seq_len, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
+                                seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                                max_grad_norm=max_grad_norm,
                                 lr=lr, routing=routing) for _, role_rank, _ in roles]
         roles = []
     for name, role_rank, coords in roles:
@@ -81,12 +86,13 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
             warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
             warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
             role = _run_role(model_config, parallel_config, role_rank, seq_len,
-                             micro_batch_size * schedule.microbatches, max_grad_norm, lr)
+                             (micro_batch_size, schedule.microbatches, grad_accum), max_grad_norm, lr)
         traced.append(dataclasses.replace(role, role=name, estimate_memory={**est.memory, "total": est.total_memory},
                                           estimate_comm=est.comm))
     return DryRunReport(roles=traced, world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                         layout=_label(parallel_config), seconds=time.perf_counter() - start,
-                        assumed=assumptions.said(model_config), microbatches=schedule.microbatches)
+                        assumed=assumptions.said(model_config),
+                        microbatches=schedule.microbatches if schedule.microbatches > 1 else grad_accum)
 
 
 def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> tuple:
@@ -138,9 +144,9 @@ def _label(config) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v) or "the defaults"
 
 
-def _run_role(model_config, parallel_config, rank, seq_len, rows, max_grad_norm, lr) -> RoleReport:
-    """Parallelize a meta-device model over the fake group, then one warm-up and one tracked step of ``rows`` rows
-    (the micro-batch times the micro-batches the step runs inside the model)."""
+def _run_role(model_config, parallel_config, rank, seq_len, split, max_grad_norm, lr) -> RoleReport:
+    """Parallelize a meta-device model over the fake group, then one warm-up and one tracked step; ``split``: (rows
+    per micro-batch, micro-batches the model's own schedule runs inside it, micro-batches accumulated)."""
     from transformers import AutoModelForCausalLM
 
     from . import fake_run
@@ -157,7 +163,8 @@ def _run_role(model_config, parallel_config, rank, seq_len, rows, max_grad_norm,
     resolved = validate(config, model.config, launch.world_size(), pm, model=model)
     pmodel = place(model, resolved, device=torch.device("cpu"), init_weights=fake_run.FakeWeights(fake), pm=pm)
     _complete_ddp_futures(pmodel)
-    batch = {"input_ids": torch.randint(0, model_config.vocab_size, (rows, seq_len))}
+    rows, inside, accumulated = split
+    batch = {"input_ids": torch.randint(0, model_config.vocab_size, (rows * inside, seq_len))}
     with fake, fake_run.unpacked_rows(), fake_run.grouped_mm_in_any_dtype():
         opt = pmodel.build_optimizer(torch.optim.AdamW, lr=lr)
         _create_optimizer_states(pmodel, opt)
@@ -168,9 +175,10 @@ def _run_role(model_config, parallel_config, rank, seq_len, rows, max_grad_norm,
         ledger = CommLedger(GroupLabels(lambda: [pmodel.dims.mesh, *pmodel.dims.view_meshes.values()]))
         with tracker, ledger:
             tracker.phase = "forward and backward (the loss)"
-            pmodel.train_step(batch)
+            _accumulate(pmodel, batch, 1 if pmodel.tokens.microbatches_inside > 1 else accumulated)
             tracker.phase = "gradient clipping"
-            pmodel.clip_grad_norm_(max_grad_norm)
+            if max_grad_norm:
+                pmodel.clip_grad_norm_(max_grad_norm)
             tracker.phase = "optimizer step"
             opt.step()
             opt.zero_grad()
@@ -180,6 +188,18 @@ def _run_role(model_config, parallel_config, rank, seq_len, rows, max_grad_norm,
         comm[record.axis] = comm.get(record.axis, 0) + record.payload
     return RoleReport(role="every rank", rank=rank, peak=_by_name(peak), held=_by_name(held),
                       peak_where=tracker.peak_where, comm=comm, local_parameter_bytes=_local_bytes(pmodel))
+
+
+def _accumulate(pmodel, batch: dict, micro_batches: int) -> None:
+    """The forward and backward of one optimizer step, as the training loop runs ``micro_batches`` micro-batches
+    of ``batch``'s rows each (``AccumulationWindow``: gradients kept local until the last); the dry run's rows are
+    alike (no padding), so each weighs the same."""
+    from .accumulation import AccumulationWindow
+
+    window = AccumulationWindow.even(micro_batches)
+    for i, weight in enumerate(window.weights):
+        with window.sync(pmodel, i):
+            pmodel.train_step(batch, loss_scale=weight)
 
 
 def _by_name(snapshot: dict) -> dict:

@@ -60,7 +60,7 @@ class DryRunReport:
     layout: str
     seconds: float
     assumed: list = dataclasses.field(default_factory=list)  # where values would decide: what the step assumed
-    microbatches: int = 1  # the micro-batches one step runs inside the model, each of micro_batch_size rows
+    microbatches: int = 1  # the micro-batches of one step (a pipeline's, or those accumulated), each of mbs rows
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,

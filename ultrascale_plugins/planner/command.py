@@ -252,7 +252,7 @@ def _dry_run(args, cost) -> int:
     _refuse_for_dry_run(args, cost)
     lay = layout_from_string(args.layout, args.gpus, cost.pm).replace(mixed_precision=cost.work.precision)
     report = dry_run(cost.spec.config, lay.config(), world_size=args.gpus, seq_len=args.seq_len,
-                     micro_batch_size=lay.micro_batch_size, routing=args.routing)
+                     micro_batch_size=lay.micro_batch_size, grad_accum=lay.grad_accum, routing=args.routing)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
     return 0
 

@@ -26,7 +26,7 @@ def check_candidates(cost, results, gpus: int, seq_len: int, top: int, routing: 
             rows.append({**row, "not_run": reason})
             continue
         report = dry_run(cost.spec.config, config, world_size=gpus, seq_len=seq_len,
-                         micro_batch_size=lay.micro_batch_size, routing=routing)
+                         micro_batch_size=lay.micro_batch_size, grad_accum=lay.grad_accum, routing=routing)
         totals = [(next(x for x in role.rows() if x["what"] == "memory total"), role) for role in report.roles]
         total, role = max(totals, key=lambda item: item[0]["dry_run"])
         rows.append({**row, "estimate_bytes": total["estimate"], "dry_run_bytes": total["dry_run"],
