@@ -93,12 +93,16 @@ def test_a_process_group_already_there_is_refused(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_1b_model_over_64_ranks_runs_without_its_weights():
+@pytest.mark.parametrize("layout", [dict(dp_shard=-1, zero_stage=0), dict(dp_shard=-1)], ids=["ddp", "zero3"])
+def test_a_1b_model_over_64_ranks_runs_without_its_weights(layout):
+    """ddp: DDP's reducer sizes its gradient buckets from the parameters in C++, outside the dry run's fake mode; it
+    allocated a real fp32 copy of the model until the family built DDP inside the weights' own fake mode
+    (``fake_values.fake_mode_of``)."""
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
     model_bytes = 4 * 1.1e9  # fp32, about 1.1B parameters
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    role = run(world=64, seq_len=2048, config=config, dp_shard=-1).roles[0]
+    role = run(world=64, seq_len=2048, config=config, **layout).roles[0]
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     assert grown < 0.1 * model_bytes, f"the process grew by {grown / 2**20:.0f} MiB: weights were materialized"
     assert role.memory()["params"] == role.estimate_memory["params"]

@@ -79,3 +79,25 @@ def assuming(assumptions: Assumptions):
 def even_split(total: int, parts: int) -> list[int]:
     """``total`` split over ``parts`` as evenly as integers allow, the first ``total % parts`` one more."""
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def fake_mode_of(module):
+    """The fake mode ``module``'s parameters live in, entered (a dry run's), or nothing (real weights): for a step
+    that allocates from the parameters' shapes in C++, where the dry run's mode does not reach (DDP's reducer sizes
+    its gradient buckets from them: outside the mode, a real fp32 copy of the model in host memory). Inside it,
+    DDP's check that every rank's parameter shapes agree (a collective of their values' sizes, which fake tensors
+    cannot hand to the fake group) is answered yes: every rank of a dry run builds the same model."""
+    fake = next((p.fake_mode for p in module.parameters() if is_fake(p)), None)
+    if fake is None:
+        yield
+        return
+    from torch.nn.parallel import distributed
+
+    verify = distributed._verify_param_shape_across_processes
+    distributed._verify_param_shape_across_processes = lambda process_group, tensors, logger=None: None
+    try:
+        with fake:
+            yield
+    finally:
+        distributed._verify_param_shape_across_processes = verify

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...interface.config import ConfigError, field_error
 from ...interface.hookspecs import hookimpl
 from ...interface.facts import layout_facts
+from ...interface.fake_values import fake_mode_of
 from ...interface.stages import Stage, step
 from ...interface.mesh_axes import MeshAxis
 from ...interface.parallel_dims import ParallelDims
@@ -198,8 +199,10 @@ def wrap_model(model, ctx):
                 for name, _ in model.get_submodule(fqn).named_parameters()]
     if in_views:  # their own FSDP groups (or the engine) reduce them, over their view's axes
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, in_views)
-    ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                                 device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    with fake_mode_of(model):  # a dry run's fake weights: the reducer's buckets fake too, not host memory
+        ctx.forward_module = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                                     device_ids=[ctx.device.index] if ctx.device.type == "cuda"
+                                                     else None)
     ctx.claim_grad_reduction("dp_replicate", "dp_shard")
 
 
