@@ -73,10 +73,9 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     schedule, roles, apart = _roles(parallel_config, model_config, world_size, rank)
     start, traced = time.perf_counter(), []
     if apart:  # each role traced by a dry run of its own rank, in a process of its own
-        traced = [_traced_apart(model_config, parallel_config, world_size=world_size, rank=role_rank,
-                                seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                                max_grad_norm=max_grad_norm,
-                                lr=lr, routing=routing) for _, role_rank, _ in roles]
+        traced = _traced_apart(model_config, parallel_config, [role_rank for _, role_rank, _ in roles],
+                               dict(world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    grad_accum=grad_accum, max_grad_norm=max_grad_norm, lr=lr, routing=routing))
         roles = []
     for name, role_rank, coords in roles:
         est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
@@ -124,14 +123,17 @@ def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> 
     return schedule, roles, apart
 
 
-def _traced_apart(model_config, parallel_config, **kwargs):
-    """``dry_run(..., rank=kwargs["rank"])``'s one role, run in a fresh process (spawned: no fake group, mesh or
-    torch cache of this one)."""
+def _traced_apart(model_config, parallel_config, ranks: list, kwargs: dict) -> list:
+    """The one role of ``dry_run(..., rank=r, **kwargs)`` for each of ``ranks``, each in a fresh process (spawned:
+    no fake group, mesh or torch cache of this one), as many at once as there are cores."""
     import multiprocessing
+    import os
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_one_role, model_config, parallel_config, kwargs).result()
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_one_role, model_config, parallel_config, {**kwargs, "rank": r}) for r in ranks]
+        return [future.result() for future in futures]
 
 
 def _one_role(model_config, parallel_config, kwargs):
