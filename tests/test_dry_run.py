@@ -30,6 +30,17 @@ def test_parameter_bytes_are_the_ranks_local_shards_and_the_estimates(layout, wo
     assert not dist.is_initialized()  # the fake group is gone
 
 
+def test_accumulation_runs_each_micro_batch_as_the_loop_does():
+    """ZeRO-3 gathers and reduce-scatters for each micro-batch: twice the bytes of one, as the estimate for two;
+    the gradients held between them are sharded, so the peak barely moves."""
+    one = us.dry_run(TINY, us.ParallelConfig(dp_shard=-1), world_size=8, seq_len=64).roles[0]
+    report = us.dry_run(TINY, us.ParallelConfig(dp_shard=-1), world_size=8, seq_len=64, grad_accum=2)
+    two = report.roles[0]
+    assert report.microbatches == 2 and two.comm["dp_shard"] == pytest.approx(2 * one.comm["dp_shard"], rel=0.01)
+    assert two.estimate_comm["dp_shard"] == pytest.approx(two.comm["dp_shard"], rel=0.01)
+    assert two.memory()["params"] == one.memory()["params"]
+
+
 @pytest.mark.parametrize("layout, axes", [(dict(dp_shard=-1), {"dp_shard"}),
                                           (dict(dp_shard=4, tp=2, sequence_parallel=True), {"dp_shard", "tp"}),
                                           (dict(dp_replicate=8, dp_shard=1, zero_stage=0), {"dp_replicate"})],

@@ -71,6 +71,7 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
     schedule, roles, apart = _roles(parallel_config, model_config, world_size, rank)
+    micro_batches = schedule.microbatches if schedule.microbatches > 1 else grad_accum  # of one optimizer step
     start, traced = time.perf_counter(), []
     if apart:  # each role traced by a dry run of its own rank, in a process of its own
         traced = _traced_apart(model_config, parallel_config, [role_rank for _, role_rank, _ in roles],
@@ -79,7 +80,7 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
         roles = []
     for name, role_rank, coords in roles:
         est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
-                       micro_batch=micro_batch_size, micro_batches=schedule.microbatches, coords=coords,
+                       micro_batch=micro_batch_size, micro_batches=micro_batches, coords=coords,
                        model=meta_model(model_config))
         with fake_run.fake_process_group(role_rank, world_size), assuming(assumptions), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
@@ -91,7 +92,7 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     return DryRunReport(roles=traced, world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                         layout=_label(parallel_config), seconds=time.perf_counter() - start,
                         assumed=assumptions.said(model_config),
-                        microbatches=schedule.microbatches if schedule.microbatches > 1 else grad_accum)
+                        microbatches=micro_batches)
 
 
 def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> tuple:

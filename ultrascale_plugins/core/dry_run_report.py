@@ -78,10 +78,10 @@ class DryRunReport:
             lines.append(f"assumed: {'; '.join(self.assumed)}")
         for role in self.roles:
             lines.append(f"{role.role} (rank {role.rank} traced): peak at {role.peak_where}")
-            lines.append(f"  {'':24} {'dry run MB':>12} {'estimate MB':>12} {'diff':>8}")
+            lines.append(f"  {'':28} {'dry run MB':>12} {'estimate MB':>12} {'diff':>8}")
             for row in role.rows():
                 diff = "" if row["diff_pct"] is None else f"{row['diff_pct']:+.1f} %"
-                lines.append(f"  {row['what']:24} {row['dry_run'] / MB:12.1f} {row['estimate'] / MB:12.1f} {diff:>8}")
+                lines.append(f"  {row['what']:28} {row['dry_run'] / MB:12.1f} {row['estimate'] / MB:12.1f} {diff:>8}")
         return "\n".join(lines)
 
     __str__ = table
