@@ -41,10 +41,12 @@ def test_what_does_not_run_yet_is_refused_in_one_line(layout, said):
 
 def test_with_another_axis_beside_the_pipeline_each_role_runs_in_a_process_of_its_own():
     """pp x tp: every role in one call (a torch cache keyed by the mesh's shape would hand the first role's process
-    groups to the second in one process), each beside its stage's estimate."""
-    report = us.dry_run(TINY, us.ParallelConfig(pp=2, tp=2), world_size=4, seq_len=16)
-    first, last = report.roles
-    assert "first" in first.role and "last" in last.role and [r.rank for r in report.roles] == [0, 2]
+    groups to the next in one process: three roles on fewer cores must not share a worker), each beside its
+    stage's estimate."""
+    report = us.dry_run(TINY, us.ParallelConfig(pp=4, tp=2), world_size=8, seq_len=16)
+    first, middle, last = report.roles
+    assert "first" in first.role and "middle" in middle.role and "last" in last.role
+    assert [r.rank for r in report.roles] == [0, 2, 6]
     for role in report.roles:
         assert role.memory()["params"] == role.local_parameter_bytes == role.estimate_memory["params"] > 0
         assert role.comm.get("tp", 0) > 0 and role.comm.get("pp", 0) > 0

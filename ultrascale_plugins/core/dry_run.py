@@ -129,12 +129,11 @@ def _traced_apart(model_config, parallel_config, ranks: list, kwargs: dict) -> l
     no fake group, mesh or torch cache of this one), as many at once as there are cores."""
     import multiprocessing
     import os
-    from concurrent.futures import ProcessPoolExecutor
 
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_one_role, model_config, parallel_config, {**kwargs, "rank": r}) for r in ranks]
-        return [future.result() for future in futures]
+    # one role per process, never two in turn in one (maxtasksperchild): that is the cache this runs apart from
+    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
+        return pool.starmap(_one_role, [(model_config, parallel_config, {**kwargs, "rank": r}) for r in ranks])
 
 
 def _one_role(model_config, parallel_config, kwargs):
