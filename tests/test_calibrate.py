@@ -152,3 +152,43 @@ def test_calibrate_refuses_bad_arguments_before_measuring(capsys, args, message)
     code = cli(["calibrate", "--quick", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Fix:" in err, err
+
+
+# ---- the calibrated time model orders two layouts as this machine ran them -----------------------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+FAST, SLOW = "ddp", "zero3_ga4"  # measured at least 1.5 times apart in every round of the committed run
+
+
+def test_the_calibrated_planner_orders_two_layouts_as_measured(profile, tmp_path, monkeypatch):
+    """With the profile ``calibrate --quick`` wrote, the planner's step time of the layout
+    ``benchmarks/time_model_cpu.py`` measured fastest of the pair is below that of the one it measured far slower
+    (an ordering, not a timing threshold: the machine is shared)."""
+    import sys
+
+    cells = json.loads((ROOT / "benchmarks" / "results" / "time_model_cpu.json").read_text())["summary"]["cells"]
+    rounds = zip(cells[FAST]["round_medians_s"], cells[SLOW]["round_medians_s"])
+    assert all(slow > 1.5 * fast for fast, slow in rounds), (cells[FAST], cells[SLOW])  # the premise: a wide margin
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import time_model_cpu as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(bench, "CELLS", [c for c in bench.CELLS if c[0] in (FAST, SLOW)])
+    dirs = {}
+    for key, model in (("dense", bench.DENSE), ("moe", bench.MOE)):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text(json.dumps(model))
+        dirs[key] = str(tmp_path / key)
+    predicted = bench.predict(dirs, str(profile[0]))
+    assert predicted[FAST]["step_s"] < predicted[SLOW]["step_s"], predicted
+
+
+def test_the_step_kernels_are_priced_only_by_a_profile():
+    """The presets keep their GPU-chosen constants: no attention, element-wise or optimizer term of their own."""
+    from ultrascale_plugins.planner.cost import CostModel, Workload, layout_from_string
+    from ultrascale_plugins.planner.hardware import PRESETS
+    from ultrascale_plugins.planner.model_spec import ModelSpec, load_model_config
+
+    cost = CostModel(ModelSpec.of(load_model_config("llama-3.2-1b")), PRESETS["h100-sxm-80gb"], Workload(1024, 16))
+    times = cost.evaluate(layout_from_string("dp=8,zero=3,mbs=2,ga=1", 8, cost.pm)).times_s
+    assert not {"attention", "elementwise", "optimizer"} & set(times), times
