@@ -33,8 +33,15 @@ def dry(config, world=2, routing="uniform", **layout):
 
 @pytest.fixture(scope="module")
 def reports():
-    """Each case's dry run at 2 ranks (made once, for every test of the case)."""
-    return {case: dry(config, **layout) for case, (config, layout) in CASES.items()}
+    """Each case's dry run at 2 ranks (made once, for every test of the case); the caller's model config left as it
+    was (context parallel's stage names its attention function on the config it builds from: on a copy)."""
+    def said(config):
+        return config.to_dict(), config._attn_implementation
+
+    before = {case: said(config) for case, (config, _) in CASES.items()}
+    made = {case: dry(config, **layout) for case, (config, layout) in CASES.items()}
+    assert {case: said(config) for case, (config, _) in CASES.items()} == before
+    return made
 
 
 @pytest.mark.parametrize("case", list(CASES))

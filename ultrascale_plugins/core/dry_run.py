@@ -15,6 +15,7 @@ them as training does. What it does not run yet is refused in one line before an
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import warnings
@@ -58,6 +59,7 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     from ..interface.estimates import meta_model
 
     assumptions = Assumptions(routing=routing)
+    model_config = copy.deepcopy(model_config)  # the layout's stages set fields on it (an attention function's name)
     reason = refusal(parallel_config)
     if reason:
         raise ConfigError(reason)
