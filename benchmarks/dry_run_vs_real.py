@@ -62,6 +62,8 @@ LAYOUTS = [
     Cell("TP 2 + SP", 2, dict(dp_shard=1, tp=2, sequence_parallel=True, **BF16)),
     Cell("TP 2 x ZeRO-3", 4, dict(dp_shard=2, tp=2, sequence_parallel=True, **BF16)),
     Cell("ZeRO-3 + full recomputation", 2, dict(dp_shard=2, activation_checkpointing="full", **BF16)),
+    Cell("CP 2 ring", 2, dict(dp_shard=1, cp=2, cp_method="ring", **BF16)),
+    Cell("CP 2 Ulysses", 2, dict(dp_shard=1, cp=2, cp_method="ulysses", **BF16)),
     Cell("ZeRO-3 + states offloaded", 2, dict(dp_shard=2, cpu_offload=True, **BF16)),
     Cell("ZeRO-3 + the chunked loss", 2, dict(dp_shard=2, chunked_loss=4, **BF16)),
 ]
@@ -184,6 +186,8 @@ def markdown(rows: list[dict], header: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="names of LAYOUTS rows (case-insensitive); printed, not written")
+    parser.add_argument("--merge", action="store_true", help="with --only: write those rows into the committed "
+                        "results in LAYOUTS' order, the other rows kept as they were measured")
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args(argv)
     config = model_config()
@@ -196,11 +200,15 @@ def main(argv=None) -> None:
     for cell in cells:
         rows.append(_row(cell, config, args.seq_len))
         print(markdown(rows[-1:], cell.name).splitlines()[-1], flush=True)
+    out = ROOT / "benchmarks" / "results" / "dry_run_vs_real"
+    if args.only and args.merge:  # the committed rows, these replacing or joining them, in LAYOUTS' order
+        kept = {r["name"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+        kept.update({r["name"]: r for r in rows})
+        rows = [kept[c.name] for c in LAYOUTS if c.name in kept]
     table = markdown(rows, header)
     print(table)
-    if args.only:
+    if args.only and not args.merge:
         return
-    out = ROOT / "benchmarks" / "results" / "dry_run_vs_real"
     meta = {"command": "python benchmarks/dry_run_vs_real.py", "header": header, "tolerance_pct": TOLERANCE_PCT,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
