@@ -31,7 +31,7 @@ def refusal(config) -> str | None:
     field says so itself when it is declared (``Field.dry_run``), a third party's as the package's own."""
     for field in config.registry.fields:
         value = getattr(config, field.name, field.default)
-        why = field.dry_run(config) if callable(field.dry_run) else field.dry_run if value != field.default else ""
+        why = field.dry_run(config) if callable(field.dry_run) else (field.dry_run if value != field.default else "")
         if why:
             return (f"{field.name}={value}: the dry run does not run this yet ({why}). Fix: dry-run the "
                     f"layout with {field.name}={field.default}, or price it with the planner alone")
@@ -47,9 +47,8 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
     or as ``rank`` alone; ``grad_accum`` micro-batches of ``micro_batch_size`` rows per optimizer step, as the
     training loop runs them (gradients kept local until the last; a model that runs micro-batches inside its step
     runs them there); ``max_grad_norm`` 0: no clipping. Return the report (``report.table()``,
-    ``report.to_json()``). ``ConfigError`` before any
-    work for a layout the world size does not allow, a layout the dry run does not run yet, or a process group
-    already initialized (the dry run makes, and destroys, its own fake one). Where values would decide (a
+    ``report.to_json()``). ``ConfigError`` before any work for a layout the world size does not allow, a layout
+    the dry run does not run yet, or a process group already initialized (the dry run makes, and destroys, its own fake one). Where values would decide (a
     router's choice) the step runs under stated assumptions (``interface.fake_values``: ``routing``,
     "uniform" or "all-to-one"), which the report says."""
     import torch.distributed as dist
@@ -74,27 +73,29 @@ def dry_run(model_config, parallel_config, *, world_size: int, rank: int | None 
         raise ConfigError(f"rank {rank}: not one of the {world_size} ranks")
     schedule, roles, apart = _roles(parallel_config, model_config, world_size, rank)
     micro_batches = schedule.microbatches if schedule.microbatches > 1 else grad_accum  # of one optimizer step
-    start, traced = time.perf_counter(), []
+    start = time.perf_counter()
     if apart:  # each role traced by a dry run of its own rank, in a process of its own
         traced = _traced_apart(model_config, parallel_config, [role_rank for _, role_rank, _ in roles],
                                dict(world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                     grad_accum=grad_accum, max_grad_norm=max_grad_norm, lr=lr, routing=routing))
-        roles = []
-    for name, role_rank, coords in roles:
-        est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
-                       micro_batch=micro_batch_size, micro_batches=micro_batches, coords=coords,
-                       model=meta_model(model_config))
-        with fake_run.fake_process_group(role_rank, world_size), assuming(assumptions), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group has none
-            warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, at each step
-            role = _run_role(model_config, parallel_config, role_rank, seq_len,
-                             (micro_batch_size, schedule.microbatches, grad_accum), max_grad_norm, lr)
-        traced.append(dataclasses.replace(role, role=name, estimate_memory={**est.memory, "total": est.total_memory},
-                                          estimate_comm=est.comm))
+    else:
+        split = (micro_batch_size, schedule.microbatches, grad_accum)
+        traced = []
+        for name, role_rank, coords in roles:
+            est = estimate(parallel_config, model_config, world_size=world_size, seq_len=seq_len,
+                           micro_batch=micro_batch_size, micro_batches=micro_batches, coords=coords,
+                           model=meta_model(model_config))
+            with fake_run.fake_process_group(role_rank, world_size), assuming(assumptions), \
+                    warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*timeout is now only supported.*")  # the fake group's
+                warnings.filterwarnings("ignore", message=".*module hierarchy tracking.*")  # MemTracker's, each step
+                role = _run_role(model_config, parallel_config, role_rank, seq_len, split, max_grad_norm, lr)
+            traced.append(dataclasses.replace(role, role=name, estimate_memory={**est.memory,
+                                                                                "total": est.total_memory},
+                                              estimate_comm=est.comm))
     return DryRunReport(roles=traced, world_size=world_size, seq_len=seq_len, micro_batch_size=micro_batch_size,
                         layout=_label(parallel_config), seconds=time.perf_counter() - start,
-                        assumed=assumptions.said(model_config),
-                        microbatches=micro_batches)
+                        assumed=assumptions.said(model_config), microbatches=micro_batches)
 
 
 def _roles(parallel_config, model_config, world_size: int, rank: int | None) -> tuple:

@@ -84,7 +84,8 @@ def assumed_sizes(pairs: int, ranks: int, rank: int) -> tuple[list[int], list[in
     ``uniform`` splits each rank's pairs evenly over the ep ranks, ``all-to-one`` sends them all to ep rank 0."""
     if assumed().routing == "all-to-one":
         return [pairs] + [0] * (ranks - 1), [pairs if rank == 0 else 0] * ranks
-    return even_split(pairs, ranks), [even_split(pairs, ranks)[rank]] * ranks
+    sent = even_split(pairs, ranks)
+    return sent, [sent[rank]] * ranks
 
 
 class ExpertDispatch:
